@@ -1,0 +1,150 @@
+/* kernels/ops.h: every compute op of the model, forward and backward.
+ *
+ * Two implementations share this contract:
+ *   kernels/<op>.c   portable C (fp32, OpenMP, matmul through BLAS): the reference
+ *   kernels/<op>.cu  CUDA (see ops_cuda.h), tested op by op against the C one
+ *
+ * Conventions (all ops):
+ *   - row-major, contiguous; N = number of token rows (B*T flattened)
+ *   - weights are stored as Hugging Face stores them: a linear layer's weight is
+ *     [out_features, in_features], y = x @ W^T
+ *   - backward functions ACCUMULATE (+=) into the gradients of inputs and weights,
+ *     so that gradient accumulation over microbatches and the sum over tied or
+ *     replicated uses need no extra pass. Callers zero them when starting a step.
+ *   - no op allocates memory or fails: shapes are checked by the caller (train/).
+ */
+#ifndef SMP_KERNELS_OPS_H
+#define SMP_KERNELS_OPS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- embedding (vocab-parallel) --------------------------------------------
+ * wte holds rows [vocab_start, vocab_start + vocab_local) of the table [V, H].
+ * A token outside that range yields a zero row (the tp all-reduce adds the rank
+ * that owns it). */
+void op_embedding_forward(float *out, const int32_t *tokens, const float *wte,
+                          int N, int H, int vocab_start, int vocab_local);
+void op_embedding_backward(float *dwte, const float *dout, const int32_t *tokens,
+                           int N, int H, int vocab_start, int vocab_local);
+
+/* ---- linear: out[N,OUT] = inp[N,IN] @ weight[OUT,IN]^T ------------------------ */
+void op_linear_forward(float *out, const float *inp, const float *weight,
+                       int N, int IN, int OUT);
+/* dinp[N,IN] += dout @ weight ; dweight[OUT,IN] += dout^T @ inp.
+ * Either gradient pointer may be NULL to skip it. */
+void op_linear_backward(float *dinp, float *dweight, const float *dout,
+                        const float *inp, const float *weight, int N, int IN, int OUT);
+
+/* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------
+ * rstd[N] is saved for backward. */
+void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
+                        int N, int H, float eps);
+void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
+                         const float *inp, const float *weight, const float *rstd,
+                         int N, int H);
+
+/* ---- RoPE, Hugging Face rotate_half convention --------------------------------
+ * Table: cos/sin [T, head_dim] for the positions pos[T] (positions are explicit
+ * because a context-parallel rank holds two non-adjacent chunks of a sequence).
+ * inv_freq[head_dim/2] comes from op_rope_inv_freq (rope_theta and the optional
+ * "llama3" scaling). */
+typedef struct {
+    float theta;              /* rope_theta */
+    int llama3;               /* 1: apply rope_scaling {"rope_type": "llama3"} */
+    float factor;             /* llama3: factor */
+    float low_freq_factor;    /* llama3: low_freq_factor */
+    float high_freq_factor;   /* llama3: high_freq_factor */
+    float original_max_pos;   /* llama3: original_max_position_embeddings */
+} op_rope_params;
+void op_rope_inv_freq(float *inv_freq, int head_dim, const op_rope_params *p);
+void op_rope_table(float *cos_t, float *sin_t, const int32_t *pos, int T,
+                   const float *inv_freq, int head_dim);
+/* x: [B, T, nh, head_dim], rotated in place. backward rotates dx by -angle, in place. */
+void op_rope_forward(float *x, const float *cos_t, const float *sin_t,
+                     int B, int T, int nh, int head_dim);
+void op_rope_backward(float *dx, const float *cos_t, const float *sin_t,
+                      int B, int T, int nh, int head_dim);
+
+/* ---- causal GQA attention with log-sum-exp ------------------------------------
+ * q [B, Tq, nh, hd], k and v [B, Tk, nkv, hd] (nh a multiple of nkv; query head h
+ * reads kv head h / (nh/nkv)). qpos[Tq], kpos[Tk]: absolute positions. A key is
+ * visible when kpos <= qpos and (window <= 0 or qpos - kpos < window) (Mistral's
+ * sliding window). Scale 1/sqrt(hd).
+ * out [B, Tq, nh, hd]; lse [B, nh, Tq] = log sum_k exp(score) over visible keys
+ * (-INFINITY and out = 0 when none is visible: ring attention merges such partial
+ * results). */
+void op_attention_forward(float *out, float *lse, const float *q, const float *k,
+                          const float *v, const int32_t *qpos, const int32_t *kpos,
+                          int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
+/* Backward of one (q-block, kv-block) pair given the FINAL out and lse of the
+ * q rows (after any ring merge), so each kv block's share is computed alone.
+ * Accumulates into dq, dk, dv. */
+void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
+                           const float *q, const float *k, const float *v,
+                           const float *out, const float *lse,
+                           const int32_t *qpos, const int32_t *kpos,
+                           int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
+/* Merge a partial result (out2, lse2) into (out, lse) in place, by log-sum-exp. */
+void op_attention_merge(float *out, float *lse, const float *out2, const float *lse2,
+                        int B, int T, int nh, int hd);
+
+/* ---- SwiGLU: out = silu(gate) * up -------------------------------------------- */
+void op_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
+void op_swiglu_backward(float *dgate, float *dup, const float *dout,
+                        const float *gate, const float *up, size_t n);
+
+/* ---- cross-entropy over a vocabulary shard -------------------------------------
+ * logits [N, Vl] hold columns [vocab_start, vocab_start+Vl) of the full logits.
+ * Step 1, per rank: row max, and the target's logit where this rank owns it (else 0).
+ * Step 2, caller: all-reduce max of rowmax over the tp group.
+ * Step 3, per rank: sumexp[N] = sum exp(logit - rowmax); caller all-reduces sum,
+ *         and target_logit by sum. loss_n = log(sumexp) + rowmax - target_logit.
+ * Targets < 0 are ignored (loss 0, no gradient).
+ * No full-vocabulary logits are ever gathered. */
+void op_xent_rowmax(float *rowmax, float *target_logit, const float *logits,
+                    const int32_t *targets, int N, int Vl, int vocab_start);
+void op_xent_sumexp(float *sumexp, const float *logits, const float *rowmax, int N, int Vl);
+/* losses[N] from the reduced statistics; returns their sum over rows with target >= 0. */
+double op_xent_loss(float *losses, const float *rowmax, const float *sumexp,
+                    const float *target_logit, const int32_t *targets, int N);
+/* dlogits[N,Vl] = scale * (softmax - onehot(target)), written (not accumulated),
+ * softmax from lse = rowmax + log(sumexp). Rows with target < 0 get 0. */
+void op_xent_backward(float *dlogits, const float *logits, const float *rowmax,
+                      const float *sumexp, const int32_t *targets,
+                      int N, int Vl, int vocab_start, float scale);
+
+/* ---- AdamW (decoupled weight decay, bias correction), step counts from 1 ------ */
+void op_adamw(float *param, const float *grad, float *m, float *v, size_t n,
+              float lr, float beta1, float beta2, float eps, float weight_decay, int step);
+
+/* ---- reductions ----------------------------------------------------------------- */
+double op_sumsq(const float *x, size_t n);      /* sum of squares, for grad-norm clipping */
+float op_amax(const float *x, size_t n);        /* max |x|, NaN propagates */
+void op_scale(float *x, float s, size_t n);     /* x *= s */
+
+/* ---- FP8 (E4M3 forward, E5M2 backward), TransformerEngine-style --------------
+ * q = saturate(x * scale) rounded to nearest even in the format; the stored byte is
+ * the format's bit pattern. dequant: x = q / scale. amax (if not NULL) receives
+ * max |x| of the input before scaling. */
+enum { OP_FP8_E4M3 = 0, OP_FP8_E5M2 = 1 };
+void op_fp8_quantize(uint8_t *q, float *amax, const float *x, size_t n, float scale, int fmt);
+void op_fp8_dequantize(float *x, const uint8_t *q, size_t n, float scale, int fmt);
+/* FP8 linear: out = dequant(quant(inp, s_in)) @ dequant(quant(W, s_w))^T, both in
+ * E4M3 (the C backend emulates it exactly: quantize, dequantize, fp32 GEMM).
+ * scratch: caller-provided memory of OP_LINEAR_FP8_SCRATCH_BYTES(N, IN, OUT) bytes
+ * (host memory for the C backend, device memory for CUDA) for the quantized
+ * operands, since no op allocates. */
+#define OP_LINEAR_FP8_SCRATCH_BYTES(N, IN, OUT) \
+    (((size_t)(N) + (size_t)(OUT)) * (size_t)(IN) * sizeof(float))
+void op_linear_forward_fp8(float *out, const float *inp, const float *weight,
+                           int N, int IN, int OUT, float s_in, float s_w, void *scratch);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,45 @@
+/* Status codes and the per-thread error message. */
+#include "shard.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+
+static _Thread_local char errbuf[2048];
+
+const char *shard_errmsg(void) { return errbuf; }
+
+shard_status shard_fail(shard_status s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(errbuf, sizeof errbuf, fmt, ap);
+    va_end(ap);
+    return s;
+}
+
+const char *shard_status_name(shard_status s)
+{
+    switch (s) {
+    case SHARD_OK: return "ok";
+    case SHARD_E_IO: return "I/O error";
+    case SHARD_E_NOMEM: return "out of memory";
+    case SHARD_E_USAGE: return "usage error";
+    case SHARD_E_INVALID: return "invalid input";
+    case SHARD_E_UNSUPPORTED: return "unsupported input";
+    case SHARD_E_CORRUPT: return "corrupt data";
+    case SHARD_E_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}
+
+int shard_status_exit_code(shard_status s)
+{
+    switch (s) {
+    case SHARD_OK: return 0;
+    case SHARD_E_USAGE: return 2;
+    case SHARD_E_INVALID:
+    case SHARD_E_UNSUPPORTED:
+    case SHARD_E_CORRUPT: return 3;
+    default: return 1;
+    }
+}

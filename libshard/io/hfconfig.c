@@ -1,0 +1,195 @@
+/* config.json of LlamaForCausalLM / MistralForCausalLM -> shard_model_desc.
+ *
+ * Every field smp relies on is type- and range-checked. Settings that would change
+ * the computation in a way smp does not implement are refused by name rather than
+ * ignored (attention or MLP biases, other activations, other rope scalings,
+ * quantized weights ...). */
+#include "../core/internal.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define CONFIG_MAX_BYTES (16u << 20)
+#define DIM_MAX (INT64_C(1) << 24)
+
+typedef struct {
+    const char *path;
+    json_t *root;
+} ctx;
+
+/* Integer field: missing -> def (or error when def < 0 means required). */
+static shard_status get_int(ctx *c, json_t *obj, const char *key, int64_t def, int64_t lo, int64_t hi, int64_t *out)
+{
+    json_t *v = json_object_get(obj, key);
+    if (!v || json_is_null(v)) {
+        if (def == INT64_MIN) return shard_fail(SHARD_E_INVALID, "%s: \"%s\" is missing", c->path, key);
+        *out = def;
+        return SHARD_OK;
+    }
+    if (!json_is_integer(v)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\": expected an integer", c->path, key);
+    int64_t x = json_integer_value(v);
+    if (x < lo || x > hi)
+        return shard_fail(SHARD_E_INVALID, "%s: \"%s\" = %lld is out of range [%lld, %lld]", c->path, key, (long long)x, (long long)lo, (long long)hi);
+    *out = x;
+    return SHARD_OK;
+}
+
+static shard_status get_num(ctx *c, json_t *obj, const char *key, double def, double lo, double hi, double *out)
+{
+    json_t *v = json_object_get(obj, key);
+    if (!v || json_is_null(v)) {
+        if (isnan(def)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\" is missing", c->path, key);
+        *out = def;
+        return SHARD_OK;
+    }
+    if (!json_is_number(v)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\": expected a number", c->path, key);
+    double x = json_number_value(v);
+    if (!(x >= lo && x <= hi)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\" = %g is out of range [%g, %g]", c->path, key, x, lo, hi);
+    *out = x;
+    return SHARD_OK;
+}
+
+static shard_status get_bool(ctx *c, const char *key, int def, int *out)
+{
+    json_t *v = json_object_get(c->root, key);
+    if (!v || json_is_null(v)) { *out = def; return SHARD_OK; }
+    if (!json_is_boolean(v)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\": expected true or false", c->path, key);
+    *out = json_is_true(v);
+    return SHARD_OK;
+}
+
+static shard_status refuse_true(ctx *c, const char *key, const char *why)
+{
+    int b;
+    shard_status s = get_bool(c, key, 0, &b);
+    if (s) return s;
+    if (b) return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"%s\": true is not supported (%s)", c->path, key, why);
+    return SHARD_OK;
+}
+
+#define TRY(x) do { shard_status s_ = (x); if (s_) return s_; } while (0)
+
+static shard_status parse_rope_scaling(ctx *c, shard_model_desc *d)
+{
+    json_t *rs = json_object_get(c->root, "rope_scaling");
+    if (!rs || json_is_null(rs)) return SHARD_OK;
+    if (!json_is_object(rs)) return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": expected an object or null", c->path);
+    json_t *t = json_object_get(rs, "rope_type");
+    if (!t) t = json_object_get(rs, "type");
+    if (!json_is_string(t)) return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": \"rope_type\" missing or not a string", c->path);
+    const char *type = json_string_value(t);
+    if (strcmp(type, "default") == 0) return SHARD_OK;
+    if (strcmp(type, "llama3") != 0)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"rope_scaling\": rope type \"%s\" is not supported (smp supports \"llama3\" and \"default\")", c->path, type);
+    d->rope_llama3 = 1;
+    ctx sub = {c->path, rs};
+    TRY(get_num(&sub, rs, "factor", NAN, 1e-6, 1e6, &d->rope_factor));
+    TRY(get_num(&sub, rs, "low_freq_factor", NAN, 1e-6, 1e6, &d->rope_low_freq_factor));
+    TRY(get_num(&sub, rs, "high_freq_factor", NAN, 1e-6, 1e6, &d->rope_high_freq_factor));
+    TRY(get_int(&sub, rs, "original_max_position_embeddings", INT64_MIN, 1, DIM_MAX * 64, &d->rope_original_max_positions));
+    if (d->rope_high_freq_factor <= d->rope_low_freq_factor)
+        return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": high_freq_factor must exceed low_freq_factor", c->path);
+    return SHARD_OK;
+}
+
+static shard_status parse(ctx *c, shard_model_desc *d)
+{
+    memset(d, 0, sizeof *d);
+    json_t *r = c->root;
+    if (!json_is_object(r)) return shard_fail(SHARD_E_INVALID, "%s: not a JSON object", c->path);
+    json_t *archs = json_object_get(r, "architectures");
+    if (!json_is_array(archs) || json_array_size(archs) != 1 || !json_is_string(json_array_get(archs, 0)))
+        return shard_fail(SHARD_E_INVALID, "%s: \"architectures\": expected a list of one name", c->path);
+    const char *arch = json_string_value(json_array_get(archs, 0));
+    const char *want_type;
+    if (strcmp(arch, "LlamaForCausalLM") == 0) want_type = "llama";
+    else if (strcmp(arch, "MistralForCausalLM") == 0) want_type = "mistral";
+    else return shard_fail(SHARD_E_UNSUPPORTED, "%s: architecture \"%.60s\" is not supported (smp supports LlamaForCausalLM and MistralForCausalLM)", c->path, arch);
+    snprintf(d->architecture, sizeof d->architecture, "%s", arch);
+    json_t *mt = json_object_get(r, "model_type");
+    if (!json_is_string(mt)) return shard_fail(SHARD_E_INVALID, "%s: \"model_type\" missing or not a string", c->path);
+    if (strcmp(json_string_value(mt), want_type) != 0)
+        return shard_fail(SHARD_E_INVALID, "%s: \"model_type\" is \"%.40s\" but the architecture %s needs \"%s\"", c->path, json_string_value(mt), arch, want_type);
+    snprintf(d->model_type, sizeof d->model_type, "%s", want_type);
+
+    TRY(get_int(c, r, "hidden_size", INT64_MIN, 1, DIM_MAX, &d->hidden));
+    TRY(get_int(c, r, "intermediate_size", INT64_MIN, 1, DIM_MAX, &d->intermediate));
+    TRY(get_int(c, r, "num_hidden_layers", INT64_MIN, 1, 100000, &d->layers));
+    TRY(get_int(c, r, "num_attention_heads", INT64_MIN, 1, 65536, &d->heads));
+    TRY(get_int(c, r, "num_key_value_heads", d->heads, 1, 65536, &d->kv_heads));
+    TRY(get_int(c, r, "vocab_size", INT64_MIN, 1, INT64_C(1) << 31, &d->vocab));
+    TRY(get_int(c, r, "max_position_embeddings", 2048, 1, INT64_C(1) << 40, &d->max_positions));
+    if (d->heads % d->kv_heads)
+        return shard_fail(SHARD_E_INVALID, "%s: num_attention_heads (%lld) is not a multiple of num_key_value_heads (%lld)", c->path, (long long)d->heads, (long long)d->kv_heads);
+    json_t *hd = json_object_get(r, "head_dim");
+    if (hd && !json_is_null(hd)) {
+        TRY(get_int(c, r, "head_dim", INT64_MIN, 1, 65536, &d->head_dim));
+    } else {
+        if (d->hidden % d->heads)
+            return shard_fail(SHARD_E_INVALID, "%s: hidden_size (%lld) is not a multiple of num_attention_heads (%lld) and no head_dim is given", c->path, (long long)d->hidden, (long long)d->heads);
+        d->head_dim = d->hidden / d->heads;
+    }
+    if (d->head_dim % 2) return shard_fail(SHARD_E_INVALID, "%s: head_dim %lld is odd (RoPE needs pairs)", c->path, (long long)d->head_dim);
+    TRY(get_num(c, r, "rms_norm_eps", 1e-6, 1e-30, 1.0, &d->rms_norm_eps));
+    TRY(get_num(c, r, "rope_theta", 10000.0, 1e-3, 1e30, &d->rope_theta));
+    TRY(get_num(c, r, "initializer_range", 0.02, 0.0, 10.0, &d->initializer_range));
+    TRY(get_bool(c, "tie_word_embeddings", 0, &d->tie_word_embeddings));
+    TRY(parse_rope_scaling(c, d));
+
+    json_t *sw = json_object_get(r, "sliding_window");
+    if (sw && !json_is_null(sw)) {
+        if (strcmp(want_type, "mistral") != 0)
+            return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"sliding_window\" is set but %s has no sliding-window attention", c->path, arch);
+        TRY(get_int(c, r, "sliding_window", INT64_MIN, 1, INT64_C(1) << 40, &d->sliding_window));
+    }
+    json_t *act = json_object_get(r, "hidden_act");
+    if (act && !json_is_string(act)) return shard_fail(SHARD_E_INVALID, "%s: \"hidden_act\": expected a string", c->path);
+    if (act && strcmp(json_string_value(act), "silu") != 0)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"hidden_act\" \"%.40s\" is not supported (smp implements SwiGLU with silu)", c->path, json_string_value(act));
+    TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
+    TRY(refuse_true(c, "mlp_bias", "smp's MLP projections have no bias"));
+    if (json_object_get(r, "quantization_config"))
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"quantization_config\": quantized checkpoints are not supported", c->path);
+    double drop = 0;
+    TRY(get_num(c, r, "attention_dropout", 0.0, 0.0, 1.0, &drop));
+    if (drop != 0) return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"attention_dropout\" = %g: dropout is not supported", c->path, drop);
+    int64_t ptp;
+    TRY(get_int(c, r, "pretraining_tp", 1, 1, 1024, &ptp)); /* the same function split differently: accepted */
+
+    json_t *dt = json_object_get(r, "torch_dtype");
+    if (!dt || json_is_null(dt)) dt = json_object_get(r, "dtype"); /* transformers >= 5 */
+    d->torch_dtype = SHARD_DT_INVALID;
+    if (dt && !json_is_null(dt)) {
+        if (!json_is_string(dt)) return shard_fail(SHARD_E_INVALID, "%s: \"torch_dtype\": expected a string", c->path);
+        const char *n = json_string_value(dt);
+        if (!strcmp(n, "float32")) d->torch_dtype = SHARD_DT_F32;
+        else if (!strcmp(n, "bfloat16")) d->torch_dtype = SHARD_DT_BF16;
+        else if (!strcmp(n, "float16")) d->torch_dtype = SHARD_DT_F16;
+        else if (!strcmp(n, "float64")) d->torch_dtype = SHARD_DT_F64;
+        else return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"torch_dtype\" \"%.40s\" is not supported", c->path, n);
+    }
+    return SHARD_OK;
+}
+
+shard_status shard_config_parse(const char *json, size_t len, const char *path, shard_model_desc *out)
+{
+    ctx c = {path, NULL};
+    shard_status s = shard_json_parse(json, len, path, &c.root);
+    if (s) return s;
+    s = parse(&c, out);
+    json_decref(c.root);
+    return s;
+}
+
+shard_status shard_config_load(const char *path, shard_model_desc *out)
+{
+    char *text;
+    size_t len;
+    shard_status s = shard_read_file(path, CONFIG_MAX_BYTES, &text, &len);
+    if (s) return s;
+    s = shard_config_parse(text, len, path, out);
+    free(text);
+    return s;
+}

@@ -1,0 +1,103 @@
+/* Files, JSON and paths: the small helpers every reader of outside files needs. */
+#include "../core/internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len)
+{
+    *buf = NULL;
+    *len = 0;
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0)
+        return shard_fail(errno == ENOENT ? SHARD_E_INVALID : SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+        close(fd);
+        return shard_fail(SHARD_E_INVALID, "%s: not a regular file", path);
+    }
+    if ((uint64_t)st.st_size > max_bytes) {
+        close(fd);
+        return shard_fail(SHARD_E_INVALID, "%s: too large (%lld bytes; at most %zu accepted)", path,
+                          (long long)st.st_size, max_bytes);
+    }
+    char *b = malloc((size_t)st.st_size + 1);
+    if (!b) { close(fd); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
+    size_t got = 0;
+    while (got < (size_t)st.st_size) {
+        ssize_t r = read(fd, b + got, (size_t)st.st_size - got);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            free(b); close(fd);
+            return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, r < 0 ? strerror(errno) : "file shrank");
+        }
+        got += (size_t)r;
+    }
+    close(fd);
+    b[got] = 0;
+    *buf = b;
+    *len = got;
+    return SHARD_OK;
+}
+
+shard_status shard_json_parse(const char *text, size_t len, const char *path, json_t **out)
+{
+    json_error_t err;
+    /* jansson rejects trailing garbage (only JSON whitespace may follow), invalid
+     * UTF-8 and \u0000; JSON_REJECT_DUPLICATES catches repeated keys; nesting is
+     * capped by the library (2048 levels). */
+    json_t *j = json_loadb(text, len, JSON_REJECT_DUPLICATES, &err);
+    if (!j)
+        return shard_fail(SHARD_E_INVALID, "%s: invalid JSON at line %d column %d: %s", path, err.line,
+                          err.column, err.text);
+    *out = j;
+    return SHARD_OK;
+}
+
+char *shard_path_join(const char *dir, const char *name)
+{
+    size_t a = strlen(dir), b = strlen(name);
+    char *p = malloc(a + b + 2);
+    if (!p) return NULL;
+    memcpy(p, dir, a);
+    size_t k = a;
+    if (a && dir[a - 1] != '/') p[k++] = '/';
+    memcpy(p + k, name, b + 1);
+    return p;
+}
+
+int shard_path_is_contained(const char *name)
+{
+    if (!name[0] || name[0] == '/') return 0;
+    const char *s = name;
+    while (*s) {
+        const char *e = strchr(s, '/');
+        size_t n = e ? (size_t)(e - s) : strlen(s);
+        if (n == 0 || (n == 1 && s[0] == '.') || (n == 2 && s[0] == '.' && s[1] == '.')) return 0;
+        if (memchr(s, '\\', n)) return 0;
+        if (!e) break;
+        s = e + 1;
+    }
+    return 1;
+}
+
+shard_status shard_fsync_dir_of(const char *path)
+{
+    char *d = strdup(path);
+    if (!d) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
+    char *slash = strrchr(d, '/');
+    if (slash == d) slash[1] = 0;
+    else if (slash) *slash = 0;
+    else strcpy(d, ".");
+    int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    shard_status s = SHARD_OK;
+    if (fd < 0 || fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync of the folder failed: %s", d, strerror(errno));
+    if (fd >= 0) close(fd);
+    free(d);
+    return s;
+}

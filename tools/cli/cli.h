@@ -1,0 +1,21 @@
+/* What every smp command shares: the error line, exit codes, --help/--version. */
+#ifndef SMP_CLI_H
+#define SMP_CLI_H
+
+#include "shard.h"
+
+/* Name the command ("smp-inspect") for messages. */
+void cli_init(const char *cmd);
+const char *cli_name(void);
+/* Print "smp-x: error: <libshard's message>" and return the status's exit code. */
+int cli_fail(shard_status s);
+/* Print "smp-x: error: <message>" plus a hint to --help; return 2. */
+int cli_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* Handle --help and --version anywhere in argv: print and return 1 (exit 0). */
+int cli_std_flags(int argc, char **argv, const char *help);
+/* Human-readable sizes: "1.50 GiB", "12.0 KiB", "512 B" (buf of 32 bytes). */
+const char *cli_bytes(char buf[32], double bytes);
+/* Thousands separators: "1,234,567" (buf of 32 bytes). */
+const char *cli_count(char buf[32], unsigned long long n);
+
+#endif

@@ -1,0 +1,203 @@
+/* smp-inspect: what a model folder (or, later, an SMP checkpoint) holds. */
+#include "cli/cli.h"
+#include "shard.h"
+
+#include <dirent.h>
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static const char HELP[] =
+    "usage: smp-inspect PATH [--json]\n"
+    "\n"
+    "Describe a Hugging Face model folder (config.json + safetensors weights):\n"
+    "architecture, sizes, parameter count, dtypes, bytes and files.\n"
+    "\n"
+    "  --json     print the same as one JSON object\n"
+    "  --help     this text\n"
+    "  --version  version and backends\n"
+    "\n"
+    "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
+
+static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+/* Files of the folder that are neither weights nor config.json (tokenizer, ...). */
+static size_t other_files(const char *dir, const shard_weights *w, char ***out)
+{
+    DIR *d = opendir(dir);
+    size_t n = 0, cap = 0;
+    char **v = NULL;
+    if (!d) { *out = NULL; return 0; }
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.' || !strcmp(e->d_name, "config.json") || !strcmp(e->d_name, "model.safetensors.index.json")) continue;
+        int weight = 0;
+        for (size_t i = 0; i < shard_weights_file_count(w) && !weight; i++) {
+            const char *p = shard_st_path(shard_weights_file_at(w, i));
+            const char *base = strrchr(p, '/');
+            weight = !strcmp(base ? base + 1 : p, e->d_name);
+        }
+        if (weight) continue;
+        if (n == cap) { cap = cap ? 2 * cap : 8; v = realloc(v, cap * sizeof *v); }
+        v[n++] = strdup(e->d_name);
+    }
+    closedir(d);
+    qsort(v, n, sizeof *v, cmp_str);
+    *out = v;
+    return n;
+}
+
+static const char *torch_dtype_name(shard_dtype dt)
+{
+    switch (dt) {
+    case SHARD_DT_F32: return "float32";
+    case SHARD_DT_BF16: return "bfloat16";
+    case SHARD_DT_F16: return "float16";
+    case SHARD_DT_F64: return "float64";
+    default: return NULL;
+    }
+}
+
+static int inspect_hf(const char *dir, int as_json)
+{
+    char cfg_path[4096];
+    snprintf(cfg_path, sizeof cfg_path, "%s/config.json", dir);
+    shard_model_desc d;
+    shard_status s = shard_config_load(cfg_path, &d);
+    if (s) return cli_fail(s);
+    shard_weights *w;
+    if ((s = shard_weights_open(dir, &w))) return cli_fail(s);
+    if ((s = shard_model_check_weights(&d, w, dir))) { shard_weights_close(w); return cli_fail(s); }
+
+    uint64_t params = shard_model_param_count(&d), bytes = 0;
+    size_t per_dt[SHARD_DT_COUNT] = {0};
+    uint64_t per_dt_bytes[SHARD_DT_COUNT] = {0};
+    for (size_t i = 0; i < shard_weights_count(w); i++) {
+        const shard_st_tensor *t = shard_weights_at(w, i);
+        per_dt[t->dtype]++;
+        per_dt_bytes[t->dtype] += t->nbytes;
+        bytes += t->nbytes;
+    }
+    char **others;
+    size_t nothers = other_files(dir, w, &others);
+
+    if (as_json) {
+        json_t *o = json_object(), *cfg = json_object(), *files = json_array(), *tensors = json_array(), *dts = json_object(), *of = json_array();
+        json_object_set_new(o, "path", json_string(dir));
+        json_object_set_new(o, "kind", json_string("hf"));
+        json_object_set_new(o, "architecture", json_string(d.architecture));
+        json_object_set_new(o, "model_type", json_string(d.model_type));
+        json_object_set_new(cfg, "hidden_size", json_integer(d.hidden));
+        json_object_set_new(cfg, "intermediate_size", json_integer(d.intermediate));
+        json_object_set_new(cfg, "num_hidden_layers", json_integer(d.layers));
+        json_object_set_new(cfg, "num_attention_heads", json_integer(d.heads));
+        json_object_set_new(cfg, "num_key_value_heads", json_integer(d.kv_heads));
+        json_object_set_new(cfg, "head_dim", json_integer(d.head_dim));
+        json_object_set_new(cfg, "vocab_size", json_integer(d.vocab));
+        json_object_set_new(cfg, "max_position_embeddings", json_integer(d.max_positions));
+        json_object_set_new(cfg, "rms_norm_eps", json_real(d.rms_norm_eps));
+        json_object_set_new(cfg, "rope_theta", json_real(d.rope_theta));
+        if (d.rope_llama3)
+            json_object_set_new(cfg, "rope_scaling", json_pack("{s:s,s:f,s:f,s:f,s:I}", "rope_type", "llama3", "factor", d.rope_factor,
+                                                               "low_freq_factor", d.rope_low_freq_factor, "high_freq_factor", d.rope_high_freq_factor,
+                                                               "original_max_position_embeddings", (json_int_t)d.rope_original_max_positions));
+        else
+            json_object_set_new(cfg, "rope_scaling", json_null());
+        json_object_set_new(cfg, "tie_word_embeddings", json_boolean(d.tie_word_embeddings));
+        json_object_set_new(cfg, "sliding_window", d.sliding_window ? json_integer(d.sliding_window) : json_null());
+        const char *td = torch_dtype_name(d.torch_dtype);
+        json_object_set_new(cfg, "torch_dtype", td ? json_string(td) : json_null());
+        json_object_set_new(o, "config", cfg);
+        json_object_set_new(o, "parameters", json_integer((json_int_t)params));
+        json_object_set_new(o, "bytes", json_integer((json_int_t)bytes));
+        for (int k = 1; k < SHARD_DT_COUNT; k++)
+            if (per_dt[k]) json_object_set_new(dts, shard_dtype_name((shard_dtype)k), json_pack("{s:I,s:I}", "tensors", (json_int_t)per_dt[k], "bytes", (json_int_t)per_dt_bytes[k]));
+        json_object_set_new(o, "dtypes", dts);
+        for (size_t i = 0; i < shard_weights_file_count(w); i++) {
+            const shard_st_file *f = shard_weights_file_at(w, i);
+            const char *p = shard_st_path(f), *base = strrchr(p, '/');
+            json_array_append_new(files, json_pack("{s:s,s:I,s:I}", "name", base ? base + 1 : p, "bytes", (json_int_t)shard_st_file_size(f), "tensors", (json_int_t)shard_st_count(f)));
+        }
+        json_object_set_new(o, "files", files);
+        json_object_set_new(o, "indexed", json_boolean(shard_weights_indexed(w)));
+        for (size_t i = 0; i < shard_weights_count(w); i++) {
+            const shard_st_tensor *t = shard_weights_at(w, i);
+            json_t *sh = json_array();
+            for (int k = 0; k < t->ndim; k++) json_array_append_new(sh, json_integer(t->shape[k]));
+            json_array_append_new(tensors, json_pack("{s:s,s:s,s:o,s:I,s:s}", "name", t->name, "dtype", shard_dtype_name(t->dtype), "shape", sh,
+                                                     "bytes", (json_int_t)t->nbytes, "file", shard_weights_file_of(w, i)));
+        }
+        json_object_set_new(o, "tensors", tensors);
+        for (size_t i = 0; i < nothers; i++) json_array_append_new(of, json_string(others[i]));
+        json_object_set_new(o, "other_files", of);
+        json_dumpf(o, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(15));
+        fputc('\n', stdout);
+        json_decref(o);
+    } else {
+        char b1[32], b2[32];
+        printf("%s\n", dir);
+        printf("  model        %s (%s)\n", d.architecture, d.model_type);
+        printf("  parameters   %s (%s)\n", cli_count(b1, params),
+               params >= 1e9 ? (snprintf(b2, 32, "%.2f B", params / 1e9), b2) : params >= 1e6 ? (snprintf(b2, 32, "%.2f M", params / 1e6), b2)
+                                                                              : (snprintf(b2, 32, "%.1f K", params / 1e3), b2));
+        printf("  layers       %lld    hidden %lld    intermediate %lld    vocab %lld\n", (long long)d.layers, (long long)d.hidden,
+               (long long)d.intermediate, (long long)d.vocab);
+        printf("  attention    %lld heads, %lld kv heads%s, head_dim %lld, sliding window %s\n", (long long)d.heads, (long long)d.kv_heads,
+               d.kv_heads < d.heads ? " (GQA)" : "", (long long)d.head_dim, d.sliding_window ? cli_count(b1, (unsigned long long)d.sliding_window) : "none");
+        printf("  rope         theta %g", d.rope_theta);
+        if (d.rope_llama3)
+            printf(", llama3 scaling (factor %g, low %g, high %g, original %lld)", d.rope_factor, d.rope_low_freq_factor, d.rope_high_freq_factor,
+                   (long long)d.rope_original_max_positions);
+        printf(", max positions %lld\n", (long long)d.max_positions);
+        printf("  norm         RMSNorm, eps %g\n", d.rms_norm_eps);
+        printf("  embeddings   %s\n", d.tie_word_embeddings ? "tied (lm_head shares model.embed_tokens)" : "untied");
+        const char *td = torch_dtype_name(d.torch_dtype);
+        printf("  torch_dtype  %s\n", td ? td : "(not set)");
+        printf("  weights      %s in %zu tensor%s, %zu file%s%s\n", cli_bytes(b1, (double)bytes), shard_weights_count(w),
+               shard_weights_count(w) == 1 ? "" : "s", shard_weights_file_count(w), shard_weights_file_count(w) == 1 ? "" : "s",
+               shard_weights_indexed(w) ? " (model.safetensors.index.json)" : "");
+        printf("  dtypes      ");
+        for (int k = 1; k < SHARD_DT_COUNT; k++)
+            if (per_dt[k]) printf(" %s: %zu tensors, %s;", shard_dtype_name((shard_dtype)k), per_dt[k], cli_bytes(b2, (double)per_dt_bytes[k]));
+        printf("\n  files\n");
+        for (size_t i = 0; i < shard_weights_file_count(w); i++) {
+            const shard_st_file *f = shard_weights_file_at(w, i);
+            const char *p = shard_st_path(f), *base = strrchr(p, '/');
+            printf("    %-40s %10s  %zu tensors\n", base ? base + 1 : p, cli_bytes(b1, (double)shard_st_file_size(f)), shard_st_count(f));
+        }
+        if (nothers) {
+            printf("  other files ");
+            for (size_t i = 0; i < nothers; i++) printf(" %s", others[i]);
+            printf("\n");
+        }
+    }
+    for (size_t i = 0; i < nothers; i++) free(others[i]);
+    free(others);
+    shard_weights_close(w);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    cli_init("smp-inspect");
+    if (cli_std_flags(argc, argv, HELP)) return 0;
+    const char *path = NULL;
+    int as_json = 0;
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json")) as_json = 1;
+        else if (argv[i][0] == '-' && argv[i][1]) return cli_usage("unknown option %s", argv[i]);
+        else if (path) return cli_usage("more than one PATH given");
+        else path = argv[i];
+    }
+    if (!path) return cli_usage("missing PATH");
+    struct stat st;
+    if (stat(path, &st) != 0) { shard_fail(SHARD_E_INVALID, "%s: no such file or folder", path); return cli_fail(SHARD_E_INVALID); }
+    if (!S_ISDIR(st.st_mode)) { shard_fail(SHARD_E_INVALID, "%s: not a folder", path); return cli_fail(SHARD_E_INVALID); }
+    char probe[4096];
+    snprintf(probe, sizeof probe, "%s/config.json", path);
+    if (stat(probe, &st) == 0) return inspect_hf(path, as_json);
+    shard_fail(SHARD_E_INVALID, "%s: neither a Hugging Face model folder (no config.json) nor an SMP checkpoint", path);
+    return cli_fail(SHARD_E_INVALID);
+}
