@@ -1,0 +1,71 @@
+"""Shared fixtures: where the build is, libshard through ctypes, running the CLIs."""
+import ctypes
+import os
+import pathlib
+import subprocess
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+# SMP_BUILD: folder holding bin/ and lib/ (default: the release build). The hostile
+# corpus runs the sanitizer build: SMP_BUILD_SAN (default build/asan).
+BUILD = pathlib.Path(os.environ.get("SMP_BUILD", ROOT / "build"))
+BUILD_SAN = pathlib.Path(os.environ.get("SMP_BUILD_SAN", ROOT / "build" / "asan"))
+
+DT = dict(BOOL=1, U8=2, I8=3, U16=4, I16=5, U32=6, I32=7, U64=8, I64=9, F8_E4M3=10, F8_E5M2=11,
+          F16=12, BF16=13, F32=14, F64=15)
+
+
+class StTensor(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("shape", ctypes.POINTER(ctypes.c_int64)), ("numel", ctypes.c_uint64),
+                ("nbytes", ctypes.c_uint64), ("file_offset", ctypes.c_uint64), ("data", ctypes.c_void_p)]
+
+
+def _load():
+    lib = ctypes.CDLL(str(BUILD / "lib" / "libshard.so"))
+    P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
+    sig = {
+        "shard_errmsg": ([], ctypes.c_char_p),
+        "shard_convert": ([P, I, P, I, S], I),
+        "shard_fp8_quantize": ([P, P, S, ctypes.c_float, I], ctypes.c_float),
+        "shard_fp8_dequantize": ([P, P, S, ctypes.c_float, I], None),
+        "shard_st_open": ([ctypes.c_char_p, ctypes.POINTER(P)], I),
+        "shard_st_close": ([P], None),
+        "shard_st_count": ([P], S),
+        "shard_st_at": ([P, S], ctypes.POINTER(StTensor)),
+        "shard_st_find": ([P, ctypes.c_char_p], ctypes.POINTER(StTensor)),
+        "shard_st_metadata_count": ([P], S),
+        "shard_st_metadata_at": ([P, S, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(ctypes.c_char_p)], None),
+        "shard_st_writer_create": ([ctypes.c_char_p, ctypes.POINTER(P)], I),
+        "shard_st_writer_metadata": ([P, ctypes.c_char_p, ctypes.c_char_p], I),
+        "shard_st_writer_declare": ([P, ctypes.c_char_p, I, I, ctypes.POINTER(ctypes.c_int64)], I),
+        "shard_st_writer_write": ([P, P, S], I),
+        "shard_st_writer_finish": ([P], I),
+        "shard_st_writer_abort": ([P], None),
+        "shard_weights_open": ([ctypes.c_char_p, ctypes.POINTER(P)], I),
+        "shard_weights_close": ([P], None),
+        "shard_weights_count": ([P], S),
+        "shard_weights_at": ([P, S], ctypes.POINTER(StTensor)),
+        "shard_weights_file_of": ([P, S], ctypes.c_char_p),
+    }
+    for name, (args, res) in sig.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, res
+    return lib
+
+
+@pytest.fixture(scope="session")
+def shard():
+    return _load()
+
+
+def run(cmd, *args, san=False, check=None):
+    exe = (BUILD_SAN if san else BUILD) / "bin" / cmd
+    env = dict(os.environ)
+    env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
+    env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
+    p = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+    if check is not None:
+        assert p.returncode == check, f"{cmd} {args}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p

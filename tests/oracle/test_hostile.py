@@ -1,0 +1,264 @@
+"""A hostile corpus: malformed model folders, each breaking one rule.
+
+Every case must give exit code 3 and ONE line on stderr, `smp-inspect: error: ...`,
+naming the offending file, under the AddressSanitizer + UBSan build. Cases about the
+safetensors layer are also fed to the reference library, which must refuse them too
+(our rules are the reference's, not stricter by accident)."""
+import json
+import shutil
+import struct
+
+import pytest
+import safetensors
+
+import models
+from conftest import run
+
+
+def st_bytes(header, data=b"", n=None, pad=True):
+    h = header if isinstance(header, bytes) else json.dumps(header).encode()
+    if pad and len(h) % 8:
+        h += b" " * (8 - len(h) % 8)
+    return struct.pack("<Q", len(h) if n is None else n) + h + data
+
+
+def one(name, dtype="F32", shape=(2,), offsets=None, data=None):
+    nbytes = 4 * (shape[0] if shape else 1)
+    hdr = {name: {"dtype": dtype, "shape": list(shape), "data_offsets": offsets or [0, nbytes]}}
+    return st_bytes(hdr, data if data is not None else b"\0" * nbytes)
+
+
+# Safetensors-level cases: (id, bytes of model.safetensors)
+ST_CASES = {
+    "empty-file": b"",
+    "shorter-than-length": b"\x10\0\0",
+    "header-too-large": struct.pack("<Q", 100_000_001) + b"{}" + b" " * 6,
+    "header-past-eof": struct.pack("<Q", 1 << 40) + b"{}",
+    "header-not-object": st_bytes(b"[1,2,3]"),
+    "header-not-json": st_bytes(b"{not json"),
+    "trailing-garbage-after-json": st_bytes(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}x', b"\0" * 4),
+    "invalid-utf8": st_bytes(b'{"\xff\xfe":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', b"\0" * 4),
+    "duplicate-key": st_bytes(b'{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"a":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}}', b"\0" * 8),
+    "unknown-dtype": one("a", dtype="F128"),
+    "dtype-not-string": st_bytes({"a": {"dtype": 5, "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "negative-shape": st_bytes({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "float-shape": st_bytes({"a": {"dtype": "F32", "shape": [1.5], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "shape-overflows": st_bytes({"a": {"dtype": "F32", "shape": [2**32, 2**32, 2**10], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "bytes-overflow": st_bytes({"a": {"dtype": "F64", "shape": [2**62], "data_offsets": [0, 8]}}, b"\0" * 8),
+    "offsets-wrong-size": one("a", offsets=[0, 12], data=b"\0" * 12),
+    "offsets-not-from-zero": st_bytes({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, b"\0" * 8),
+    "offsets-gap": st_bytes({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]},
+                             "b": {"dtype": "F32", "shape": [1], "data_offsets": [8, 12]}}, b"\0" * 12),
+    "offsets-overlap": st_bytes({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+                                 "b": {"dtype": "F32", "shape": [2], "data_offsets": [4, 12]}}, b"\0" * 12),
+    "offsets-reversed": st_bytes({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, b"\0" * 4),
+    "offsets-three-numbers": st_bytes({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4, 8]}}, b"\0" * 4),
+    "trailing-bytes": one("a", data=b"\0" * 12),
+    "truncated-data": one("a", data=b"\0" * 5),
+    "metadata-not-strings": st_bytes({"__metadata__": {"a": 1}, "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "metadata-not-object": st_bytes({"__metadata__": "x", "t": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, b"\0" * 4),
+    "deeply-nested-json": st_bytes(b'{"a":' + b"[" * 100000 + b"]" * 100000 + b"}"),
+}
+
+
+@pytest.fixture(scope="module")
+def good(tmp_path_factory):
+    d = tmp_path_factory.mktemp("good")
+    models.make("llama-gqa-f32", d)
+    return d
+
+
+def copy_model(good, tmp_path):
+    d = tmp_path / "m"
+    shutil.copytree(good, d)
+    return d
+
+
+def expect_refused(folder, must_name):
+    p = run("smp-inspect", folder, san=True)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3, f"exit {p.returncode}: {p.stderr}"
+    assert len(lines) == 1, p.stderr
+    assert lines[0].startswith("smp-inspect: error: "), lines[0]
+    assert must_name in lines[0], lines[0]
+    assert "Sanitizer" not in p.stderr and "runtime error" not in p.stderr
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", list(ST_CASES))
+def test_malformed_safetensors(good, tmp_path, case):
+    d = copy_model(good, tmp_path)
+    (d / "model.safetensors").write_bytes(ST_CASES[case])
+    expect_refused(d, "model.safetensors")
+
+
+@pytest.mark.parametrize("case", [c for c in ST_CASES if c not in ("duplicate-key",)])
+def test_reference_library_refuses_them_too(case):
+    # duplicate keys: the reference keeps the last one silently; the spec forbids them
+    with pytest.raises(Exception):
+        safetensors.deserialize(ST_CASES[case])
+
+
+def test_valid_file_that_is_not_the_model(good, tmp_path):
+    # a legal safetensors file (200,000 dimensions of size 1) that holds none of the model
+    d = copy_model(good, tmp_path)
+    data = st_bytes({"a": {"dtype": "F32", "shape": [1] * 200000, "data_offsets": [0, 4]}}, b"\0" * 4)
+    safetensors.deserialize(data)  # the reference accepts the file itself
+    (d / "model.safetensors").write_bytes(data)
+    expect_refused(d, "model.embed_tokens.weight")
+
+
+def edit_config(d, **changes):
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in changes.items():
+        if v is _DELETE:
+            cfg.pop(k, None)
+        else:
+            cfg[k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+
+
+_DELETE = object()
+CONFIG_CASES = {
+    "hidden-size-string": dict(hidden_size="48"),
+    "layers-negative": dict(num_hidden_layers=-2),
+    "layers-zero": dict(num_hidden_layers=0),
+    "heads-float": dict(num_attention_heads=6.5),
+    "kv-heads-not-dividing": dict(num_key_value_heads=4),
+    "vocab-too-large": dict(vocab_size=2**40),
+    "vocab-missing": dict(vocab_size=_DELETE),
+    "eps-negative": dict(rms_norm_eps=-1e-5),
+    "eps-string": dict(rms_norm_eps="1e-5"),
+    "rope-theta-zero": dict(rope_theta=0),
+    "unknown-rope-scaling": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+    "rope-scaling-not-object": dict(rope_scaling=[1, 2]),
+    "llama3-missing-field": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+    "attention-bias": dict(attention_bias=True),
+    "mlp-bias": dict(mlp_bias=True),
+    "gelu": dict(hidden_act="gelu"),
+    "unknown-architecture": dict(architectures=["GPT2LMHeadModel"]),
+    "two-architectures": dict(architectures=["LlamaForCausalLM", "MistralForCausalLM"]),
+    "model-type-mismatch": dict(model_type="mistral"),
+    "tie-not-bool": dict(tie_word_embeddings="yes"),
+    "quantized": dict(quantization_config={"quant_method": "gptq"}),
+    "unknown-torch-dtype": dict(torch_dtype="int4"),
+    "shape-mismatch-intermediate": dict(intermediate_size=96),
+    "sliding-window-on-llama": dict(sliding_window=128),
+    "odd-head-dim": dict(head_dim=7),
+}
+
+
+@pytest.mark.parametrize("case", list(CONFIG_CASES))
+def test_bad_config(good, tmp_path, case):
+    d = copy_model(good, tmp_path)
+    edit_config(d, **CONFIG_CASES[case])
+    # shape mismatches are found against the weights and name the folder
+    expect_refused(d, "config.json" if case != "shape-mismatch-intermediate" else str(d))
+
+
+def test_config_not_json(good, tmp_path):
+    d = copy_model(good, tmp_path)
+    (d / "config.json").write_text('{"hidden_size": 48,')
+    expect_refused(d, "config.json")
+
+
+def test_config_deeply_nested(good, tmp_path):
+    d = copy_model(good, tmp_path)
+    (d / "config.json").write_text('{"x": ' + "[" * 50000 + "]" * 50000 + "}")
+    expect_refused(d, "config.json")
+
+
+def test_config_huge(good, tmp_path):
+    d = copy_model(good, tmp_path)
+    with open(d / "config.json", "w") as f:
+        f.write('{"x": "' + "a" * (17 << 20) + '"}')
+    expect_refused(d, "config.json")
+
+
+def test_missing_weights(good, tmp_path):
+    d = copy_model(good, tmp_path)
+    (d / "model.safetensors").unlink()
+    expect_refused(d, "model.safetensors")
+
+
+def test_missing_tensor(good, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    d = copy_model(good, tmp_path)
+    t = load_file(str(d / "model.safetensors"))
+    del t["model.layers.1.mlp.up_proj.weight"]
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    expect_refused(d, "model.layers.1.mlp.up_proj.weight")
+
+
+def test_extra_tensor_refused_by_name(good, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    d = copy_model(good, tmp_path)
+    t = load_file(str(d / "model.safetensors"))
+    t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(48, np.float32)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    expect_refused(d, "q_proj.bias")
+
+
+def test_integer_weights_refused(good, tmp_path):
+    import numpy as np
+    from safetensors.numpy import load_file, save_file
+    d = copy_model(good, tmp_path)
+    t = load_file(str(d / "model.safetensors"))
+    t["model.norm.weight"] = np.zeros(48, np.int32)
+    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    expect_refused(d, "model.norm.weight")
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory):
+    d = tmp_path_factory.mktemp("sharded")
+    models.make("llama-sharded", d)
+    return d
+
+
+def edit_index(d, fn):
+    p = d / "model.safetensors.index.json"
+    idx = json.loads(p.read_text())
+    fn(idx)
+    p.write_text(json.dumps(idx))
+
+
+INDEX_CASES = {
+    "path-traversal": lambda i: i["weight_map"].update({"model.norm.weight": "../model.safetensors"}),
+    "absolute-path": lambda i: i["weight_map"].update({"model.norm.weight": "/etc/passwd"}),
+    "subfolder": lambda i: i["weight_map"].update({"model.norm.weight": "sub/x.safetensors"}),
+    "points-to-missing-file": lambda i: i["weight_map"].update({"model.norm.weight": "nope.safetensors"}),
+    "points-to-missing-tensor": lambda i: i["weight_map"].update({"model.ghost.weight": next(iter(i["weight_map"].values()))}),
+    "tensor-unlisted": lambda i: i["weight_map"].pop("model.norm.weight"),
+    "weight-map-not-object": lambda i: i.update({"weight_map": ["a"]}),
+    "weight-map-missing": lambda i: i.pop("weight_map"),
+    "file-not-string": lambda i: i["weight_map"].update({"model.norm.weight": 3}),
+    "empty-weight-map": lambda i: i.update({"weight_map": {}}),
+}
+
+
+@pytest.mark.parametrize("case", list(INDEX_CASES))
+def test_bad_index(sharded, tmp_path, case):
+    d = tmp_path / "s"
+    shutil.copytree(sharded, d)
+    edit_index(d, INDEX_CASES[case])
+    must = "model.safetensors.index.json" if case != "points-to-missing-file" else "nope.safetensors"
+    expect_refused(d, must)
+
+
+def test_tensor_in_two_files(sharded, tmp_path):
+    from safetensors.numpy import load_file, save_file
+    d = tmp_path / "s"
+    shutil.copytree(sharded, d)
+    files = sorted(p for p in d.glob("model-*.safetensors"))
+    a, b = load_file(str(files[0])), load_file(str(files[1]))
+    k = next(iter(a))
+    b[k] = a[k]
+    save_file(b, str(files[1]), metadata={"format": "pt"})
+    expect_refused(d, k)
+
+
+def test_corpus_is_large_enough():
+    n = len(ST_CASES) + len(CONFIG_CASES) + len(INDEX_CASES) + 8
+    assert n >= 30, n

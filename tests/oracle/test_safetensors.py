@@ -1,0 +1,148 @@
+"""The safetensors reader and writer against the `safetensors` Python library."""
+import ctypes
+import json
+
+import ml_dtypes
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+from conftest import DT
+
+NPDT = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16,
+        "U32": np.uint32, "I32": np.int32, "U64": np.uint64, "I64": np.int64,
+        "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2,
+        "F16": np.float16, "BF16": ml_dtypes.bfloat16, "F32": np.float32, "F64": np.float64}
+
+
+def random_tensors(seed=0):
+    rng = np.random.default_rng(seed)
+    out = {}
+    for i, (name, dt) in enumerate(NPDT.items()):
+        shape = [(3, 5), (7,), (2, 3, 4), (1,), ()][i % 5]
+        raw = rng.integers(0, 256, size=int(np.prod(shape)) * np.dtype(dt).itemsize, dtype=np.uint8)
+        a = raw.view(dt).reshape(shape) if name != "BOOL" else (raw % 2).astype(np.bool_).reshape(shape)
+        out[f"t.{name.lower()}"] = a
+    out["empty.f32"] = np.zeros((0, 4), np.float32)
+    out["empty.bf16"] = np.zeros((3, 0, 2), ml_dtypes.bfloat16)
+    return out
+
+
+def read_all(shard, path):
+    h = ctypes.c_void_p()
+    rc = shard.shard_st_open(str(path).encode(), ctypes.byref(h))
+    assert rc == 0, shard.shard_errmsg()
+    out = {}
+    try:
+        for i in range(shard.shard_st_count(h)):
+            t = shard.shard_st_at(h, i).contents
+            shape = tuple(t.shape[k] for k in range(t.ndim))
+            data = ctypes.string_at(t.data, t.nbytes) if t.nbytes else b""
+            out[t.name.decode()] = (t.dtype, shape, data)
+        meta = {}
+        for i in range(shard.shard_st_metadata_count(h)):
+            k, v = ctypes.c_char_p(), ctypes.c_char_p()
+            shard.shard_st_metadata_at(h, i, ctypes.byref(k), ctypes.byref(v))
+            meta[k.value.decode()] = v.value.decode()
+    finally:
+        shard.shard_st_close(h)
+    return out, meta
+
+
+def test_reads_files_written_by_safetensors(shard, tmp_path):
+    tensors = random_tensors()
+    path = tmp_path / "m.safetensors"
+    save_file(tensors, str(path), metadata={"format": "np", "note": "ünïcode"})
+    got, meta = read_all(shard, path)
+    assert meta == {"format": "np", "note": "ünïcode"}
+    assert set(got) == set(tensors)
+    for name, a in tensors.items():
+        dt, shape, data = got[name]
+        assert shape == a.shape
+        expect = [k for k, v in NPDT.items() if np.dtype(v) == a.dtype][0]
+        assert dt == DT[expect], name
+        assert data == a.tobytes(), name
+
+
+def write_with_shard(shard, path, tensors, metadata=None):
+    w = ctypes.c_void_p()
+    assert shard.shard_st_writer_create(str(path).encode(), ctypes.byref(w)) == 0, shard.shard_errmsg()
+    for k, v in (metadata or {}).items():
+        assert shard.shard_st_writer_metadata(w, k.encode(), v.encode()) == 0
+    for name, a in tensors.items():
+        dt = [k for k, v in NPDT.items() if np.dtype(v) == a.dtype][0]
+        shape = (ctypes.c_int64 * max(1, a.ndim))(*a.shape)
+        assert shard.shard_st_writer_declare(w, name.encode(), DT[dt], a.ndim, shape) == 0, shard.shard_errmsg()
+    for a in tensors.values():
+        b = np.ascontiguousarray(a).tobytes()
+        # stream in uneven pieces, as a converter would
+        for i in range(0, len(b), 7):
+            piece = b[i:i + 7]
+            assert shard.shard_st_writer_write(w, piece, len(piece)) == 0
+    rc = shard.shard_st_writer_finish(w)
+    assert rc == 0, shard.shard_errmsg()
+
+
+def test_files_we_write_load_in_safetensors(shard, tmp_path):
+    tensors = random_tensors(1)
+    path = tmp_path / "ours.safetensors"
+    write_with_shard(shard, path, tensors, {"format": "pt"})
+    # the reference parser (Rust, full validation) gives dtype, shape and raw bytes
+    from safetensors import deserialize
+    loaded = dict(deserialize(path.read_bytes()))
+    assert set(loaded) == set(tensors)
+    for name, a in tensors.items():
+        expect = [k for k, v in NPDT.items() if np.dtype(v) == a.dtype][0]
+        assert loaded[name]["dtype"] == expect and tuple(loaded[name]["shape"]) == a.shape
+        assert bytes(loaded[name]["data"]) == a.tobytes()
+    # and the numpy front end for the dtypes it knows
+    plain = {k: v for k, v in tensors.items() if "f8" not in k}
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        for name, a in plain.items():
+            if a.dtype == ml_dtypes.bfloat16:
+                continue  # numpy has no bfloat16
+            assert f.get_tensor(name).tobytes() == a.tobytes(), name
+    from safetensors import safe_open
+    with safe_open(str(path), framework="np") as f:
+        assert f.metadata() == {"format": "pt"}
+    n = int.from_bytes(path.read_bytes()[:8], "little")
+    assert n % 8 == 0  # data 8-byte aligned, as the reference writes it
+    assert list(tmp_path.iterdir()) == [path]  # no temporary left behind
+
+
+def test_writer_refuses_short_data_and_leaves_nothing(shard, tmp_path):
+    w = ctypes.c_void_p()
+    path = tmp_path / "short.safetensors"
+    assert shard.shard_st_writer_create(str(path).encode(), ctypes.byref(w)) == 0
+    shape = (ctypes.c_int64 * 1)(4)
+    assert shard.shard_st_writer_declare(w, b"x", DT["F32"], 1, shape) == 0
+    assert shard.shard_st_writer_write(w, b"\0" * 8, 8) == 0
+    assert shard.shard_st_writer_finish(w) != 0
+    assert b"declared bytes" in shard.shard_errmsg()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_multi_file_model_with_index(shard, tmp_path):
+    rng = np.random.default_rng(2)
+    a = {"a.weight": rng.standard_normal((4, 3)).astype(np.float32), "b.weight": np.arange(5, dtype=np.int64)}
+    b = {"c.weight": rng.standard_normal((2,)).astype(np.float16)}
+    save_file(a, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file(b, str(tmp_path / "model-00002-of-00002.safetensors"))
+    index = {"metadata": {"total_size": 0},
+             "weight_map": {**{k: "model-00001-of-00002.safetensors" for k in a},
+                            **{k: "model-00002-of-00002.safetensors" for k in b}}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    h = ctypes.c_void_p()
+    assert shard.shard_weights_open(str(tmp_path).encode(), ctypes.byref(h)) == 0, shard.shard_errmsg()
+    try:
+        names = []
+        for i in range(shard.shard_weights_count(h)):
+            t = shard.shard_weights_at(h, i).contents
+            name = t.name.decode()
+            names.append(name)
+            ref = {**a, **b}[name]
+            assert ctypes.string_at(t.data, t.nbytes) == ref.tobytes()
+            assert shard.shard_weights_file_of(h, i).decode() == index["weight_map"][name]
+        assert names == sorted({**a, **b})
+    finally:
+        shard.shard_weights_close(h)
