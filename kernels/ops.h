@@ -12,6 +12,7 @@
  *     so that gradient accumulation over microbatches and the sum over tied or
  *     replicated uses need no extra pass. Callers zero them when starting a step.
  *   - no op allocates memory or fails: shapes are checked by the caller (train/).
+ *   - outputs do not overlap inputs, except where an op says "in place".
  */
 #ifndef SMP_KERNELS_OPS_H
 #define SMP_KERNELS_OPS_H
@@ -129,8 +130,8 @@ void op_scale(float *x, float s, size_t n);     /* x *= s */
 
 /* ---- FP8 (E4M3 forward, E5M2 backward), TransformerEngine-style --------------
  * q = saturate(x * scale) rounded to nearest even in the format; the stored byte is
- * the format's bit pattern. dequant: x = q / scale. amax (if not NULL) receives
- * max |x| of the input before scaling. */
+ * the format's bit pattern. dequant: x = value(q) * (1 / scale) (as libshard does).
+ * amax (if not NULL) receives max |x| of the input before scaling. */
 enum { OP_FP8_E4M3 = 0, OP_FP8_E5M2 = 1 };
 void op_fp8_quantize(uint8_t *q, float *amax, const float *x, size_t n, float scale, int fmt);
 void op_fp8_dequantize(float *x, const uint8_t *q, size_t n, float scale, int fmt);

@@ -1,0 +1,188 @@
+/* kernels/attention.c: causal grouped-query attention with log-sum-exp, its
+ * backward for one (q-block, kv-block) pair, and the log-sum-exp merge
+ * (portable C).
+ *
+ * Straightforward loops, one query row at a time, with an online softmax over the
+ * keys (as flash attention does): no score matrix and no scratch, so no op here
+ * allocates. Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd], lse [B, nh, Tq]. */
+#include "ops.h"
+
+#include <math.h>
+#include <string.h>
+
+static inline int visible(int32_t qp, int32_t kp, int window)
+{
+    return kp <= qp && (window <= 0 || (int64_t)qp - kp < window);
+}
+
+static inline float dot(const float *a, const float *b, int n)
+{
+    float s = 0.0f;
+    /* lets the compiler reassociate the sum into vector lanes (~4x faster) */
+    #pragma omp simd reduction(+ : s)
+    for (int d = 0; d < n; d++)
+        s += a[d] * b[d];
+    return s;
+}
+
+void op_attention_forward(float *out, float *lse, const float *q, const float *k,
+                          const float *v, const int32_t *qpos, const int32_t *kpos,
+                          int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
+{
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int group = nh / nkv;
+    /* causal rows have unequal work: dynamic chunks keep the threads even */
+    #pragma omp parallel for collapse(3) schedule(dynamic, 16)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < nh; h++) {
+            for (int i = 0; i < Tq; i++) {
+                const float *qi = q + (((size_t)b * Tq + i) * nh + h) * hd;
+                float *o = out + (((size_t)b * Tq + i) * nh + h) * hd;
+                const int kvh = h / group;
+                float m = -INFINITY, l = 0.0f; /* running max and sum of exp(s - m) */
+                memset(o, 0, (size_t)hd * sizeof(float)); /* o holds sum p * v */
+                for (int j = 0; j < Tk; j++) {
+                    if (!visible(qpos[i], kpos[j], window))
+                        continue;
+                    const size_t kvoff = (((size_t)b * Tk + j) * nkv + kvh) * hd;
+                    float s = dot(qi, k + kvoff, hd) * scale;
+                    if (s > m) { /* new max: rescale what was summed so far */
+                        float corr = expf(m - s); /* 0 on the first visible key */
+                        l *= corr;
+                        for (int d = 0; d < hd; d++)
+                            o[d] *= corr;
+                        m = s;
+                    }
+                    float p = expf(s - m);
+                    l += p;
+                    const float *vj = v + kvoff;
+                    #pragma omp simd
+                    for (int d = 0; d < hd; d++)
+                        o[d] += p * vj[d];
+                }
+                float *L = lse + ((size_t)b * nh + h) * Tq + i;
+                if (l > 0.0f) {
+                    float inv = 1.0f / l;
+                    for (int d = 0; d < hd; d++)
+                        o[d] *= inv;
+                    *L = m + logf(l);
+                } else {
+                    *L = -INFINITY; /* nothing visible: out stays 0 */
+                }
+            }
+        }
+    }
+}
+
+/* With P = exp(S - lse) (the softmax of the FINAL, merged row, so each kv block's
+ * share is exact on its own) and D_i = dout_i . out_i = sum_j P_ij dP_ij:
+ *   dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
+ *   dq_i += scale sum_j dS_ij k_j,  dk_j += scale sum_i dS_ij q_i,  dv_j += sum_i P_ij dout_i
+ * Two passes, so that every gradient row has one writer and no atomics are needed:
+ * one over query rows (dq), one over key rows (dk, dv), recomputing P. */
+void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
+                           const float *q, const float *k, const float *v,
+                           const float *out, const float *lse,
+                           const int32_t *qpos, const int32_t *kpos,
+                           int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
+{
+    const float scale = 1.0f / sqrtf((float)hd);
+    const int group = nh / nkv;
+
+    #pragma omp parallel for collapse(3) schedule(dynamic, 16)
+    for (int b = 0; b < B; b++) {
+        for (int h = 0; h < nh; h++) {
+            for (int i = 0; i < Tq; i++) {
+                const float L = lse[((size_t)b * nh + h) * Tq + i];
+                if (L == -INFINITY) /* row saw no key anywhere: no gradient */
+                    continue;
+                const size_t qoff = (((size_t)b * Tq + i) * nh + h) * hd;
+                const float *qi = q + qoff, *gi = dout + qoff;
+                float *dqi = dq + qoff;
+                const float D = dot(gi, out + qoff, hd);
+                const int kvh = h / group;
+                for (int j = 0; j < Tk; j++) {
+                    if (!visible(qpos[i], kpos[j], window))
+                        continue;
+                    const size_t kvoff = (((size_t)b * Tk + j) * nkv + kvh) * hd;
+                    float p = expf(dot(qi, k + kvoff, hd) * scale - L);
+                    float ds = p * (dot(gi, v + kvoff, hd) - D) * scale;
+                    const float *kj = k + kvoff;
+                    #pragma omp simd
+                    for (int d = 0; d < hd; d++)
+                        dqi[d] += ds * kj[d];
+                }
+            }
+        }
+    }
+
+    /* keys in blocks of KB, so that D_i is computed once per block, not per key */
+    enum { KB = 32 };
+    const int nkb = (Tk + KB - 1) / KB;
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    for (int b = 0; b < B; b++) {
+        for (int g = 0; g < nkv; g++) {
+            for (int jb = 0; jb < nkb; jb++) {
+                const int j0 = jb * KB, j1 = j0 + KB < Tk ? j0 + KB : Tk;
+                for (int h = g * group; h < (g + 1) * group; h++) {
+                    for (int i = 0; i < Tq; i++) {
+                        const float L = lse[((size_t)b * nh + h) * Tq + i];
+                        if (L == -INFINITY)
+                            continue;
+                        const size_t qoff = (((size_t)b * Tq + i) * nh + h) * hd;
+                        const float *qi = q + qoff, *gi = dout + qoff;
+                        int have_D = 0;
+                        float D = 0.0f;
+                        for (int j = j0; j < j1; j++) {
+                            if (!visible(qpos[i], kpos[j], window))
+                                continue;
+                            if (!have_D) {
+                                D = dot(gi, out + qoff, hd);
+                                have_D = 1;
+                            }
+                            const size_t kvoff = (((size_t)b * Tk + j) * nkv + g) * hd;
+                            float p = expf(dot(qi, k + kvoff, hd) * scale - L);
+                            float ds = p * (dot(gi, v + kvoff, hd) - D) * scale;
+                            float *dkj = dk + kvoff, *dvj = dv + kvoff;
+                            #pragma omp simd
+                            for (int d = 0; d < hd; d++) {
+                                dkj[d] += ds * qi[d];
+                                dvj[d] += p * gi[d];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+}
+
+void op_attention_merge(float *out, float *lse, const float *out2, const float *lse2,
+                        int B, int T, int nh, int hd)
+{
+    #pragma omp parallel for collapse(3) schedule(static)
+    for (int b = 0; b < B; b++) {
+        for (int t = 0; t < T; t++) {
+            for (int h = 0; h < nh; h++) {
+                float *L1 = lse + ((size_t)b * nh + h) * T + t;
+                const float l1 = *L1, l2 = lse2[((size_t)b * nh + h) * T + t];
+                float *o = out + (((size_t)b * T + t) * nh + h) * hd;
+                const float *o2 = out2 + (((size_t)b * T + t) * nh + h) * hd;
+                if (l2 == -INFINITY) /* the other part saw no key: keep ours */
+                    continue;
+                if (l1 == -INFINITY) {
+                    memcpy(o, o2, (size_t)hd * sizeof(float));
+                    *L1 = l2;
+                    continue;
+                }
+                /* out = (e^l1 out + e^l2 out2) / (e^l1 + e^l2), shifted by the max */
+                const float mx = l1 > l2 ? l1 : l2;
+                const float w1 = expf(l1 - mx), w2 = expf(l2 - mx), sum = w1 + w2;
+                const float a1 = w1 / sum, a2 = w2 / sum;
+                for (int d = 0; d < hd; d++)
+                    o[d] = a1 * o[d] + a2 * o2[d];
+                *L1 = mx + logf(sum);
+            }
+        }
+    }
+}

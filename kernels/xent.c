@@ -1,0 +1,82 @@
+/* kernels/xent.c: cross-entropy over a vocabulary shard (portable C).
+ *
+ * Each tp rank holds logits columns [vocab_start, vocab_start + Vl). The loss needs
+ * three per-row statistics, each reduced over the tp group by the caller between
+ * the steps (see ops.h): the row max, sum exp(logit - max), and the target's logit.
+ * Sums run in double: Vl is tens of thousands of columns. */
+#include "ops.h"
+
+#include <math.h>
+
+static inline int owns(int32_t t, int vocab_start, int Vl)
+{
+    return t >= vocab_start && t - vocab_start < Vl;
+}
+
+void op_xent_rowmax(float *rowmax, float *target_logit, const float *logits,
+                    const int32_t *targets, int N, int Vl, int vocab_start)
+{
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = logits + (size_t)n * Vl;
+        float m = -INFINITY;
+        for (int j = 0; j < Vl; j++)
+            m = x[j] > m ? x[j] : m;
+        rowmax[n] = m;
+        int32_t t = targets[n];
+        /* 0 where another rank owns the target: the tp sum then gives its logit */
+        target_logit[n] = owns(t, vocab_start, Vl) ? x[t - vocab_start] : 0.0f;
+    }
+}
+
+void op_xent_sumexp(float *sumexp, const float *logits, const float *rowmax, int N, int Vl)
+{
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = logits + (size_t)n * Vl;
+        const float m = rowmax[n];
+        double s = 0.0;
+        for (int j = 0; j < Vl; j++)
+            s += expf(x[j] - m);
+        sumexp[n] = (float)s;
+    }
+}
+
+double op_xent_loss(float *losses, const float *rowmax, const float *sumexp,
+                    const float *target_logit, const int32_t *targets, int N)
+{
+    double total = 0.0;
+    #pragma omp parallel for reduction(+ : total) schedule(static)
+    for (int n = 0; n < N; n++) {
+        if (targets[n] < 0) {
+            losses[n] = 0.0f;
+            continue;
+        }
+        double l = log((double)sumexp[n]) + rowmax[n] - target_logit[n];
+        losses[n] = (float)l;
+        total += l;
+    }
+    return total;
+}
+
+void op_xent_backward(float *dlogits, const float *logits, const float *rowmax,
+                      const float *sumexp, const int32_t *targets,
+                      int N, int Vl, int vocab_start, float scale)
+{
+    #pragma omp parallel for schedule(static)
+    for (int n = 0; n < N; n++) {
+        const float *x = logits + (size_t)n * Vl;
+        float *dx = dlogits + (size_t)n * Vl;
+        const int32_t t = targets[n];
+        if (t < 0) {
+            for (int j = 0; j < Vl; j++)
+                dx[j] = 0.0f;
+            continue;
+        }
+        const float lse = rowmax[n] + logf(sumexp[n]);
+        for (int j = 0; j < Vl; j++)
+            dx[j] = scale * expf(x[j] - lse);
+        if (owns(t, vocab_start, Vl))
+            dx[t - vocab_start] -= scale;
+    }
+}

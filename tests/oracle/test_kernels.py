@@ -1,0 +1,586 @@
+"""The portable C ops (build/lib/libsmpkernels.so) against torch autograd.
+
+Every op's forward and backward is compared with a float64 torch reference on odd
+shapes; RoPE against transformers' own Llama code, FP8 against ml_dtypes.
+The library is found in $SMP_BUILD_LIB (else $SMP_BUILD/lib, as conftest.py; default
+<repo>/build/lib), so the same tests run on the BLAS build, a -DSMP_NO_BLAS build
+and the sanitizer build.
+
+Run: python -m pytest tests/oracle/test_kernels.py -q
+"""
+import ctypes
+import math
+import os
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+LIBDIR = os.environ.get("SMP_BUILD_LIB") or os.path.join(os.environ.get("SMP_BUILD") or
+                                                          os.path.join(REPO, "build"), "lib")
+LIB_PATH = os.path.join(LIBDIR, "libsmpkernels.so")
+
+TOL = 1e-5  # fp32 kernels against a float64 reference
+
+torch.set_num_threads(2)
+
+# ---- the library and its signatures (kernels/ops.h) --------------------------
+
+P, I, F32, SZ, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_t, ctypes.c_double
+
+
+class RopeParams(ctypes.Structure):
+    _fields_ = [("theta", ctypes.c_float), ("llama3", ctypes.c_int), ("factor", ctypes.c_float),
+                ("low_freq_factor", ctypes.c_float), ("high_freq_factor", ctypes.c_float),
+                ("original_max_pos", ctypes.c_float)]
+
+
+SIGNATURES = {
+    "op_embedding_forward": (None, [P, P, P, I, I, I, I]),
+    "op_embedding_backward": (None, [P, P, P, I, I, I, I]),
+    "op_linear_forward": (None, [P, P, P, I, I, I]),
+    "op_linear_backward": (None, [P, P, P, P, P, I, I, I]),
+    "op_rmsnorm_forward": (None, [P, P, P, P, I, I, F32]),
+    "op_rmsnorm_backward": (None, [P, P, P, P, P, P, I, I]),
+    "op_rope_inv_freq": (None, [P, I, ctypes.POINTER(RopeParams)]),
+    "op_rope_table": (None, [P, P, P, I, P, I]),
+    "op_rope_forward": (None, [P, P, P, I, I, I, I]),
+    "op_rope_backward": (None, [P, P, P, I, I, I, I]),
+    "op_attention_forward": (None, [P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
+    "op_attention_backward": (None, [P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
+    "op_attention_merge": (None, [P, P, P, P, I, I, I, I]),
+    "op_swiglu_forward": (None, [P, P, P, SZ]),
+    "op_swiglu_backward": (None, [P, P, P, P, P, SZ]),
+    "op_xent_rowmax": (None, [P, P, P, P, I, I, I]),
+    "op_xent_sumexp": (None, [P, P, P, I, I]),
+    "op_xent_loss": (D, [P, P, P, P, P, I]),
+    "op_xent_backward": (None, [P, P, P, P, P, I, I, I, F32]),
+    "op_adamw": (None, [P, P, P, P, SZ, F32, F32, F32, F32, F32, I]),
+    "op_sumsq": (D, [P, SZ]),
+    "op_amax": (F32, [P, SZ]),
+    "op_scale": (None, [P, F32, SZ]),
+    "op_fp8_quantize": (None, [P, P, P, SZ, F32, I]),
+    "op_fp8_dequantize": (None, [P, P, SZ, F32, I]),
+    "op_linear_forward_fp8": (None, [P, P, P, I, I, I, F32, F32, P]),
+}
+OP_FP8_E4M3, OP_FP8_E5M2 = 0, 1
+
+
+@pytest.fixture(scope="module")
+def lib():
+    if not os.path.exists(LIB_PATH):
+        pytest.fail(f"{LIB_PATH} not found: build it with `scons` (or set SMP_BUILD_LIB)")
+    so = ctypes.CDLL(LIB_PATH)
+    for name, (res, args) in SIGNATURES.items():
+        fn = getattr(so, name)
+        fn.restype, fn.argtypes = res, args
+    return so
+
+
+def ptr(a):
+    """Pointer to a C-contiguous numpy array (None stays NULL). data_as keeps a
+    reference to the array, so a temporary such as ptr(f32(x)) lives through the call."""
+    if a is None:
+        return None
+    assert a.flags["C_CONTIGUOUS"], "ops take contiguous buffers"
+    return a.ctypes.data_as(ctypes.c_void_p)
+
+
+def f32(a):
+    return np.ascontiguousarray(a, dtype=np.float32)
+
+
+def i32(a):
+    return np.ascontiguousarray(a, dtype=np.int32)
+
+
+def t64(a, grad=False):
+    return torch.tensor(np.asarray(a, dtype=np.float64), requires_grad=grad)
+
+
+def close(got, ref, tol=TOL, what=""):
+    """|got - ref| <= tol * (|ref| + max|ref|): relative error, normalized by the
+    tensor's scale so that entries near zero are not held to a relative bound."""
+    ref = ref.detach().numpy() if isinstance(ref, torch.Tensor) else np.asarray(ref)
+    got, ref = np.asarray(got, dtype=np.float64), ref.astype(np.float64)
+    assert got.shape == ref.shape, f"{what}: shape {got.shape} != {ref.shape}"
+    assert np.isfinite(ref).all() and np.isfinite(got).all(), f"{what}: non-finite values"
+    scale = np.abs(ref).max() if ref.size else 0.0
+    err = np.abs(got - ref)
+    bad = err > tol * (np.abs(ref) + scale) + 1e-30
+    assert not bad.any(), (f"{what}: {bad.sum()} of {bad.size} entries off, max abs err "
+                           f"{err.max():.3g}, max |ref| {scale:.3g}")
+
+
+def rng(seed):
+    return np.random.default_rng(seed)
+
+
+# ---- embedding -----------------------------------------------------------------
+
+def test_embedding_vocab_shard(lib):
+    r = rng(1)
+    V, H, N = 50, 33, 7
+    wte = r.standard_normal((V, H))
+    tokens = i32([3, 20, 36, 37, 25, 25, 49])  # in the shard: 20, 36, 25 (twice)
+    dout = r.standard_normal((N, H))
+
+    W = t64(wte, grad=True)
+    full = F.embedding(torch.tensor(tokens, dtype=torch.long), W)
+    (full * t64(dout)).sum().backward()
+
+    outs = []
+    for start, local in [(0, 20), (20, 17), (37, 13)]:  # three uneven tp shards
+        out = np.full((N, H), np.nan, dtype=np.float32)  # every row must be written
+        lib.op_embedding_forward(ptr(out), ptr(tokens), ptr(f32(wte[start:start + local])),
+                                 N, H, start, local)
+        own = (tokens >= start) & (tokens < start + local)
+        ref = full.detach().numpy() * own[:, None]
+        close(out, ref, what=f"embedding forward shard {start}")
+        outs.append(out)
+
+        dwte0 = r.standard_normal((local, H))
+        dwte = f32(dwte0)
+        lib.op_embedding_backward(ptr(dwte), ptr(f32(dout)), ptr(tokens), N, H, start, local)
+        ref_d = dwte0.astype(np.float32) + W.grad.numpy()[start:start + local]  # accumulates
+        close(dwte, ref_d, what=f"embedding backward shard {start}")
+    # the tp all-reduce (a sum over the shards) gives the full lookup
+    close(sum(outs), full, what="embedding sum over shards")
+
+
+# ---- linear ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("N,IN,OUT", [(7, 33, 19), (70, 130, 150)])
+def test_linear(lib, N, IN, OUT):
+    r = rng(2)
+    x, w, g = r.standard_normal((N, IN)), r.standard_normal((OUT, IN)), r.standard_normal((N, OUT))
+    X, Wt = t64(x, True), t64(w, True)
+    y = X @ Wt.T
+    (y * t64(g)).sum().backward()
+
+    out = np.full((N, OUT), np.nan, dtype=np.float32)
+    lib.op_linear_forward(ptr(out), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
+    close(out, y, what="linear forward")
+
+    dx0, dw0 = r.standard_normal((N, IN)), r.standard_normal((OUT, IN))
+    dx, dw = f32(dx0), f32(dw0)
+    lib.op_linear_backward(ptr(dx), ptr(dw), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
+    close(dx, dx0 + X.grad.numpy(), what="linear dinp (+=)")
+    close(dw, dw0 + Wt.grad.numpy(), what="linear dweight (+=)")
+
+    # a second call adds the same gradient again; NULL skips a gradient
+    lib.op_linear_backward(ptr(dx), None, ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
+    close(dx, dx0 + 2 * X.grad.numpy(), what="linear dinp twice")
+    close(dw, dw0 + Wt.grad.numpy(), what="linear dweight untouched by NULL")
+    lib.op_linear_backward(None, ptr(dw), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
+    close(dw, dw0 + 2 * Wt.grad.numpy(), what="linear dweight twice")
+
+
+# ---- RMSNorm -----------------------------------------------------------------------
+
+def test_rmsnorm(lib):
+    r = rng(3)
+    N, H, eps = 7, 33, 1e-5
+    x, w, g = r.standard_normal((N, H)) * 3, r.standard_normal(H), r.standard_normal((N, H))
+    X, Wt = t64(x, True), t64(w, True)
+    rstd_ref = torch.rsqrt(X.pow(2).mean(-1) + eps)
+    y = X * rstd_ref[:, None] * Wt  # LlamaRMSNorm
+    (y * t64(g)).sum().backward()
+
+    out, rstd = np.empty((N, H), np.float32), np.empty(N, np.float32)
+    lib.op_rmsnorm_forward(ptr(out), ptr(rstd), ptr(f32(x)), ptr(f32(w)), N, H, eps)
+    close(out, y, what="rmsnorm forward")
+    close(rstd, rstd_ref, what="rmsnorm rstd")
+
+    dx0, dw0 = r.standard_normal((N, H)), r.standard_normal(H)
+    dx, dw = f32(dx0), f32(dw0)
+    lib.op_rmsnorm_backward(ptr(dx), ptr(dw), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), ptr(rstd), N, H)
+    close(dx, dx0 + X.grad.numpy(), what="rmsnorm dinp (+=)")
+    close(dw, dw0 + Wt.grad.numpy(), what="rmsnorm dweight (+=)")
+
+
+# ---- RoPE (against transformers' Llama code) -----------------------------------------
+
+ROPE_CASES = [
+    # head_dim, theta, rope_scaling (None: default rope)
+    (10, 10000.0, None),
+    (16, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                    "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+    (10, 10000.0, {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
+                   "high_freq_factor": 4.0, "original_max_position_embeddings": 2048}),
+]
+
+
+def rope_params(theta, scaling):
+    p = RopeParams(theta=theta, llama3=0, factor=1, low_freq_factor=1, high_freq_factor=1,
+                   original_max_pos=0)
+    if scaling:
+        p.llama3, p.factor = 1, scaling["factor"]
+        p.low_freq_factor, p.high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
+        p.original_max_pos = scaling["original_max_position_embeddings"]
+    return p
+
+
+@pytest.mark.parametrize("hd,theta,scaling", ROPE_CASES)
+def test_rope(lib, hd, theta, scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    nh, B = 3, 2
+    cfg = LlamaConfig(hidden_size=nh * hd, num_attention_heads=nh, num_key_value_heads=nh,
+                      head_dim=hd, rope_theta=theta, rope_scaling=scaling,
+                      max_position_embeddings=8192)
+    emb = LlamaRotaryEmbedding(config=cfg)
+    # explicit, non-contiguous positions (a context-parallel rank's two chunks) and a
+    # large one, where the fp32 angle itself is coarse
+    pos = i32([0, 1, 2, 3, 4, 31, 32, 33, 34, 35, 7000])
+    T = len(pos)
+
+    inv = np.empty(hd // 2, np.float32)
+    p = rope_params(theta, scaling)
+    lib.op_rope_inv_freq(ptr(inv), hd, ctypes.byref(p))
+    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
+
+    cos_t, sin_t = np.empty((T, hd), np.float32), np.empty((T, hd), np.float32)
+    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), hd)
+    x_dummy = torch.zeros(1, dtype=torch.float32)
+    cos_hf, sin_hf = emb(x_dummy, torch.tensor(pos[None, :], dtype=torch.long))
+    np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
+    np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")
+
+    # rotation: apply_rotary_pos_emb works on [B, nh, T, hd]; the op on [B, T, nh, hd]
+    r = rng(4)
+    x, g = r.standard_normal((B, T, nh, hd)), r.standard_normal((B, T, nh, hd))
+    X = t64(x, True)
+    c64, s64 = t64(cos_t)[None], t64(sin_t)[None]
+    y, _ = apply_rotary_pos_emb(X.transpose(1, 2), X.transpose(1, 2), c64, s64)
+    y = y.transpose(1, 2)
+    (y * t64(g)).sum().backward()
+
+    xr = f32(x)
+    lib.op_rope_forward(ptr(xr), ptr(cos_t), ptr(sin_t), B, T, nh, hd)
+    close(xr, y, what="rope forward")
+    gr = f32(g)
+    lib.op_rope_backward(ptr(gr), ptr(cos_t), ptr(sin_t), B, T, nh, hd)
+    close(gr, X.grad, what="rope backward")
+
+
+# ---- attention --------------------------------------------------------------------
+
+def attention_ref(q, k, v, qpos, kpos, window):
+    """float64 torch: q [B,Tq,nh,hd], k/v [B,Tk,nkv,hd] -> out [B,Tq,nh,hd], lse [B,nh,Tq]."""
+    nh, nkv, hd = q.shape[2], k.shape[2], q.shape[3]
+    qh = q.transpose(1, 2)                                    # [B, nh, Tq, hd]
+    kh = k.transpose(1, 2).repeat_interleave(nh // nkv, 1)    # HF repeat_kv: head h reads h // group
+    vh = v.transpose(1, 2).repeat_interleave(nh // nkv, 1)
+    s = qh @ kh.transpose(-1, -2) / math.sqrt(hd)             # [B, nh, Tq, Tk]
+    qp, kp = torch.tensor(qpos, dtype=torch.long)[:, None], torch.tensor(kpos, dtype=torch.long)[None, :]
+    vis = kp <= qp
+    if window > 0:
+        vis = vis & (qp - kp < window)
+    s = s.masked_fill(~vis, -math.inf)
+    lse = torch.logsumexp(s, -1)                              # -inf where nothing is visible
+    p = torch.where(vis, torch.exp(s - lse.clamp_min(-1e300)[..., None]), torch.zeros(()).double())
+    out = (p @ vh).transpose(1, 2)
+    return out, lse
+
+
+class Attn:
+    """One attention problem: random q, k, v, dout and the torch reference."""
+
+    def __init__(self, seed, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window):
+        r = rng(seed)
+        self.dims = (B, Tq, Tk, nh, nkv, hd)
+        self.qpos, self.kpos, self.window = i32(qpos), i32(kpos), window
+        self.q = r.standard_normal((B, Tq, nh, hd)) * 1.5
+        self.k = r.standard_normal((B, Tk, nkv, hd)) * 1.5
+        self.v = r.standard_normal((B, Tk, nkv, hd))
+        self.g = r.standard_normal((B, Tq, nh, hd))
+        Q, K, Vt = t64(self.q, True), t64(self.k, True), t64(self.v, True)
+        out, lse = attention_ref(Q, K, Vt, self.qpos, self.kpos, window)
+        (out * t64(self.g)).sum().backward()
+        self.out_ref, self.lse_ref = out.detach().numpy(), lse.detach().numpy()
+        self.dq_ref, self.dk_ref, self.dv_ref = Q.grad.numpy(), K.grad.numpy(), Vt.grad.numpy()
+
+    def forward(self, lib, k, v, kpos):
+        B, Tq, _, nh, nkv, hd = self.dims
+        out = np.full((B, Tq, nh, hd), np.nan, np.float32)
+        lse = np.full((B, nh, Tq), np.nan, np.float32)
+        lib.op_attention_forward(ptr(out), ptr(lse), ptr(f32(self.q)), ptr(f32(k)), ptr(f32(v)),
+                                 ptr(self.qpos), ptr(i32(kpos)), B, Tq, len(kpos), nh, nkv, hd,
+                                 self.window)
+        return out, lse
+
+    def backward(self, lib, k, v, kpos, out, lse, dq, dk, dv):
+        B, Tq, _, nh, nkv, hd = self.dims
+        lib.op_attention_backward(ptr(dq), ptr(dk), ptr(dv), ptr(f32(self.g)), ptr(f32(self.q)),
+                                  ptr(f32(k)), ptr(f32(v)), ptr(out), ptr(lse), ptr(self.qpos),
+                                  ptr(i32(kpos)), B, Tq, len(kpos), nh, nkv, hd, self.window)
+
+
+def check_lse(lse, ref, what):
+    dead = np.isneginf(ref)
+    assert (np.isneginf(lse) == dead).all(), f"{what}: -inf rows differ"
+    close(np.where(dead, 0, lse), np.where(dead, 0, ref), what=what)
+
+
+ATTN_CASES = {
+    # name: (B, Tq, Tk, nh, nkv, hd, qpos, kpos, window)
+    "causal_gqa3": (2, 13, 13, 6, 2, 16, list(range(13)), list(range(13)), 0),
+    "gaps_window": (1, 11, 11, 6, 3, 10, [0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34],
+                    [0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34], 4),
+    # q is the tail of the sequence (Tq != Tk), a query sees keys of its own block
+    "q_tail": (2, 5, 17, 6, 6, 10, list(range(12, 17)), list(range(17)), 0),
+    # the first queries precede every key: nothing visible, out 0 and lse -inf
+    "none_visible": (1, 7, 9, 4, 2, 16, list(range(0, 14, 2)), list(range(5, 14)), 3),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTN_CASES))
+def test_attention(lib, case):
+    B, Tq, Tk, nh, nkv, hd, qpos, kpos, window = ATTN_CASES[case]
+    a = Attn(5, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window)
+    out, lse = a.forward(lib, a.k, a.v, a.kpos)
+    close(out, a.out_ref, what="attention out")
+    check_lse(lse, a.lse_ref, "attention lse")
+    if case == "none_visible":
+        assert np.isneginf(a.lse_ref).any() and not np.isneginf(a.lse_ref).all()
+
+    dq0, dk0, dv0 = (rng(6).standard_normal(x.shape) for x in (a.q, a.k, a.v))
+    dq, dk, dv = f32(dq0), f32(dk0), f32(dv0)
+    a.backward(lib, a.k, a.v, a.kpos, out, lse, dq, dk, dv)
+    close(dq, dq0 + a.dq_ref, what="attention dq (+=)")
+    close(dk, dk0 + a.dk_ref, what="attention dk (+=)")
+    close(dv, dv0 + a.dv_ref, what="attention dv (+=)")
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_two_kv_blocks(lib, window):
+    """Ring attention's step: each kv half alone, merged by lse, equals the full
+    attention; the backward of each half (from the final out and lse) sums to the
+    full backward."""
+    B, T, nh, nkv, hd = 2, 15, 6, 3, 10
+    pos = list(range(3, 3 + T))
+    a = Attn(7, B, T, T, nh, nkv, hd, pos, pos, window)
+    cut = 8  # queries before the cut see nothing of the second half: -inf partials
+    halves = [(a.k[:, :cut], a.v[:, :cut], a.kpos[:cut]), (a.k[:, cut:], a.v[:, cut:], a.kpos[cut:])]
+
+    out, lse = a.forward(lib, *halves[0])
+    out2, lse2 = a.forward(lib, *halves[1])
+    assert np.isneginf(lse2).any(), "the split should leave rows with nothing visible"
+    if window:
+        assert np.isneginf(lse).any()
+    lib.op_attention_merge(ptr(out), ptr(lse), ptr(out2), ptr(lse2), B, T, nh, hd)
+    close(out, a.out_ref, what="merged out")
+    check_lse(lse, a.lse_ref, "merged lse")
+
+    # merging in the other order gives the same
+    o_b, l_b = a.forward(lib, *halves[1])
+    o_a, l_a = a.forward(lib, *halves[0])
+    lib.op_attention_merge(ptr(o_b), ptr(l_b), ptr(o_a), ptr(l_a), B, T, nh, hd)
+    close(o_b, a.out_ref, what="merged out, other order")
+
+    dq = np.zeros(a.q.shape, np.float32)
+    dks, dvs = [], []
+    for k, v, kpos in halves:
+        dk, dv = np.zeros(k.shape, np.float32), np.zeros(v.shape, np.float32)
+        a.backward(lib, np.ascontiguousarray(k), np.ascontiguousarray(v), kpos, out, lse, dq, dk, dv)
+        dks.append(dk)
+        dvs.append(dv)
+    close(dq, a.dq_ref, what="dq summed over kv blocks")
+    close(np.concatenate(dks, 1), a.dk_ref, what="dk of the two blocks")
+    close(np.concatenate(dvs, 1), a.dv_ref, what="dv of the two blocks")
+
+
+# ---- SwiGLU ---------------------------------------------------------------------
+
+def test_swiglu(lib):
+    r = rng(8)
+    n = 7 * 33
+    gate, up, g = r.standard_normal(n) * 4, r.standard_normal(n), r.standard_normal(n)
+    G, U = t64(gate, True), t64(up, True)
+    y = F.silu(G) * U
+    (y * t64(g)).sum().backward()
+
+    out = np.empty(n, np.float32)
+    lib.op_swiglu_forward(ptr(out), ptr(f32(gate)), ptr(f32(up)), n)
+    close(out, y, what="swiglu forward")
+    dg0, du0 = r.standard_normal(n), r.standard_normal(n)
+    dg, du = f32(dg0), f32(du0)
+    lib.op_swiglu_backward(ptr(dg), ptr(du), ptr(f32(g)), ptr(f32(gate)), ptr(f32(up)), n)
+    close(dg, dg0 + G.grad.numpy(), what="swiglu dgate (+=)")
+    close(du, du0 + U.grad.numpy(), what="swiglu dup (+=)")
+
+
+# ---- vocab-parallel cross-entropy (tp=2 simulated) --------------------------------
+
+def test_xent_vocab_parallel(lib):
+    r = rng(9)
+    N, V = 9, 37
+    logits = r.standard_normal((N, V)) * 6
+    targets = i32([0, 18, 19, 36, -1, 5, 25, -1, 19])
+    shards = [(0, 19), (19, 18)]  # uneven: (vocab_start, Vl)
+
+    L = t64(logits, True)
+    ref_losses = F.cross_entropy(L, torch.tensor(targets, dtype=torch.long), ignore_index=-1,
+                                 reduction="none")
+    valid = int((targets >= 0).sum())
+    (ref_losses.sum() / valid).backward()  # the mean over counted rows
+
+    parts = [f32(logits[:, s:s + vl]) for s, vl in shards]
+    # step 1 on each rank; step 2: the caller's all-reduces (max; sum)
+    stats = []
+    for (s, vl), lg in zip(shards, parts):
+        rowmax, tl = np.empty(N, np.float32), np.empty(N, np.float32)
+        lib.op_xent_rowmax(ptr(rowmax), ptr(tl), ptr(lg), ptr(targets), N, vl, s)
+        stats.append((rowmax, tl))
+    rowmax = f32(np.max([st[0] for st in stats], 0))
+    target_logit = f32(np.sum([st[1] for st in stats], 0))
+    close(rowmax, logits.astype(np.float32).max(1), what="global row max")
+    # step 3: sum of exp on each rank, all-reduced by sum
+    sumexp = np.zeros(N, np.float32)
+    for (s, vl), lg in zip(shards, parts):
+        se = np.empty(N, np.float32)
+        lib.op_xent_sumexp(ptr(se), ptr(lg), ptr(rowmax), N, vl)
+        sumexp += se
+    losses = np.full(N, np.nan, np.float32)
+    total = lib.op_xent_loss(ptr(losses), ptr(rowmax), ptr(sumexp), ptr(target_logit),
+                             ptr(targets), N)
+    close(losses, ref_losses, what="per-row losses")
+    assert (losses[targets < 0] == 0).all()
+    assert abs(total - ref_losses.sum().item()) <= TOL * abs(ref_losses.sum().item())
+
+    dparts = []
+    for (s, vl), lg in zip(shards, parts):
+        d = np.full((N, vl), np.nan, np.float32)  # written, not accumulated
+        lib.op_xent_backward(ptr(d), ptr(lg), ptr(rowmax), ptr(sumexp), ptr(targets), N, vl, s,
+                             1.0 / valid)
+        dparts.append(d)
+    dlogits = np.concatenate(dparts, 1)
+    close(dlogits, L.grad, what="dlogits")
+    assert (dlogits[targets < 0] == 0).all()
+
+
+# ---- AdamW ------------------------------------------------------------------------
+
+def test_adamw_vs_torch(lib):
+    r = rng(10)
+    n = 7 * 33
+    lr, b1, b2, eps, wd = 1e-2, 0.9, 0.95, 1e-8, 0.1
+    p0 = r.standard_normal(n)
+    grads = [r.standard_normal(n) * s for s in (1.0, 0.1, 3.0)]
+
+    P_ = t64(p0, True)
+    opt = torch.optim.AdamW([P_], lr=lr, betas=(b1, b2), eps=eps, weight_decay=wd)
+    param, m, v = f32(p0), np.zeros(n, np.float32), np.zeros(n, np.float32)
+    for step, g in enumerate(grads, start=1):
+        P_.grad = t64(g)
+        opt.step()
+        lib.op_adamw(ptr(param), ptr(f32(g)), ptr(m), ptr(v), n, lr, b1, b2, eps, wd, step)
+        st = opt.state[P_]
+        close(param, P_, what=f"param after step {step}")
+        close(m, st["exp_avg"], what=f"m after step {step}")
+        close(v, st["exp_avg_sq"], what=f"v after step {step}")
+
+
+# ---- reductions --------------------------------------------------------------------
+
+def test_reductions(lib):
+    r = rng(11)
+    n = 100_003
+    x = f32(r.standard_normal(n) * 10)
+    got = lib.op_sumsq(ptr(x), n)
+    ref = float(np.sum(x.astype(np.float64) ** 2))
+    assert abs(got - ref) <= 1e-12 * ref
+    assert lib.op_sumsq(ptr(x), 0) == 0.0
+
+    assert lib.op_amax(ptr(x), n) == np.abs(x).max()
+    x[77_777] = -1e6
+    assert lib.op_amax(ptr(x), n) == np.float32(1e6)
+    for at in (0, 50_001, n - 1):  # NaN propagates from any thread's part
+        y = x.copy()
+        y[at] = np.nan
+        assert math.isnan(lib.op_amax(ptr(y), n)), f"NaN at {at} lost"
+
+    s = np.float32(0.37)
+    y = x.copy()
+    lib.op_scale(ptr(y), s, n)
+    np.testing.assert_array_equal(y, x * s)  # one fp32 multiply: exact
+
+
+# ---- FP8 ---------------------------------------------------------------------------
+
+FP8 = {OP_FP8_E4M3: (ml_dtypes.float8_e4m3fn, 448.0), OP_FP8_E5M2: (ml_dtypes.float8_e5m2, 57344.0)}
+
+
+def fp8_ref(x, scale, fmt):
+    dt, mx = FP8[fmt]
+    xs = x * np.float32(scale)  # fp32 product, as the op
+    return np.clip(xs, -mx, mx).astype(dt)
+
+
+@pytest.mark.parametrize("fmt", [OP_FP8_E4M3, OP_FP8_E5M2])
+def test_fp8_quantize(lib, fmt):
+    r = rng(12)
+    n = 10_007  # more than one chunk per thread
+    # normal values over many binades, saturating values, subnormals, zeros, ties
+    x = r.standard_normal(n) * np.exp2(r.integers(-20, 18, n))
+    x[:6] = [0.0, -0.0, 1e9, -1e9, 1e-12, -1e-12]
+    x = f32(x)
+    for scale in (1.0, 0.75, 64.0):
+        q = np.empty(n, np.uint8)
+        amax = np.array([np.nan], np.float32)
+        lib.op_fp8_quantize(ptr(q), ptr(amax), ptr(x), n, scale, fmt)
+        ref = fp8_ref(x, scale, fmt)
+        np.testing.assert_array_equal(q, ref.view(np.uint8), err_msg=f"fp8 bytes, scale {scale}")
+        assert amax[0] == np.abs(x).max()
+
+        # dequantize: x = value * (1 / scale), both roundings in fp32: exact
+        back = np.empty(n, np.float32)
+        lib.op_fp8_dequantize(ptr(back), ptr(q), n, scale, fmt)
+        inv = np.float32(1) / np.float32(scale)
+        np.testing.assert_array_equal(back, ref.astype(np.float32) * inv)
+
+    # NaN stays NaN and makes amax NaN; amax may be NULL
+    y = x.copy()
+    y[4321] = np.nan
+    q = np.empty(n, np.uint8)
+    amax = np.zeros(1, np.float32)
+    lib.op_fp8_quantize(ptr(q), ptr(amax), ptr(y), n, 1.0, fmt)
+    assert math.isnan(amax[0])
+    dt = FP8[fmt][0]
+    assert np.isnan(q[4321:4322].view(dt).astype(np.float32))[0]
+    lib.op_fp8_quantize(ptr(q), None, ptr(x), n, 1.0, fmt)
+    np.testing.assert_array_equal(q, fp8_ref(x, 1.0, fmt).view(np.uint8))
+
+
+@pytest.mark.parametrize("fmt", [OP_FP8_E4M3, OP_FP8_E5M2])
+def test_fp8_dequantize_every_pattern(lib, fmt):
+    dt = FP8[fmt][0]
+    q = np.arange(256, dtype=np.uint8)
+    vals = q.view(dt).astype(np.float32)
+    x = np.empty(256, np.float32)
+    lib.op_fp8_dequantize(ptr(x), ptr(q), 256, 1.0, fmt)
+    nan = np.isnan(vals)
+    np.testing.assert_array_equal(np.isnan(x), nan)
+    np.testing.assert_array_equal(x[~nan], vals[~nan])
+
+
+def test_linear_forward_fp8(lib):
+    r = rng(13)
+    N, IN, OUT = 7, 33, 19
+    x, w = f32(r.standard_normal((N, IN)) * 3), f32(r.standard_normal((OUT, IN)) * 0.05)
+    s_in, s_w = 448.0 / np.abs(x).max() * 0.5, 448.0 / np.abs(w).max()
+    xd = fp8_ref(x, s_in, OP_FP8_E4M3).astype(np.float64) / np.float64(np.float32(s_in))
+    wd = fp8_ref(w, s_w, OP_FP8_E4M3).astype(np.float64) / np.float64(np.float32(s_w))
+    ref = t64(xd) @ t64(wd).T
+
+    scratch = np.empty((N + OUT) * IN, np.float32)  # OP_LINEAR_FP8_SCRATCH_BYTES
+    out = np.full((N, OUT), np.nan, np.float32)
+    lib.op_linear_forward_fp8(ptr(out), ptr(x), ptr(w), N, IN, OUT, s_in, s_w, ptr(scratch))
+    close(out, ref, what="fp8 linear")
+    # and it differs from the fp32 product: the quantization is really applied
+    assert np.abs(out - x @ w.T).max() > 1e-3

@@ -1,0 +1,121 @@
+/* libshard core: status mapping, dtypes, paths, the safetensors writer's contract. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../../libshard/core/internal.h"
+
+static void test_exit_codes(void **st)
+{
+    (void)st;
+    assert_int_equal(shard_status_exit_code(SHARD_OK), 0);
+    assert_int_equal(shard_status_exit_code(SHARD_E_IO), 1);
+    assert_int_equal(shard_status_exit_code(SHARD_E_NOMEM), 1);
+    assert_int_equal(shard_status_exit_code(SHARD_E_USAGE), 2);
+    assert_int_equal(shard_status_exit_code(SHARD_E_INVALID), 3);
+    assert_int_equal(shard_status_exit_code(SHARD_E_UNSUPPORTED), 3);
+    assert_int_equal(shard_status_exit_code(SHARD_E_CORRUPT), 3);
+    assert_int_equal(shard_fail(SHARD_E_CORRUPT, "%s: bad %d", "f.h5", 7), SHARD_E_CORRUPT);
+    assert_string_equal(shard_errmsg(), "f.h5: bad 7");
+}
+
+static void test_dtype_names(void **st)
+{
+    (void)st;
+    for (int i = 1; i < SHARD_DT_COUNT; i++) {
+        const char *n = shard_dtype_name((shard_dtype)i);
+        assert_non_null(n);
+        assert_int_equal(shard_dtype_from_name(n), i);
+        assert_true(shard_dtype_size((shard_dtype)i) >= 1);
+    }
+    assert_int_equal(shard_dtype_from_name("F128"), SHARD_DT_INVALID);
+    assert_int_equal(shard_dtype_from_name("f32"), SHARD_DT_INVALID); /* case matters, as in the reference */
+    assert_null(shard_dtype_name(SHARD_DT_INVALID));
+    assert_int_equal(shard_dtype_size(SHARD_DT_BF16), 2);
+}
+
+static void test_fp8_edges(void **st)
+{
+    (void)st;
+    assert_int_equal(shard_f32_to_e4m3(448.0f), 0x7e);
+    assert_int_equal(shard_f32_to_e4m3(464.0f), 0x7e);   /* the tie goes to even: 448 */
+    assert_int_equal(shard_f32_to_e4m3(470.0f), 0x7f);   /* rounds past max: NaN (no inf in e4m3fn) */
+    assert_int_equal(shard_f32_to_e4m3(-INFINITY), 0xff);
+    assert_int_equal(shard_f32_to_e5m2(57344.0f), 0x7b);
+    assert_int_equal(shard_f32_to_e5m2(65536.0f), 0x7c);  /* inf */
+    assert_int_equal(shard_f32_to_e4m3(0x1p-10f), 0x00);  /* tie to even: 0 */
+    assert_int_equal(shard_f32_to_e4m3(0x1.8p-9f), 0x02); /* 1.5 subnormal steps: to even (2) */
+    assert_true(shard_e4m3_to_f32(0x01) == 0x1p-9f);
+    uint8_t q[3];
+    float x[3] = {1000.0f, -1000.0f, 1.0f};
+    float amax = shard_fp8_quantize(q, x, 3, 1.0f, SHARD_DT_F8_E4M3);
+    assert_true(amax == 1000.0f);
+    assert_int_equal(q[0], 0x7e); /* saturates to 448, not NaN */
+    assert_int_equal(q[1], 0xfe);
+    assert_int_equal(shard_f32_to_bf16(1.0f + 0x1p-8f), 0x3f80); /* tie to even */
+    assert_int_equal(shard_f32_to_bf16(1.0f + 0x1.8p-8f), 0x3f81);
+}
+
+static void test_paths(void **st)
+{
+    (void)st;
+    assert_true(shard_path_is_contained("model.safetensors"));
+    assert_true(shard_path_is_contained("sub/model.safetensors"));
+    assert_false(shard_path_is_contained("../x"));
+    assert_false(shard_path_is_contained("a/../../x"));
+    assert_false(shard_path_is_contained("/etc/passwd"));
+    assert_false(shard_path_is_contained(""));
+    assert_false(shard_path_is_contained("a//b"));
+    assert_false(shard_path_is_contained("./a"));
+    assert_false(shard_path_is_contained("a\\..\\b"));
+    char *p = shard_path_join("dir/", "f");
+    assert_string_equal(p, "dir/f");
+    free(p);
+}
+
+static void test_writer_contract(void **st)
+{
+    (void)st;
+    char dir[] = "/tmp/smp-unit-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[256];
+    snprintf(path, sizeof path, "%s/t.safetensors", dir);
+    shard_st_writer *w;
+    assert_int_equal(shard_st_writer_create(path, &w), SHARD_OK);
+    int64_t shape[2] = {2, 3};
+    assert_int_equal(shard_st_writer_declare(w, "a", SHARD_DT_F32, 2, shape), SHARD_OK);
+    assert_int_equal(shard_st_writer_declare(w, "a", SHARD_DT_F32, 2, shape), SHARD_E_USAGE);
+    assert_int_equal(shard_st_writer_declare(w, "__metadata__", SHARD_DT_F32, 2, shape), SHARD_E_USAGE);
+    float v[6] = {1, 2, 3, 4, 5, 6}, extra = 7;
+    assert_int_equal(shard_st_writer_write(w, v, sizeof v), SHARD_OK);
+    assert_int_equal(shard_st_writer_write(w, &extra, 4), SHARD_E_USAGE); /* past the declared bytes */
+    assert_int_equal(access(path, F_OK), -1);                           /* not visible before finish */
+    assert_int_equal(shard_st_writer_finish(w), SHARD_OK);
+    shard_st_file *f;
+    assert_int_equal(shard_st_open(path, &f), SHARD_OK);
+    assert_int_equal(shard_st_count(f), 1);
+    const shard_st_tensor *t = shard_st_find(f, "a");
+    assert_non_null(t);
+    assert_memory_equal(t->data, v, sizeof v);
+    assert_int_equal(t->file_offset % 8, 0);
+    shard_st_close(f);
+    unlink(path);
+    rmdir(dir);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
+        cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract),
+    };
+    return cmocka_run_group_tests_name("core", tests, NULL, NULL);
+}

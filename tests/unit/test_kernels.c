@@ -1,0 +1,322 @@
+/* tests/unit/test_kernels.c: self-contained checks of the portable C ops that need
+ * no Python: central finite differences against each backward (rmsnorm, swiglu,
+ * attention, cross-entropy) on tiny shapes, and the attention log-sum-exp merge.
+ * The comparisons with torch live in tests/oracle/test_kernels.py. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include <cmocka.h>
+
+#include <math.h>
+#include <string.h>
+
+#include "ops.h"
+
+/* ---- helpers ------------------------------------------------------------------- */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+
+static void rng_seed(uint64_t s) { rng_state = s * 0x9e3779b97f4a7c15ull + 1; }
+
+/* uniform in [-a, a) (xorshift64*) */
+static float urand(float a)
+{
+    rng_state ^= rng_state >> 12;
+    rng_state ^= rng_state << 25;
+    rng_state ^= rng_state >> 27;
+    uint64_t r = rng_state * 0x2545f4914f6cdd1dull;
+    return a * (2.0f * (float)((r >> 40) * (1.0 / 16777216.0)) - 1.0f);
+}
+
+static void fill(float *x, size_t n, float a)
+{
+    for (size_t i = 0; i < n; i++)
+        x[i] = urand(a);
+}
+
+static double dotd(const float *a, const float *b, size_t n)
+{
+    double s = 0.0;
+    for (size_t i = 0; i < n; i++)
+        s += (double)a[i] * b[i];
+    return s;
+}
+
+/* |got - ref| <= tol * max(max|ref|, floor) for every element; on failure names the
+ * first bad element. Finite differences in fp32 carry noise of ~1e-4, hence a
+ * tolerance relative to the tensor's scale rather than to each element. */
+static void check_close(const char *what, const float *got, const float *ref, size_t n,
+                        double tol, double floor_)
+{
+    double scale = floor_;
+    for (size_t i = 0; i < n; i++)
+        scale = fmax(scale, fabs((double)ref[i]));
+    for (size_t i = 0; i < n; i++) {
+        double err = fabs((double)got[i] - (double)ref[i]);
+        if (!(err <= tol * scale))
+            fail_msg("%s[%zu]: got %.7g, expected %.7g (err %.3g > %.3g)", what, i,
+                     (double)got[i], (double)ref[i], err, tol * scale);
+    }
+}
+
+/* A scalar loss L(x) evaluated by a forward; fd_grad fills g[i] = dL/dx[i] by
+ * central differences, perturbing x in place and restoring it. */
+typedef double (*loss_fn)(void *ctx);
+
+static void fd_grad(float *g, float *x, size_t n, loss_fn f, void *ctx, float h)
+{
+    for (size_t i = 0; i < n; i++) {
+        float x0 = x[i];
+        x[i] = x0 + h;
+        double lp = f(ctx);
+        x[i] = x0 - h;
+        double lm = f(ctx);
+        x[i] = x0;
+        g[i] = (float)((lp - lm) / (2.0 * h));
+    }
+}
+
+/* step 1e-2: truncation error ~h^2 and fp32 rounding ~1e-7/h leave errors of
+ * ~4e-5 of the scale on these shapes; FD_TOL keeps a margin of ~10 */
+#define FD_H 1e-2f
+#define FD_TOL 3e-4
+
+/* ---- RMSNorm --------------------------------------------------------------------- */
+
+enum { RN_N = 3, RN_H = 7 };
+typedef struct {
+    float x[RN_N * RN_H], w[RN_H], dout[RN_N * RN_H];
+} rms_ctx;
+
+static double rms_loss(void *p)
+{
+    rms_ctx *c = p;
+    float out[RN_N * RN_H], rstd[RN_N];
+    op_rmsnorm_forward(out, rstd, c->x, c->w, RN_N, RN_H, 1e-5f);
+    return dotd(out, c->dout, RN_N * RN_H);
+}
+
+static void test_rmsnorm_fd(void **state)
+{
+    (void)state;
+    rng_seed(1);
+    rms_ctx c;
+    fill(c.x, RN_N * RN_H, 2.0f);
+    fill(c.w, RN_H, 1.5f);
+    fill(c.dout, RN_N * RN_H, 1.0f);
+
+    float out[RN_N * RN_H], rstd[RN_N];
+    op_rmsnorm_forward(out, rstd, c.x, c.w, RN_N, RN_H, 1e-5f);
+    for (int n = 0; n < RN_N; n++) { /* rstd is what its name says */
+        double ms = dotd(c.x + n * RN_H, c.x + n * RN_H, RN_H) / RN_H;
+        assert_true(fabs(rstd[n] - 1.0 / sqrt(ms + 1e-5)) < 1e-5 * rstd[n]);
+    }
+    float dx[RN_N * RN_H] = {0}, dw[RN_H] = {0}, fx[RN_N * RN_H], fw[RN_H];
+    op_rmsnorm_backward(dx, dw, c.dout, c.x, c.w, rstd, RN_N, RN_H);
+    fd_grad(fx, c.x, RN_N * RN_H, rms_loss, &c, FD_H);
+    fd_grad(fw, c.w, RN_H, rms_loss, &c, FD_H);
+    check_close("rmsnorm dinp", dx, fx, RN_N * RN_H, FD_TOL, 1e-3);
+    check_close("rmsnorm dweight", dw, fw, RN_H, FD_TOL, 1e-3);
+}
+
+/* ---- SwiGLU ----------------------------------------------------------------------- */
+
+enum { SW_N = 23 };
+typedef struct {
+    float gate[SW_N], up[SW_N], dout[SW_N];
+} swiglu_ctx;
+
+static double swiglu_loss(void *p)
+{
+    swiglu_ctx *c = p;
+    float out[SW_N];
+    op_swiglu_forward(out, c->gate, c->up, SW_N);
+    return dotd(out, c->dout, SW_N);
+}
+
+static void test_swiglu_fd(void **state)
+{
+    (void)state;
+    rng_seed(2);
+    swiglu_ctx c;
+    fill(c.gate, SW_N, 5.0f);
+    fill(c.up, SW_N, 1.0f);
+    fill(c.dout, SW_N, 1.0f);
+    float dg[SW_N] = {0}, du[SW_N] = {0}, fg[SW_N], fu[SW_N];
+    op_swiglu_backward(dg, du, c.dout, c.gate, c.up, SW_N);
+    fd_grad(fg, c.gate, SW_N, swiglu_loss, &c, FD_H);
+    fd_grad(fu, c.up, SW_N, swiglu_loss, &c, FD_H);
+    check_close("swiglu dgate", dg, fg, SW_N, FD_TOL, 1e-3);
+    check_close("swiglu dup", du, fu, SW_N, FD_TOL, 1e-3);
+}
+
+/* ---- attention -------------------------------------------------------------------- */
+
+enum { AB = 1, AT = 6, ANH = 4, ANKV = 2, AHD = 4 };
+enum { AQN = AB * AT * ANH * AHD, AKN = AB * AT * ANKV * AHD, ALN = AB * ANH * AT };
+typedef struct {
+    float q[AQN], k[AKN], v[AKN], dout[AQN];
+    int32_t pos[AT];
+    int window;
+} attn_ctx;
+
+static double attn_loss(void *p)
+{
+    attn_ctx *c = p;
+    float out[AQN], lse[ALN];
+    op_attention_forward(out, lse, c->q, c->k, c->v, c->pos, c->pos, AB, AT, AT, ANH, ANKV,
+                         AHD, c->window);
+    return dotd(out, c->dout, AQN);
+}
+
+static void attn_fd_case(int window)
+{
+    rng_seed(3 + (uint64_t)window);
+    attn_ctx c;
+    fill(c.q, AQN, 1.5f);
+    fill(c.k, AKN, 1.5f);
+    fill(c.v, AKN, 1.0f);
+    fill(c.dout, AQN, 1.0f);
+    const int32_t pos[AT] = {0, 1, 2, 7, 8, 9}; /* two chunks, as a cp rank holds */
+    memcpy(c.pos, pos, sizeof pos);
+    c.window = window;
+
+    float out[AQN], lse[ALN];
+    op_attention_forward(out, lse, c.q, c.k, c.v, c.pos, c.pos, AB, AT, AT, ANH, ANKV, AHD, window);
+    float dq[AQN] = {0}, dk[AKN] = {0}, dv[AKN] = {0}, fq[AQN], fk[AKN], fv[AKN];
+    op_attention_backward(dq, dk, dv, c.dout, c.q, c.k, c.v, out, lse, c.pos, c.pos, AB, AT, AT,
+                          ANH, ANKV, AHD, window);
+    fd_grad(fq, c.q, AQN, attn_loss, &c, FD_H);
+    fd_grad(fk, c.k, AKN, attn_loss, &c, FD_H);
+    fd_grad(fv, c.v, AKN, attn_loss, &c, FD_H);
+    check_close("attention dq", dq, fq, AQN, FD_TOL, 1e-3);
+    check_close("attention dk", dk, fk, AKN, FD_TOL, 1e-3);
+    check_close("attention dv", dv, fv, AKN, FD_TOL, 1e-3);
+}
+
+static void test_attention_fd(void **state)
+{
+    (void)state;
+    attn_fd_case(0);
+}
+
+static void test_attention_window_fd(void **state)
+{
+    (void)state;
+    attn_fd_case(2);
+}
+
+/* Splitting the keys in two, attending to each part and merging by log-sum-exp gives
+ * the attention over all keys; rows where a part sees nothing (lse = -inf) and rows
+ * where both parts see nothing are merged correctly. */
+static void test_attention_merge_identity(void **state)
+{
+    (void)state;
+    rng_seed(5);
+    float q[AQN], k[AKN], v[AKN];
+    fill(q, AQN, 1.5f);
+    fill(k, AKN, 1.5f);
+    fill(v, AKN, 1.0f);
+    const int32_t pos[AT] = {0, 1, 2, 7, 8, 9};
+    const int cut = 2, rest = AT - cut; /* AB == 1: the key halves are contiguous */
+    const size_t kv_row = ANKV * AHD;
+
+    for (int window = 0; window <= 3; window += 3) {
+        float out[AQN], lse[ALN], o1[AQN], l1[ALN], o2[AQN], l2[ALN];
+        op_attention_forward(out, lse, q, k, v, pos, pos, AB, AT, AT, ANH, ANKV, AHD, window);
+        op_attention_forward(o1, l1, q, k, v, pos, pos, AB, AT, cut, ANH, ANKV, AHD, window);
+        op_attention_forward(o2, l2, q, k + cut * kv_row, v + cut * kv_row, pos, pos + cut, AB,
+                             AT, rest, ANH, ANKV, AHD, window);
+        int dead1 = 0, dead2 = 0;
+        for (int i = 0; i < ALN; i++) {
+            dead1 += isinf(l1[i]) && l1[i] < 0;
+            dead2 += isinf(l2[i]) && l2[i] < 0;
+        }
+        assert_true(dead2 > 0);                /* early queries see no later key */
+        assert_true(window == 0 || dead1 > 0); /* late queries: first keys out of window */
+        op_attention_merge(o1, l1, o2, l2, AB, AT, ANH, AHD);
+        check_close("merged out", o1, out, AQN, 1e-6, 1e-3);
+        check_close("merged lse", l1, lse, ALN, 1e-6, 1e-3);
+    }
+
+    /* both parts empty: stays out = 0, lse = -inf (no NaN from -inf - -inf) */
+    float o[AHD] = {0}, oo[AHD] = {0}, l[1] = {-INFINITY}, ll[1] = {-INFINITY};
+    op_attention_merge(o, l, oo, ll, 1, 1, 1, AHD);
+    assert_true(isinf(l[0]) && l[0] < 0);
+    for (int d = 0; d < AHD; d++)
+        assert_true(o[d] == 0.0f);
+    /* only the second part: it is copied */
+    float o2[AHD] = {1, 2, 3, 4}, l2[1] = {0.5f};
+    op_attention_merge(o, l, o2, l2, 1, 1, 1, AHD);
+    assert_true(l[0] == 0.5f && o[3] == 4.0f);
+}
+
+/* ---- cross-entropy ------------------------------------------------------------------ */
+
+enum { XN = 4, XV = 9 };
+typedef struct {
+    float logits[XN * XV];
+    int32_t targets[XN];
+} xent_ctx;
+
+/* the tp=1 pipeline: every statistic is already global */
+static double xent_total(xent_ctx *c, float *rowmax, float *sumexp)
+{
+    float tl[XN], losses[XN];
+    op_xent_rowmax(rowmax, tl, c->logits, c->targets, XN, XV, 0);
+    op_xent_sumexp(sumexp, c->logits, rowmax, XN, XV);
+    return op_xent_loss(losses, rowmax, sumexp, tl, c->targets, XN);
+}
+
+static double xent_loss(void *p)
+{
+    float rowmax[XN], sumexp[XN];
+    return xent_total(p, rowmax, sumexp);
+}
+
+static void test_xent_fd(void **state)
+{
+    (void)state;
+    rng_seed(6);
+    xent_ctx c;
+    fill(c.logits, XN * XV, 4.0f);
+    const int32_t targets[XN] = {3, -1, 0, 8};
+    memcpy(c.targets, targets, sizeof targets);
+
+    float rowmax[XN], sumexp[XN];
+    double total = xent_total(&c, rowmax, sumexp);
+    double ref = 0.0; /* log-softmax, directly */
+    for (int n = 0; n < XN; n++) {
+        if (c.targets[n] < 0)
+            continue;
+        double s = 0.0;
+        for (int j = 0; j < XV; j++)
+            s += exp((double)c.logits[n * XV + j]);
+        ref += log(s) - c.logits[n * XV + c.targets[n]];
+    }
+    assert_true(fabs(total - ref) < 1e-5 * fabs(ref));
+
+    float d[XN * XV], fd[XN * XV];
+    for (int i = 0; i < XN * XV; i++)
+        d[i] = NAN; /* written, not accumulated */
+    op_xent_backward(d, c.logits, rowmax, sumexp, c.targets, XN, XV, 0, 1.0f);
+    fd_grad(fd, c.logits, XN * XV, xent_loss, &c, FD_H);
+    check_close("xent dlogits", d, fd, XN * XV, FD_TOL, 1e-3);
+    for (int j = 0; j < XV; j++) /* the ignored row has no gradient */
+        assert_true(d[1 * XV + j] == 0.0f);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_rmsnorm_fd),
+        cmocka_unit_test(test_swiglu_fd),
+        cmocka_unit_test(test_attention_fd),
+        cmocka_unit_test(test_attention_window_fd),
+        cmocka_unit_test(test_attention_merge_identity),
+        cmocka_unit_test(test_xent_fd),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}

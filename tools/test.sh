@@ -1,0 +1,79 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs what it needs (tools/bootstrap.sh),
+# builds every variant, runs the C unit tests (optimized and sanitized), the oracle
+# tests against torch/transformers/safetensors/ml_dtypes/h5py, the hostile corpus
+# under ASan+UBSan, replays the fuzz corpora and fuzzes each parser briefly, and runs
+# the GPU parity program (which skips cleanly where there is no GPU).
+#   FUZZ_SECONDS=N   seconds of fresh fuzzing per harness (default 20)
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+FUZZ_SECONDS=${FUZZ_SECONDS:-20}
+JOBS=$(nproc)
+LOG=build/test-logs
+passed=0; failed=0; failures=()
+step() { echo; echo "==== $*"; }
+ok()   { passed=$((passed + 1)); echo "PASS: $1"; }
+bad()  { failed=$((failed + 1)); failures+=("$1"); echo "FAIL: $1"; }
+
+step "bootstrap"
+VENV=$(tools/bootstrap.sh | tail -1) || { echo "bootstrap failed"; exit 1; }
+PY="$VENV/bin/python"
+mkdir -p "$LOG"
+
+step "build (release, asan, fuzz)"
+build_variant() {  # name, scons args...
+    local name=$1; shift
+    if scons -Q -j"$JOBS" "$@" >"$LOG/build-$name.log" 2>&1; then
+        if grep -E "warning:" "$LOG/build-$name.log"; then bad "build $name has warnings"; else ok "build $name"; fi
+    else
+        tail -30 "$LOG/build-$name.log"; bad "build $name"
+    fi
+}
+build_variant release
+build_variant asan variant=asan cuda=0
+build_variant fuzz variant=fuzz
+
+step "C unit tests"
+export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+for t in build/release/tests/test_* build/asan/tests/test_*; do
+    [ -x "$t" ] || continue
+    if "$t" >"$LOG/$(echo "$t" | tr / _).log" 2>&1; then ok "$t"; else cat "$LOG/$(echo "$t" | tr / _).log" | tail -30; bad "$t"; fi
+done
+
+step "oracle tests (pytest)"
+SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider tests/oracle
+rc=$?
+if [ $rc -eq 0 ]; then ok "pytest tests/oracle"; else bad "pytest tests/oracle (exit $rc)"; fi
+
+step "fuzzers: replay the seed corpus, then ${FUZZ_SECONDS}s of fresh inputs each"
+for f in build/fuzz/bin/fuzz_*; do
+    [ -x "$f" ] || continue
+    name=${f##*/fuzz_}
+    work=$(mktemp -d)
+    if "$f" -runs=0 "tests/fuzz/corpus/$name" >"$LOG/fuzz-$name-replay.log" 2>&1 &&
+       "$f" -max_total_time="$FUZZ_SECONDS" -rss_limit_mb=2048 -max_len=65536 -print_final_stats=1 \
+            "$work" "tests/fuzz/corpus/$name" >"$LOG/fuzz-$name.log" 2>&1; then
+        runs=$(grep -oE "Done [0-9]+ runs" "$LOG/fuzz-$name.log" | grep -oE "[0-9]+")
+        ok "fuzz_$name: corpus replayed, $runs executions without a crash"
+    else
+        tail -40 "$LOG/fuzz-$name.log"; bad "fuzz_$name"
+    fi
+    rm -rf "$work"
+done
+
+step "GPU parity (skips without a GPU)"
+if [ -x build/bin/smp-gpu-parity ]; then
+    out=$(build/bin/smp-gpu-parity 2>&1); rc=$?
+    echo "$out" | tail -5
+    if [ $rc -ne 0 ]; then bad "smp-gpu-parity (exit $rc)"
+    elif echo "$out" | grep -q "SKIP"; then echo "(not counted: no GPU here)"
+    else ok "smp-gpu-parity"; fi
+else
+    echo "smp-gpu-parity not built (no nvcc): nothing to run"
+fi
+
+echo
+for f in "${failures[@]}"; do echo "failed: $f"; done
+echo "suites: $passed passed, $failed failed"
+[ "$failed" -eq 0 ]
