@@ -221,6 +221,165 @@ uint64_t shard_model_param_count(const shard_model_desc *d);
  * ignored (derived). */
 shard_status shard_model_check_weights(const shard_model_desc *d, const shard_weights *w, const char *dir);
 
+/* ------------------------------------------------------------------ layouts */
+/* A parallel layout: pp pipeline stages x dp data-parallel replicas x cp context-
+ * parallel ranks x tp tensor-parallel ranks. Rank order, fastest first: tp, cp, dp, pp:
+ *   rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+ * so that a tensor-parallel group sits on one node. */
+typedef struct {
+    int pp, tp, cp, dp;
+} shard_layout;
+typedef struct {
+    int pp, tp, cp, dp;
+} shard_coords;
+
+/* "pp=2,tp=4[,cp=1][,dp=1]" in any order, each at most once; missing ones are 1. */
+shard_status shard_layout_parse(const char *text, shard_layout *out);
+/* "pp=2,tp=4,cp=1,dp=1" (buf of at least 64 bytes). */
+const char *shard_layout_format(const shard_layout *l, char *buf, size_t cap);
+int shard_layout_size(const shard_layout *l);
+shard_coords shard_layout_coords(const shard_layout *l, int rank);
+int shard_layout_rank(const shard_layout *l, shard_coords c);
+
+/* Pipeline stages: layers_per_stage[pp] (sum = layers). The first stage also holds
+ * the embedding, the last the final norm and the head. */
+#define SHARD_MAX_PP 1024
+/* spec: "auto" (the cost model below) or "8,8,7,9" (explicit, pp numbers >= 1). */
+shard_status shard_stages_parse(const char *spec, const shard_model_desc *d, int pp, int *layers_per_stage);
+/* Balance the stages by a cost model: each layer costs its matmul flops per token
+ * (attention + MLP) plus its parameter bytes; the embedding costs its parameter
+ * bytes on stage 0, the head its flops and bytes on the last stage. Minimizes the
+ * largest stage cost over contiguous splits (every stage gets at least one layer). */
+shard_status shard_stages_auto(const shard_model_desc *d, int pp, int *layers_per_stage);
+/* The stage that holds layer l. */
+int shard_stage_of_layer(const int *layers_per_stage, int pp, int layer);
+
+/* Refuse layouts that cannot hold the model, naming why: tp must divide the number
+ * of attention heads, and either divide or be a multiple of the kv heads; pp may not
+ * exceed the number of layers; every count >= 1; sizes bounded. */
+shard_status shard_layout_check(const shard_layout *l, const shard_model_desc *d);
+
+/* ------------------------------------------------------------------- boxes */
+#define SHARD_MAX_DIMS 8
+/* A box of a tensor: off[k] <= index[k] < off[k] + len[k] for every dim k. */
+typedef struct {
+    int ndim;
+    int64_t off[SHARD_MAX_DIMS];
+    int64_t len[SHARD_MAX_DIMS];
+} shard_box;
+uint64_t shard_box_numel(const shard_box *b);
+/* 1 and out = a ∩ b when they overlap in a non-empty box; 0 otherwise. */
+int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out);
+
+/* The piece of a model tensor that a rank holds in a layout.
+ *   holds: 0 when the rank holds none of it (another stage's tensor)
+ *   box:   the region of the GLOBAL (unpadded) tensor it holds; may be empty
+ *          (len 0) for the last vocab-parallel rank when the vocabulary is small
+ *   writes: 1 when this rank is the one that stores this region in a checkpoint
+ *          (the lowest rank holding it: tp-replicated kv heads and norms, and every
+ *          cp/dp replica, are written once)
+ * Partition rules (HF names): embedding and lm_head split dim 0 in tp blocks of
+ * ceil(V/tp) rows (vocab padded to a multiple of tp at run time, padding never
+ * stored); q/k/v/gate/up split dim 0 by whole heads (kv heads replicated tp/kv
+ * times when fewer than tp; gate/up in blocks of ceil(F/tp) rows); o_proj and
+ * down_proj split dim 1 the same way; norms replicated. With tied embeddings and
+ * pp > 1 the last stage holds a copy of the embedding (writes = 0 there). */
+typedef struct {
+    int holds;
+    int writes;
+    shard_box box;
+} shard_piece;
+shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, const int *layers_per_stage,
+                             const shard_tensor_spec *t, int rank, shard_piece *out);
+
+/* --------------------------------------------------------------- checkpoints */
+/* The SMP checkpoint format, version 1 (docs/FORMAT.md has it field by field):
+ *   CKPT/smp.json          manifest, written last: its presence means "whole"
+ *   CKPT/shard-RRRRR.h5    the pieces written by rank RRRRR (HDF5; one dataset per
+ *                          piece under /params, /optim/master, /optim/exp_avg,
+ *                          /optim/exp_avg_sq, /fp8; chunked, shuffle + zstd
+ *                          (filter 32015); attributes: tensor, dtype, offset,
+ *                          global_shape, xxh64)
+ *   CKPT/extra/...         the model folder's other files (tokenizer, ...), verbatim
+ * A checkpoint is written into <parent>/.tmp-<name>-<nonce>/ and renamed into place
+ * once every file and the manifest are fsynced. */
+#define SHARD_FORMAT_NAME "smp"
+#define SHARD_FORMAT_VERSION 1
+
+/* Compression of shard files: level 0 = none, else zstd level 1..19. */
+typedef struct {
+    int zstd_level;
+} shard_compress;
+/* "none", "zstd" (level 3) or "zstd:N". */
+shard_status shard_compress_parse(const char *text, shard_compress *out);
+
+/* One shard file being written (by one rank). */
+typedef struct shard_h5_writer shard_h5_writer;
+shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out);
+/* Write the piece `box` of tensor `name` (group "params", "optim/master", ...),
+ * taking it from src: a C-order array of the WHOLE tensor (shape gshape, dtype
+ * src_dt), converting to dt. Streams in chunks; memory stays bounded. */
+shard_status shard_h5_write_piece(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
+                                  int ndim, const int64_t *gshape, const shard_box *box,
+                                  const void *src, shard_dtype src_dt);
+/* Same, from a buffer holding exactly the box (C order, dtype src_dt). */
+shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
+                                  int ndim, const int64_t *gshape, const shard_box *box,
+                                  const void *local, shard_dtype src_dt);
+shard_status shard_h5_close(shard_h5_writer *w); /* flushes and fsyncs; frees w */
+void shard_h5_abort(shard_h5_writer *w);
+
+/* A checkpoint opened for reading: the manifest is parsed and validated (format
+ * and version, paths that stay in the folder, pieces inside their tensors, every
+ * element stored exactly once). */
+typedef struct shard_ckpt shard_ckpt;
+typedef struct {
+    const char *name;    /* "model.embed_tokens.weight" */
+    const char *group;   /* "params", "optim/master", ... */
+    shard_dtype dtype;
+    int ndim;
+    int64_t shape[SHARD_MAX_DIMS];
+    size_t npieces;
+} shard_ckpt_tensor;
+shard_status shard_ckpt_open(const char *dir, shard_ckpt **out);
+void shard_ckpt_close(shard_ckpt *c);
+const char *shard_ckpt_dir(const shard_ckpt *c);
+const shard_model_desc *shard_ckpt_model(const shard_ckpt *c);
+const shard_layout *shard_ckpt_layout(const shard_ckpt *c);
+const int *shard_ckpt_stages(const shard_ckpt *c);
+/* The config.json stored verbatim (NUL-terminated). */
+const char *shard_ckpt_config_json(const shard_ckpt *c);
+size_t shard_ckpt_tensor_count(const shard_ckpt *c);
+const shard_ckpt_tensor *shard_ckpt_tensor_at(const shard_ckpt *c, size_t i);
+/* index or -1; group NULL means "params" */
+long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name);
+/* Read the box `want` of tensor i into dst (C order of the box, dtype dst_dt):
+ * the planner intersects the stored pieces with the box; every piece touched is
+ * read whole once and its xxh64 checked. */
+shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, void *dst, shard_dtype dst_dt);
+/* Every whole-file checksum, every piece's checksum, and coverage. */
+shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked);
+/* Files kept beside the weights (tokenizer, ...): relative names under extra/. */
+size_t shard_ckpt_extra_count(const shard_ckpt *c);
+const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i);
+/* Raw manifest (for smp-inspect --json). */
+const void *shard_ckpt_manifest_json(const shard_ckpt *c); /* a json_t* */
+
+/* Writing a checkpoint. begin: make <parent>/.tmp-<name>-<nonce>/ (the staging
+ * folder, where shard files are written by any number of processes); commit: scan
+ * the shard files' attributes into smp.json (with checksums of every piece and
+ * file), fsync everything, rename the folder to `final_dir`, fsync the parent.
+ * A final_dir that already exists is refused (SHARD_E_USAGE) unless overwrite. */
+typedef struct shard_ckpt_writer shard_ckpt_writer;
+shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out);
+const char *shard_ckpt_staging(const shard_ckpt_writer *w);
+/* Copy a file of the model folder into extra/ (checksummed at commit). */
+shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel_name);
+shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len,
+                               const shard_model_desc *d, const shard_layout *l, const int *stages,
+                               int overwrite);
+void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder */
+
 #ifdef __cplusplus
 }
 #endif

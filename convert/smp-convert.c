@@ -1,0 +1,215 @@
+/* smp-convert: Hugging Face weights -> SMP checkpoint (hf2smp), and any SMP layout
+ * -> any other (reshard). Both are the same loop: for every rank of the target
+ * layout and every tensor, the piece that rank writes is copied out of the source
+ * (a mapped safetensors tensor, or the planner reading the stored pieces). */
+#include "../tools/cli/cli.h"
+#include "../tools/cli/progress.h"
+#include "shard.h"
+
+#include <dirent.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+static const char HELP[] =
+    "usage: smp-convert hf2smp  --in HF_DIR --out CKPT --layout pp=P,tp=T[,cp=C][,dp=D]\n"
+    "                           [--stages auto|8,8,7,9] [--dtype keep|bf16|fp32] [--compress zstd[:N]|none]\n"
+    "       smp-convert reshard --in CKPT --out CKPT2 --layout ... [--stages ...] [--dtype ...] [--compress ...]\n"
+    "\n"
+    "hf2smp   shard a Hugging Face model folder (config.json, safetensors weights, tokenizer\n"
+    "         and other files) into an SMP checkpoint laid out for pp x tp x cp x dp ranks.\n"
+    "reshard  turn a checkpoint of any layout into one of another layout.\n"
+    "\n"
+    "The output appears only when whole (written under a temporary name, then renamed).\n"
+    "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
+
+typedef struct {
+    const char *in, *out, *layout, *stages, *dtype, *compress;
+} args;
+
+typedef struct {
+    shard_weights *w; /* hf2smp */
+    shard_ckpt *c;    /* reshard */
+} source;
+
+static shard_dtype pick_dtype(const char *how, shard_dtype src)
+{
+    if (!strcmp(how, "bf16")) return SHARD_DT_BF16;
+    if (!strcmp(how, "fp32")) return SHARD_DT_F32;
+    return src;
+}
+
+static shard_status src_dtype(const source *src, const char *name, shard_dtype *dt, long *ci)
+{
+    if (src->w) {
+        const shard_st_tensor *t = shard_weights_find(src->w, name);
+        *dt = t->dtype;
+        return SHARD_OK;
+    }
+    *ci = shard_ckpt_find(src->c, "params", name);
+    if (*ci < 0) return shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" is missing", shard_ckpt_dir(src->c), name);
+    *dt = shard_ckpt_tensor_at(src->c, (size_t)*ci)->dtype;
+    return SHARD_OK;
+}
+
+static shard_status convert(const args *a, const source *src, const shard_model_desc *d, const char *config, size_t config_len,
+                            const char *extra_dir)
+{
+    shard_layout l;
+    shard_compress comp;
+    int stages[SHARD_MAX_PP];
+    shard_status s;
+    if ((s = shard_layout_parse(a->layout, &l)) || (s = shard_layout_check(&l, d)) ||
+        (s = shard_stages_parse(a->stages, d, l.pp, stages)) || (s = shard_compress_parse(a->compress, &comp)))
+        return s;
+    const size_t nt = shard_model_tensor_count(d);
+    const int nranks = shard_layout_size(&l);
+    /* total bytes to write, for the progress line */
+    uint64_t total = 0;
+    shard_tensor_spec t;
+    shard_piece pc;
+    for (int r = 0; r < nranks; r++)
+        for (size_t i = 0; i < nt; i++) {
+            shard_model_tensor(d, i, &t);
+            if ((s = shard_partition(d, &l, stages, &t, r, &pc))) return s;
+            shard_dtype sdt;
+            long ci;
+            if ((s = src_dtype(src, t.name, &sdt, &ci))) return s;
+            if (pc.holds && pc.writes) total += shard_box_numel(&pc.box) * shard_dtype_size(pick_dtype(a->dtype, sdt));
+        }
+    shard_ckpt_writer *cw;
+    if ((s = shard_ckpt_begin(a->out, &cw))) return s;
+    progress pg;
+    progress_start(&pg, "writing", total);
+    void *buf = NULL;
+    size_t bufcap = 0;
+    for (int r = 0; r < nranks && !s; r++) {
+        shard_h5_writer *hw = NULL;
+        for (size_t i = 0; i < nt && !s; i++) {
+            shard_model_tensor(d, i, &t);
+            if ((s = shard_partition(d, &l, stages, &t, r, &pc))) break;
+            uint64_t numel = shard_box_numel(&pc.box);
+            if (!pc.holds || !pc.writes || numel == 0) continue;
+            if (!hw) {
+                char name[64];
+                snprintf(name, sizeof name, "shard-%05d.h5", r);
+                char *p = malloc(strlen(shard_ckpt_staging(cw)) + 80);
+                sprintf(p, "%s/%s", shard_ckpt_staging(cw), name);
+                s = shard_h5_create(p, comp, &hw);
+                free(p);
+                if (s) break;
+            }
+            shard_dtype sdt;
+            long ci = -1;
+            if ((s = src_dtype(src, t.name, &sdt, &ci))) break;
+            shard_dtype dt = pick_dtype(a->dtype, sdt);
+            if (src->w) {
+                const shard_st_tensor *st = shard_weights_find(src->w, t.name);
+                s = shard_h5_write_piece(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, st->data, st->dtype);
+            } else {
+                /* the planner assembles this piece from the stored ones, in the target dtype */
+                size_t need = (size_t)numel * shard_dtype_size(dt);
+                if (need > bufcap) { free(buf); buf = malloc(need); bufcap = need; }
+                if (!buf) { s = shard_fail(SHARD_E_NOMEM, "out of memory for a %zu-byte piece", need); break; }
+                s = shard_ckpt_read(src->c, (size_t)ci, &pc.box, buf, dt);
+                if (!s) s = shard_h5_write_local(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, buf, dt);
+            }
+            progress_add(&pg, numel * shard_dtype_size(dt));
+        }
+        if (hw) {
+            if (s) shard_h5_abort(hw);
+            else s = shard_h5_close(hw);
+        }
+    }
+    free(buf);
+    progress_end(&pg);
+    /* the model folder's other files travel with the checkpoint */
+    if (!s && extra_dir) {
+        DIR *dir = opendir(extra_dir);
+        struct dirent *e;
+        while (!s && dir && (e = readdir(dir))) {
+            const char *n = e->d_name;
+            size_t len = strlen(n);
+            if (n[0] == '.' || !strcmp(n, "config.json") || !strcmp(n, "model.safetensors.index.json") ||
+                (len > 12 && !strcmp(n + len - 12, ".safetensors")))
+                continue;
+            char *p = malloc(strlen(extra_dir) + len + 2);
+            sprintf(p, "%s/%s", extra_dir, n);
+            struct stat st;
+            if (stat(p, &st) == 0 && S_ISREG(st.st_mode)) s = shard_ckpt_add_extra(cw, p, n);
+            free(p);
+        }
+        if (dir) closedir(dir);
+    }
+    if (!s && src->c) {
+        for (size_t i = 0; i < shard_ckpt_extra_count(src->c) && !s; i++) {
+            const char *n = shard_ckpt_extra_at(src->c, i);
+            char *p = malloc(strlen(shard_ckpt_dir(src->c)) + strlen(n) + 16);
+            sprintf(p, "%s/extra/%s", shard_ckpt_dir(src->c), n);
+            s = shard_ckpt_add_extra(cw, p, n);
+            free(p);
+        }
+    }
+    if (!s) s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, 0);
+    else shard_ckpt_abort(cw);
+    return s;
+}
+
+static int parse_args(int argc, char **argv, args *a)
+{
+    *a = (args){NULL, NULL, NULL, "auto", "keep", "zstd"};
+    for (int i = 2; i < argc; i++) {
+        const char **slot = NULL;
+        if (!strcmp(argv[i], "--in")) slot = &a->in;
+        else if (!strcmp(argv[i], "--out")) slot = &a->out;
+        else if (!strcmp(argv[i], "--layout")) slot = &a->layout;
+        else if (!strcmp(argv[i], "--stages")) slot = &a->stages;
+        else if (!strcmp(argv[i], "--dtype")) slot = &a->dtype;
+        else if (!strcmp(argv[i], "--compress")) slot = &a->compress;
+        else return cli_usage("unknown option %s", argv[i]);
+        if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
+        *slot = argv[++i];
+    }
+    if (!a->in || !a->out || !a->layout) return cli_usage("--in, --out and --layout are required");
+    if (strcmp(a->dtype, "keep") && strcmp(a->dtype, "bf16") && strcmp(a->dtype, "fp32")) return cli_usage("--dtype must be keep, bf16 or fp32");
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    cli_init("smp-convert");
+    if (cli_std_flags(argc, argv, HELP)) return 0;
+    if (argc < 2) return cli_usage("missing subcommand (hf2smp or reshard)");
+    args a;
+    int rc = parse_args(argc, argv, &a);
+    if (rc) return rc;
+    shard_status s;
+    double t0 = now_seconds();
+    if (!strcmp(argv[1], "hf2smp")) {
+        char cfg[4096];
+        snprintf(cfg, sizeof cfg, "%s/config.json", a.in);
+        shard_model_desc d;
+        source src = {0};
+        if ((s = shard_config_load(cfg, &d)) || (s = shard_weights_open(a.in, &src.w))) return cli_fail(s);
+        if ((s = shard_model_check_weights(&d, src.w, a.in))) { shard_weights_close(src.w); return cli_fail(s); }
+        FILE *f = fopen(cfg, "rb");
+        char *text = NULL;
+        size_t len = 0;
+        if (f) { fseek(f, 0, SEEK_END); len = (size_t)ftell(f); rewind(f); text = malloc(len + 1); len = fread(text, 1, len, f); fclose(f); }
+        s = convert(&a, &src, &d, text ? text : "", len, a.in);
+        free(text);
+        shard_weights_close(src.w);
+    } else if (!strcmp(argv[1], "reshard")) {
+        source src = {0};
+        if ((s = shard_ckpt_open(a.in, &src.c))) return cli_fail(s);
+        const char *cfg = shard_ckpt_config_json(src.c);
+        s = convert(&a, &src, shard_ckpt_model(src.c), cfg, strlen(cfg), NULL);
+        shard_ckpt_close(src.c);
+    } else {
+        return cli_usage("unknown subcommand \"%s\" (hf2smp or reshard)", argv[1]);
+    }
+    if (s) return cli_fail(s);
+    fprintf(stderr, "%s: %s written in %.2fs\n", cli_name(), a.out, now_seconds() - t0);
+    return 0;
+}

@@ -1,0 +1,188 @@
+/* smp-merge: an SMP checkpoint of any layout -> a Hugging Face model folder
+ * (config.json, safetensors weights with an index when split, the extra files),
+ * ready for transformers.from_pretrained. */
+#include "../tools/cli/cli.h"
+#include "../tools/cli/progress.h"
+#include "shard.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static const char HELP[] =
+    "usage: smp-merge --in CKPT --out HF_DIR [--dtype keep|bf16|fp16|fp32] [--max-shard-size 5GB]\n"
+    "\n"
+    "Merge a checkpoint (any layout) into a Hugging Face model folder: config.json as it was\n"
+    "given to hf2smp, the weights as safetensors (split into files of at most\n"
+    "--max-shard-size, with model.safetensors.index.json, when larger), and the model\n"
+    "folder's other files (tokenizer, generation config, ...). The folder appears only\n"
+    "when whole. Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
+
+static int parse_size(const char *s, uint64_t *out)
+{
+    char *end;
+    double v = strtod(s, &end);
+    if (end == s || v <= 0) return -1;
+    uint64_t mul = 1;
+    if (!strcmp(end, "") || !strcmp(end, "B")) mul = 1;
+    else if (!strcmp(end, "KB")) mul = 1000;
+    else if (!strcmp(end, "MB")) mul = 1000000;
+    else if (!strcmp(end, "GB")) mul = 1000000000;
+    else if (!strcmp(end, "KiB")) mul = 1024;
+    else if (!strcmp(end, "MiB")) mul = 1 << 20;
+    else if (!strcmp(end, "GiB")) mul = 1 << 30;
+    else return -1;
+    *out = (uint64_t)(v * (double)mul);
+    return 0;
+}
+
+static shard_status write_file(const char *path, const char *data, size_t len)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f) return shard_fail(SHARD_E_IO, "%s: cannot create: %s", path, strerror(errno));
+    int bad = fwrite(data, 1, len, f) != len;
+    bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+    bad |= fclose(f) != 0;
+    return bad ? shard_fail(SHARD_E_IO, "%s: write failed", path) : SHARD_OK;
+}
+
+int main(int argc, char **argv)
+{
+    cli_init("smp-merge");
+    if (cli_std_flags(argc, argv, HELP)) return 0;
+    const char *in = NULL, *out = NULL, *dtype = "keep", *maxs = "5GB";
+    for (int i = 1; i < argc; i++) {
+        const char **slot = NULL;
+        if (!strcmp(argv[i], "--in")) slot = &in;
+        else if (!strcmp(argv[i], "--out")) slot = &out;
+        else if (!strcmp(argv[i], "--dtype")) slot = &dtype;
+        else if (!strcmp(argv[i], "--max-shard-size")) slot = &maxs;
+        else return cli_usage("unknown option %s", argv[i]);
+        if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
+        *slot = argv[++i];
+    }
+    if (!in || !out) return cli_usage("--in and --out are required");
+    shard_dtype force = SHARD_DT_INVALID;
+    if (!strcmp(dtype, "bf16")) force = SHARD_DT_BF16;
+    else if (!strcmp(dtype, "fp16")) force = SHARD_DT_F16;
+    else if (!strcmp(dtype, "fp32")) force = SHARD_DT_F32;
+    else if (strcmp(dtype, "keep")) return cli_usage("--dtype must be keep, bf16, fp16 or fp32");
+    uint64_t max_bytes;
+    if (parse_size(maxs, &max_bytes)) return cli_usage("--max-shard-size \"%s\": expected e.g. 5GB, 500MB, 200KB", maxs);
+    struct stat st;
+    if (stat(out, &st) == 0) { shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", out); return cli_fail(SHARD_E_USAGE); }
+
+    double t0 = now_seconds();
+    shard_ckpt *c;
+    shard_status s = shard_ckpt_open(in, &c);
+    if (s) return cli_fail(s);
+    const shard_model_desc *d = shard_ckpt_model(c);
+    size_t nt = shard_model_tensor_count(d);
+    /* plan the files: tensors in the model's order, a new file when the next would overflow */
+    int *file_of = calloc(nt, sizeof *file_of);
+    long *idx = calloc(nt, sizeof *idx);
+    shard_dtype *dts = calloc(nt, sizeof *dts);
+    uint64_t cur = 0, total = 0;
+    int nfiles = 1;
+    shard_tensor_spec t;
+    for (size_t i = 0; i < nt && !s; i++) {
+        shard_model_tensor(d, i, &t);
+        idx[i] = shard_ckpt_find(c, "params", t.name);
+        if (idx[i] < 0) { s = shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" is missing", in, t.name); break; }
+        const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)idx[i]);
+        dts[i] = force ? force : ct->dtype;
+        uint64_t b = shard_dtype_size(dts[i]);
+        for (int k = 0; k < ct->ndim; k++) b *= (uint64_t)ct->shape[k];
+        if (cur > 0 && cur + b > max_bytes) { nfiles++; cur = 0; }
+        cur += b;
+        total += b;
+        file_of[i] = nfiles - 1;
+    }
+    /* staging folder beside the output, renamed into place when whole */
+    char *stage = malloc(strlen(out) + 64);
+    sprintf(stage, "%s.tmp-%ld", out, (long)getpid());
+    if (!s && mkdir(stage, 0755) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot create: %s", stage, strerror(errno));
+    progress pg;
+    progress_start(&pg, "merging", total);
+    void *buf = NULL;
+    size_t cap = 0;
+    char path[4096], fname[128];
+    for (int f = 0; f < nfiles && !s; f++) {
+        if (nfiles == 1) snprintf(fname, sizeof fname, "model.safetensors");
+        else snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", f + 1, nfiles);
+        snprintf(path, sizeof path, "%s/%s", stage, fname);
+        shard_st_writer *w;
+        if ((s = shard_st_writer_create(path, &w))) break;
+        s = shard_st_writer_metadata(w, "format", "pt");
+        for (size_t i = 0; i < nt && !s; i++) {
+            if (file_of[i] != f) continue;
+            const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)idx[i]);
+            s = shard_st_writer_declare(w, ct->name, dts[i], ct->ndim, ct->shape);
+        }
+        for (size_t i = 0; i < nt && !s; i++) {
+            if (file_of[i] != f) continue;
+            const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)idx[i]);
+            shard_box all = {.ndim = ct->ndim};
+            uint64_t n = 1;
+            for (int k = 0; k < ct->ndim; k++) { all.len[k] = ct->shape[k]; n *= (uint64_t)ct->shape[k]; }
+            size_t need = (size_t)n * shard_dtype_size(dts[i]);
+            if (need > cap) { free(buf); buf = malloc(need ? need : 1); cap = need; }
+            if (!buf) { s = shard_fail(SHARD_E_NOMEM, "out of memory for tensor \"%s\"", ct->name); break; }
+            if (!(s = shard_ckpt_read(c, (size_t)idx[i], &all, buf, dts[i]))) s = shard_st_writer_write(w, buf, need);
+            progress_add(&pg, need);
+        }
+        if (s) shard_st_writer_abort(w);
+        else s = shard_st_writer_finish(w);
+    }
+    free(buf);
+    progress_end(&pg);
+    if (!s && nfiles > 1) {
+        /* the index, as transformers writes it */
+        size_t cap2 = 256 + nt * 400, k = 0;
+        char *j = malloc(cap2);
+        k += (size_t)snprintf(j + k, cap2 - k, "{\n  \"metadata\": {\n    \"total_size\": %llu\n  },\n  \"weight_map\": {\n", (unsigned long long)total);
+        for (size_t i = 0; i < nt; i++) {
+            shard_model_tensor(d, i, &t);
+            k += (size_t)snprintf(j + k, cap2 - k, "    \"%s\": \"model-%05d-of-%05d.safetensors\"%s\n", t.name, file_of[i] + 1, nfiles, i + 1 < nt ? "," : "");
+        }
+        k += (size_t)snprintf(j + k, cap2 - k, "  }\n}\n");
+        snprintf(path, sizeof path, "%s/model.safetensors.index.json", stage);
+        s = write_file(path, j, k);
+        free(j);
+    }
+    if (!s) {
+        const char *cfg = shard_ckpt_config_json(c);
+        snprintf(path, sizeof path, "%s/config.json", stage);
+        s = write_file(path, cfg, strlen(cfg));
+    }
+    for (size_t i = 0; i < shard_ckpt_extra_count(c) && !s; i++) {
+        const char *n = shard_ckpt_extra_at(c, i);
+        char src[4096];
+        snprintf(src, sizeof src, "%s/extra/%s", in, n);
+        snprintf(path, sizeof path, "%s/%s", stage, n);
+        FILE *f = fopen(src, "rb");
+        if (!f) { s = shard_fail(SHARD_E_CORRUPT, "%s: missing", src); break; }
+        fseek(f, 0, SEEK_END);
+        long len = ftell(f);
+        rewind(f);
+        char *data = malloc((size_t)len + 1);
+        size_t got = fread(data, 1, (size_t)len, f);
+        fclose(f);
+        s = write_file(path, data, got);
+        free(data);
+    }
+    if (!s && rename(stage, out) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", out, strerror(errno));
+    if (s) {
+        char cmd[8400];
+        snprintf(cmd, sizeof cmd, "rm -rf -- '%s'", stage);
+        if (system(cmd) != 0) fprintf(stderr, "%s: warning: could not remove %s\n", cli_name(), stage);
+    }
+    free(stage); free(file_of); free(idx); free(dts);
+    shard_ckpt_close(c);
+    if (s) return cli_fail(s);
+    fprintf(stderr, "%s: %s written in %.2fs (%d file%s)\n", cli_name(), out, now_seconds() - t0, nfiles, nfiles == 1 ? "" : "s");
+    return 0;
+}

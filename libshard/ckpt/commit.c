@@ -1,0 +1,360 @@
+/* Writing a checkpoint: the staging folder, extra files, and the atomic commit.
+ * The manifest is built from the shard files' own attributes, so any number of
+ * processes can write shard files into the staging folder and one commits. */
+#include "../core/internal.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <hdf5.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+#include <xxhash.h>
+
+void shard_h5_init(void);
+shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
+json_t *shard_model_to_json(const shard_model_desc *d);
+
+struct shard_ckpt_writer {
+    char *final_dir, *staging;
+    json_t *extras; /* array of relative names */
+};
+
+const char *shard_ckpt_staging(const shard_ckpt_writer *w) { return w->staging; }
+
+shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out)
+{
+    *out = NULL;
+    shard_ckpt_writer *w = calloc(1, sizeof *w);
+    if (!w) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    w->final_dir = strdup(final_dir);
+    size_t n = strlen(final_dir);
+    while (n > 1 && final_dir[n - 1] == '/') n--;
+    char *parent = strndup(final_dir, n), *slash = strrchr(parent, '/'), *base;
+    if (slash) { *slash = 0; base = slash + 1; if (!parent[0]) strcpy(parent, "/"); }
+    else { base = parent; }
+    char nonce[32];
+    snprintf(nonce, sizeof nonce, "%ld-%ld", (long)getpid(), (long)time(NULL));
+    w->staging = malloc(strlen(final_dir) + strlen(base) + 64);
+    if (slash) sprintf(w->staging, "%s/.tmp-%s-%s", parent, base, nonce);
+    else sprintf(w->staging, ".tmp-%s-%s", base, nonce);
+    free(parent);
+    w->extras = json_array();
+    if (mkdir(w->staging, 0755) != 0) {
+        shard_status s = shard_fail(SHARD_E_IO, "%s: cannot create the staging folder: %s", w->staging, strerror(errno));
+        free(w->staging); w->staging = NULL;
+        shard_ckpt_abort(w);
+        return s;
+    }
+    *out = w;
+    return SHARD_OK;
+}
+
+static shard_status copy_file(const char *src, const char *dst)
+{
+    int in = open(src, O_RDONLY | O_CLOEXEC);
+    if (in < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", src, strerror(errno));
+    int o = open(dst, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (o < 0) { close(in); return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dst, strerror(errno)); }
+    char buf[1 << 16];
+    shard_status s = SHARD_OK;
+    for (;;) {
+        ssize_t r = read(in, buf, sizeof buf);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", src, strerror(errno)); break; }
+        if (r == 0) break;
+        for (ssize_t k = 0; k < r;) {
+            ssize_t wr = write(o, buf + k, (size_t)(r - k));
+            if (wr < 0 && errno == EINTR) continue;
+            if (wr < 0) { s = shard_fail(SHARD_E_IO, "%s: write failed: %s", dst, strerror(errno)); goto done; }
+            k += wr;
+        }
+    }
+done:
+    if (!s && fsync(o) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", dst, strerror(errno));
+    close(in);
+    close(o);
+    return s;
+}
+
+shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel)
+{
+    if (!shard_path_is_contained(rel) || strchr(rel, '/')) return shard_fail(SHARD_E_USAGE, "extra file name \"%s\" is not a plain file name", rel);
+    char *dir = shard_path_join(w->staging, "extra");
+    mkdir(dir, 0755);
+    char *dst = shard_path_join(dir, rel);
+    free(dir);
+    shard_status s = copy_file(src_path, dst);
+    free(dst);
+    if (!s) json_array_append_new(w->extras, json_string(rel));
+    return s;
+}
+
+/* ------------------------------------------------- scanning the shard files */
+typedef struct {
+    const char *file_name, *path;
+    hid_t file;
+    json_t *tensors; /* key "group\nname" -> tensor object */
+    shard_status s;
+} scan_ctx;
+
+static int read_attr_str(hid_t ds, const char *name, char *buf, size_t cap)
+{
+    hid_t a = H5Aopen(ds, name, H5P_DEFAULT);
+    if (a < 0) return -1;
+    hid_t t = H5Aget_type(a);
+    size_t n = H5Tget_size(t);
+    int rc = -1;
+    if (H5Tget_class(t) == H5T_STRING && n < cap) {
+        hid_t mt = H5Tcopy(H5T_C_S1);
+        H5Tset_size(mt, n);
+        if (H5Aread(a, mt, buf) >= 0) { buf[n] = 0; rc = 0; }
+        H5Tclose(mt);
+    }
+    H5Tclose(t);
+    H5Aclose(a);
+    return rc;
+}
+
+static int read_attr_i64(hid_t ds, const char *name, int64_t *v, int maxn)
+{
+    hid_t a = H5Aopen(ds, name, H5P_DEFAULT);
+    if (a < 0) return -1;
+    hid_t sp = H5Aget_space(a);
+    hssize_t n = H5Sget_simple_extent_npoints(sp);
+    int rc = -1;
+    if (n >= 1 && n <= maxn && H5Aread(a, H5T_NATIVE_INT64, v) >= 0) rc = (int)n;
+    H5Sclose(sp);
+    H5Aclose(a);
+    return rc;
+}
+
+static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
+{
+    (void)info;
+    scan_ctx *c = p;
+    H5O_info_t oi;
+    if (H5Oget_info_by_name(g, name, &oi, H5P_DEFAULT) < 0 || oi.type != H5O_TYPE_DATASET) return 0;
+    hid_t ds = H5Dopen2(g, name, H5P_DEFAULT);
+    char tname[1024], dtn[32], hex[32];
+    int64_t off[SHARD_MAX_DIMS], gsh[SHARD_MAX_DIMS];
+    hsize_t dims[SHARD_MAX_DIMS];
+    hid_t sp = H5Dget_space(ds);
+    int nd = H5Sget_simple_extent_ndims(sp);
+    if (nd >= 1 && nd <= SHARD_MAX_DIMS) H5Sget_simple_extent_dims(sp, dims, NULL);
+    H5Sclose(sp);
+    int n1 = read_attr_i64(ds, "offset", off, SHARD_MAX_DIMS), n2 = read_attr_i64(ds, "global_shape", gsh, SHARD_MAX_DIMS);
+    int bad = ds < 0 || read_attr_str(ds, "tensor", tname, sizeof tname) || read_attr_str(ds, "dtype", dtn, sizeof dtn) ||
+              read_attr_str(ds, "xxh64", hex, sizeof hex) || n1 != nd || n2 != nd || nd < 1;
+    if (ds >= 0) H5Dclose(ds);
+    if (bad) { c->s = shard_fail(SHARD_E_INVALID, "%s: dataset /%s lacks the piece attributes", c->path, name); return -1; }
+    /* group = the dataset path without its last component */
+    const char *last = strrchr(name, '/');
+    char group[256];
+    snprintf(group, sizeof group, "%.*s", last ? (int)(last - name) : 0, name);
+    char key[1400];
+    snprintf(key, sizeof key, "%s\n%s", group, tname);
+    json_t *t = json_object_get(c->tensors, key);
+    json_t *jshape = json_array();
+    for (int k = 0; k < nd; k++) json_array_append_new(jshape, json_integer(gsh[k]));
+    if (!t) {
+        t = json_pack("{s:s,s:s,s:s,s:o,s:[]}", "name", tname, "group", group, "dtype", dtn, "shape", jshape, "pieces");
+        json_object_set_new(c->tensors, key, t);
+    } else {
+        if (!json_equal(json_object_get(t, "shape"), jshape) || strcmp(json_string_value(json_object_get(t, "dtype")), dtn)) {
+            json_decref(jshape);
+            c->s = shard_fail(SHARD_E_INVALID, "%s: piece of \"%s\" disagrees with other pieces on shape or dtype", c->path, tname);
+            return -1;
+        }
+        json_decref(jshape);
+    }
+    json_t *jo = json_array(), *jl = json_array();
+    for (int k = 0; k < nd; k++) { json_array_append_new(jo, json_integer(off[k])); json_array_append_new(jl, json_integer((json_int_t)dims[k])); }
+    char dpath[1100];
+    snprintf(dpath, sizeof dpath, "/%s", name);
+    json_array_append_new(json_object_get(t, "pieces"),
+                          json_pack("{s:s,s:s,s:o,s:o,s:s}", "file", c->file_name, "dataset", dpath, "offset", jo, "shape", jl, "xxh64", hex));
+    return 0;
+}
+
+static void rm_tree(const char *p);
+
+static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static shard_status fsync_path(const char *p, int dir)
+{
+    int fd = open(p, O_RDONLY | O_CLOEXEC | (dir ? O_DIRECTORY : 0));
+    shard_status s = SHARD_OK;
+    if (fd < 0 || fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", p, strerror(errno));
+    if (fd >= 0) close(fd);
+    return s;
+}
+
+shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len, const shard_model_desc *d,
+                               const shard_layout *l, const int *stages, int overwrite)
+{
+    shard_h5_init();
+    shard_status s = SHARD_OK;
+    struct stat st;
+    if (!overwrite && stat(w->final_dir, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", w->final_dir);
+    DIR *dir = opendir(w->staging);
+    if (!dir) return shard_fail(SHARD_E_IO, "%s: cannot list: %s", w->staging, strerror(errno));
+    char **names = NULL;
+    size_t n = 0;
+    struct dirent *e;
+    while ((e = readdir(dir))) {
+        size_t len = strlen(e->d_name);
+        if (strncmp(e->d_name, "shard-", 6) || len < 4 || strcmp(e->d_name + len - 3, ".h5")) continue;
+        names = realloc(names, (n + 1) * sizeof *names);
+        names[n++] = strdup(e->d_name);
+    }
+    closedir(dir);
+    qsort(names, n, sizeof *names, cmp_cstr);
+
+    json_t *tensors = json_object(), *files = json_array();
+    for (size_t i = 0; i < n && !s; i++) {
+        char *p = shard_path_join(w->staging, names[i]);
+        scan_ctx c = {names[i], p, -1, tensors, SHARD_OK};
+        c.file = H5Fopen(p, H5F_ACC_RDONLY, H5P_DEFAULT);
+        if (c.file < 0) s = shard_fail(SHARD_E_INVALID, "%s: not a readable HDF5 file", p);
+        else {
+            if (H5Lvisit(c.file, H5_INDEX_NAME, H5_ITER_INC, visit, &c) < 0) s = c.s ? c.s : shard_fail(SHARD_E_INVALID, "%s: cannot list its datasets", p);
+            H5Fclose(c.file);
+        }
+        uint64_t hash, bytes;
+        if (!s) s = shard_file_xxh64(p, &hash, &bytes);
+        if (!s) {
+            char hex[17];
+            snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
+            json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", names[i], "bytes", (json_int_t)bytes, "xxh64", hex));
+        }
+        free(p);
+    }
+    size_t k;
+    json_t *ev;
+    json_array_foreach(w->extras, k, ev) {
+        if (s) break;
+        char rel[600];
+        snprintf(rel, sizeof rel, "extra/%s", json_string_value(ev));
+        char *p = shard_path_join(w->staging, rel);
+        uint64_t hash, bytes;
+        s = shard_file_xxh64(p, &hash, &bytes);
+        if (!s) {
+            char hex[17];
+            snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
+            json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", rel, "bytes", (json_int_t)bytes, "xxh64", hex));
+        }
+        free(p);
+    }
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+    if (s) { json_decref(tensors); json_decref(files); return s; }
+
+    /* tensors in a stable order: by group, then name (the object's keys sorted) */
+    const char **keys = malloc((json_object_size(tensors) + 1) * sizeof *keys);
+    size_t nk = 0;
+    const char *key;
+    json_t *val;
+    json_object_foreach(tensors, key, val) keys[nk++] = key;
+    qsort(keys, nk, sizeof *keys, cmp_cstr);
+    json_t *tarr = json_array();
+    for (size_t i = 0; i < nk; i++) json_array_append(tarr, json_object_get(tensors, keys[i]));
+    free(keys);
+    json_decref(tensors);
+
+    json_t *jst = json_array();
+    for (int i = 0; i < l->pp; i++) json_array_append_new(jst, json_integer(stages[i]));
+    json_t *m = json_object();
+    json_object_set_new(m, "format", json_string(SHARD_FORMAT_NAME));
+    json_object_set_new(m, "version", json_integer(SHARD_FORMAT_VERSION));
+    json_object_set_new(m, "producer", json_string("smp " SHARD_VERSION_STRING));
+    json_object_set_new(m, "config_json", json_stringn(config_json, config_len));
+    json_object_set_new(m, "model", shard_model_to_json(d));
+    json_object_set_new(m, "layout", json_pack("{s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp));
+    json_object_set_new(m, "stages", jst);
+    json_object_set_new(m, "tensors", tarr);
+    json_object_set_new(m, "files", files);
+    json_object_set_new(m, "training", json_null());
+    char *mp = shard_path_join(w->staging, "smp.json");
+    if (json_dump_file(m, mp, JSON_INDENT(1) | JSON_REAL_PRECISION(17)) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot write the manifest", mp);
+    json_decref(m);
+    if (!s) s = fsync_path(mp, 0);
+    free(mp);
+    if (!s) {
+        char *ex = shard_path_join(w->staging, "extra");
+        if (stat(ex, &st) == 0) s = fsync_path(ex, 1);
+        free(ex);
+    }
+    if (!s) s = fsync_path(w->staging, 1);
+    char *old = NULL;
+    if (!s && overwrite && stat(w->final_dir, &st) == 0) {
+        /* replace: move the old one aside first, so a crash leaves one of the two whole */
+        old = malloc(strlen(w->final_dir) + 32);
+        sprintf(old, "%s.old-%ld", w->final_dir, (long)getpid());
+        if (rename(w->final_dir, old) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot move aside: %s", w->final_dir, strerror(errno));
+    }
+    if (!s && rename(w->staging, w->final_dir) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", w->final_dir, strerror(errno));
+    if (!s && old) rm_tree(old);
+    free(old);
+    if (!s) s = shard_fsync_dir_of(w->final_dir);
+    if (!s) { free(w->staging); w->staging = NULL; shard_ckpt_abort(w); }
+    return s;
+}
+
+static void rm_tree(const char *p)
+{
+    DIR *d = opendir(p);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d))) {
+            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+            char *c = shard_path_join(p, e->d_name);
+            struct stat st;
+            if (lstat(c, &st) == 0 && S_ISDIR(st.st_mode)) rm_tree(c);
+            else unlink(c);
+            free(c);
+        }
+        closedir(d);
+    }
+    rmdir(p);
+}
+
+void shard_ckpt_abort(shard_ckpt_writer *w)
+{
+    if (!w) return;
+    if (w->staging) rm_tree(w->staging);
+    json_decref(w->extras);
+    free(w->staging);
+    free(w->final_dir);
+    free(w);
+}
+
+shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes)
+{
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return shard_fail(errno == ENOENT ? SHARD_E_CORRUPT : SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    size_t cap = 4u << 20;
+    char *buf = malloc(cap);
+    uint64_t total = 0;
+    shard_status s = SHARD_OK;
+    for (;;) {
+        ssize_t r = read(fd, buf, cap);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno)); break; }
+        if (r == 0) break;
+        XXH64_update(h, buf, (size_t)r);
+        total += (uint64_t)r;
+    }
+    *hash = XXH64_digest(h);
+    *bytes = total;
+    XXH64_freeState(h);
+    free(buf);
+    close(fd);
+    return s;
+}

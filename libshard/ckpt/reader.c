@@ -1,0 +1,365 @@
+/* Reading a checkpoint: the manifest's validation, the planner (stored pieces
+ * intersected with the wanted box), and verification. */
+#include "../core/internal.h"
+
+#include <hdf5.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <xxhash.h>
+
+void shard_h5_init(void);
+hid_t shard_h5_type(shard_dtype dt);
+shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
+
+#define MANIFEST_MAX (256u << 20)
+
+typedef struct {
+    const char *file, *dataset;
+    shard_box box;
+    uint64_t xxh64;
+    size_t file_index;
+} piece;
+
+typedef struct {
+    shard_ckpt_tensor t;
+    piece *p;
+} tensor;
+
+struct shard_ckpt {
+    char *dir;
+    json_t *m;
+    shard_model_desc model;
+    shard_layout layout;
+    int stages[SHARD_MAX_PP];
+    const char *config;
+    tensor *t;
+    size_t n;
+    const char **files;
+    uint64_t *file_bytes, *file_hash;
+    hid_t *h5; /* open shard files, lazily */
+    size_t nfiles;
+    const char **extras;
+    size_t nextras;
+};
+
+#define BAD(...) do { s = shard_fail(SHARD_E_INVALID, __VA_ARGS__); goto out; } while (0)
+
+static int parse_hex(const char *h, uint64_t *v)
+{
+    if (!h || strlen(h) != 16) return -1;
+    char *end;
+    *v = strtoull(h, &end, 16);
+    return *end ? -1 : 0;
+}
+
+static int int_array(json_t *a, int n, int64_t *out, int64_t lo)
+{
+    if (!json_is_array(a) || (int)json_array_size(a) != n) return -1;
+    for (int k = 0; k < n; k++) {
+        json_t *v = json_array_get(a, (size_t)k);
+        if (!json_is_integer(v) || json_integer_value(v) < lo) return -1;
+        out[k] = json_integer_value(v);
+    }
+    return 0;
+}
+
+static const char *GROUPS[] = {"params", "optim/master", "optim/exp_avg", "optim/exp_avg_sq", "fp8", NULL};
+
+static shard_status validate(shard_ckpt *c, const char *mpath)
+{
+    shard_status s = SHARD_OK;
+    json_t *m = c->m;
+    if (!json_is_object(m)) BAD("%s: not a JSON object", mpath);
+    json_t *f = json_object_get(m, "format"), *v = json_object_get(m, "version");
+    if (!json_is_string(f) || strcmp(json_string_value(f), SHARD_FORMAT_NAME)) BAD("%s: \"format\" is not \"smp\"", mpath);
+    if (!json_is_integer(v)) BAD("%s: \"version\" missing", mpath);
+    if (json_integer_value(v) != SHARD_FORMAT_VERSION) {
+        s = shard_fail(SHARD_E_UNSUPPORTED, "%s: format version %lld is not supported (this smp reads version %d)", mpath,
+                       (long long)json_integer_value(v), SHARD_FORMAT_VERSION);
+        goto out;
+    }
+    json_t *cj = json_object_get(m, "config_json");
+    if (!json_is_string(cj)) BAD("%s: \"config_json\" missing", mpath);
+    c->config = json_string_value(cj);
+    char where[4200];
+    snprintf(where, sizeof where, "%s (config_json)", mpath);
+    if ((s = shard_config_parse(c->config, json_string_length(cj), where, &c->model))) goto out;
+    json_t *l = json_object_get(m, "layout");
+    int64_t lv[4];
+    const char *lk[4] = {"pp", "tp", "cp", "dp"};
+    for (int k = 0; k < 4; k++) {
+        json_t *x = json_object_get(l, lk[k]);
+        if (!json_is_integer(x) || json_integer_value(x) < 1 || json_integer_value(x) > 65536) BAD("%s: layout.%s missing or out of range", mpath, lk[k]);
+        lv[k] = json_integer_value(x);
+    }
+    c->layout = (shard_layout){(int)lv[0], (int)lv[1], (int)lv[2], (int)lv[3]};
+    if (c->layout.pp > SHARD_MAX_PP || c->layout.pp > c->model.layers) BAD("%s: layout.pp out of range", mpath);
+    int64_t st[SHARD_MAX_PP], sum = 0;
+    if (int_array(json_object_get(m, "stages"), c->layout.pp, st, 1)) BAD("%s: \"stages\" must list %d positive layer counts", mpath, c->layout.pp);
+    for (int k = 0; k < c->layout.pp; k++) { c->stages[k] = (int)st[k]; sum += st[k]; }
+    if (sum != c->model.layers) BAD("%s: \"stages\" sum to %lld, not %lld layers", mpath, (long long)sum, (long long)c->model.layers);
+
+    json_t *files = json_object_get(m, "files");
+    if (!json_is_array(files)) BAD("%s: \"files\" missing", mpath);
+    c->nfiles = json_array_size(files);
+    c->files = calloc(c->nfiles + 1, sizeof *c->files);
+    c->file_bytes = calloc(c->nfiles + 1, 8);
+    c->file_hash = calloc(c->nfiles + 1, 8);
+    c->h5 = malloc((c->nfiles + 1) * sizeof *c->h5);
+    c->extras = calloc(c->nfiles + 1, sizeof *c->extras);
+    for (size_t i = 0; i < c->nfiles; i++) {
+        json_t *e = json_array_get(files, i);
+        json_t *nm = json_object_get(e, "name"), *by = json_object_get(e, "bytes");
+        c->h5[i] = -1;
+        if (!json_is_string(nm) || !shard_path_is_contained(json_string_value(nm))) BAD("%s: files[%zu]: name missing or leaves the checkpoint folder", mpath, i);
+        c->files[i] = json_string_value(nm);
+        if (!json_is_integer(by) || json_integer_value(by) < 0) BAD("%s: files[%zu]: bytes missing", mpath, i);
+        c->file_bytes[i] = (uint64_t)json_integer_value(by);
+        if (parse_hex(json_string_value(json_object_get(e, "xxh64")), &c->file_hash[i])) BAD("%s: files[%zu]: xxh64 missing or malformed", mpath, i);
+        for (size_t k = 0; k < i; k++)
+            if (!strcmp(c->files[k], c->files[i])) BAD("%s: file %s is listed twice", mpath, c->files[i]);
+        if (!strncmp(c->files[i], "extra/", 6)) c->extras[c->nextras++] = c->files[i] + 6;
+        else if (strchr(c->files[i], '/')) BAD("%s: files[%zu]: \"%s\" is neither a shard file nor under extra/", mpath, i, c->files[i]);
+    }
+
+    json_t *ts = json_object_get(m, "tensors");
+    if (!json_is_array(ts)) BAD("%s: \"tensors\" missing", mpath);
+    c->t = calloc(json_array_size(ts) + 1, sizeof *c->t);
+    for (size_t i = 0; i < json_array_size(ts); i++, c->n++) {
+        json_t *e = json_array_get(ts, i);
+        tensor *t = &c->t[c->n];
+        json_t *nm = json_object_get(e, "name"), *gr = json_object_get(e, "group"), *dt = json_object_get(e, "dtype"), *sh = json_object_get(e, "shape");
+        if (!json_is_string(nm) || !json_is_string(gr)) BAD("%s: tensors[%zu]: name or group missing", mpath, i);
+        t->t.name = json_string_value(nm);
+        t->t.group = json_string_value(gr);
+        int known = 0;
+        for (int g = 0; GROUPS[g]; g++) known |= !strcmp(GROUPS[g], t->t.group);
+        if (!known) BAD("%s: tensor \"%s\": unknown group \"%s\"", mpath, t->t.name, t->t.group);
+        t->t.dtype = json_is_string(dt) ? shard_dtype_from_name(json_string_value(dt)) : SHARD_DT_INVALID;
+        if (t->t.dtype == SHARD_DT_INVALID || shard_h5_type(t->t.dtype) < 0) BAD("%s: tensor \"%s\": bad dtype", mpath, t->t.name);
+        t->t.ndim = json_is_array(sh) ? (int)json_array_size(sh) : 0;
+        if (t->t.ndim < 1 || t->t.ndim > SHARD_MAX_DIMS || int_array(sh, t->t.ndim, t->t.shape, 0)) BAD("%s: tensor \"%s\": bad shape", mpath, t->t.name);
+        for (size_t k = 0; k < c->n; k++)
+            if (!strcmp(c->t[k].t.name, t->t.name) && !strcmp(c->t[k].t.group, t->t.group)) BAD("%s: tensor \"%s\" listed twice", mpath, t->t.name);
+        json_t *ps = json_object_get(e, "pieces");
+        if (!json_is_array(ps)) BAD("%s: tensor \"%s\": pieces missing", mpath, t->t.name);
+        t->t.npieces = json_array_size(ps);
+        t->p = calloc(t->t.npieces + 1, sizeof *t->p);
+        uint64_t total = 1, covered = 0;
+        for (int k = 0; k < t->t.ndim; k++) if (!shard_mul_u64(total, (uint64_t)t->t.shape[k], &total)) BAD("%s: tensor \"%s\": shape overflows", mpath, t->t.name);
+        for (size_t j = 0; j < t->t.npieces; j++) {
+            json_t *pe = json_array_get(ps, j);
+            piece *p = &t->p[j];
+            json_t *pf = json_object_get(pe, "file"), *pd = json_object_get(pe, "dataset");
+            if (!json_is_string(pf) || !json_is_string(pd)) BAD("%s: tensor \"%s\": piece %zu: file or dataset missing", mpath, t->t.name, j);
+            p->file = json_string_value(pf);
+            p->dataset = json_string_value(pd);
+            size_t fi = c->nfiles;
+            for (size_t k = 0; k < c->nfiles; k++) if (!strcmp(c->files[k], p->file)) fi = k;
+            if (fi == c->nfiles || strchr(p->file, '/')) BAD("%s: tensor \"%s\": piece %zu: file \"%s\" is not a listed shard file", mpath, t->t.name, j, p->file);
+            p->file_index = fi;
+            p->box.ndim = t->t.ndim;
+            if (int_array(json_object_get(pe, "offset"), t->t.ndim, p->box.off, 0) || int_array(json_object_get(pe, "shape"), t->t.ndim, p->box.len, 1))
+                BAD("%s: tensor \"%s\": piece %zu: bad offset or shape", mpath, t->t.name, j);
+            for (int k = 0; k < t->t.ndim; k++)
+                if (p->box.off[k] > t->t.shape[k] || p->box.len[k] > t->t.shape[k] - p->box.off[k])
+                    BAD("%s: tensor \"%s\": piece %zu lies outside the tensor", mpath, t->t.name, j);
+            if (parse_hex(json_string_value(json_object_get(pe, "xxh64")), &p->xxh64)) BAD("%s: tensor \"%s\": piece %zu: xxh64 missing or malformed", mpath, t->t.name, j);
+            shard_box x;
+            for (size_t k = 0; k < j; k++)
+                if (shard_box_intersect(&p->box, &t->p[k].box, &x)) BAD("%s: tensor \"%s\": pieces %zu and %zu overlap", mpath, t->t.name, k, j);
+            covered += shard_box_numel(&p->box);
+        }
+        if (covered != total) BAD("%s: tensor \"%s\": pieces cover %llu of %llu elements (holes)", mpath, t->t.name, (unsigned long long)covered, (unsigned long long)total);
+    }
+out:
+    return s;
+}
+
+void shard_ckpt_close(shard_ckpt *c)
+{
+    if (!c) return;
+    for (size_t i = 0; i < c->nfiles && c->h5; i++) if (c->h5[i] >= 0) H5Fclose(c->h5[i]);
+    for (size_t i = 0; i < c->n; i++) free(c->t[i].p);
+    free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->extras);
+    json_decref(c->m);
+    free(c->dir);
+    free(c);
+}
+
+shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
+{
+    shard_h5_init();
+    *out = NULL;
+    shard_ckpt *c = calloc(1, sizeof *c);
+    c->dir = strdup(dir);
+    char *mp = shard_path_join(dir, "smp.json");
+    struct stat st;
+    shard_status s;
+    if (stat(mp, &st) != 0) s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint, or one that was never committed", dir);
+    else {
+        char *text;
+        size_t len;
+        s = shard_read_file(mp, MANIFEST_MAX, &text, &len);
+        if (!s) { s = shard_json_parse(text, len, mp, &c->m); free(text); }
+        if (!s) s = validate(c, mp);
+    }
+    free(mp);
+    if (s) { shard_ckpt_close(c); return s; }
+    *out = c;
+    return SHARD_OK;
+}
+
+const char *shard_ckpt_dir(const shard_ckpt *c) { return c->dir; }
+const shard_model_desc *shard_ckpt_model(const shard_ckpt *c) { return &c->model; }
+const shard_layout *shard_ckpt_layout(const shard_ckpt *c) { return &c->layout; }
+const int *shard_ckpt_stages(const shard_ckpt *c) { return c->stages; }
+const char *shard_ckpt_config_json(const shard_ckpt *c) { return c->config; }
+size_t shard_ckpt_tensor_count(const shard_ckpt *c) { return c->n; }
+const shard_ckpt_tensor *shard_ckpt_tensor_at(const shard_ckpt *c, size_t i) { return i < c->n ? &c->t[i].t : NULL; }
+size_t shard_ckpt_extra_count(const shard_ckpt *c) { return c->nextras; }
+const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i) { return c->extras[i]; }
+const void *shard_ckpt_manifest_json(const shard_ckpt *c) { return c->m; }
+
+long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name)
+{
+    if (!group) group = "params";
+    for (size_t i = 0; i < c->n; i++)
+        if (!strcmp(c->t[i].t.name, name) && !strcmp(c->t[i].t.group, group)) return (long)i;
+    return -1;
+}
+
+static shard_status open_h5(shard_ckpt *c, size_t fi, char *path, size_t cap)
+{
+    snprintf(path, cap, "%s/%s", c->dir, c->files[fi]);
+    if (c->h5[fi] >= 0) return SHARD_OK;
+    struct stat st;
+    if (stat(path, &st) != 0) return shard_fail(SHARD_E_CORRUPT, "%s: missing", path);
+    if ((uint64_t)st.st_size != c->file_bytes[fi])
+        return shard_fail(SHARD_E_CORRUPT, "%s: %lld bytes, the manifest says %llu (truncated or replaced)", path, (long long)st.st_size, (unsigned long long)c->file_bytes[fi]);
+    c->h5[fi] = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+    if (c->h5[fi] < 0) return shard_fail(SHARD_E_CORRUPT, "%s: not a readable HDF5 file", path);
+    return SHARD_OK;
+}
+
+/* Read one whole piece in blocks of rows, check its checksum, and (if dst) copy
+ * its intersection with `want` into dst. */
+static shard_status read_piece(shard_ckpt *c, const tensor *t, const piece *p, const shard_box *want, void *dst, shard_dtype dst_dt)
+{
+    char path[4200];
+    shard_status s = open_h5(c, p->file_index, path, sizeof path);
+    if (s) return s;
+    const int nd = t->t.ndim;
+    const size_t es = shard_dtype_size(t->t.dtype), des = dst ? shard_dtype_size(dst_dt) : 0;
+    hid_t ds = H5Dopen2(c->h5[p->file_index], p->dataset, H5P_DEFAULT);
+    if (ds < 0) return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, p->dataset);
+    hid_t space = H5Dget_space(ds);
+    hsize_t dims[SHARD_MAX_DIMS];
+    int ok = H5Sget_simple_extent_ndims(space) == nd;
+    if (ok) H5Sget_simple_extent_dims(space, dims, NULL);
+    for (int k = 0; ok && k < nd; k++) ok = dims[k] == (hsize_t)p->box.len[k];
+    hid_t ft = H5Dget_type(ds);
+    ok = ok && H5Tequal(ft, shard_h5_type(t->t.dtype)) > 0;
+    H5Tclose(ft);
+    if (!ok) { H5Sclose(space); H5Dclose(ds); return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s has another shape or type than the manifest says", path, p->dataset); }
+    const int64_t rowlen = p->box.len[nd - 1], nrows = (int64_t)(shard_box_numel(&p->box) / (uint64_t)rowlen);
+    int64_t block = (int64_t)((4u << 20) / ((uint64_t)rowlen * es));
+    if (block < 1) block = 1;
+    char *buf = malloc((size_t)(block * rowlen) * es);
+    XXH64_state_t *h = XXH64_createState();
+    XXH64_reset(h, 0);
+    shard_box x;
+    int hit = dst && shard_box_intersect(&p->box, want, &x);
+    for (int64_t r0 = 0; r0 < nrows && !s; r0 += block) {
+        int64_t nr = nrows - r0 < block ? nrows - r0 : block;
+        /* select flattened rows [r0, r0+nr): a union of hyperslabs, one per plane run */
+        H5Sselect_none(space);
+        for (int64_t done = 0; done < nr;) {
+            int64_t rr = r0 + done, rem = rr;
+            hsize_t start[SHARD_MAX_DIMS], count[SHARD_MAX_DIMS];
+            int64_t take = nr - done;
+            if (nd >= 2) {
+                int64_t plane = p->box.len[nd - 2], in_plane = rem % plane;
+                if (plane - in_plane < take) take = plane - in_plane;
+                rem /= plane;
+                for (int k = nd - 3; k >= 0; k--) { start[k] = (hsize_t)(rem % p->box.len[k]); rem /= p->box.len[k]; count[k] = 1; }
+                start[nd - 2] = (hsize_t)in_plane; count[nd - 2] = (hsize_t)take;
+            }
+            start[nd - 1] = 0; count[nd - 1] = (hsize_t)rowlen;
+            H5Sselect_hyperslab(space, H5S_SELECT_OR, start, NULL, count, NULL);
+            done += take;
+        }
+        hsize_t mdim = (hsize_t)(nr * rowlen);
+        hid_t ms = H5Screate_simple(1, &mdim, NULL);
+        herr_t e = H5Dread(ds, shard_h5_type(t->t.dtype), ms, space, H5P_DEFAULT, buf);
+        H5Sclose(ms);
+        if (e < 0) { s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset); break; }
+        XXH64_update(h, buf, (size_t)(nr * rowlen) * es);
+        if (!hit) continue;
+        for (int64_t r = 0; r < nr && !s; r++) {
+            /* global coordinates of this row's first element */
+            int64_t idx[SHARD_MAX_DIMS], rem = r0 + r;
+            for (int k = nd - 2; k >= 0; k--) { idx[k] = p->box.off[k] + rem % p->box.len[k]; rem /= p->box.len[k]; }
+            int inside = 1;
+            for (int k = 0; k < nd - 1 && inside; k++) inside = idx[k] >= x.off[k] && idx[k] < x.off[k] + x.len[k];
+            if (!inside) continue;
+            int64_t doff = 0;
+            for (int k = 0; k < nd - 1; k++) doff = doff * want->len[k] + (idx[k] - want->off[k]);
+            doff = doff * want->len[nd - 1] + (x.off[nd - 1] - want->off[nd - 1]);
+            const char *src = buf + (size_t)(r * rowlen + (x.off[nd - 1] - p->box.off[nd - 1])) * es;
+            s = shard_convert((char *)dst + (size_t)doff * des, dst_dt, src, t->t.dtype, (size_t)x.len[nd - 1]);
+        }
+    }
+    uint64_t got = XXH64_digest(h);
+    XXH64_freeState(h);
+    free(buf);
+    H5Sclose(space);
+    H5Dclose(ds);
+    if (!s && got != p->xxh64)
+        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: checksum mismatch (stored %016llx, read %016llx)", path, p->dataset,
+                       (unsigned long long)p->xxh64, (unsigned long long)got);
+    return s;
+}
+
+shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, void *dst, shard_dtype dst_dt)
+{
+    if (i >= c->n) return shard_fail(SHARD_E_USAGE, "%s: no tensor %zu", c->dir, i);
+    const tensor *t = &c->t[i];
+    if (want->ndim != t->t.ndim) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": box rank %d, tensor rank %d", c->dir, t->t.name, want->ndim, t->t.ndim);
+    for (int k = 0; k < t->t.ndim; k++)
+        if (want->off[k] < 0 || want->len[k] < 0 || want->off[k] + want->len[k] > t->t.shape[k])
+            return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": wanted box outside the tensor", c->dir, t->t.name);
+    if (!shard_dtype_is_float(dst_dt) && dst_dt != t->t.dtype)
+        return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": cannot convert %s to %s", c->dir, t->t.name, shard_dtype_name(t->t.dtype), shard_dtype_name(dst_dt));
+    shard_box x;
+    for (size_t j = 0; j < t->t.npieces; j++) {
+        if (!shard_box_intersect(&t->p[j].box, want, &x)) continue;
+        shard_status s = read_piece(c, t, &t->p[j], want, dst, dst_dt);
+        if (s) return s;
+    }
+    return SHARD_OK;
+}
+
+shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked)
+{
+    uint64_t total = 0;
+    for (size_t i = 0; i < c->nfiles; i++) {
+        char *p = shard_path_join(c->dir, c->files[i]);
+        uint64_t h, n;
+        shard_status s = shard_file_xxh64(p, &h, &n);
+        if (!s && n != c->file_bytes[i]) s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu", p, (unsigned long long)n, (unsigned long long)c->file_bytes[i]);
+        if (!s && h != c->file_hash[i]) s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", p);
+        free(p);
+        if (s) return s;
+        total += n;
+    }
+    for (size_t i = 0; i < c->n; i++)
+        for (size_t j = 0; j < c->t[i].t.npieces; j++) {
+            shard_status s = read_piece(c, &c->t[i], &c->t[i].p[j], NULL, NULL, SHARD_DT_F32);
+            if (s) return s;
+        }
+    if (bytes_checked) *bytes_checked = total;
+    return SHARD_OK;
+}

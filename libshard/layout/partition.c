@@ -1,0 +1,154 @@
+/* Boxes and the partition rules of the Llama family: which region of each global
+ * tensor a rank holds, and whether it is the rank that stores that region. */
+#include "../core/internal.h"
+
+#include <string.h>
+
+/* ndim 0 is a scalar (1 element); a negative length counts as empty; UINT64_MAX
+ * when the product overflows (no real tensor comes near it). */
+uint64_t shard_box_numel(const shard_box *b)
+{
+    uint64_t n = 1;
+    for (int k = 0; k < b->ndim && k < SHARD_MAX_DIMS; k++) {
+        if (b->len[k] <= 0) return 0;
+        if (!shard_mul_u64(n, (uint64_t)b->len[k], &n)) return UINT64_MAX;
+    }
+    return n;
+}
+
+/* out may alias a or b. Boxes of different rank never overlap. */
+int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out)
+{
+    if (a->ndim != b->ndim || a->ndim < 0 || a->ndim > SHARD_MAX_DIMS) return 0;
+    shard_box r;
+    memset(&r, 0, sizeof r);
+    r.ndim = a->ndim;
+    for (int k = 0; k < a->ndim; k++) {
+        int64_t lo = a->off[k] > b->off[k] ? a->off[k] : b->off[k];
+        int64_t ea = a->off[k] + a->len[k], eb = b->off[k] + b->len[k];
+        int64_t hi = ea < eb ? ea : eb;
+        if (hi <= lo) return 0;
+        r.off[k] = lo;
+        r.len[k] = hi - lo;
+    }
+    *out = r;
+    return 1;
+}
+
+/* The shape that role implies for d; ndim 0 for an unknown role. */
+static int expected_shape(const shard_model_desc *d, shard_tensor_role role, int64_t shape[2])
+{
+    const int64_t H = d->hidden, F = d->intermediate, V = d->vocab;
+    const int64_t QD = d->heads * d->head_dim, KD = d->kv_heads * d->head_dim;
+    switch (role) {
+    case SHARD_T_EMBED: case SHARD_T_HEAD: shape[0] = V; shape[1] = H; return 2;
+    case SHARD_T_Q: shape[0] = QD; shape[1] = H; return 2;
+    case SHARD_T_K: case SHARD_T_V: shape[0] = KD; shape[1] = H; return 2;
+    case SHARD_T_O: shape[0] = H; shape[1] = QD; return 2;
+    case SHARD_T_GATE: case SHARD_T_UP: shape[0] = F; shape[1] = H; return 2;
+    case SHARD_T_DOWN: shape[0] = H; shape[1] = F; return 2;
+    case SHARD_T_NORM_ATTN: case SHARD_T_NORM_MLP: case SHARD_T_NORM_FINAL: shape[0] = H; return 1;
+    }
+    return 0;
+}
+
+static int is_layer_role(shard_tensor_role r) { return r != SHARD_T_EMBED && r != SHARD_T_NORM_FINAL && r != SHARD_T_HEAD; }
+
+/* Block r of n split over tp in blocks of ceil(n/tp): the last blocks may be short
+ * or empty. */
+static void block(int64_t n, int tp, int r, int64_t *off, int64_t *len)
+{
+    int64_t b = (n + tp - 1) / tp, o = b * r;
+    if (o > n) o = n;
+    *off = o;
+    *len = n - o < b ? n - o : b;
+}
+
+static shard_status check_args(const shard_model_desc *d, const shard_layout *l, const int *lps, const shard_tensor_spec *t, int rank)
+{
+    shard_status st = shard_layout_check(l, d);
+    if (st) return st;
+    long long sum = 0;
+    for (int s = 0; s < l->pp; s++) {
+        if (lps[s] < 1) return shard_fail(SHARD_E_USAGE, "partition: stage %d has %d layers (each needs at least one)", s, lps[s]);
+        sum += lps[s];
+    }
+    if (sum != d->layers) return shard_fail(SHARD_E_USAGE, "partition: the stages hold %lld layers but the model has %lld", sum, (long long)d->layers);
+    if (rank < 0 || rank >= shard_layout_size(l))
+        return shard_fail(SHARD_E_USAGE, "partition: rank %d is out of range for %d ranks", rank, shard_layout_size(l));
+    int64_t shape[2];
+    int nd = expected_shape(d, t->role, shape);
+    if (nd == 0) return shard_fail(SHARD_E_USAGE, "partition: tensor \"%.*s\" has an unknown role %d", SHARD_NAME_MAX, t->name, (int)t->role);
+    if (is_layer_role(t->role) ? (t->layer < 0 || t->layer >= d->layers) : t->layer != -1)
+        return shard_fail(SHARD_E_USAGE, "partition: tensor \"%.*s\" has layer %d, out of range for its role", SHARD_NAME_MAX, t->name, t->layer);
+    if (t->ndim != nd || t->shape[0] != shape[0] || (nd == 2 && t->shape[1] != shape[1]))
+        return shard_fail(SHARD_E_USAGE, "partition: tensor \"%.*s\" does not have the shape its role implies for this model", SHARD_NAME_MAX, t->name);
+    return SHARD_OK;
+}
+
+shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, const int *layers_per_stage,
+                             const shard_tensor_spec *t, int rank, shard_piece *out)
+{
+    if (!d || !l || !layers_per_stage || !t || !out) return shard_fail(SHARD_E_USAGE, "shard_partition: NULL argument");
+    shard_status st = check_args(d, l, layers_per_stage, t, rank);
+    if (st) return st;
+    const shard_coords c = shard_layout_coords(l, rank);
+    const int tp = l->tp, r = c.tp, last = l->pp - 1;
+    memset(out, 0, sizeof *out);
+    shard_box *b = &out->box;
+    b->ndim = t->ndim;
+
+    /* The stage: a layer's by the split; a tied embedding's copy on the last stage
+     * is held for the head's matmul but never written (stage 0 stores it). */
+    int stage, copy = 0;
+    if (is_layer_role(t->role)) stage = shard_stage_of_layer(layers_per_stage, l->pp, t->layer);
+    else if (t->role == SHARD_T_EMBED) {
+        stage = 0;
+        copy = d->tie_word_embeddings && last > 0 && c.pp == last;
+    } else stage = last;
+    if (stage != c.pp && !copy) return SHARD_OK; /* holds = 0, empty box */
+
+    for (int k = 0; k < t->ndim; k++) b->len[k] = t->shape[k];
+    /* Every cp and dp replica holds what cp=0,dp=0 holds; that one writes. */
+    int writes = c.cp == 0 && c.dp == 0 && !copy;
+    const int64_t hd = d->head_dim, nH = d->heads, nKV = d->kv_heads;
+    switch (t->role) {
+    case SHARD_T_EMBED: case SHARD_T_HEAD:
+        block(t->shape[0], tp, r, &b->off[0], &b->len[0]);
+        break;
+    case SHARD_T_GATE: case SHARD_T_UP:
+        block(t->shape[0], tp, r, &b->off[0], &b->len[0]);
+        break;
+    case SHARD_T_DOWN:
+        block(t->shape[1], tp, r, &b->off[1], &b->len[1]);
+        break;
+    case SHARD_T_Q: case SHARD_T_O: {
+        /* Whole query heads: rank r takes heads [r*nH/tp, (r+1)*nH/tp). */
+        int dim = t->role == SHARD_T_Q ? 0 : 1;
+        b->off[dim] = r * (nH / tp) * hd;
+        b->len[dim] = (nH / tp) * hd;
+        break;
+    }
+    case SHARD_T_K: case SHARD_T_V:
+        if (nKV >= tp) {
+            b->off[0] = r * (nKV / tp) * hd;
+            b->len[0] = (nKV / tp) * hd;
+        } else {
+            /* Fewer kv heads than ranks: each is replicated on tp/nKV consecutive
+             * ranks (the ones whose query heads use it); the first of them writes. */
+            int rep = tp / (int)nKV;
+            b->off[0] = (r / rep) * hd;
+            b->len[0] = hd;
+            writes = writes && r % rep == 0;
+        }
+        break;
+    case SHARD_T_NORM_ATTN: case SHARD_T_NORM_MLP: case SHARD_T_NORM_FINAL:
+        writes = writes && r == 0; /* replicated over tp */
+        break;
+    }
+    out->holds = 1;
+    /* An empty box (a vocab or MLP block past the end) is held as padding at run
+     * time but there is nothing to store. */
+    out->writes = writes && shard_box_numel(b) > 0;
+    return SHARD_OK;
+}

@@ -1,0 +1,175 @@
+"""hf2smp -> reshard chains -> smp-merge against transformers, safetensors, h5py."""
+import json
+import shutil
+
+import h5py
+import hdf5plugin  # noqa: F401  (registers the zstd filter 32015 with h5py)
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+from safetensors import safe_open
+
+import models
+from conftest import run
+
+LAYOUTS = ["pp=1", "tp=2", "pp=2,tp=2", "tp=3,cp=2", "pp=3,dp=2", "pp=2,tp=6", "tp=4,cp=1,dp=2"]
+
+
+def tensors_of(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            for k in sf.keys():
+                out[k] = sf.get_tensor(k)
+    return out
+
+
+def fits(case, layout):
+    _, kw, _, _ = models.CASES[case]
+    parts = dict(p.split("=") for p in layout.split(","))
+    tp, pp = int(parts.get("tp", 1)), int(parts.get("pp", 1))
+    kv = kw.get("num_key_value_heads", kw["num_attention_heads"])
+    return kw["num_attention_heads"] % tp == 0 and (kv % tp == 0 or tp % kv == 0) and pp <= kw["num_hidden_layers"]
+
+
+@pytest.mark.parametrize("case", list(models.CASES))
+def test_roundtrip_bit_for_bit(tmp_path, case):
+    hf = tmp_path / "hf"
+    model = models.make(case, hf)
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    (hf / "chat_template.jinja").write_text("{{ messages }}")
+    ref = tensors_of(hf)
+    layouts = [l for l in LAYOUTS if fits(case, l)]
+    assert len(layouts) >= 4
+    ids = torch.tensor([[1, 5, 7, 2, 9, 3]])
+    from transformers import AutoModelForCausalLM
+    # the reference: the original folder loaded the same way (fp32: torch 1.13 has
+    # no fp16 matmul on the CPU; loading recomputes rope buffers in fp32 for both)
+    with torch.no_grad():
+        ref_logits = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32)(ids).logits
+    for i, layout in enumerate(layouts):
+        ck = tmp_path / f"ck{i}"
+        run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", layout, check=0)
+        run("smp-verify", ck, check=0)
+        # a reshard chain through two other layouts
+        a, b = layouts[(i + 1) % len(layouts)], layouts[(i + 2) % len(layouts)]
+        run("smp-convert", "reshard", "--in", ck, "--out", tmp_path / f"r{i}a", "--layout", a, "--compress", "none", check=0)
+        run("smp-convert", "reshard", "--in", tmp_path / f"r{i}a", "--out", tmp_path / f"r{i}b", "--layout", b, check=0)
+        out = tmp_path / f"out{i}"
+        run("smp-merge", "--in", tmp_path / f"r{i}b", "--out", out, check=0)
+        got = tensors_of(out)
+        assert set(got) == set(ref)
+        for k in ref:
+            assert got[k].dtype == ref[k].dtype and torch.equal(got[k], ref[k]), k
+        for name in ["config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja"]:
+            assert (out / name).read_bytes() == (hf / name).read_bytes(), name
+    # the export serves as it is: transformers loads it and gives the same logits
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ref_logits)
+
+
+def test_split_export_with_index(tmp_path):
+    hf = tmp_path / "hf"
+    models.make("llama-gqa-f32", hf)
+    run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", "--layout", "tp=2", check=0)
+    run("smp-merge", "--in", tmp_path / "ck", "--out", tmp_path / "out", "--max-shard-size", "20KB", "--dtype", "bf16", check=0)
+    idx = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    got = tensors_of(tmp_path / "out")
+    assert set(idx["weight_map"]) == set(got) == set(tensors_of(hf))
+    ref = tensors_of(hf)
+    for k in ref:
+        assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k].to(torch.bfloat16)), k
+
+
+def independent_reader(ck):
+    """Reassemble every tensor from smp.json and the shard files using only
+    docs/FORMAT.md's rules, with h5py + hdf5plugin."""
+    m = json.loads((ck / "smp.json").read_text())
+    assert m["format"] == "smp" and m["version"] == 1
+    raw = {"F32": np.float32, "F16": np.uint16, "BF16": np.uint16, "F64": np.float64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
+    view = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+    out = {}
+    for t in m["tensors"]:
+        full = np.zeros(t["shape"], dtype=raw[t["dtype"]])
+        seen = np.zeros(t["shape"], dtype=np.int32)
+        for p in t["pieces"]:
+            with h5py.File(ck / p["file"], "r") as f:
+                d = f[p["dataset"]]
+                assert d.attrs["tensor"].decode() if isinstance(d.attrs["tensor"], bytes) else d.attrs["tensor"] == t["name"]
+                assert list(d.attrs["offset"]) == p["offset"] and list(d.attrs["global_shape"]) == t["shape"]
+                sl = tuple(slice(o, o + n) for o, n in zip(p["offset"], p["shape"]))
+                full[sl] = d[()]
+                seen[sl] += 1
+        assert (seen == 1).all(), t["name"]
+        out[t["name"]] = full.view(view[t["dtype"]]) if t["dtype"] in view else full
+    return out
+
+
+@pytest.mark.parametrize("case", ["llama-tied-bf16-llama3", "mistral-gqa-f16-window"])
+def test_h5py_and_an_independent_reader(tmp_path, case):
+    hf = tmp_path / "hf"
+    models.make(case, hf)
+    ck = tmp_path / "ck"
+    run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=2,tp=2", check=0)
+    with h5py.File(next(ck.glob("shard-*.h5")), "r") as f:
+        names = []
+        f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+        assert names and all(n.startswith("params/") for n in names)
+        d = f[names[0]]
+        plist = d.id.get_create_plist()
+        filters = [plist.get_filter(i)[0] for i in range(plist.get_nfilters())]
+        assert filters == [h5py.h5z.FILTER_SHUFFLE, 32015], filters  # shuffle, then zstd
+        d[()]  # decompresses through hdf5plugin's zstd
+    got = independent_reader(ck)
+    ref = {k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in tensors_of(hf).items()}
+    assert set(got) == set(ref)
+    for k, v in ref.items():
+        assert np.array_equal(np.asarray(got[k], dtype=np.float32), np.asarray(v, dtype=np.float32)), k
+
+
+def test_corruption_is_caught_and_named(tmp_path):
+    hf = tmp_path / "hf"
+    models.make("llama-gqa-f32", hf)
+    ck = tmp_path / "ck"
+    run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2", check=0)
+    files = sorted(p for p in ck.rglob("*") if p.is_file() and p.name != "smp.json")
+    rng = np.random.default_rng(0)
+    for f in files:
+        for _ in range(3):
+            bad = tmp_path / "bad"
+            shutil.rmtree(bad, ignore_errors=True)
+            shutil.copytree(ck, bad)
+            target = bad / f.relative_to(ck)
+            data = bytearray(target.read_bytes())
+            i = int(rng.integers(0, len(data)))
+            data[i] ^= 0x5A
+            target.write_bytes(bytes(data))
+            p = run("smp-verify", bad)
+            assert p.returncode == 3, (f, i, p.stdout, p.stderr)
+            assert f.name in p.stderr, p.stderr
+    # a missing shard, a truncated shard, an edited manifest
+    for how in ["missing", "truncated", "manifest"]:
+        bad = tmp_path / f"bad-{how}"
+        shutil.copytree(ck, bad)
+        shard = bad / "shard-00001.h5"
+        if how == "missing":
+            shard.unlink()
+        elif how == "truncated":
+            shard.write_bytes(shard.read_bytes()[:-100])
+        else:
+            m = json.loads((bad / "smp.json").read_text())
+            m["tensors"][0]["pieces"][0]["xxh64"] = "0" * 16
+            (bad / "smp.json").write_text(json.dumps(m))
+        p = run("smp-verify", bad)
+        assert p.returncode == 3 and ("shard-0000" in p.stderr), p.stderr
+        # loading (merge) refuses it too
+        p = run("smp-merge", "--in", bad, "--out", tmp_path / f"o-{how}")
+        assert p.returncode == 3 and not (tmp_path / f"o-{how}").exists(), p.stderr
+
+
+def test_folder_without_manifest_is_refused(tmp_path):
+    (tmp_path / "ck").mkdir()
+    p = run("smp-verify", tmp_path / "ck")
+    assert p.returncode == 3 and "no smp.json" in p.stderr
