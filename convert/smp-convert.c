@@ -11,22 +11,38 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 static const char HELP[] =
     "usage: smp-convert hf2smp  --in HF_DIR --out CKPT --layout pp=P,tp=T[,cp=C][,dp=D]\n"
     "                           [--stages auto|8,8,7,9] [--dtype keep|bf16|fp32] [--compress zstd[:N]|none]\n"
+    "                           [--threads N]\n"
     "       smp-convert reshard --in CKPT --out CKPT2 --layout ... [--stages ...] [--dtype ...] [--compress ...]\n"
     "\n"
     "hf2smp   shard a Hugging Face model folder (config.json, safetensors weights, tokenizer\n"
     "         and other files) into an SMP checkpoint laid out for pp x tp x cp x dp ranks.\n"
     "reshard  turn a checkpoint of any layout into one of another layout.\n"
     "\n"
+    "--threads N  worker threads that convert, shuffle and compress chunks (default: cores, <= 16)\n"
+    "\n"
     "The output appears only when whole (written under a temporary name, then renamed).\n"
     "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
 
 typedef struct {
-    const char *in, *out, *layout, *stages, *dtype, *compress;
+    const char *in, *out, *layout, *stages, *dtype, *compress, *threads;
 } args;
+
+/* reshard: the planner fills any sub-box of a target piece from the stored pieces */
+typedef struct {
+    shard_ckpt *c;
+    size_t index;
+} ckpt_source;
+
+static shard_status fill_from_ckpt(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
+{
+    const ckpt_source *cs = ctx;
+    return shard_ckpt_read(cs->c, cs->index, sub, dst, dt);
+}
 
 typedef struct {
     shard_weights *w; /* hf2smp */
@@ -63,6 +79,7 @@ static shard_status convert(const args *a, const source *src, const shard_model_
     if ((s = shard_layout_parse(a->layout, &l)) || (s = shard_layout_check(&l, d)) ||
         (s = shard_stages_parse(a->stages, d, l.pp, stages)) || (s = shard_compress_parse(a->compress, &comp)))
         return s;
+    comp.threads = atoi(a->threads);
     const size_t nt = shard_model_tensor_count(d);
     const int nranks = shard_layout_size(&l);
     /* total bytes to write, for the progress line */
@@ -82,8 +99,6 @@ static shard_status convert(const args *a, const source *src, const shard_model_
     if ((s = shard_ckpt_begin(a->out, &cw))) return s;
     progress pg;
     progress_start(&pg, "writing", total);
-    void *buf = NULL;
-    size_t bufcap = 0;
     for (int r = 0; r < nranks && !s; r++) {
         shard_h5_writer *hw = NULL;
         for (size_t i = 0; i < nt && !s; i++) {
@@ -108,12 +123,9 @@ static shard_status convert(const args *a, const source *src, const shard_model_
                 const shard_st_tensor *st = shard_weights_find(src->w, t.name);
                 s = shard_h5_write_piece(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, st->data, st->dtype);
             } else {
-                /* the planner assembles this piece from the stored ones, in the target dtype */
-                size_t need = (size_t)numel * shard_dtype_size(dt);
-                if (need > bufcap) { free(buf); buf = malloc(need); bufcap = need; }
-                if (!buf) { s = shard_fail(SHARD_E_NOMEM, "out of memory for a %zu-byte piece", need); break; }
-                s = shard_ckpt_read(src->c, (size_t)ci, &pc.box, buf, dt);
-                if (!s) s = shard_h5_write_local(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, buf, dt);
+                /* the planner assembles this piece chunk by chunk from the stored ones */
+                ckpt_source cs = {src->c, (size_t)ci};
+                s = shard_h5_write_stream(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, fill_from_ckpt, &cs);
             }
             progress_add(&pg, numel * shard_dtype_size(dt));
         }
@@ -122,7 +134,6 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             else s = shard_h5_close(hw);
         }
     }
-    free(buf);
     progress_end(&pg);
     /* the model folder's other files travel with the checkpoint */
     if (!s && extra_dir) {
@@ -158,7 +169,10 @@ static shard_status convert(const args *a, const source *src, const shard_model_
 
 static int parse_args(int argc, char **argv, args *a)
 {
-    *a = (args){NULL, NULL, NULL, "auto", "keep", "zstd"};
+    static char ncpu[16];
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    snprintf(ncpu, sizeof ncpu, "%ld", n < 1 ? 1 : n > 16 ? 16 : n);
+    *a = (args){NULL, NULL, NULL, "auto", "keep", "zstd", ncpu};
     for (int i = 2; i < argc; i++) {
         const char **slot = NULL;
         if (!strcmp(argv[i], "--in")) slot = &a->in;
@@ -167,12 +181,16 @@ static int parse_args(int argc, char **argv, args *a)
         else if (!strcmp(argv[i], "--stages")) slot = &a->stages;
         else if (!strcmp(argv[i], "--dtype")) slot = &a->dtype;
         else if (!strcmp(argv[i], "--compress")) slot = &a->compress;
+        else if (!strcmp(argv[i], "--threads")) slot = &a->threads;
         else return cli_usage("unknown option %s", argv[i]);
         if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
         *slot = argv[++i];
     }
     if (!a->in || !a->out || !a->layout) return cli_usage("--in, --out and --layout are required");
     if (strcmp(a->dtype, "keep") && strcmp(a->dtype, "bf16") && strcmp(a->dtype, "fp32")) return cli_usage("--dtype must be keep, bf16 or fp32");
+    char *end;
+    long th = strtol(a->threads, &end, 10);
+    if (*end || th < 1 || th > 64) return cli_usage("--threads must be an integer in 1..64");
     return 0;
 }
 

@@ -124,15 +124,23 @@ int main(int argc, char **argv)
         }
         for (size_t i = 0; i < nt && !s; i++) {
             if (file_of[i] != f) continue;
+            /* stream the tensor in blocks of whole rows of dim 0 (~8 MiB each) */
             const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)idx[i]);
-            shard_box all = {.ndim = ct->ndim};
-            uint64_t n = 1;
-            for (int k = 0; k < ct->ndim; k++) { all.len[k] = ct->shape[k]; n *= (uint64_t)ct->shape[k]; }
-            size_t need = (size_t)n * shard_dtype_size(dts[i]);
+            shard_box blk = {.ndim = ct->ndim};
+            uint64_t row = shard_dtype_size(dts[i]);
+            for (int k = 1; k < ct->ndim; k++) { blk.len[k] = ct->shape[k]; row *= (uint64_t)ct->shape[k]; }
+            int64_t rows = row ? (int64_t)((8u << 20) / row) : 1;
+            if (rows < 1) rows = 1;
+            size_t need = (size_t)(rows * (int64_t)row);
             if (need > cap) { free(buf); buf = malloc(need ? need : 1); cap = need; }
             if (!buf) { s = shard_fail(SHARD_E_NOMEM, "out of memory for tensor \"%s\"", ct->name); break; }
-            if (!(s = shard_ckpt_read(c, (size_t)idx[i], &all, buf, dts[i]))) s = shard_st_writer_write(w, buf, need);
-            progress_add(&pg, need);
+            for (int64_t r0 = 0; r0 < ct->shape[0] && !s; r0 += rows) {
+                blk.off[0] = r0;
+                blk.len[0] = ct->shape[0] - r0 < rows ? ct->shape[0] - r0 : rows;
+                size_t nb = (size_t)blk.len[0] * (size_t)row;
+                if (!(s = shard_ckpt_read(c, (size_t)idx[i], &blk, buf, dts[i]))) s = shard_st_writer_write(w, buf, nb);
+                progress_add(&pg, nb);
+            }
         }
         if (s) shard_st_writer_abort(w);
         else s = shard_st_writer_finish(w);

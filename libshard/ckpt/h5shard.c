@@ -11,6 +11,7 @@
 #include <fcntl.h>
 #include <hdf5.h>
 #include <pthread.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,6 +65,7 @@ void shard_h5_init(void) { pthread_once(&once, init_hdf5); }
 
 shard_status shard_compress_parse(const char *text, shard_compress *out)
 {
+    out->threads = 1;
     if (!strcmp(text, "none")) { out->zstd_level = 0; return SHARD_OK; }
     if (!strcmp(text, "zstd")) { out->zstd_level = 3; return SHARD_OK; }
     if (!strncmp(text, "zstd:", 5)) {
@@ -97,6 +99,7 @@ struct shard_h5_writer {
     char *path;
     hid_t file;
     shard_compress c;
+    int threads;
 };
 
 shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out)
@@ -106,6 +109,7 @@ shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer
     shard_h5_writer *w = calloc(1, sizeof *w);
     if (!w || !(w->path = strdup(path))) { free(w); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
     w->c = c;
+    w->threads = c.threads > 0 ? (c.threads > 64 ? 64 : c.threads) : 1;
     w->file = H5Fcreate(path, H5F_ACC_EXCL, H5P_DEFAULT, H5P_DEFAULT);
     if (w->file < 0) { free(w->path); free(w); return shard_fail(SHARD_E_IO, "%s: cannot create the HDF5 file", path); }
     *out = w;
@@ -135,136 +139,257 @@ static shard_status set_attr_i64(hid_t obj, const char *name, int n, const int64
     return e < 0 ? SHARD_E_IO : SHARD_OK;
 }
 
-/* Copy rows [r0, r0+nr) of the box (rows = index over all dims but the last) from
- * the source into dst (C order), converting dtype. The source is either the whole
- * tensor (whole=1, shape gshape) or the box itself. */
-static shard_status gather_rows(void *dst, shard_dtype dt, const void *src, shard_dtype sdt, int ndim,
-                                const int64_t *gshape, const shard_box *box, int whole, int64_t r0, int64_t nr)
+/* Copy the sub-box `sub` of the piece from a C-order source into dst (C order of
+ * sub), converting dtype. The source is the whole tensor (shape gshape) or, when
+ * gshape is NULL, a buffer holding exactly `box`. */
+static shard_status gather(void *dst, shard_dtype dt, const void *src, shard_dtype sdt, const int64_t *gshape,
+                           const shard_box *box, const shard_box *sub)
 {
+    const int nd = sub->ndim;
     const size_t ses = shard_dtype_size(sdt), des = shard_dtype_size(dt);
-    const int64_t rowlen = ndim ? box->len[ndim - 1] : 1;
+    const int64_t rowlen = sub->len[nd - 1];
+    const uint64_t nrows = shard_box_numel(sub) / (uint64_t)(rowlen ? rowlen : 1);
     int64_t idx[SHARD_MAX_DIMS];
-    for (int64_t r = 0; r < nr; r++) {
-        int64_t rem = r0 + r, soff = 0;
-        for (int k = ndim - 2; k >= 0; k--) { idx[k] = rem % box->len[k]; rem /= box->len[k]; }
-        const int64_t *shape = whole ? gshape : box->len;
-        for (int k = 0; k < ndim - 1; k++) soff = soff * shape[k] + idx[k] + (whole ? box->off[k] : 0);
-        if (ndim) soff = soff * shape[ndim - 1] + (whole ? box->off[ndim - 1] : 0);
-        shard_status s = shard_convert((char *)dst + (size_t)(r * rowlen) * des, dt, (const char *)src + (size_t)soff * ses, sdt, (size_t)rowlen);
+    for (uint64_t r = 0; r < nrows && rowlen; r++) {
+        uint64_t rem = r;
+        for (int k = nd - 2; k >= 0; k--) { idx[k] = sub->off[k] + (int64_t)(rem % (uint64_t)sub->len[k]); rem /= (uint64_t)sub->len[k]; }
+        idx[nd - 1] = sub->off[nd - 1];
+        int64_t soff = 0;
+        for (int k = 0; k < nd; k++) soff = gshape ? soff * gshape[k] + idx[k] : soff * box->len[k] + (idx[k] - box->off[k]);
+        shard_status s = shard_convert((char *)dst + (size_t)r * (size_t)rowlen * des, dt, (const char *)src + (size_t)soff * ses, sdt, (size_t)rowlen);
         if (s) return s;
     }
     return SHARD_OK;
 }
 
-static shard_status write_piece(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
-                                const int64_t *gshape, const shard_box *box, const void *src, shard_dtype sdt, int whole)
+typedef struct {
+    const void *src;
+    shard_dtype sdt;
+    const int64_t *gshape; /* NULL: src holds exactly the box */
+    const shard_box *box;
+    size_t src_bytes;      /* size of the mapping, for madvise */
+} mem_source;
+
+/* fill from memory; for a mapped file, drop the pages read from this process's
+ * resident set right away (they stay in the page cache), so converting a model
+ * of any size keeps a small footprint. */
+static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
+{
+    const mem_source *m = ctx;
+    shard_status s = gather(dst, dt, m->src, m->sdt, m->gshape, m->box, sub);
+    if (!s && m->gshape && m->src_bytes) {
+        const int nd = sub->ndim;
+        int64_t first = 0, last = 0;
+        for (int k = 0; k < nd; k++) {
+            first = first * m->gshape[k] + sub->off[k];
+            last = last * m->gshape[k] + sub->off[k] + sub->len[k] - 1;
+        }
+        const uintptr_t pg = 4096, a = (uintptr_t)m->src + (uintptr_t)first * shard_dtype_size(m->sdt);
+        const uintptr_t b = (uintptr_t)m->src + (uintptr_t)(last + 1) * shard_dtype_size(m->sdt);
+        uintptr_t lo = (a + pg - 1) & ~(pg - 1), hi = b & ~(pg - 1);
+        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+    }
+    return s;
+}
+
+/* --------------------------------------------------------- the chunk pipeline */
+/* A piece is cut into chunks of whole rows (chunk shape [1, ..., 1, rows, rowlen]).
+ * Worker threads each take the next chunk, fill it, byte-shuffle and compress it;
+ * then, in chunk order, fold it into the piece's checksum and hand it to HDF5 with
+ * H5Dwrite_chunk, which bypasses HDF5's filter pipeline (and its global lock for
+ * the compression work). Memory: threads x (chunk + compressed chunk). */
+typedef struct {
+    shard_h5_writer *w;
+    hid_t ds;
+    const char *dpath;
+    shard_dtype dt;
+    const shard_box *box;
+    shard_fill_fn fill;
+    void *ctx;
+    int64_t chunk_rows, rowlen, plane; /* plane: len of the second-last dim (1 for 1-D) */
+    uint64_t nchunks, next_take, next_commit;
+    XXH64_state_t *hash;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    shard_status s;
+} pipeline;
+
+static void chunk_box(const pipeline *p, uint64_t c, shard_box *sub, hsize_t *hoff)
+{
+    const int nd = p->box->ndim;
+    const uint64_t per_plane = (uint64_t)((p->plane + p->chunk_rows - 1) / p->chunk_rows);
+    uint64_t plane_idx = c / per_plane, in_plane = c % per_plane;
+    *sub = *p->box;
+    for (int k = nd - 1; k >= 0; k--) hoff[k] = 0;
+    if (nd == 1) {
+        sub->off[0] = p->box->off[0] + (int64_t)in_plane * p->chunk_rows;
+        int64_t rest = p->box->len[0] - (int64_t)in_plane * p->chunk_rows;
+        sub->len[0] = rest < p->chunk_rows ? rest : p->chunk_rows;
+        hoff[0] = (hsize_t)(in_plane * (uint64_t)p->chunk_rows);
+        return;
+    }
+    for (int k = nd - 3; k >= 0; k--) {
+        int64_t i = (int64_t)(plane_idx % (uint64_t)p->box->len[k]);
+        plane_idx /= (uint64_t)p->box->len[k];
+        sub->off[k] = p->box->off[k] + i;
+        sub->len[k] = 1;
+        hoff[k] = (hsize_t)i;
+    }
+    int64_t r0 = (int64_t)in_plane * p->chunk_rows, rest = p->plane - r0;
+    sub->off[nd - 2] = p->box->off[nd - 2] + r0;
+    sub->len[nd - 2] = rest < p->chunk_rows ? rest : p->chunk_rows;
+    hoff[nd - 2] = (hsize_t)r0;
+}
+
+static void shuffle_bytes(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
+{
+    for (size_t b = 0; b < es; b++)
+        for (size_t i = 0; i < n; i++) dst[b * n + i] = src[i * es + b];
+}
+
+static void *pipeline_worker(void *arg)
+{
+    pipeline *p = arg;
+    const size_t es = shard_dtype_size(p->dt);
+    const size_t full = (size_t)(p->chunk_rows * p->rowlen) * es; /* HDF5 stores whole chunks */
+    const int level = p->w->c.zstd_level;
+    uint8_t *raw = calloc(1, full), *shuf = level ? malloc(full) : NULL;
+    size_t zcap = level ? ZSTD_compressBound(full) : 0;
+    uint8_t *z = level ? malloc(zcap) : NULL;
+    ZSTD_CCtx *cctx = level ? ZSTD_createCCtx() : NULL;
+    if (!raw || (level && (!shuf || !z || !cctx))) {
+        pthread_mutex_lock(&p->mu);
+        if (!p->s) p->s = shard_fail(SHARD_E_NOMEM, "%s: out of memory", p->w->path);
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+        goto out;
+    }
+    for (;;) {
+        pthread_mutex_lock(&p->mu);
+        uint64_t c = p->next_take++;
+        int stop = c >= p->nchunks || p->s;
+        pthread_mutex_unlock(&p->mu);
+        if (stop) break;
+        shard_box sub;
+        hsize_t hoff[SHARD_MAX_DIMS];
+        chunk_box(p, c, &sub, hoff);
+        size_t valid = (size_t)shard_box_numel(&sub) * es;
+        if (valid < full) memset(raw + valid, 0, full - valid);
+        shard_status s = p->fill(p->ctx, &sub, raw, p->dt);
+        const void *out = raw;
+        size_t outn = full;
+        if (!s && level) {
+            shuffle_bytes(shuf, raw, full / es, es);
+            size_t r = ZSTD_compressCCtx(cctx, z, zcap, es > 1 ? shuf : raw, full, level);
+            if (ZSTD_isError(r)) s = shard_fail(SHARD_E_INTERNAL, "%s: zstd: %s", p->w->path, ZSTD_getErrorName(r));
+            out = z;
+            outn = r;
+        }
+        pthread_mutex_lock(&p->mu);
+        while (p->next_commit != c && !p->s) pthread_cond_wait(&p->cv, &p->mu);
+        if (!p->s && s) p->s = s;
+        if (!p->s) {
+            XXH64_update(p->hash, raw, valid);
+            if (H5Dwrite_chunk(p->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
+                p->s = shard_fail(SHARD_E_IO, "%s: writing %s failed (disk full?)", p->w->path, p->dpath);
+        }
+        p->next_commit++;
+        pthread_cond_broadcast(&p->cv);
+        pthread_mutex_unlock(&p->mu);
+    }
+out:
+    free(raw); free(shuf); free(z);
+    ZSTD_freeCCtx(cctx);
+    return NULL;
+}
+
+shard_status shard_h5_write_stream(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
+                                   const int64_t *gshape, const shard_box *box, shard_fill_fn fill, void *ctx)
 {
     if (ndim < 1 || ndim > SHARD_MAX_DIMS || box->ndim != ndim) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": bad rank", w->path, name);
-    const uint64_t numel = shard_box_numel(box);
-    if (numel == 0) return SHARD_OK; /* empty pieces are not stored */
+    if (shard_box_numel(box) == 0) return SHARD_OK; /* empty pieces are not stored */
     const size_t es = shard_dtype_size(dt);
     hid_t h5t = shard_h5_type(dt);
     if (h5t < 0) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": dtype cannot be stored", w->path, name);
+    pipeline p = {.w = w, .dt = dt, .box = box, .fill = fill, .ctx = ctx};
+    p.rowlen = box->len[ndim - 1];
     hsize_t dims[SHARD_MAX_DIMS], chunk[SHARD_MAX_DIMS];
-    int64_t rowlen = box->len[ndim - 1], nrows = (int64_t)(numel / (uint64_t)rowlen);
     for (int k = 0; k < ndim; k++) { dims[k] = (hsize_t)box->len[k]; chunk[k] = 1; }
-    chunk[ndim - 1] = dims[ndim - 1];
-    /* chunk = a block of whole rows of about CHUNK_TARGET bytes */
-    int64_t rows_per_chunk = (int64_t)(CHUNK_TARGET / ((uint64_t)rowlen * es));
-    if (rows_per_chunk < 1) rows_per_chunk = 1;
-    if (ndim >= 2) chunk[ndim - 2] = (hsize_t)(rows_per_chunk < box->len[ndim - 2] ? rows_per_chunk : box->len[ndim - 2]);
-    if (ndim == 1 && (uint64_t)rowlen * es > CHUNK_TARGET) chunk[0] = CHUNK_TARGET / es;
-    int64_t block_rows = ndim >= 2 ? (int64_t)chunk[ndim - 2] : 1;
+    if (ndim == 1) {
+        p.rowlen = 1;
+        p.plane = box->len[0];
+        p.chunk_rows = (int64_t)(CHUNK_TARGET / es);
+        if (p.chunk_rows > p.plane) p.chunk_rows = p.plane;
+        chunk[0] = (hsize_t)p.chunk_rows;
+    } else {
+        p.plane = box->len[ndim - 2];
+        p.chunk_rows = (int64_t)(CHUNK_TARGET / ((uint64_t)p.rowlen * es));
+        if (p.chunk_rows < 1) p.chunk_rows = 1;
+        if (p.chunk_rows > p.plane) p.chunk_rows = p.plane;
+        chunk[ndim - 2] = (hsize_t)p.chunk_rows;
+        chunk[ndim - 1] = (hsize_t)p.rowlen;
+    }
+    uint64_t planes = shard_box_numel(box) / (uint64_t)(p.plane * p.rowlen);
+    p.nchunks = planes * (uint64_t)((p.plane + p.chunk_rows - 1) / p.chunk_rows);
 
     char dpath[1024];
     snprintf(dpath, sizeof dpath, "/%s/%s", group, name);
+    p.dpath = dpath;
     hid_t lcpl = H5Pcreate(H5P_LINK_CREATE), dcpl = H5Pcreate(H5P_DATASET_CREATE);
     H5Pset_create_intermediate_group(lcpl, 1);
     H5Pset_chunk(dcpl, ndim, chunk);
+    H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
     if (w->c.zstd_level > 0) {
         unsigned lvl = (unsigned)w->c.zstd_level;
         H5Pset_shuffle(dcpl);
         H5Pset_filter(dcpl, ZSTD_FILTER_ID, H5Z_FLAG_MANDATORY, 1, &lvl);
     }
     hid_t space = H5Screate_simple(ndim, dims, NULL);
-    hid_t ds = H5Dcreate2(w->file, dpath, h5t, space, lcpl, dcpl, H5P_DEFAULT);
-    H5Pclose(lcpl); H5Pclose(dcpl);
-    if (ds < 0) { H5Sclose(space); return shard_fail(SHARD_E_IO, "%s: cannot create dataset %s", w->path, dpath); }
-
-    shard_status s = SHARD_OK;
-    size_t block_bytes = (size_t)(block_rows * rowlen) * es;
-    void *buf = malloc(block_bytes);
-    XXH64_state_t *h = XXH64_createState();
-    if (!buf || !h) { s = shard_fail(SHARD_E_NOMEM, "%s: out of memory", w->path); goto out; }
-    XXH64_reset(h, 0);
-    /* walk rows in blocks; for ndim >= 2 a block never crosses a boundary of the
-     * dims before the last two only if rows are counted in the flattened space:
-     * we write with a hyperslab over the flattened row range, chunk-aligned */
-    for (int64_t r0 = 0; r0 < nrows; r0 += block_rows) {
-        int64_t nr = nrows - r0 < block_rows ? nrows - r0 : block_rows;
-        if ((s = gather_rows(buf, dt, src, sdt, ndim, gshape, box, whole, r0, nr))) goto out;
-        XXH64_update(h, buf, (size_t)(nr * rowlen) * es);
-        /* the rows r0..r0+nr-1 of the flattened [nrows, rowlen] view */
-        hsize_t start[SHARD_MAX_DIMS] = {0}, count[SHARD_MAX_DIMS];
-        for (int k = 0; k < ndim; k++) count[k] = 1;
-        if (ndim == 1) { start[0] = (hsize_t)r0; count[0] = (hsize_t)rowlen; }
-        else {
-            /* rows inside one [.., len[ndim-2], rowlen] plane: block_rows divides nothing
-             * in general, so write row by row across plane boundaries */
-            int64_t plane = box->len[ndim - 2];
-            int64_t done = 0;
-            while (done < nr) {
-                int64_t rr = r0 + done, rem = rr;
-                int64_t in_plane = rem % plane;
-                int64_t take = plane - in_plane < nr - done ? plane - in_plane : nr - done;
-                rem /= plane;
-                for (int k = ndim - 3; k >= 0; k--) { start[k] = (hsize_t)(rem % box->len[k]); rem /= box->len[k]; count[k] = 1; }
-                start[ndim - 2] = (hsize_t)in_plane; count[ndim - 2] = (hsize_t)take;
-                start[ndim - 1] = 0; count[ndim - 1] = (hsize_t)rowlen;
-                hsize_t mdim = (hsize_t)(take * rowlen);
-                hid_t ms = H5Screate_simple(1, &mdim, NULL);
-                H5Sselect_hyperslab(space, H5S_SELECT_SET, start, NULL, count, NULL);
-                herr_t e = H5Dwrite(ds, h5t, ms, space, H5P_DEFAULT, (char *)buf + (size_t)(done * rowlen) * es);
-                H5Sclose(ms);
-                if (e < 0) { s = shard_fail(SHARD_E_IO, "%s: writing %s failed (disk full?)", w->path, dpath); goto out; }
-                done += take;
-            }
-            continue;
-        }
-        hsize_t mdim = count[0];
-        hid_t ms = H5Screate_simple(1, &mdim, NULL);
-        H5Sselect_hyperslab(space, H5S_SELECT_SET, start, NULL, count, NULL);
-        herr_t e = H5Dwrite(ds, h5t, ms, space, H5P_DEFAULT, buf);
-        H5Sclose(ms);
-        if (e < 0) { s = shard_fail(SHARD_E_IO, "%s: writing %s failed (disk full?)", w->path, dpath); goto out; }
-    }
-    {
+    p.ds = H5Dcreate2(w->file, dpath, h5t, space, lcpl, dcpl, H5P_DEFAULT);
+    H5Pclose(lcpl); H5Pclose(dcpl); H5Sclose(space);
+    if (p.ds < 0) return shard_fail(SHARD_E_IO, "%s: cannot create dataset %s", w->path, dpath);
+    p.hash = XXH64_createState();
+    XXH64_reset(p.hash, 0);
+    pthread_mutex_init(&p.mu, NULL);
+    pthread_cond_init(&p.cv, NULL);
+    int nt = w->threads;
+    if ((uint64_t)nt > p.nchunks) nt = (int)p.nchunks;
+    pthread_t th[64];
+    int started = 0;
+    for (int i = 1; i < nt; i++) if (pthread_create(&th[started], NULL, pipeline_worker, &p) == 0) started++;
+    pipeline_worker(&p);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    shard_status s = p.s;
+    if (!s) {
         char hex[17];
-        snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH64_digest(h));
+        snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH64_digest(p.hash));
         int64_t off[SHARD_MAX_DIMS];
         for (int k = 0; k < ndim; k++) off[k] = box->off[k];
-        if (set_attr_str(ds, "tensor", name) || set_attr_str(ds, "dtype", shard_dtype_name(dt)) ||
-            set_attr_i64(ds, "offset", ndim, off) || set_attr_i64(ds, "global_shape", ndim, gshape) || set_attr_str(ds, "xxh64", hex))
+        if (set_attr_str(p.ds, "tensor", name) || set_attr_str(p.ds, "dtype", shard_dtype_name(dt)) ||
+            set_attr_i64(p.ds, "offset", ndim, off) || set_attr_i64(p.ds, "global_shape", ndim, gshape) || set_attr_str(p.ds, "xxh64", hex))
             s = shard_fail(SHARD_E_IO, "%s: writing the attributes of %s failed", w->path, dpath);
     }
-out:
-    free(buf);
-    if (h) XXH64_freeState(h);
-    H5Sclose(space);
-    H5Dclose(ds);
+    XXH64_freeState(p.hash);
+    pthread_mutex_destroy(&p.mu);
+    pthread_cond_destroy(&p.cv);
+    H5Dclose(p.ds);
     return s;
 }
 
 shard_status shard_h5_write_piece(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
                                   const int64_t *gshape, const shard_box *box, const void *src, shard_dtype src_dt)
 {
-    return write_piece(w, group, name, dt, ndim, gshape, box, src, src_dt, 1);
+    uint64_t n = 1;
+    for (int k = 0; k < ndim; k++) n *= (uint64_t)gshape[k];
+    mem_source m = {src, src_dt, gshape, box, (size_t)n * shard_dtype_size(src_dt)};
+    return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
 }
 
 shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
                                   const int64_t *gshape, const shard_box *box, const void *local, shard_dtype src_dt)
 {
-    return write_piece(w, group, name, dt, ndim, gshape, box, local, src_dt, 0);
+    mem_source m = {local, src_dt, NULL, box, 0};
+    return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
 }
 
 shard_status shard_h5_close(shard_h5_writer *w)

@@ -3,6 +3,7 @@
 #include "../core/internal.h"
 
 #include <hdf5.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,6 +21,7 @@ typedef struct {
     shard_box box;
     uint64_t xxh64;
     size_t file_index;
+    int verified;
 } piece;
 
 typedef struct {
@@ -42,6 +44,7 @@ struct shard_ckpt {
     size_t nfiles;
     const char **extras;
     size_t nextras;
+    pthread_mutex_t mu;
 };
 
 #define BAD(...) do { s = shard_fail(SHARD_E_INVALID, __VA_ARGS__); goto out; } while (0)
@@ -185,6 +188,7 @@ void shard_ckpt_close(shard_ckpt *c)
     for (size_t i = 0; i < c->n; i++) free(c->t[i].p);
     free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->extras);
     json_decref(c->m);
+    pthread_mutex_destroy(&c->mu);
     free(c->dir);
     free(c);
 }
@@ -194,6 +198,7 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     shard_h5_init();
     *out = NULL;
     shard_ckpt *c = calloc(1, sizeof *c);
+    pthread_mutex_init(&c->mu, NULL);
     c->dir = strdup(dir);
     char *mp = shard_path_join(dir, "smp.json");
     struct stat st;
@@ -244,15 +249,36 @@ static shard_status open_h5(shard_ckpt *c, size_t fi, char *path, size_t cap)
     return SHARD_OK;
 }
 
-/* Read one whole piece in blocks of rows, check its checksum, and (if dst) copy
- * its intersection with `want` into dst. */
-static shard_status read_piece(shard_ckpt *c, const tensor *t, const piece *p, const shard_box *want, void *dst, shard_dtype dst_dt)
+/* Select the flattened rows [r0, r0+nr) of a piece (all dims but the last are
+ * rows): a union of hyperslabs, one per run inside a plane of the last two dims. */
+static void select_rows(hid_t space, const shard_box *b, int64_t r0, int64_t nr)
 {
-    char path[4200];
-    shard_status s = open_h5(c, p->file_index, path, sizeof path);
+    const int nd = b->ndim;
+    H5Sselect_none(space);
+    for (int64_t done = 0; done < nr;) {
+        int64_t rem = r0 + done, take = nr - done;
+        hsize_t start[SHARD_MAX_DIMS], count[SHARD_MAX_DIMS];
+        if (nd >= 2) {
+            int64_t plane = b->len[nd - 2], in_plane = rem % plane;
+            if (plane - in_plane < take) take = plane - in_plane;
+            rem /= plane;
+            for (int k = nd - 3; k >= 0; k--) { start[k] = (hsize_t)(rem % b->len[k]); rem /= b->len[k]; count[k] = 1; }
+            start[nd - 2] = (hsize_t)in_plane;
+            count[nd - 2] = (hsize_t)take;
+        }
+        start[nd - 1] = 0;
+        count[nd - 1] = (hsize_t)b->len[nd - 1];
+        if (nd == 1) { start[0] = 0; count[0] = (hsize_t)b->len[0]; take = nr - done; }
+        H5Sselect_hyperslab(space, H5S_SELECT_OR, start, NULL, count, NULL);
+        done += take;
+    }
+}
+
+static shard_status open_dataset(shard_ckpt *c, const tensor *t, const piece *p, char *path, size_t cap, hid_t *ds_out, hid_t *space_out)
+{
+    shard_status s = open_h5(c, p->file_index, path, cap);
     if (s) return s;
     const int nd = t->t.ndim;
-    const size_t es = shard_dtype_size(t->t.dtype), des = dst ? shard_dtype_size(dst_dt) : 0;
     hid_t ds = H5Dopen2(c->h5[p->file_index], p->dataset, H5P_DEFAULT);
     if (ds < 0) return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, p->dataset);
     hid_t space = H5Dget_space(ds);
@@ -263,54 +289,46 @@ static shard_status read_piece(shard_ckpt *c, const tensor *t, const piece *p, c
     hid_t ft = H5Dget_type(ds);
     ok = ok && H5Tequal(ft, shard_h5_type(t->t.dtype)) > 0;
     H5Tclose(ft);
-    if (!ok) { H5Sclose(space); H5Dclose(ds); return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s has another shape or type than the manifest says", path, p->dataset); }
-    const int64_t rowlen = p->box.len[nd - 1], nrows = (int64_t)(shard_box_numel(&p->box) / (uint64_t)rowlen);
+    if (!ok) {
+        H5Sclose(space);
+        H5Dclose(ds);
+        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s has another shape or type than the manifest says", path, p->dataset);
+    }
+    *ds_out = ds;
+    *space_out = space;
+    return SHARD_OK;
+}
+
+/* Stream one whole piece through xxh64 (4 MiB at a time) and compare. */
+static shard_status verify_piece(shard_ckpt *c, const tensor *t, const piece *p)
+{
+    char path[4200];
+    hid_t ds, space;
+    shard_status s = open_dataset(c, t, p, path, sizeof path, &ds, &space);
+    if (s) return s;
+    const int nd = t->t.ndim;
+    const size_t es = shard_dtype_size(t->t.dtype);
+    const int64_t rowlen = nd == 1 ? 1 : p->box.len[nd - 1];
+    const int64_t nrows = (int64_t)(shard_box_numel(&p->box) / (uint64_t)rowlen);
     int64_t block = (int64_t)((4u << 20) / ((uint64_t)rowlen * es));
     if (block < 1) block = 1;
     char *buf = malloc((size_t)(block * rowlen) * es);
     XXH64_state_t *h = XXH64_createState();
     XXH64_reset(h, 0);
-    shard_box x;
-    int hit = dst && shard_box_intersect(&p->box, want, &x);
     for (int64_t r0 = 0; r0 < nrows && !s; r0 += block) {
         int64_t nr = nrows - r0 < block ? nrows - r0 : block;
-        /* select flattened rows [r0, r0+nr): a union of hyperslabs, one per plane run */
-        H5Sselect_none(space);
-        for (int64_t done = 0; done < nr;) {
-            int64_t rr = r0 + done, rem = rr;
-            hsize_t start[SHARD_MAX_DIMS], count[SHARD_MAX_DIMS];
-            int64_t take = nr - done;
-            if (nd >= 2) {
-                int64_t plane = p->box.len[nd - 2], in_plane = rem % plane;
-                if (plane - in_plane < take) take = plane - in_plane;
-                rem /= plane;
-                for (int k = nd - 3; k >= 0; k--) { start[k] = (hsize_t)(rem % p->box.len[k]); rem /= p->box.len[k]; count[k] = 1; }
-                start[nd - 2] = (hsize_t)in_plane; count[nd - 2] = (hsize_t)take;
-            }
-            start[nd - 1] = 0; count[nd - 1] = (hsize_t)rowlen;
-            H5Sselect_hyperslab(space, H5S_SELECT_OR, start, NULL, count, NULL);
-            done += take;
+        if (nd == 1) {
+            hsize_t st = (hsize_t)r0, cnt = (hsize_t)nr;
+            H5Sselect_hyperslab(space, H5S_SELECT_SET, &st, NULL, &cnt, NULL);
+        } else {
+            select_rows(space, &p->box, r0, nr);
         }
         hsize_t mdim = (hsize_t)(nr * rowlen);
         hid_t ms = H5Screate_simple(1, &mdim, NULL);
         herr_t e = H5Dread(ds, shard_h5_type(t->t.dtype), ms, space, H5P_DEFAULT, buf);
         H5Sclose(ms);
-        if (e < 0) { s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset); break; }
-        XXH64_update(h, buf, (size_t)(nr * rowlen) * es);
-        if (!hit) continue;
-        for (int64_t r = 0; r < nr && !s; r++) {
-            /* global coordinates of this row's first element */
-            int64_t idx[SHARD_MAX_DIMS], rem = r0 + r;
-            for (int k = nd - 2; k >= 0; k--) { idx[k] = p->box.off[k] + rem % p->box.len[k]; rem /= p->box.len[k]; }
-            int inside = 1;
-            for (int k = 0; k < nd - 1 && inside; k++) inside = idx[k] >= x.off[k] && idx[k] < x.off[k] + x.len[k];
-            if (!inside) continue;
-            int64_t doff = 0;
-            for (int k = 0; k < nd - 1; k++) doff = doff * want->len[k] + (idx[k] - want->off[k]);
-            doff = doff * want->len[nd - 1] + (x.off[nd - 1] - want->off[nd - 1]);
-            const char *src = buf + (size_t)(r * rowlen + (x.off[nd - 1] - p->box.off[nd - 1])) * es;
-            s = shard_convert((char *)dst + (size_t)doff * des, dst_dt, src, t->t.dtype, (size_t)x.len[nd - 1]);
-        }
+        if (e < 0) s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset);
+        else XXH64_update(h, buf, (size_t)(nr * rowlen) * es);
     }
     uint64_t got = XXH64_digest(h);
     XXH64_freeState(h);
@@ -323,10 +341,49 @@ static shard_status read_piece(shard_ckpt *c, const tensor *t, const piece *p, c
     return s;
 }
 
+/* Copy the intersection x of piece p with `want` into dst (C order of want). */
+static shard_status read_intersection(shard_ckpt *c, const tensor *t, const piece *p, const shard_box *x,
+                                      const shard_box *want, void *dst, shard_dtype dst_dt)
+{
+    char path[4200];
+    hid_t ds, space;
+    shard_status s = open_dataset(c, t, p, path, sizeof path, &ds, &space);
+    if (s) return s;
+    const int nd = t->t.ndim;
+    const size_t es = shard_dtype_size(t->t.dtype), des = shard_dtype_size(dst_dt);
+    hsize_t start[SHARD_MAX_DIMS], count[SHARD_MAX_DIMS];
+    for (int k = 0; k < nd; k++) { start[k] = (hsize_t)(x->off[k] - p->box.off[k]); count[k] = (hsize_t)x->len[k]; }
+    H5Sselect_hyperslab(space, H5S_SELECT_SET, start, NULL, count, NULL);
+    uint64_t n = shard_box_numel(x);
+    hsize_t mdim = (hsize_t)n;
+    hid_t ms = H5Screate_simple(1, &mdim, NULL);
+    char *tmp = malloc((size_t)n * es);
+    if (!tmp) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    else if (H5Dread(ds, shard_h5_type(t->t.dtype), ms, space, H5P_DEFAULT, tmp) < 0)
+        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset);
+    H5Sclose(ms);
+    H5Sclose(space);
+    H5Dclose(ds);
+    /* scatter rows of x into dst */
+    const int64_t rowlen = x->len[nd - 1];
+    const uint64_t nrows = n / (uint64_t)rowlen;
+    int64_t idx[SHARD_MAX_DIMS];
+    for (uint64_t r = 0; r < nrows && !s; r++) {
+        uint64_t rem = r;
+        for (int k = nd - 2; k >= 0; k--) { idx[k] = x->off[k] + (int64_t)(rem % (uint64_t)x->len[k]); rem /= (uint64_t)x->len[k]; }
+        idx[nd - 1] = x->off[nd - 1];
+        int64_t doff = 0;
+        for (int k = 0; k < nd; k++) doff = doff * want->len[k] + (idx[k] - want->off[k]);
+        s = shard_convert((char *)dst + (size_t)doff * des, dst_dt, tmp + (size_t)r * (size_t)rowlen * es, t->t.dtype, (size_t)rowlen);
+    }
+    free(tmp);
+    return s;
+}
+
 shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, void *dst, shard_dtype dst_dt)
 {
     if (i >= c->n) return shard_fail(SHARD_E_USAGE, "%s: no tensor %zu", c->dir, i);
-    const tensor *t = &c->t[i];
+    tensor *t = &c->t[i];
     if (want->ndim != t->t.ndim) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": box rank %d, tensor rank %d", c->dir, t->t.name, want->ndim, t->t.ndim);
     for (int k = 0; k < t->t.ndim; k++)
         if (want->off[k] < 0 || want->len[k] < 0 || want->off[k] + want->len[k] > t->t.shape[k])
@@ -334,12 +391,16 @@ shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, voi
     if (!shard_dtype_is_float(dst_dt) && dst_dt != t->t.dtype)
         return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": cannot convert %s to %s", c->dir, t->t.name, shard_dtype_name(t->t.dtype), shard_dtype_name(dst_dt));
     shard_box x;
-    for (size_t j = 0; j < t->t.npieces; j++) {
-        if (!shard_box_intersect(&t->p[j].box, want, &x)) continue;
-        shard_status s = read_piece(c, t, &t->p[j], want, dst, dst_dt);
-        if (s) return s;
+    shard_status s = SHARD_OK;
+    pthread_mutex_lock(&c->mu); /* callers may read from several threads */
+    for (size_t j = 0; j < t->t.npieces && !s; j++) {
+        piece *p = &t->p[j];
+        if (!shard_box_intersect(&p->box, want, &x)) continue;
+        if (!p->verified && !(s = verify_piece(c, t, p))) p->verified = 1; /* each piece checked once */
+        if (!s) s = read_intersection(c, t, p, &x, want, dst, dst_dt);
     }
-    return SHARD_OK;
+    pthread_mutex_unlock(&c->mu);
+    return s;
 }
 
 shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked)
@@ -357,8 +418,9 @@ shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked)
     }
     for (size_t i = 0; i < c->n; i++)
         for (size_t j = 0; j < c->t[i].t.npieces; j++) {
-            shard_status s = read_piece(c, &c->t[i], &c->t[i].p[j], NULL, NULL, SHARD_DT_F32);
+            shard_status s = verify_piece(c, &c->t[i], &c->t[i].p[j]);
             if (s) return s;
+            c->t[i].p[j].verified = 1;
         }
     if (bytes_checked) *bytes_checked = total;
     return SHARD_OK;

@@ -309,8 +309,9 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
 /* Compression of shard files: level 0 = none, else zstd level 1..19. */
 typedef struct {
     int zstd_level;
+    int threads; /* worker threads that fill, shuffle and compress chunks (>= 1) */
 } shard_compress;
-/* "none", "zstd" (level 3) or "zstd:N". */
+/* "none", "zstd" (level 3) or "zstd:N"; sets threads to 1. */
 shard_status shard_compress_parse(const char *text, shard_compress *out);
 
 /* One shard file being written (by one rank). */
@@ -326,6 +327,12 @@ shard_status shard_h5_write_piece(shard_h5_writer *w, const char *group, const c
 shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
                                   int ndim, const int64_t *gshape, const shard_box *box,
                                   const void *local, shard_dtype src_dt);
+/* Same, from a callback that fills any sub-box of the piece (C order, dtype dt);
+ * it is called from several threads at once when threads > 1. */
+typedef shard_status (*shard_fill_fn)(void *ctx, const shard_box *sub, void *dst, shard_dtype dt);
+shard_status shard_h5_write_stream(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
+                                   int ndim, const int64_t *gshape, const shard_box *box,
+                                   shard_fill_fn fill, void *ctx);
 shard_status shard_h5_close(shard_h5_writer *w); /* flushes and fsyncs; frees w */
 void shard_h5_abort(shard_h5_writer *w);
 

@@ -102,6 +102,7 @@ shard_status shard_stages_parse(const char *spec, const shard_model_desc *d, int
     if (strcmp(spec, "auto") == 0) return shard_stages_auto(d, pp, layers_per_stage);
     shard_status st = check_pp(d, pp);
     if (st) return st;
+    int got[SHARD_MAX_PP]; /* layers_per_stage is written only on success */
     const char *s = spec;
     long long sum = 0;
     int n = 0;
@@ -115,7 +116,7 @@ shard_status shard_stages_parse(const char *spec, const shard_model_desc *d, int
         if (x < 1) return shard_fail(SHARD_E_USAGE, "stages \"%.200s\": stage %d has no layers (each needs at least one)", spec, n);
         if (x > d->layers) return shard_fail(SHARD_E_USAGE, "stages \"%.200s\": stage %d has more than the model's %lld layers", spec, n, (long long)d->layers);
         if (n == pp) return shard_fail(SHARD_E_USAGE, "stages \"%.200s\": more than pp=%d stages", spec, pp);
-        layers_per_stage[n++] = (int)x;
+        got[n++] = (int)x;
         sum += x;
         if (!*p) break;
         s = p + 1;
@@ -123,6 +124,7 @@ shard_status shard_stages_parse(const char *spec, const shard_model_desc *d, int
     if (n != pp) return shard_fail(SHARD_E_USAGE, "stages \"%.200s\": %d stages given but pp=%d", spec, n, pp);
     if (sum != d->layers)
         return shard_fail(SHARD_E_USAGE, "stages \"%.200s\": the stages hold %lld layers but the model has %lld", spec, sum, (long long)d->layers);
+    memcpy(layers_per_stage, got, (size_t)pp * sizeof *got);
     return SHARD_OK;
 }
 
