@@ -22,6 +22,39 @@ class StTensor(ctypes.Structure):
                 ("nbytes", ctypes.c_uint64), ("file_offset", ctypes.c_uint64), ("data", ctypes.c_void_p)]
 
 
+# The layout part's structs (shard.h, "HF config", "layouts", "boxes").
+class ModelDesc(ctypes.Structure):
+    _fields_ = [("architecture", ctypes.c_char * 64), ("model_type", ctypes.c_char * 32)] + \
+        [(n, ctypes.c_int64) for n in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
+                                       "max_positions")] + \
+        [("rms_norm_eps", ctypes.c_double), ("rope_theta", ctypes.c_double), ("rope_llama3", ctypes.c_int),
+         ("rope_factor", ctypes.c_double), ("rope_low_freq_factor", ctypes.c_double),
+         ("rope_high_freq_factor", ctypes.c_double), ("rope_original_max_positions", ctypes.c_int64),
+         ("tie_word_embeddings", ctypes.c_int), ("sliding_window", ctypes.c_int64),
+         ("initializer_range", ctypes.c_double), ("torch_dtype", ctypes.c_int)]
+
+
+class TensorSpec(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_char * 256), ("role", ctypes.c_int), ("layer", ctypes.c_int), ("ndim", ctypes.c_int),
+                ("shape", ctypes.c_int64 * 2)]
+
+
+class Layout(ctypes.Structure):
+    _fields_ = [("pp", ctypes.c_int), ("tp", ctypes.c_int), ("cp", ctypes.c_int), ("dp", ctypes.c_int)]
+
+
+class Coords(ctypes.Structure):
+    _fields_ = [("pp", ctypes.c_int), ("tp", ctypes.c_int), ("cp", ctypes.c_int), ("dp", ctypes.c_int)]
+
+
+class Box(ctypes.Structure):
+    _fields_ = [("ndim", ctypes.c_int), ("off", ctypes.c_int64 * 8), ("len", ctypes.c_int64 * 8)]
+
+
+class Piece(ctypes.Structure):
+    _fields_ = [("holds", ctypes.c_int), ("writes", ctypes.c_int), ("box", Box)]
+
+
 def _load():
     lib = ctypes.CDLL(str(BUILD / "lib" / "libshard.so"))
     P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
@@ -48,6 +81,19 @@ def _load():
         "shard_weights_count": ([P], S),
         "shard_weights_at": ([P, S], ctypes.POINTER(StTensor)),
         "shard_weights_file_of": ([P, S], ctypes.c_char_p),
+        "shard_config_load": ([ctypes.c_char_p, ctypes.POINTER(ModelDesc)], I),
+        "shard_model_tensor_count": ([ctypes.POINTER(ModelDesc)], S),
+        "shard_model_tensor": ([ctypes.POINTER(ModelDesc), S, ctypes.POINTER(TensorSpec)], None),
+        "shard_layout_parse": ([ctypes.c_char_p, ctypes.POINTER(Layout)], I),
+        "shard_layout_size": ([ctypes.POINTER(Layout)], I),
+        "shard_layout_coords": ([ctypes.POINTER(Layout), I], Coords),
+        "shard_layout_rank": ([ctypes.POINTER(Layout), Coords], I),
+        "shard_layout_check": ([ctypes.POINTER(Layout), ctypes.POINTER(ModelDesc)], I),
+        "shard_stages_parse": ([ctypes.c_char_p, ctypes.POINTER(ModelDesc), I, ctypes.POINTER(I)], I),
+        "shard_stages_auto": ([ctypes.POINTER(ModelDesc), I, ctypes.POINTER(I)], I),
+        "shard_stage_of_layer": ([ctypes.POINTER(I), I, I], I),
+        "shard_partition": ([ctypes.POINTER(ModelDesc), ctypes.POINTER(Layout), ctypes.POINTER(I),
+                             ctypes.POINTER(TensorSpec), I, ctypes.POINTER(Piece)], I),
     }
     for name, (args, res) in sig.items():
         f = getattr(lib, name)

@@ -1,0 +1,252 @@
+"""Layouts and partition rules of libshard, checked on configs that transformers writes:
+every tensor stored exactly once, replicas identical, each tensor-parallel group holding
+the whole tensor, attention heads owned as Megatron owns them, and the automatic stage
+split no worse than any other (brute force)."""
+import ctypes
+import itertools
+
+import numpy as np
+import pytest
+from transformers import LlamaConfig, MistralConfig
+
+import models
+from conftest import Coords, Layout, ModelDesc, Piece, TensorSpec
+
+T_EMBED, T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, T_NORM_ATTN, T_NORM_MLP, T_NORM_FINAL, T_HEAD = range(12)
+E_USAGE = 3
+
+# Beyond models.CASES: head counts that make tp=3 and tp=6 legal, odd sizes, a vocabulary
+# smaller than tp, ties, and a vocabulary big enough to weigh on the stage split.
+EXTRA = {
+    "llama-12h-6kv": ("llama", dict(vocab_size=103, hidden_size=96, intermediate_size=50, num_hidden_layers=5,
+                                    num_attention_heads=12, num_key_value_heads=6)),
+    "llama-12h-3kv-tied": ("llama", dict(vocab_size=7, hidden_size=48, intermediate_size=20, num_hidden_layers=4,
+                                         num_attention_heads=12, num_key_value_heads=3, tie_word_embeddings=True)),
+    "llama-6h-mha-v5": ("llama", dict(vocab_size=5, hidden_size=24, intermediate_size=4, num_hidden_layers=6,
+                                      num_attention_heads=6, num_key_value_heads=6)),
+    "mistral-6h-1kv-bigvocab": ("mistral", dict(vocab_size=5003, hidden_size=24, intermediate_size=36,
+                                                num_hidden_layers=7, num_attention_heads=6, num_key_value_heads=1,
+                                                head_dim=8)),
+}
+ALL = {name: (fam, kw) for name, (fam, kw, _dt, _sv) in models.CASES.items()}
+ALL.update(EXTRA)
+
+
+@pytest.fixture(scope="module")
+def descs(shard, tmp_path_factory):
+    """Each config saved by transformers, then read by shard_config_load."""
+    out = {}
+    for name, (fam, kw) in ALL.items():
+        path = tmp_path_factory.mktemp(name)
+        cls, arch = (LlamaConfig, "LlamaForCausalLM") if fam == "llama" else (MistralConfig, "MistralForCausalLM")
+        cls(architectures=[arch], **kw).save_pretrained(str(path))  # what a model's save_pretrained writes
+        d = ModelDesc()
+        assert shard.shard_config_load(str(path / "config.json").encode(), ctypes.byref(d)) == 0, shard.shard_errmsg()
+        out[name] = d
+    return out
+
+
+def tensors(shard, d):
+    out = []
+    for i in range(shard.shard_model_tensor_count(ctypes.byref(d))):
+        t = TensorSpec()
+        shard.shard_model_tensor(ctypes.byref(d), i, ctypes.byref(t))
+        out.append(t)
+    return out
+
+
+def layout(shard, text):
+    l = Layout()
+    assert shard.shard_layout_parse(text.encode(), ctypes.byref(l)) == 0, shard.shard_errmsg()
+    return l
+
+
+def stages(shard, d, pp, spec="auto"):
+    s = (ctypes.c_int * pp)()
+    assert shard.shard_stages_parse(spec.encode(), ctypes.byref(d), pp, s) == 0, shard.shard_errmsg()
+    return list(s)
+
+
+def slices(p, ndim):
+    return tuple(slice(p.box.off[k], p.box.off[k] + p.box.len[k]) for k in range(ndim))
+
+
+def legal(d, tp, pp):
+    return d.heads % tp == 0 and (d.kv_heads % tp == 0 or tp % d.kv_heads == 0) and pp <= d.layers
+
+
+def layouts_of(d):
+    for tp, pp, cp, dp in itertools.product((1, 2, 3, 6), range(1, d.layers + 1), (1, 2), (1, 2)):
+        yield tp, pp, cp, dp, f"tp={tp},pp={pp},cp={cp},dp={dp}"
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_partition_rules(shard, descs, name):
+    d = descs[name]
+    specs = tensors(shard, d)
+    checked = 0
+    for tp, pp, cp, dp, text in layouts_of(d):
+        l = layout(shard, text)
+        rc = shard.shard_layout_check(ctypes.byref(l), ctypes.byref(d))
+        if not legal(d, tp, pp):
+            assert rc == E_USAGE and f"tp={tp}" in shard.shard_errmsg().decode()
+            continue
+        assert rc == 0, shard.shard_errmsg()
+        # the auto split, and an explicit lopsided one (one layer on every stage but the last)
+        splits = [stages(shard, d, pp)]
+        if pp > 1:
+            splits.append(stages(shard, d, pp, ",".join(["1"] * (pp - 1) + [str(d.layers - pp + 1)])))
+        for lps in splits:
+            check_layout(shard, d, specs, l, lps)
+            checked += 1
+    assert checked > 0
+
+
+def check_layout(shard, d, specs, l, lps):
+    n = shard.shard_layout_size(ctypes.byref(l))
+    assert n == l.pp * l.tp * l.cp * l.dp
+    coords = [shard.shard_layout_coords(ctypes.byref(l), r) for r in range(n)]
+    arr = (ctypes.c_int * l.pp)(*lps)
+    stage_of = [s for s, k in enumerate(lps) for _ in range(k)]
+    nH, nKV, hd, tp = d.heads, d.kv_heads, d.head_dim, l.tp
+    for t in specs:
+        shape = tuple(t.shape[k] for k in range(t.ndim))
+        pieces = []
+        for r in range(n):
+            p = Piece()
+            assert shard.shard_partition(ctypes.byref(d), ctypes.byref(l), arr, ctypes.byref(t), r, ctypes.byref(p)) == 0, \
+                shard.shard_errmsg()
+            assert p.box.ndim == t.ndim
+            assert not p.writes or p.holds
+            pieces.append(p)
+        # (1) the written boxes tile the tensor exactly once
+        cov = np.zeros(shape, np.int32)
+        for p in pieces:
+            if p.writes:
+                cov[slices(p, t.ndim)] += 1
+        assert (cov == 1).all(), (t.name, l.pp, l.tp, l.cp, l.dp, lps)
+        # the stages that hold it
+        if t.role == T_EMBED:
+            want = {0, l.pp - 1} if d.tie_word_embeddings else {0}
+        elif t.role in (T_NORM_FINAL, T_HEAD):
+            want = {l.pp - 1}
+        else:
+            want = {stage_of[t.layer]}
+            assert shard.shard_stage_of_layer(arr, l.pp, t.layer) == stage_of[t.layer]
+        by_pos = {}
+        for c, p in zip(coords, pieces):
+            assert p.holds == (c.pp in want), (t.name, c.pp)
+            # (2) cp and dp replicas hold what cp=0,dp=0 holds, and only that one writes
+            key = (c.pp, c.tp)
+            box = (p.holds, tuple(p.box.off[:t.ndim]), tuple(p.box.len[:t.ndim]))
+            assert by_pos.setdefault(key, box) == box
+            if c.cp or c.dp:
+                assert not p.writes
+        for s in want:
+            # (3) one tensor-parallel group at one stage holds the whole tensor
+            cov = np.zeros(shape, np.int32)
+            group = [by_pos[(s, r)] for r in range(tp)]
+            for _, off, ln in group:
+                cov[tuple(slice(o, o + k) for o, k in zip(off, ln))] += 1
+            assert (cov >= 1).all(), (t.name, s)
+            check_heads(d, t, group, tp)
+
+
+def check_heads(d, t, group, tp):
+    """(4) Megatron's ownership: query head h on tp rank h // (nH/tp), and each rank holds
+    exactly the kv heads (h // (nH/nKV)) its query heads read."""
+    nH, nKV, hd = d.heads, d.kv_heads, d.head_dim
+    for r, (_, off, ln) in enumerate(group):
+        q_heads = set(range(r * (nH // tp), (r + 1) * (nH // tp)))
+        assert all(h // (nH // tp) == r for h in q_heads)
+        if t.role in (T_Q, T_K, T_V, T_O):
+            dim = 1 if t.role == T_O else 0
+            assert off[dim] % hd == 0 and ln[dim] % hd == 0
+            held = set(range(off[dim] // hd, (off[dim] + ln[dim]) // hd))
+            other = 1 - dim
+            assert off[other] == 0 and ln[other] == t.shape[other]
+            if t.role in (T_Q, T_O):
+                assert held == q_heads
+            else:
+                assert held == {h // (nH // nKV) for h in q_heads}
+        elif t.role in (T_GATE, T_UP, T_DOWN, T_EMBED, T_HEAD):
+            dim = 1 if t.role == T_DOWN else 0
+            N = t.shape[dim]
+            b = -(-N // tp)
+            assert off[dim] == min(r * b, N) and ln[dim] == max(0, min(b, N - r * b))
+            assert off[1 - dim] == 0 and ln[1 - dim] == t.shape[1 - dim]
+        else:
+            assert off == (0,) and ln == (t.shape[0],)
+
+
+def stage_cost(d, pp, split):
+    """The cost model of shard.h, restated: 2 flops per matmul weight per token plus 4 bytes
+    per parameter; embedding (bytes) on stage 0; head (flops + bytes) and final norm on the last."""
+    H, F, V = d.hidden, d.intermediate, d.vocab
+    QD, KD = d.heads * d.head_dim, d.kv_heads * d.head_dim
+    mm = 2 * H * QD + 2 * H * KD + 3 * H * F
+    layer = 2 * mm + 4 * (mm + 2 * H)
+    costs = [k * layer for k in split]
+    costs[0] += 4 * V * H
+    costs[-1] += 6 * V * H + 4 * H
+    return max(costs)
+
+
+def compositions(n, k):
+    for cut in itertools.combinations(range(1, n), k - 1):
+        b = (0,) + cut + (n,)
+        yield [b[i + 1] - b[i] for i in range(k)]
+
+
+@pytest.mark.parametrize("name", list(ALL))
+def test_auto_stages_are_balanced(shard, descs, name):
+    d = descs[name]
+    for vocab in (d.vocab, 20000, 200000):  # heavier ends move layers off the first and last stages
+        e = ModelDesc.from_buffer_copy(d)
+        e.vocab = vocab
+        for pp in range(1, d.layers + 1):
+            got = stages(shard, e, pp)
+            assert sum(got) == e.layers and min(got) >= 1
+            every = sorted(compositions(e.layers, pp), key=lambda s: (stage_cost(e, pp, s), s))
+            best = stage_cost(e, pp, every[0])
+            assert stage_cost(e, pp, got) == best, (name, vocab, pp, got, every[0])
+            assert got == every[0]  # ties: the lexicographically smallest, earlier stages lighter
+        s = (ctypes.c_int * (d.layers + 1))()
+        assert shard.shard_stages_auto(ctypes.byref(e), d.layers + 1, s) == E_USAGE
+
+
+def test_explicit_stages_and_refusals(shard, descs):
+    d = descs["llama-sharded"]  # 4 layers, 8 heads, 4 kv heads
+    assert stages(shard, d, 3, "1,2,1") == [1, 2, 1]
+    s = (ctypes.c_int * 4)()
+    for spec, pp in [("1,2", 3), ("2,2,1", 3), ("0,4", 2), ("2,2,", 2), ("2;2", 2), ("1,1,1,1", 5), (" 2,2", 2)]:
+        assert shard.shard_stages_parse(spec.encode(), ctypes.byref(d), pp, s) == E_USAGE, spec
+        assert shard.shard_errmsg()
+    l = layout(shard, "tp=3")
+    assert shard.shard_layout_check(ctypes.byref(l), ctypes.byref(d)) == E_USAGE
+    assert shard.shard_errmsg().decode() == "layout pp=1,tp=3,cp=1,dp=1: tp=3 does not divide the 8 attention heads"
+    l = layout(shard, "pp=5")
+    assert shard.shard_layout_check(ctypes.byref(l), ctypes.byref(d)) == E_USAGE
+    assert "pp=5 exceeds the 4 layers" in shard.shard_errmsg().decode()
+
+
+@pytest.mark.parametrize("text", ["pp=2,tp=4", "dp=3,tp=2,cp=2,pp=2", "tp=1", "cp=5,dp=7"])
+def test_rank_coords_round_trip(shard, text):
+    l = layout(shard, text)
+    n = shard.shard_layout_size(ctypes.byref(l))
+    seen = set()
+    for r in range(n):
+        c = shard.shard_layout_coords(ctypes.byref(l), r)
+        assert ((c.pp * l.dp + c.dp) * l.cp + c.cp) * l.tp + c.tp == r
+        assert shard.shard_layout_rank(ctypes.byref(l), c) == r
+        seen.add((c.pp, c.tp, c.cp, c.dp))
+    assert len(seen) == n
+    assert shard.shard_layout_rank(ctypes.byref(l), Coords(l.pp, 0, 0, 0)) == -1
+
+
+@pytest.mark.parametrize("text", ["pp=0", "tp=2,tp=2", "xx=1", "tp=2,", "tp=1e3", "tp=99999999", "", "tp=2,pp"])
+def test_layout_parse_refusals(shard, text):
+    l = Layout(9, 9, 9, 9)
+    assert shard.shard_layout_parse(text.encode(), ctypes.byref(l)) == E_USAGE
+    assert shard.shard_errmsg().decode().startswith(f'layout "{text}"')
+    assert (l.pp, l.tp, l.cp, l.dp) == (9, 9, 9, 9)
