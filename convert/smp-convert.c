@@ -162,7 +162,7 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             free(p);
         }
     }
-    if (!s) s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, 0);
+    if (!s) s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, NULL, 0);
     else shard_ckpt_abort(cw);
     return s;
 }

@@ -195,7 +195,7 @@ static shard_status fsync_path(const char *p, int dir)
 }
 
 shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len, const shard_model_desc *d,
-                               const shard_layout *l, const int *stages, int overwrite)
+                               const shard_layout *l, const int *stages, const char *training_json, int overwrite)
 {
     shard_h5_init();
     shard_status s = SHARD_OK;
@@ -278,7 +278,17 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     json_object_set_new(m, "stages", jst);
     json_object_set_new(m, "tensors", tarr);
     json_object_set_new(m, "files", files);
-    json_object_set_new(m, "training", json_null());
+    json_t *tr = json_null();
+    if (training_json) {
+        json_error_t je;
+        tr = json_loads(training_json, JSON_REJECT_DUPLICATES, &je);
+        if (!json_is_object(tr)) {
+            json_decref(tr);
+            json_decref(m);
+            return shard_fail(SHARD_E_USAGE, "%s: the training state is not a JSON object: %s", w->final_dir, je.text);
+        }
+    }
+    json_object_set_new(m, "training", tr);
     char *mp = shard_path_join(w->staging, "smp.json");
     if (json_dump_file(m, mp, JSON_INDENT(1) | JSON_REAL_PRECISION(17)) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot write the manifest", mp);
     json_decref(m);

@@ -45,6 +45,7 @@ struct shard_ckpt {
     const char **extras;
     size_t nextras;
     pthread_mutex_t mu;
+    char *training;
 };
 
 #define BAD(...) do { s = shard_fail(SHARD_E_INVALID, __VA_ARGS__); goto out; } while (0)
@@ -104,6 +105,11 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
     for (int k = 0; k < c->layout.pp; k++) { c->stages[k] = (int)st[k]; sum += st[k]; }
     if (sum != c->model.layers) BAD("%s: \"stages\" sum to %lld, not %lld layers", mpath, (long long)sum, (long long)c->model.layers);
 
+    json_t *tr = json_object_get(m, "training");
+    if (tr && !json_is_null(tr)) {
+        if (!json_is_object(tr)) BAD("%s: \"training\" is neither an object nor null", mpath);
+        c->training = json_dumps(tr, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    }
     json_t *files = json_object_get(m, "files");
     if (!json_is_array(files)) BAD("%s: \"files\" missing", mpath);
     c->nfiles = json_array_size(files);
@@ -189,6 +195,7 @@ void shard_ckpt_close(shard_ckpt *c)
     free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->extras);
     json_decref(c->m);
     pthread_mutex_destroy(&c->mu);
+    free(c->training);
     free(c->dir);
     free(c);
 }
@@ -227,6 +234,7 @@ const shard_ckpt_tensor *shard_ckpt_tensor_at(const shard_ckpt *c, size_t i) { r
 size_t shard_ckpt_extra_count(const shard_ckpt *c) { return c->nextras; }
 const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i) { return c->extras[i]; }
 const void *shard_ckpt_manifest_json(const shard_ckpt *c) { return c->m; }
+const char *shard_ckpt_training_json(const shard_ckpt *c) { return c->training; }
 
 long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name)
 {

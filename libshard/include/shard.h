@@ -369,6 +369,8 @@ shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked);
 /* Files kept beside the weights (tokenizer, ...): relative names under extra/. */
 size_t shard_ckpt_extra_count(const shard_ckpt *c);
 const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i);
+/* The "training" object as JSON text (NUL-terminated, owned by c), or NULL. */
+const char *shard_ckpt_training_json(const shard_ckpt *c);
 /* Raw manifest (for smp-inspect --json). */
 const void *shard_ckpt_manifest_json(const shard_ckpt *c); /* a json_t* */
 
@@ -382,9 +384,12 @@ shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out);
 const char *shard_ckpt_staging(const shard_ckpt_writer *w);
 /* Copy a file of the model folder into extra/ (checksummed at commit). */
 shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel_name);
+/* training_json: the training state as a JSON object text (step, tokens, data
+ * position, RNG, schedule, fp8 scaling, optimizer hyper-parameters ...), stored
+ * under "training"; NULL for a checkpoint of weights only. */
 shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len,
                                const shard_model_desc *d, const shard_layout *l, const int *stages,
-                               int overwrite);
+                               const char *training_json, int overwrite);
 void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder */
 
 #ifdef __cplusplus
