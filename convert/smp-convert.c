@@ -5,6 +5,7 @@
 #include "../tools/cli/cli.h"
 #include "../tools/cli/progress.h"
 #include "shard.h"
+#include "init.h"
 
 #include <dirent.h>
 #include <stdio.h>
@@ -18,10 +19,13 @@ static const char HELP[] =
     "                           [--stages auto|8,8,7,9] [--dtype keep|bf16|fp32] [--compress zstd[:N]|none]\n"
     "                           [--threads N]\n"
     "       smp-convert reshard --in CKPT --out CKPT2 --layout ... [--stages ...] [--dtype ...] [--compress ...]\n"
+    "       smp-convert init    --config config.json --out CKPT --layout ... [--seed N] [--dtype ...] [...]\n"
     "\n"
     "hf2smp   shard a Hugging Face model folder (config.json, safetensors weights, tokenizer\n"
     "         and other files) into an SMP checkpoint laid out for pp x tp x cp x dp ranks.\n"
     "reshard  turn a checkpoint of any layout into one of another layout.\n"
+    "init     a new model from a config.json, initialized as transformers does (normal\n"
+    "         weights with std initializer_range, norms at one), the same in every layout.\n"
     "\n"
     "--threads N  worker threads that convert, shuffle and compress chunks (default: cores, <= 16)\n"
     "\n"
@@ -29,7 +33,7 @@ static const char HELP[] =
     "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
 
 typedef struct {
-    const char *in, *out, *layout, *stages, *dtype, *compress, *threads;
+    const char *in, *out, *layout, *stages, *dtype, *compress, *threads, *seed_text;
 } args;
 
 /* reshard: the planner fills any sub-box of a target piece from the stored pieces */
@@ -47,7 +51,17 @@ static shard_status fill_from_ckpt(void *ctx, const shard_box *sub, void *dst, s
 typedef struct {
     shard_weights *w; /* hf2smp */
     shard_ckpt *c;    /* reshard */
+    int init;         /* init: random weights */
+    uint64_t seed;
+    int64_t pad_token; /* init: the embedding row left at zero, or -1 */
 } source;
+
+static uint64_t name_hash(const char *s)
+{
+    uint64_t h = 1469598103934665603ull; /* FNV-1a */
+    for (; *s; s++) h = (h ^ (uint8_t)*s) * 1099511628211ull;
+    return h;
+}
 
 static shard_dtype pick_dtype(const char *how, shard_dtype src)
 {
@@ -58,6 +72,7 @@ static shard_dtype pick_dtype(const char *how, shard_dtype src)
 
 static shard_status src_dtype(const source *src, const char *name, shard_dtype *dt, long *ci)
 {
+    if (src->init) { *dt = SHARD_DT_F32; return SHARD_OK; }
     if (src->w) {
         const shard_st_tensor *t = shard_weights_find(src->w, name);
         *dt = t->dtype;
@@ -119,7 +134,12 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             long ci = -1;
             if ((s = src_dtype(src, t.name, &sdt, &ci))) break;
             shard_dtype dt = pick_dtype(a->dtype, sdt);
-            if (src->w) {
+            if (src->init) {
+                init_tensor it = {&t, src->seed, name_hash(t.name), d->initializer_range,
+                                  t.role == SHARD_T_NORM_ATTN || t.role == SHARD_T_NORM_MLP || t.role == SHARD_T_NORM_FINAL,
+                                  t.role == SHARD_T_EMBED ? src->pad_token : -1};
+                s = shard_h5_write_stream(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, init_fill, &it);
+            } else if (src->w) {
                 const shard_st_tensor *st = shard_weights_find(src->w, t.name);
                 s = shard_h5_write_piece(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, st->data, st->dtype);
             } else {
@@ -172,7 +192,7 @@ static int parse_args(int argc, char **argv, args *a)
     static char ncpu[16];
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     snprintf(ncpu, sizeof ncpu, "%ld", n < 1 ? 1 : n > 16 ? 16 : n);
-    *a = (args){NULL, NULL, NULL, "auto", "keep", "zstd", ncpu};
+    *a = (args){NULL, NULL, NULL, "auto", "keep", "zstd", ncpu, NULL};
     for (int i = 2; i < argc; i++) {
         const char **slot = NULL;
         if (!strcmp(argv[i], "--in")) slot = &a->in;
@@ -182,11 +202,14 @@ static int parse_args(int argc, char **argv, args *a)
         else if (!strcmp(argv[i], "--dtype")) slot = &a->dtype;
         else if (!strcmp(argv[i], "--compress")) slot = &a->compress;
         else if (!strcmp(argv[i], "--threads")) slot = &a->threads;
+        else if (!strcmp(argv[i], "--seed") && !strcmp(argv[1], "init")) slot = &a->seed_text;
+        else if (!strcmp(argv[i], "--config") && !strcmp(argv[1], "init")) slot = &a->in;
         else return cli_usage("unknown option %s", argv[i]);
         if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
         *slot = argv[++i];
     }
-    if (!a->in || !a->out || !a->layout) return cli_usage("--in, --out and --layout are required");
+    if (!a->in || !a->out || !a->layout)
+        return cli_usage(!strcmp(argv[1], "init") ? "--config, --out and --layout are required" : "--in, --out and --layout are required");
     if (strcmp(a->dtype, "keep") && strcmp(a->dtype, "bf16") && strcmp(a->dtype, "fp32")) return cli_usage("--dtype must be keep, bf16 or fp32");
     char *end;
     long th = strtol(a->threads, &end, 10);
@@ -198,13 +221,31 @@ int main(int argc, char **argv)
 {
     cli_init("smp-convert");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    if (argc < 2) return cli_usage("missing subcommand (hf2smp or reshard)");
+    if (argc < 2) return cli_usage("missing subcommand (hf2smp, reshard or init)");
     args a;
     int rc = parse_args(argc, argv, &a);
     if (rc) return rc;
     shard_status s;
     double t0 = now_seconds();
-    if (!strcmp(argv[1], "hf2smp")) {
+    if (!strcmp(argv[1], "init")) {
+        if (!a.seed_text) a.seed_text = "0";
+        char *end;
+        unsigned long long seed = strtoull(a.seed_text, &end, 10);
+        if (*end || !a.seed_text[0]) return cli_usage("--seed must be a non-negative integer");
+        shard_model_desc d;
+        if ((s = shard_config_load(a.in, &d))) return cli_fail(s);
+        FILE *f = fopen(a.in, "rb");
+        char *text = NULL;
+        size_t len = 0;
+        if (f) { fseek(f, 0, SEEK_END); len = (size_t)ftell(f); rewind(f); text = malloc(len + 1); len = fread(text, 1, len, f); text[len] = 0; fclose(f); }
+        source src = {.init = 1, .seed = seed, .pad_token = -1};
+        /* transformers zeroes the padding token's embedding row */
+        const char *pt = text ? strstr(text, "\"pad_token_id\"") : NULL;
+        if (pt) { pt = strchr(pt, ':'); if (pt) { long long v = strtoll(pt + 1, &end, 10); if (end != pt + 1 && v >= 0 && v < d.vocab) src.pad_token = v; } }
+        if (!strcmp(a.dtype, "keep")) a.dtype = d.torch_dtype == SHARD_DT_BF16 ? "bf16" : "fp32";
+        s = convert(&a, &src, &d, text ? text : "", len, NULL);
+        free(text);
+    } else if (!strcmp(argv[1], "hf2smp")) {
         char cfg[4096];
         snprintf(cfg, sizeof cfg, "%s/config.json", a.in);
         shard_model_desc d;
@@ -225,7 +266,7 @@ int main(int argc, char **argv)
         s = convert(&a, &src, shard_ckpt_model(src.c), cfg, strlen(cfg), NULL);
         shard_ckpt_close(src.c);
     } else {
-        return cli_usage("unknown subcommand \"%s\" (hf2smp or reshard)", argv[1]);
+        return cli_usage("unknown subcommand \"%s\" (hf2smp, reshard or init)", argv[1]);
     }
     if (s) return cli_fail(s);
     fprintf(stderr, "%s: %s written in %.2fs\n", cli_name(), a.out, now_seconds() - t0);

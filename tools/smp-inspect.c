@@ -13,7 +13,9 @@ static const char HELP[] =
     "usage: smp-inspect PATH [--json]\n"
     "\n"
     "Describe a Hugging Face model folder (config.json + safetensors weights):\n"
-    "architecture, sizes, parameter count, dtypes, bytes and files.\n"
+    "architecture, sizes, parameter count, dtypes, bytes and files; or an SMP\n"
+    "checkpoint (smp.json + shard files): layout, stages, tensors and their pieces,\n"
+    "sizes per shard file, compression ratio and the training state.\n"
     "\n"
     "  --json     print the same as one JSON object\n"
     "  --help     this text\n"
@@ -179,6 +181,110 @@ static int inspect_hf(const char *dir, int as_json)
     return 0;
 }
 
+/* ---------------------------------------------------------- checkpoints */
+static int inspect_ckpt(const char *dir, int as_json)
+{
+    shard_ckpt *c;
+    shard_status s = shard_ckpt_open(dir, &c);
+    if (s) return cli_fail(s);
+    const shard_model_desc *d = shard_ckpt_model(c);
+    const shard_layout *l = shard_ckpt_layout(c);
+    const int *st = shard_ckpt_stages(c);
+    json_t *m = (json_t *)shard_ckpt_manifest_json(c);
+    /* raw bytes of the pieces per shard file vs the files' sizes: the compression ratio */
+    json_t *files = json_object_get(m, "files"), *tensors = json_object_get(m, "tensors");
+    size_t nf = json_array_size(files);
+    uint64_t *raw = calloc(nf + 1, 8), *npieces = calloc(nf + 1, 8), raw_total = 0, file_total = 0, extra_total = 0;
+    size_t i, j;
+    json_t *t, *p, *f;
+    json_array_foreach(tensors, i, t) {
+        size_t es = shard_dtype_size(shard_dtype_from_name(json_string_value(json_object_get(t, "dtype"))));
+        json_array_foreach(json_object_get(t, "pieces"), j, p) {
+            uint64_t n = es;
+            size_t k;
+            json_t *v;
+            json_array_foreach(json_object_get(p, "shape"), k, v) n *= (uint64_t)json_integer_value(v);
+            const char *fn = json_string_value(json_object_get(p, "file"));
+            size_t q;
+            json_array_foreach(files, q, f) if (!strcmp(fn, json_string_value(json_object_get(f, "name")))) { raw[q] += n; npieces[q]++; }
+            raw_total += n;
+        }
+    }
+    json_array_foreach(files, i, f) {
+        const char *fn = json_string_value(json_object_get(f, "name"));
+        uint64_t b = (uint64_t)json_integer_value(json_object_get(f, "bytes"));
+        if (!strncmp(fn, "extra/", 6)) extra_total += b; else file_total += b;
+    }
+    const char *tr = shard_ckpt_training_json(c);
+    char lay[64];
+    shard_layout_format(l, lay, sizeof lay);
+    if (as_json) {
+        json_t *o = json_object(), *fa = json_array();
+        json_object_set_new(o, "path", json_string(dir));
+        json_object_set_new(o, "kind", json_string("smp"));
+        json_object_set_new(o, "format_version", json_integer(SHARD_FORMAT_VERSION));
+        json_object_set_new(o, "architecture", json_string(d->architecture));
+        json_object_set_new(o, "parameters", json_integer((json_int_t)shard_model_param_count(d)));
+        json_object_set_new(o, "layout", json_pack("{s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp));
+        json_object_set_new(o, "stages", json_incref(json_object_get(m, "stages")));
+        json_object_set_new(o, "tensors", json_incref(tensors));
+        json_array_foreach(files, i, f) {
+            json_t *e = json_deep_copy(f);
+            if (strncmp(json_string_value(json_object_get(f, "name")), "extra/", 6)) {
+                json_object_set_new(e, "raw_bytes", json_integer((json_int_t)raw[i]));
+                json_object_set_new(e, "pieces", json_integer((json_int_t)npieces[i]));
+            }
+            json_array_append_new(fa, e);
+        }
+        json_object_set_new(o, "files", fa);
+        json_object_set_new(o, "raw_bytes", json_integer((json_int_t)raw_total));
+        json_object_set_new(o, "stored_bytes", json_integer((json_int_t)file_total));
+        json_object_set_new(o, "compression_ratio", json_real(file_total ? (double)raw_total / (double)file_total : 0));
+        json_object_set_new(o, "training", json_incref(json_object_get(m, "training")));
+        json_dumpf(o, stdout, JSON_INDENT(2) | JSON_REAL_PRECISION(15));
+        fputc('\n', stdout);
+        json_decref(o);
+    } else {
+        char b1[32], b2[32], b3[32];
+        printf("%s  (SMP checkpoint, format version %d)\n", dir, SHARD_FORMAT_VERSION);
+        printf("  model        %s, %s parameters, %lld layers\n", d->architecture, cli_count(b1, shard_model_param_count(d)), (long long)d->layers);
+        printf("  layout       %s (%d ranks)\n", lay, shard_layout_size(l));
+        printf("  stages      ");
+        for (int k = 0; k < l->pp; k++) printf(" %d", st[k]);
+        printf(" layers\n");
+        printf("  size         %s of tensor data in %s of shard files (compression %.2fx), extra files %s\n", cli_bytes(b1, (double)raw_total),
+               cli_bytes(b2, (double)file_total), file_total ? (double)raw_total / (double)file_total : 0.0, cli_bytes(b3, (double)extra_total));
+        printf("  training     %s\n", tr ? tr : "none (weights only)");
+        printf("  tensors\n    %-52s %-8s %-16s %s\n", "name", "dtype", "shape", "pieces");
+        json_array_foreach(tensors, i, t) {
+            char shape[64] = "[";
+            size_t k;
+            json_t *v;
+            json_array_foreach(json_object_get(t, "shape"), k, v)
+                snprintf(shape + strlen(shape), sizeof shape - strlen(shape), k ? ", %lld" : "%lld", (long long)json_integer_value(v));
+            strcat(shape, "]");
+            const char *g = json_string_value(json_object_get(t, "group"));
+            char name[300];
+            snprintf(name, sizeof name, "%s%s%s", strcmp(g, "params") ? g : "", strcmp(g, "params") ? "/" : "", json_string_value(json_object_get(t, "name")));
+            printf("    %-52s %-8s %-16s %zu\n", name, json_string_value(json_object_get(t, "dtype")), shape, json_array_size(json_object_get(t, "pieces")));
+        }
+        printf("  files\n");
+        json_array_foreach(files, i, f) {
+            const char *fn = json_string_value(json_object_get(f, "name"));
+            uint64_t b = (uint64_t)json_integer_value(json_object_get(f, "bytes"));
+            if (strncmp(fn, "extra/", 6))
+                printf("    %-40s %10s  %llu pieces, %s raw (%.2fx)\n", fn, cli_bytes(b1, (double)b), (unsigned long long)npieces[i],
+                       cli_bytes(b2, (double)raw[i]), b ? (double)raw[i] / (double)b : 0.0);
+            else
+                printf("    %-40s %10s\n", fn, cli_bytes(b1, (double)b));
+        }
+    }
+    free(raw);
+    free(npieces);
+    shard_ckpt_close(c);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
     cli_init("smp-inspect");
@@ -198,6 +304,8 @@ int main(int argc, char **argv)
     char probe[4096];
     snprintf(probe, sizeof probe, "%s/config.json", path);
     if (stat(probe, &st) == 0) return inspect_hf(path, as_json);
+    snprintf(probe, sizeof probe, "%s/smp.json", path);
+    if (stat(probe, &st) == 0) return inspect_ckpt(path, as_json);
     shard_fail(SHARD_E_INVALID, "%s: neither a Hugging Face model folder (no config.json) nor an SMP checkpoint", path);
     return cli_fail(SHARD_E_INVALID);
 }
