@@ -7,6 +7,8 @@
 #include "shard.h"
 #include "init.h"
 
+#include <mpi.h>
+
 #include <dirent.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -84,6 +86,26 @@ static shard_status src_dtype(const source *src, const char *name, shard_dtype *
     return SHARD_OK;
 }
 
+/* Under mpirun the output ranks are split over the processes (rank r is written by
+ * process r mod size); process 0 makes the staging folder and commits. Without
+ * mpirun there is no MPI at all (no singleton start-up cost). */
+static int g_me = 0, g_procs = 1;
+
+static int launched_by_mpirun(void)
+{
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
+}
+
+/* Every process learns whether any failed; returns the first failure's status. */
+static shard_status agree(shard_status mine)
+{
+    if (g_procs == 1) return mine;
+    int v = (int)mine, worst = 0;
+    MPI_Allreduce(&v, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    if (!mine && worst) return shard_fail((shard_status)worst, "another process failed (its error is printed above)");
+    return mine;
+}
+
 static shard_status convert(const args *a, const source *src, const shard_model_desc *d, const char *config, size_t config_len,
                             const char *extra_dir)
 {
@@ -95,13 +117,15 @@ static shard_status convert(const args *a, const source *src, const shard_model_
         (s = shard_stages_parse(a->stages, d, l.pp, stages)) || (s = shard_compress_parse(a->compress, &comp)))
         return s;
     comp.threads = atoi(a->threads);
+    struct stat ost;
+    if (stat(a->out, &ost) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", a->out);
     const size_t nt = shard_model_tensor_count(d);
     const int nranks = shard_layout_size(&l);
     /* total bytes to write, for the progress line */
     uint64_t total = 0;
     shard_tensor_spec t;
     shard_piece pc;
-    for (int r = 0; r < nranks; r++)
+    for (int r = g_me; r < nranks; r += g_procs)
         for (size_t i = 0; i < nt; i++) {
             shard_model_tensor(d, i, &t);
             if ((s = shard_partition(d, &l, stages, &t, r, &pc))) return s;
@@ -110,11 +134,17 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             if ((s = src_dtype(src, t.name, &sdt, &ci))) return s;
             if (pc.holds && pc.writes) total += shard_box_numel(&pc.box) * shard_dtype_size(pick_dtype(a->dtype, sdt));
         }
-    shard_ckpt_writer *cw;
-    if ((s = shard_ckpt_begin(a->out, &cw))) return s;
+    shard_ckpt_writer *cw = NULL;
+    char staging[4096] = "";
+    if (g_me == 0) {
+        s = shard_ckpt_begin(a->out, &cw);
+        if (!s) snprintf(staging, sizeof staging, "%s", shard_ckpt_staging(cw));
+    }
+    if ((s = agree(s))) return s;
+    if (g_procs > 1) MPI_Bcast(staging, sizeof staging, MPI_CHAR, 0, MPI_COMM_WORLD);
     progress pg;
     progress_start(&pg, "writing", total);
-    for (int r = 0; r < nranks && !s; r++) {
+    for (int r = g_me; r < nranks && !s; r += g_procs) {
         shard_h5_writer *hw = NULL;
         for (size_t i = 0; i < nt && !s; i++) {
             shard_model_tensor(d, i, &t);
@@ -124,8 +154,8 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             if (!hw) {
                 char name[64];
                 snprintf(name, sizeof name, "shard-%05d.h5", r);
-                char *p = malloc(strlen(shard_ckpt_staging(cw)) + 80);
-                sprintf(p, "%s/%s", shard_ckpt_staging(cw), name);
+                char *p = malloc(strlen(staging) + 80);
+                sprintf(p, "%s/%s", staging, name);
                 s = shard_h5_create(p, comp, &hw);
                 free(p);
                 if (s) break;
@@ -155,6 +185,8 @@ static shard_status convert(const args *a, const source *src, const shard_model_
         }
     }
     progress_end(&pg);
+    s = agree(s);
+    if (g_me != 0) return s; /* process 0 copies the extra files and commits */
     /* the model folder's other files travel with the checkpoint */
     if (!s && extra_dir) {
         DIR *dir = opendir(extra_dir);
@@ -217,6 +249,8 @@ static int parse_args(int argc, char **argv, args *a)
     return 0;
 }
 
+static int run_command(int argc, char **argv, args *ap);
+
 int main(int argc, char **argv)
 {
     cli_init("smp-convert");
@@ -225,6 +259,25 @@ int main(int argc, char **argv)
     args a;
     int rc = parse_args(argc, argv, &a);
     if (rc) return rc;
+    if (launched_by_mpirun()) {
+        MPI_Init(&argc, &argv);
+        MPI_Comm_rank(MPI_COMM_WORLD, &g_me);
+        MPI_Comm_size(MPI_COMM_WORLD, &g_procs);
+    }
+    rc = run_command(argc, argv, &a);
+    if (g_procs > 1 || launched_by_mpirun()) {
+        /* the commit happened on process 0: everyone reports the same outcome */
+        if (g_procs > 1) MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
+        MPI_Finalize();
+    }
+    return rc;
+}
+
+static int run_command(int argc, char **argv, args *ap)
+{
+    args a = *ap;
+    (void)argc;
+    int rc = 0;
     shard_status s;
     double t0 = now_seconds();
     if (!strcmp(argv[1], "init")) {
@@ -269,6 +322,6 @@ int main(int argc, char **argv)
         return cli_usage("unknown subcommand \"%s\" (hf2smp, reshard or init)", argv[1]);
     }
     if (s) return cli_fail(s);
-    fprintf(stderr, "%s: %s written in %.2fs\n", cli_name(), a.out, now_seconds() - t0);
-    return 0;
+    if (g_me == 0) fprintf(stderr, "%s: %s written in %.2fs%s\n", cli_name(), a.out, now_seconds() - t0, g_procs > 1 ? " (several processes)" : "");
+    return rc;
 }

@@ -173,3 +173,23 @@ def test_folder_without_manifest_is_refused(tmp_path):
     (tmp_path / "ck").mkdir()
     p = run("smp-verify", tmp_path / "ck")
     assert p.returncode == 3 and "no smp.json" in p.stderr
+
+
+def test_conversion_scales_out_under_mpirun(tmp_path):
+    import os
+    import subprocess
+    from conftest import BUILD
+    hf = tmp_path / "hf"
+    models.make("llama-sharded", hf)
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl="self,vader")
+    p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "3", str(BUILD / "bin" / "smp-convert"), "hf2smp",
+                        "--in", str(hf), "--out", str(tmp_path / "mp"), "--layout", "pp=2,tp=2,dp=2"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "one", "--layout", "pp=2,tp=2,dp=2", check=0)
+    run("smp-verify", tmp_path / "mp", check=0)
+    a, b = json.loads((tmp_path / "mp" / "smp.json").read_text()), json.loads((tmp_path / "one" / "smp.json").read_text())
+    assert a["tensors"] == b["tensors"]  # same pieces, same checksums, whichever process wrote them
+    run("smp-merge", "--in", tmp_path / "mp", "--out", tmp_path / "out", check=0)
+    ref, got = tensors_of(hf), tensors_of(tmp_path / "out")
+    assert set(ref) == set(got) and all(torch.equal(ref[k], got[k]) for k in ref)
