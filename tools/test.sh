@@ -36,6 +36,7 @@ build_variant fuzz variant=fuzz
 
 step "C unit tests"
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
 for t in build/release/tests/test_* build/asan/tests/test_*; do
     [ -x "$t" ] || continue
     if "$t" >"$LOG/$(echo "$t" | tr / _).log" 2>&1; then ok "$t"; else cat "$LOG/$(echo "$t" | tr / _).log" | tail -30; bad "$t"; fi
@@ -45,6 +46,11 @@ step "oracle tests (pytest)"
 SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider tests/oracle
 rc=$?
 if [ $rc -eq 0 ]; then ok "pytest tests/oracle"; else bad "pytest tests/oracle (exit $rc)"; fi
+
+step "the commands end to end under ASan + UBSan"
+SMP_BUILD="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider tests/oracle/test_roundtrip.py tests/oracle/test_init.py
+rc=$?
+if [ $rc -eq 0 ]; then ok "round trips under the sanitizers"; else bad "round trips under the sanitizers (exit $rc)"; fi
 
 step "fuzzers: replay the seed corpus, then ${FUZZ_SECONDS}s of fresh inputs each"
 for f in build/fuzz/bin/fuzz_*; do
