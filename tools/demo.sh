@@ -24,7 +24,7 @@ say "hf2smp into pp=2,tp=2,cp=2 (8 ranks), 4 processes"
 mpirun --oversubscribe --bind-to none -np 4 build/bin/smp-convert hf2smp \
     --in "$OUT/hf" --out "$OUT/ckpt" --layout pp=2,tp=2,cp=2
 build/bin/smp-verify "$OUT/ckpt"
-build/bin/smp-inspect "$OUT/ckpt" | head -12
+build/bin/smp-inspect "$OUT/ckpt" | sed -n 1,12p
 
 say "reshard to tp=4,dp=2, merge back to Hugging Face safetensors"
 build/bin/smp-convert reshard --in "$OUT/ckpt" --out "$OUT/ckpt-tp4" --layout tp=4,dp=2
