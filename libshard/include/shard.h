@@ -392,6 +392,56 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
                                const char *training_json, int overwrite);
 void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder */
 
+/* ------------------------------------------------------------ communicators */
+/* One interface for the collectives and point-to-point transfers that parallel
+ * training needs, with backends: a single process ("self"), MPI (CPU buffers,
+ * any number of hosts), and NCCL (GPU buffers; it lands with the CUDA backend).
+ * Every call counts the bytes it moves (what this rank sends), so a run can log
+ * its communication volume per kind. Calls are collective over the communicator
+ * unless they say otherwise; buffers are in host memory for self and MPI. */
+typedef struct shard_comm shard_comm;
+typedef enum { SHARD_OP_SUM, SHARD_OP_MAX } shard_op;
+
+/* A communicator of one process. */
+shard_status shard_comm_self(shard_comm **out);
+/* MPI_COMM_WORLD (MPI must be initialized by the program; errors come back as
+ * statuses, not aborts). */
+shard_status shard_comm_mpi_world(shard_comm **out);
+void shard_comm_free(shard_comm *c);
+int shard_comm_rank(const shard_comm *c);
+int shard_comm_size(const shard_comm *c);
+/* Processes with the same color form a new communicator, ordered by key. */
+shard_status shard_comm_split(shard_comm *c, int color, int key, shard_comm **out);
+
+/* In place: buf[n] of dt reduced over all ranks (F32, F64, I32, I64, U64). */
+shard_status shard_comm_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op);
+/* send[n * size] -> recv[n]: rank r receives the reduction of block r. */
+shard_status shard_comm_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op);
+/* send[n] -> recv[n * size], rank r's block at r*n. */
+shard_status shard_comm_allgather(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt);
+shard_status shard_comm_broadcast(shard_comm *c, void *buf, size_t n, shard_dtype dt, int root);
+/* Point to point (not collective): matched by peer and tag. */
+shard_status shard_comm_send(shard_comm *c, const void *buf, size_t n, shard_dtype dt, int peer, int tag);
+shard_status shard_comm_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag);
+/* Send to one peer and receive from another at once (ring passes). */
+shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
+                                 shard_dtype dt, int tag);
+shard_status shard_comm_barrier(shard_comm *c);
+/* Bytes this rank has sent through c (reset with shard_comm_reset_bytes). */
+uint64_t shard_comm_bytes(const shard_comm *c);
+void shard_comm_reset_bytes(shard_comm *c);
+
+/* The groups of a layout, built from a world communicator of layout-size ranks:
+ * tp (same pp, dp, cp), cp (same pp, dp, tp), dp (same pp, cp, tp), dpcp (the
+ * dp*cp ranks sharing one (pp, tp) position: ZeRO-1's optimizer shards), pp (same
+ * dp, cp, tp: the pipeline). */
+typedef struct {
+    shard_comm *tp, *cp, *dp, *dpcp, *pp;
+    shard_coords me;
+} shard_groups;
+shard_status shard_groups_create(shard_comm *world, const shard_layout *l, shard_groups *out);
+void shard_groups_free(shard_groups *g);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,158 @@
+/* The communicator interface: argument checks, byte counting, the single-process
+ * backend, and the groups of a layout. Backends: self (here), MPI (mpi.c). */
+#include "comm.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+static int reducible(shard_dtype dt)
+{
+    return dt == SHARD_DT_F32 || dt == SHARD_DT_F64 || dt == SHARD_DT_I32 || dt == SHARD_DT_I64 || dt == SHARD_DT_U64;
+}
+
+int shard_comm_rank(const shard_comm *c) { return c->rank; }
+int shard_comm_size(const shard_comm *c) { return c->size; }
+uint64_t shard_comm_bytes(const shard_comm *c) { return c->bytes; }
+void shard_comm_reset_bytes(shard_comm *c) { c->bytes = 0; }
+
+void shard_comm_free(shard_comm *c)
+{
+    if (!c) return;
+    if (c->ops->free) c->ops->free(c);
+    free(c);
+}
+
+shard_status shard_comm_split(shard_comm *c, int color, int key, shard_comm **out)
+{
+    if (color < 0) return shard_fail(SHARD_E_USAGE, "comm split: negative color");
+    return c->ops->split(c, color, key, out);
+}
+
+shard_status shard_comm_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op)
+{
+    if (!reducible(dt)) return shard_fail(SHARD_E_USAGE, "allreduce: dtype %s cannot be reduced", shard_dtype_name(dt));
+    /* a ring all-reduce sends 2 (size-1)/size of the buffer from each rank */
+    c->bytes += c->size > 1 ? 2 * (uint64_t)(c->size - 1) * n * shard_dtype_size(dt) / (uint64_t)c->size : 0;
+    return c->ops->allreduce(c, buf, n, dt, op);
+}
+
+shard_status shard_comm_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op)
+{
+    if (!reducible(dt)) return shard_fail(SHARD_E_USAGE, "reduce_scatter: dtype %s cannot be reduced", shard_dtype_name(dt));
+    c->bytes += (uint64_t)(c->size - 1) * n * shard_dtype_size(dt);
+    return c->ops->reduce_scatter(c, send, recv, n, dt, op);
+}
+
+shard_status shard_comm_allgather(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt)
+{
+    c->bytes += (uint64_t)(c->size - 1) * n * shard_dtype_size(dt);
+    return c->ops->allgather(c, send, recv, n, dt);
+}
+
+shard_status shard_comm_broadcast(shard_comm *c, void *buf, size_t n, shard_dtype dt, int root)
+{
+    if (root < 0 || root >= c->size) return shard_fail(SHARD_E_USAGE, "broadcast: root %d outside 0..%d", root, c->size - 1);
+    if (c->rank == root) c->bytes += (uint64_t)(c->size - 1) * n * shard_dtype_size(dt);
+    return c->ops->broadcast(c, buf, n, dt, root);
+}
+
+shard_status shard_comm_send(shard_comm *c, const void *buf, size_t n, shard_dtype dt, int peer, int tag)
+{
+    if (peer < 0 || peer >= c->size || peer == c->rank) return shard_fail(SHARD_E_USAGE, "send: bad peer %d", peer);
+    c->bytes += n * shard_dtype_size(dt);
+    return c->ops->send(c, buf, n, dt, peer, tag);
+}
+
+shard_status shard_comm_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag)
+{
+    if (peer < 0 || peer >= c->size || peer == c->rank) return shard_fail(SHARD_E_USAGE, "recv: bad peer %d", peer);
+    return c->ops->recv(c, buf, n, dt, peer, tag);
+}
+
+shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag)
+{
+    if (to < 0 || to >= c->size || from < 0 || from >= c->size) return shard_fail(SHARD_E_USAGE, "sendrecv: bad peers %d, %d", to, from);
+    if (to == c->rank && from == c->rank) {
+        memmove(recv, send, n * shard_dtype_size(dt));
+        return SHARD_OK;
+    }
+    c->bytes += n * shard_dtype_size(dt);
+    return c->ops->sendrecv(c, send, to, recv, from, n, dt, tag);
+}
+
+shard_status shard_comm_barrier(shard_comm *c) { return c->ops->barrier(c); }
+
+/* ----------------------------------------------------------- self backend */
+static shard_status self_split(shard_comm *c, int color, int key, shard_comm **out)
+{
+    (void)c; (void)color; (void)key;
+    return shard_comm_self(out);
+}
+static shard_status self_allreduce(shard_comm *c, void *b, size_t n, shard_dtype dt, shard_op op) { (void)c; (void)b; (void)n; (void)dt; (void)op; return SHARD_OK; }
+static shard_status self_reduce_scatter(shard_comm *c, const void *s, void *r, size_t n, shard_dtype dt, shard_op op)
+{
+    (void)c; (void)op;
+    memmove(r, s, n * shard_dtype_size(dt));
+    return SHARD_OK;
+}
+static shard_status self_allgather(shard_comm *c, const void *s, void *r, size_t n, shard_dtype dt)
+{
+    (void)c;
+    memmove(r, s, n * shard_dtype_size(dt));
+    return SHARD_OK;
+}
+static shard_status self_broadcast(shard_comm *c, void *b, size_t n, shard_dtype dt, int root) { (void)c; (void)b; (void)n; (void)dt; (void)root; return SHARD_OK; }
+static shard_status self_p2p(shard_comm *c, const void *b, size_t n, shard_dtype dt, int peer, int tag)
+{
+    (void)c; (void)b; (void)n; (void)dt; (void)peer; (void)tag;
+    return shard_fail(SHARD_E_USAGE, "point-to-point transfer on a one-process communicator");
+}
+static shard_status self_recv(shard_comm *c, void *b, size_t n, shard_dtype dt, int peer, int tag) { return self_p2p(c, b, n, dt, peer, tag); }
+static shard_status self_sendrecv(shard_comm *c, const void *s, int to, void *r, int from, size_t n, shard_dtype dt, int tag)
+{
+    (void)r; (void)from;
+    return self_p2p(c, s, n, dt, to, tag);
+}
+static shard_status self_barrier(shard_comm *c) { (void)c; return SHARD_OK; }
+
+static const shard_comm_ops SELF = {"self", self_split, self_allreduce, self_reduce_scatter, self_allgather, self_broadcast,
+                                    self_p2p, self_recv, self_sendrecv, self_barrier, NULL};
+
+shard_status shard_comm_self(shard_comm **out)
+{
+    shard_comm *c = calloc(1, sizeof *c);
+    if (!c) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    c->ops = &SELF;
+    c->rank = 0;
+    c->size = 1;
+    *out = c;
+    return SHARD_OK;
+}
+
+/* ---------------------------------------------------------------- groups */
+shard_status shard_groups_create(shard_comm *world, const shard_layout *l, shard_groups *g)
+{
+    memset(g, 0, sizeof *g);
+    if (shard_layout_size(l) != world->size)
+        return shard_fail(SHARD_E_USAGE, "the layout needs %d ranks but %d processes are running", shard_layout_size(l), world->size);
+    shard_coords me = shard_layout_coords(l, world->rank);
+    g->me = me;
+    const int T = l->tp, C = l->cp, D = l->dp;
+    shard_status s;
+    /* color: the coordinates that stay fixed; key: the one that varies */
+    if ((s = shard_comm_split(world, (me.pp * D + me.dp) * C + me.cp, me.tp, &g->tp)) ||
+        (s = shard_comm_split(world, (me.pp * D + me.dp) * T + me.tp, me.cp, &g->cp)) ||
+        (s = shard_comm_split(world, (me.pp * C + me.cp) * T + me.tp, me.dp, &g->dp)) ||
+        (s = shard_comm_split(world, me.pp * T + me.tp, me.dp * C + me.cp, &g->dpcp)) ||
+        (s = shard_comm_split(world, (me.dp * C + me.cp) * T + me.tp, me.pp, &g->pp))) {
+        shard_groups_free(g);
+        return s;
+    }
+    return SHARD_OK;
+}
+
+void shard_groups_free(shard_groups *g)
+{
+    shard_comm_free(g->tp); shard_comm_free(g->cp); shard_comm_free(g->dp); shard_comm_free(g->dpcp); shard_comm_free(g->pp);
+    memset(g, 0, sizeof *g);
+}

@@ -1,0 +1,138 @@
+/* The MPI backend: host buffers, any number of hosts. Errors are returned (the
+ * communicators use MPI_ERRORS_RETURN), so a failing rank can report and exit;
+ * Open MPI's runtime then ends the others. */
+#include "comm.h"
+
+#include <mpi.h>
+#include <stdlib.h>
+
+typedef struct {
+    MPI_Comm comm;
+} mpi_impl;
+
+static MPI_Comm C_(shard_comm *c) { return ((mpi_impl *)c->impl)->comm; }
+
+static MPI_Datatype mtype(shard_dtype dt)
+{
+    switch (dt) {
+    case SHARD_DT_F32: return MPI_FLOAT;
+    case SHARD_DT_F64: return MPI_DOUBLE;
+    case SHARD_DT_I32: return MPI_INT32_T;
+    case SHARD_DT_I64: return MPI_INT64_T;
+    case SHARD_DT_U64: return MPI_UINT64_T;
+    case SHARD_DT_U32: return MPI_UINT32_T;
+    case SHARD_DT_U16: case SHARD_DT_F16: case SHARD_DT_BF16: case SHARD_DT_I16: return MPI_UINT16_T;
+    default: return MPI_UINT8_T;
+    }
+}
+
+static shard_status check(int rc, const char *what)
+{
+    if (rc == MPI_SUCCESS) return SHARD_OK;
+    char msg[MPI_MAX_ERROR_STRING];
+    int len = 0;
+    MPI_Error_string(rc, msg, &len);
+    return shard_fail(SHARD_E_IO, "MPI %s failed: %.*s", what, len, msg);
+}
+
+/* MPI counts are int: move large buffers in pieces */
+#define MAXC ((size_t)1 << 30)
+
+static shard_status m_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op)
+{
+    for (size_t o = 0; o < n; o += MAXC) {
+        size_t k = n - o < MAXC ? n - o : MAXC;
+        shard_status s = check(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + o * shard_dtype_size(dt), (int)k, mtype(dt),
+                                             op == SHARD_OP_SUM ? MPI_SUM : MPI_MAX, C_(c)), "all-reduce");
+        if (s) return s;
+    }
+    return SHARD_OK;
+}
+
+static shard_status m_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op)
+{
+    if (n > MAXC) return shard_fail(SHARD_E_USAGE, "reduce-scatter of more than 2^30 elements per rank");
+    return check(MPI_Reduce_scatter_block(send, recv, (int)n, mtype(dt), op == SHARD_OP_SUM ? MPI_SUM : MPI_MAX, C_(c)), "reduce-scatter");
+}
+
+static shard_status m_allgather(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt)
+{
+    if (n > MAXC) return shard_fail(SHARD_E_USAGE, "all-gather of more than 2^30 elements per rank");
+    return check(MPI_Allgather(send, (int)n, mtype(dt), recv, (int)n, mtype(dt), C_(c)), "all-gather");
+}
+
+static shard_status m_broadcast(shard_comm *c, void *buf, size_t n, shard_dtype dt, int root)
+{
+    for (size_t o = 0; o < n; o += MAXC) {
+        size_t k = n - o < MAXC ? n - o : MAXC;
+        shard_status s = check(MPI_Bcast((char *)buf + o * shard_dtype_size(dt), (int)k, mtype(dt), root, C_(c)), "broadcast");
+        if (s) return s;
+    }
+    return SHARD_OK;
+}
+
+static shard_status m_send(shard_comm *c, const void *buf, size_t n, shard_dtype dt, int peer, int tag)
+{
+    if (n > MAXC) return shard_fail(SHARD_E_USAGE, "send of more than 2^30 elements");
+    return check(MPI_Send(buf, (int)n, mtype(dt), peer, tag, C_(c)), "send");
+}
+
+static shard_status m_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag)
+{
+    if (n > MAXC) return shard_fail(SHARD_E_USAGE, "receive of more than 2^30 elements");
+    return check(MPI_Recv(buf, (int)n, mtype(dt), peer, tag, C_(c), MPI_STATUS_IGNORE), "receive");
+}
+
+static shard_status m_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag)
+{
+    if (n > MAXC) return shard_fail(SHARD_E_USAGE, "send-receive of more than 2^30 elements");
+    return check(MPI_Sendrecv(send, (int)n, mtype(dt), to, tag, recv, (int)n, mtype(dt), from, tag, C_(c), MPI_STATUS_IGNORE), "send-receive");
+}
+
+static shard_status m_barrier(shard_comm *c) { return check(MPI_Barrier(C_(c)), "barrier"); }
+
+static void m_free(shard_comm *c)
+{
+    mpi_impl *m = c->impl;
+    int fin = 0;
+    MPI_Finalized(&fin);
+    if (m && m->comm != MPI_COMM_WORLD && !fin) MPI_Comm_free(&m->comm);
+    free(m);
+}
+
+static shard_status wrap(MPI_Comm comm, shard_comm **out);
+
+static shard_status m_split(shard_comm *c, int color, int key, shard_comm **out)
+{
+    MPI_Comm nc;
+    shard_status s = check(MPI_Comm_split(C_(c), color, key, &nc), "communicator split");
+    if (s) return s;
+    MPI_Comm_set_errhandler(nc, MPI_ERRORS_RETURN);
+    return wrap(nc, out);
+}
+
+static const shard_comm_ops MPI_OPS = {"mpi", m_split, m_allreduce, m_reduce_scatter, m_allgather, m_broadcast,
+                                       m_send, m_recv, m_sendrecv, m_barrier, m_free};
+
+static shard_status wrap(MPI_Comm comm, shard_comm **out)
+{
+    shard_comm *c = calloc(1, sizeof *c);
+    mpi_impl *m = calloc(1, sizeof *m);
+    if (!c || !m) { free(c); free(m); return shard_fail(SHARD_E_NOMEM, "out of memory"); }
+    m->comm = comm;
+    c->ops = &MPI_OPS;
+    c->impl = m;
+    MPI_Comm_rank(comm, &c->rank);
+    MPI_Comm_size(comm, &c->size);
+    *out = c;
+    return SHARD_OK;
+}
+
+shard_status shard_comm_mpi_world(shard_comm **out)
+{
+    int init = 0;
+    MPI_Initialized(&init);
+    if (!init) return shard_fail(SHARD_E_USAGE, "MPI is not initialized");
+    MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
+    return wrap(MPI_COMM_WORLD, out);
+}

@@ -1,0 +1,105 @@
+/* The communicator under mpirun: every collective against its definition, the
+ * groups of a layout against the rank formula, byte counts against the ring
+ * formulas. Usage: mpirun -np N test_comm [LAYOUT]   (LAYOUT's size must be N)
+ * Prints one line per failed check and "comm: P passed, F failed" on rank 0. */
+#include "shard.h"
+
+#include <math.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+static int passed, failed, me;
+
+#define CHECK(cond, ...) do { if (cond) passed++; else { failed++; fprintf(stderr, "rank %d: FAIL %s:%d: ", me, __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
+#define OK(x) CHECK((x) == SHARD_OK, "%s -> %s", #x, shard_errmsg())
+
+static void collectives(shard_comm *c, const char *what)
+{
+    const int r = shard_comm_rank(c), n = shard_comm_size(c);
+    enum { K = 37 };
+    float a[K], out[K * 16];
+    for (int i = 0; i < K; i++) a[i] = (float)(r + 1) * (float)(i + 1);
+    shard_comm_reset_bytes(c);
+    OK(shard_comm_allreduce(c, a, K, SHARD_DT_F32, SHARD_OP_SUM));
+    for (int i = 0; i < K; i++) CHECK(a[i] == (float)(n * (n + 1) / 2) * (float)(i + 1), "%s allreduce sum [%d] = %g", what, i, a[i]);
+    uint64_t expect = n > 1 ? 2 * (uint64_t)(n - 1) * K * 4 / (uint64_t)n : 0;
+    CHECK(shard_comm_bytes(c) == expect, "%s allreduce bytes %llu, expected %llu", what, (unsigned long long)shard_comm_bytes(c), (unsigned long long)expect);
+    double d = r == n - 1 ? 7.5 : (double)r;
+    OK(shard_comm_allreduce(c, &d, 1, SHARD_DT_F64, SHARD_OP_MAX));
+    CHECK(d == (n - 1 > 7.5 ? n - 1 : 7.5), "%s allreduce max %g", what, d);
+    /* reduce-scatter: block b of rank r is r*100 + b: the sum over ranks of block me */
+    float send[K * 16];
+    for (int b = 0; b < n; b++) for (int i = 0; i < K; i++) send[b * K + i] = (float)(r * 100 + b) + (float)i;
+    OK(shard_comm_reduce_scatter(c, send, out, K, SHARD_DT_F32, SHARD_OP_SUM));
+    for (int i = 0; i < K; i++) CHECK(out[i] == (float)(100 * n * (n - 1) / 2 + n * r + n * i), "%s reduce_scatter [%d] = %g", what, i, out[i]);
+    /* all-gather */
+    for (int i = 0; i < K; i++) a[i] = (float)(r * 1000 + i);
+    OK(shard_comm_allgather(c, a, out, K, SHARD_DT_F32));
+    for (int b = 0; b < n; b++) for (int i = 0; i < K; i++) CHECK(out[b * K + i] == (float)(b * 1000 + i), "%s allgather", what);
+    /* broadcast from the last rank */
+    int64_t v[3] = {r, r * 2, -r};
+    OK(shard_comm_broadcast(c, v, 3, SHARD_DT_I64, n - 1));
+    CHECK(v[0] == n - 1 && v[1] == 2 * (n - 1) && v[2] == -(n - 1), "%s broadcast", what);
+    if (n > 1) {
+        /* a ring pass: send to r+1, receive from r-1 */
+        float x = (float)r, y = -1;
+        OK(shard_comm_sendrecv(c, &x, (r + 1) % n, &y, (r + n - 1) % n, 1, SHARD_DT_F32, 7));
+        CHECK(y == (float)((r + n - 1) % n), "%s sendrecv", what);
+        /* point to point: 0 -> n-1 */
+        float p = 3.25f;
+        if (r == 0) OK(shard_comm_send(c, &p, 1, SHARD_DT_F32, n - 1, 9));
+        if (r == n - 1) { p = 0; OK(shard_comm_recv(c, &p, 1, SHARD_DT_F32, 0, 9)); CHECK(p == 3.25f, "%s send/recv", what); }
+    }
+    OK(shard_comm_barrier(c));
+    CHECK(shard_comm_allreduce(c, a, 1, SHARD_DT_BF16, SHARD_OP_SUM) == SHARD_E_USAGE, "%s bf16 reduction must be refused", what);
+}
+
+int main(int argc, char **argv)
+{
+    MPI_Init(&argc, &argv);
+    shard_comm *world, *self;
+    if (shard_comm_mpi_world(&world)) { fprintf(stderr, "%s\n", shard_errmsg()); return 1; }
+    me = shard_comm_rank(world);
+    collectives(world, "world");
+    OK(shard_comm_self(&self));
+    collectives(self, "self");
+    shard_comm_free(self);
+    if (argc > 1) {
+        shard_layout l;
+        OK(shard_layout_parse(argv[1], &l));
+        shard_groups g;
+        OK(shard_groups_create(world, &l, &g));
+        shard_coords c = shard_layout_coords(&l, me);
+        CHECK(shard_comm_size(g.tp) == l.tp && shard_comm_rank(g.tp) == c.tp, "tp group");
+        CHECK(shard_comm_size(g.cp) == l.cp && shard_comm_rank(g.cp) == c.cp, "cp group");
+        CHECK(shard_comm_size(g.dp) == l.dp && shard_comm_rank(g.dp) == c.dp, "dp group");
+        CHECK(shard_comm_size(g.pp) == l.pp && shard_comm_rank(g.pp) == c.pp, "pp group");
+        CHECK(shard_comm_size(g.dpcp) == l.dp * l.cp && shard_comm_rank(g.dpcp) == c.dp * l.cp + c.cp, "dpcp group");
+        /* members of my tp group: the world ranks that differ from me only in tp */
+        int64_t w = me, members[64];
+        OK(shard_comm_allgather(g.tp, &w, members, 1, SHARD_DT_I64));
+        for (int t = 0; t < l.tp; t++) {
+            shard_coords o = c;
+            o.tp = t;
+            CHECK(members[t] == shard_layout_rank(&l, o), "tp member %d", t);
+        }
+        OK(shard_comm_allgather(g.pp, &w, members, 1, SHARD_DT_I64));
+        for (int p = 0; p < l.pp; p++) {
+            shard_coords o = c;
+            o.pp = p;
+            CHECK(members[p] == shard_layout_rank(&l, o), "pp member %d", p);
+        }
+        collectives(g.tp, "tp");
+        collectives(g.cp, "cp");
+        collectives(g.dpcp, "dpcp");
+        shard_groups_free(&g);
+    }
+    int tot[2] = {passed, failed}, sum[2];
+    MPI_Reduce(tot, sum, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
+    if (me == 0) printf("comm: %d passed, %d failed\n", sum[0], sum[1]);
+    shard_comm_free(world);
+    MPI_Finalize();
+    return failed ? 1 : 0;
+}

@@ -1,0 +1,21 @@
+"""libshard's communicator under mpirun (the MPI backend every parallel layout uses)."""
+import os
+import subprocess
+
+import pytest
+
+from conftest import BUILD
+
+ENV = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", OMPI_MCA_btl="self,vader")
+
+
+@pytest.mark.parametrize("np_,layout", [(1, None), (3, None), (2, "tp=2"), (4, "tp=2,cp=2"),
+                                        (8, "pp=2,tp=2,cp=2"), (8, "pp=2,dp=2,tp=2"), (8, "tp=2,cp=2,dp=2")])
+def test_collectives_and_groups(np_, layout):
+    exe = BUILD / "release" / "tests" / "mpi_test_comm" if (BUILD / "release").exists() else BUILD / "tests" / "mpi_test_comm"
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), str(exe)] + ([layout] if layout else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [l for l in p.stdout.splitlines() if l.startswith("comm:")][-1]
+    passed, failed = int(line.split()[1]), int(line.split()[3])
+    assert failed == 0 and passed > 100, line
