@@ -214,8 +214,8 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             free(p);
         }
     }
-    if (!s) s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, NULL, 0);
-    else shard_ckpt_abort(cw);
+    if (!s && (s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, NULL, 0)) == SHARD_OK) cw = NULL;
+    shard_ckpt_abort(cw); /* NULL after a successful commit */
     return s;
 }
 

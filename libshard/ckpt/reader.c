@@ -46,6 +46,7 @@ struct shard_ckpt {
     size_t nextras;
     pthread_mutex_t mu;
     char *training;
+    size_t *file_order, *tensor_order; /* sorted by name: lookups */
 };
 
 #define BAD(...) do { s = shard_fail(SHARD_E_INVALID, __VA_ARGS__); goto out; } while (0)
@@ -67,6 +68,102 @@ static int int_array(json_t *a, int n, int64_t *out, int64_t lo)
         out[k] = json_integer_value(v);
     }
     return 0;
+}
+
+
+static int cmp_file(const void *a, const void *b, void *ctx)
+{
+    const shard_ckpt *c = ctx;
+    return strcmp(c->files[*(const size_t *)a], c->files[*(const size_t *)b]);
+}
+
+static size_t find_file(const shard_ckpt *c, const char *name)
+{
+    size_t lo = 0, hi = c->nfiles;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        int k = strcmp(c->files[c->file_order[mid]], name);
+        if (k == 0) return c->file_order[mid];
+        if (k < 0) lo = mid + 1; else hi = mid;
+    }
+    return c->nfiles;
+}
+
+static int cmp_tensor(const void *a, const void *b, void *ctx)
+{
+    const shard_ckpt *c = ctx;
+    const tensor *x = &c->t[*(const size_t *)a], *y = &c->t[*(const size_t *)b];
+    int k = strcmp(x->t.group, y->t.group);
+    return k ? k : strcmp(x->t.name, y->t.name);
+}
+
+static int cmp_piece_start(const void *a, const void *b, void *ctx)
+{
+    const piece *p = ctx;
+    int64_t x = p[*(const size_t *)a].box.off[0], y = p[*(const size_t *)b].box.off[0];
+    return x < y ? -1 : x > y;
+}
+
+/* Any two overlapping boxes? A sweep along dim 0: each box is compared only with
+ * the boxes whose dim-0 interval it meets (tp splits: a few; ZeRO splits: none),
+ * not with all of them. */
+static int find_overlap(const piece *p, size_t n, long *a, long *b)
+{
+    if (n < 2) return 0;
+    size_t *order = malloc(n * sizeof *order), *active = malloc(n * sizeof *active), na = 0;
+    int found = 0;
+    for (size_t i = 0; i < n; i++) order[i] = i;
+    qsort_r(order, n, sizeof *order, cmp_piece_start, (void *)p);
+    shard_box x;
+    for (size_t i = 0; i < n && !found; i++) {
+        const piece *q = &p[order[i]];
+        size_t keep = 0;
+        for (size_t k = 0; k < na; k++) {
+            const piece *r = &p[active[k]];
+            if (r->box.off[0] + r->box.len[0] <= q->box.off[0]) continue; /* ended before q starts */
+            active[keep++] = active[k];
+            if (!found && shard_box_intersect(&r->box, &q->box, &x)) { *a = (long)active[k]; *b = (long)order[i]; found = 1; }
+        }
+        na = keep;
+        active[na++] = order[i];
+    }
+    free(order);
+    free(active);
+    return found;
+}
+
+/* The params are exactly the model's tensors (names and shapes from config_json);
+ * the optimizer groups hold model tensors of the same shapes, in F32. */
+static int cmp_spec(const void *a, const void *b) { return strcmp(((const shard_tensor_spec *)a)->name, ((const shard_tensor_spec *)b)->name); }
+
+static shard_status check_against_model(shard_ckpt *c, const char *mpath)
+{
+    const shard_model_desc *d = &c->model;
+    const size_t nt = shard_model_tensor_count(d);
+    shard_tensor_spec *specs = malloc(nt * sizeof *specs);
+    if (!specs) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < nt; i++) shard_model_tensor(d, i, &specs[i]);
+    qsort(specs, nt, sizeof *specs, cmp_spec);
+    shard_status s = SHARD_OK;
+    for (size_t i = 0; i < nt && !s; i++)
+        if (shard_ckpt_find(c, "params", specs[i].name) < 0)
+            s = shard_fail(SHARD_E_INVALID, "%s: the model's tensor \"%s\" is not in the checkpoint", mpath, specs[i].name);
+    for (size_t i = 0; i < c->n && !s; i++) {
+        const tensor *t = &c->t[i];
+        if (!strcmp(t->t.group, "fp8")) continue; /* scaling state: shapes of its own */
+        shard_tensor_spec key;
+        snprintf(key.name, sizeof key.name, "%s", t->t.name);
+        const shard_tensor_spec *spec = bsearch(&key, specs, nt, sizeof *specs, cmp_spec);
+        if (!spec) { s = shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" (%s) is not part of the model", mpath, t->t.name, t->t.group); break; }
+        int same = spec->ndim == t->t.ndim;
+        for (int q = 0; same && q < spec->ndim; q++) same = spec->shape[q] == t->t.shape[q];
+        if (!same) s = shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" (%s) has another shape than config_json implies", mpath, t->t.name, t->t.group);
+        else if (!shard_dtype_is_float(t->t.dtype)) s = shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" is not floating point", mpath, t->t.name);
+        else if (strcmp(t->t.group, "params") && t->t.dtype != SHARD_DT_F32)
+            s = shard_fail(SHARD_E_INVALID, "%s: optimizer tensor \"%s\" (%s) must be F32", mpath, t->t.name, t->t.group);
+    }
+    free(specs);
+    return s;
 }
 
 static const char *GROUPS[] = {"params", "optim/master", "optim/exp_avg", "optim/exp_avg_sq", "fp8", NULL};
@@ -102,7 +199,11 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
     if (c->layout.pp > SHARD_MAX_PP || c->layout.pp > c->model.layers) BAD("%s: layout.pp out of range", mpath);
     int64_t st[SHARD_MAX_PP], sum = 0;
     if (int_array(json_object_get(m, "stages"), c->layout.pp, st, 1)) BAD("%s: \"stages\" must list %d positive layer counts", mpath, c->layout.pp);
-    for (int k = 0; k < c->layout.pp; k++) { c->stages[k] = (int)st[k]; sum += st[k]; }
+    for (int k = 0; k < c->layout.pp; k++) {
+        if (st[k] > c->model.layers) BAD("%s: stages[%d] = %lld exceeds the %lld layers", mpath, k, (long long)st[k], (long long)c->model.layers);
+        c->stages[k] = (int)st[k];
+        sum += st[k];
+    }
     if (sum != c->model.layers) BAD("%s: \"stages\" sum to %lld, not %lld layers", mpath, (long long)sum, (long long)c->model.layers);
 
     json_t *tr = json_object_get(m, "training");
@@ -127,18 +228,23 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         if (!json_is_integer(by) || json_integer_value(by) < 0) BAD("%s: files[%zu]: bytes missing", mpath, i);
         c->file_bytes[i] = (uint64_t)json_integer_value(by);
         if (parse_hex(json_string_value(json_object_get(e, "xxh64")), &c->file_hash[i])) BAD("%s: files[%zu]: xxh64 missing or malformed", mpath, i);
-        for (size_t k = 0; k < i; k++)
-            if (!strcmp(c->files[k], c->files[i])) BAD("%s: file %s is listed twice", mpath, c->files[i]);
         if (!strncmp(c->files[i], "extra/", 6)) c->extras[c->nextras++] = c->files[i] + 6;
         else if (strchr(c->files[i], '/')) BAD("%s: files[%zu]: \"%s\" is neither a shard file nor under extra/", mpath, i, c->files[i]);
     }
 
+    /* file names sorted (an index for the pieces' lookups), duplicates refused */
+    c->file_order = malloc((c->nfiles + 1) * sizeof *c->file_order);
+    for (size_t i = 0; i < c->nfiles; i++) c->file_order[i] = i;
+    qsort_r(c->file_order, c->nfiles, sizeof *c->file_order, cmp_file, c);
+    for (size_t i = 1; i < c->nfiles; i++)
+        if (!strcmp(c->files[c->file_order[i]], c->files[c->file_order[i - 1]])) BAD("%s: file %s is listed twice", mpath, c->files[c->file_order[i]]);
+
     json_t *ts = json_object_get(m, "tensors");
     if (!json_is_array(ts)) BAD("%s: \"tensors\" missing", mpath);
     c->t = calloc(json_array_size(ts) + 1, sizeof *c->t);
-    for (size_t i = 0; i < json_array_size(ts); i++, c->n++) {
+    for (size_t i = 0; i < json_array_size(ts); i++) {
         json_t *e = json_array_get(ts, i);
-        tensor *t = &c->t[c->n];
+        tensor *t = &c->t[c->n++]; /* counted now: close frees what it holds even if it is refused */
         json_t *nm = json_object_get(e, "name"), *gr = json_object_get(e, "group"), *dt = json_object_get(e, "dtype"), *sh = json_object_get(e, "shape");
         if (!json_is_string(nm) || !json_is_string(gr)) BAD("%s: tensors[%zu]: name or group missing", mpath, i);
         t->t.name = json_string_value(nm);
@@ -150,8 +256,6 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         if (t->t.dtype == SHARD_DT_INVALID || shard_h5_type(t->t.dtype) < 0) BAD("%s: tensor \"%s\": bad dtype", mpath, t->t.name);
         t->t.ndim = json_is_array(sh) ? (int)json_array_size(sh) : 0;
         if (t->t.ndim < 1 || t->t.ndim > SHARD_MAX_DIMS || int_array(sh, t->t.ndim, t->t.shape, 0)) BAD("%s: tensor \"%s\": bad shape", mpath, t->t.name);
-        for (size_t k = 0; k < c->n; k++)
-            if (!strcmp(c->t[k].t.name, t->t.name) && !strcmp(c->t[k].t.group, t->t.group)) BAD("%s: tensor \"%s\" listed twice", mpath, t->t.name);
         json_t *ps = json_object_get(e, "pieces");
         if (!json_is_array(ps)) BAD("%s: tensor \"%s\": pieces missing", mpath, t->t.name);
         t->t.npieces = json_array_size(ps);
@@ -165,8 +269,7 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
             if (!json_is_string(pf) || !json_is_string(pd)) BAD("%s: tensor \"%s\": piece %zu: file or dataset missing", mpath, t->t.name, j);
             p->file = json_string_value(pf);
             p->dataset = json_string_value(pd);
-            size_t fi = c->nfiles;
-            for (size_t k = 0; k < c->nfiles; k++) if (!strcmp(c->files[k], p->file)) fi = k;
+            size_t fi = find_file(c, p->file);
             if (fi == c->nfiles || strchr(p->file, '/')) BAD("%s: tensor \"%s\": piece %zu: file \"%s\" is not a listed shard file", mpath, t->t.name, j, p->file);
             p->file_index = fi;
             p->box.ndim = t->t.ndim;
@@ -176,13 +279,20 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
                 if (p->box.off[k] > t->t.shape[k] || p->box.len[k] > t->t.shape[k] - p->box.off[k])
                     BAD("%s: tensor \"%s\": piece %zu lies outside the tensor", mpath, t->t.name, j);
             if (parse_hex(json_string_value(json_object_get(pe, "xxh64")), &p->xxh64)) BAD("%s: tensor \"%s\": piece %zu: xxh64 missing or malformed", mpath, t->t.name, j);
-            shard_box x;
-            for (size_t k = 0; k < j; k++)
-                if (shard_box_intersect(&p->box, &t->p[k].box, &x)) BAD("%s: tensor \"%s\": pieces %zu and %zu overlap", mpath, t->t.name, k, j);
             covered += shard_box_numel(&p->box);
         }
+        long a, b;
+        if (find_overlap(t->p, t->t.npieces, &a, &b)) BAD("%s: tensor \"%s\": pieces %ld and %ld overlap", mpath, t->t.name, a, b);
         if (covered != total) BAD("%s: tensor \"%s\": pieces cover %llu of %llu elements (holes)", mpath, t->t.name, (unsigned long long)covered, (unsigned long long)total);
     }
+    c->tensor_order = malloc((c->n + 1) * sizeof *c->tensor_order);
+    for (size_t i = 0; i < c->n; i++) c->tensor_order[i] = i;
+    qsort_r(c->tensor_order, c->n, sizeof *c->tensor_order, cmp_tensor, c);
+    for (size_t i = 1; i < c->n; i++) {
+        const tensor *x = &c->t[c->tensor_order[i - 1]], *y = &c->t[c->tensor_order[i]];
+        if (!strcmp(x->t.name, y->t.name) && !strcmp(x->t.group, y->t.group)) BAD("%s: tensor \"%s\" (%s) is listed twice", mpath, y->t.name, y->t.group);
+    }
+    s = check_against_model(c, mpath);
 out:
     return s;
 }
@@ -196,6 +306,8 @@ void shard_ckpt_close(shard_ckpt *c)
     json_decref(c->m);
     pthread_mutex_destroy(&c->mu);
     free(c->training);
+    free(c->file_order);
+    free(c->tensor_order);
     free(c->dir);
     free(c);
 }
@@ -239,8 +351,15 @@ const char *shard_ckpt_training_json(const shard_ckpt *c) { return c->training; 
 long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name)
 {
     if (!group) group = "params";
-    for (size_t i = 0; i < c->n; i++)
-        if (!strcmp(c->t[i].t.name, name) && !strcmp(c->t[i].t.group, group)) return (long)i;
+    size_t lo = 0, hi = c->n;
+    while (lo < hi) {
+        size_t mid = (lo + hi) / 2;
+        const tensor *t = &c->t[c->tensor_order[mid]];
+        int k = strcmp(t->t.group, group);
+        if (!k) k = strcmp(t->t.name, name);
+        if (k == 0) return (long)c->tensor_order[mid];
+        if (k < 0) lo = mid + 1; else hi = mid;
+    }
     return -1;
 }
 
@@ -322,7 +441,8 @@ static shard_status verify_piece(shard_ckpt *c, const tensor *t, const piece *p)
     if (block < 1) block = 1;
     char *buf = malloc((size_t)(block * rowlen) * es);
     XXH64_state_t *h = XXH64_createState();
-    XXH64_reset(h, 0);
+    if (!buf || !h) s = shard_fail(SHARD_E_NOMEM, "%s: out of memory reading dataset %s", path, p->dataset);
+    else XXH64_reset(h, 0);
     for (int64_t r0 = 0; r0 < nrows && !s; r0 += block) {
         int64_t nr = nrows - r0 < block ? nrows - r0 : block;
         if (nd == 1) {
@@ -338,8 +458,8 @@ static shard_status verify_piece(shard_ckpt *c, const tensor *t, const piece *p)
         if (e < 0) s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset);
         else XXH64_update(h, buf, (size_t)(nr * rowlen) * es);
     }
-    uint64_t got = XXH64_digest(h);
-    XXH64_freeState(h);
+    uint64_t got = h ? XXH64_digest(h) : 0;
+    if (h) XXH64_freeState(h);
     free(buf);
     H5Sclose(space);
     H5Dclose(ds);

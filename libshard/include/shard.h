@@ -390,7 +390,8 @@ shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, co
 shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len,
                                const shard_model_desc *d, const shard_layout *l, const int *stages,
                                const char *training_json, int overwrite);
-void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder */
+/* On success commit frees w; on failure w stays valid and the caller aborts it. */
+void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder, frees w */
 
 /* ------------------------------------------------------------ communicators */
 /* One interface for the collectives and point-to-point transfers that parallel

@@ -1,0 +1,199 @@
+#!/usr/bin/env bash
+# Conversion benchmark on a ~1.5 GB Llama-shaped bf16 model (not a test).
+#
+#   bash tools/bench/convert.sh [CACHE_DIR]      (default /tmp/smp-bench)
+#
+# The model is made once into CACHE_DIR/hf (config.json from transformers' LlamaConfig,
+# model.safetensors of random normal bf16 weights under transformers' names, written
+# by the safetensors library: hidden 2048, intermediate 5632, 14 layers, vocab 32000,
+# 16 heads, 4 kv heads: 762 M parameters, 1.52 GB), and reused by later runs.
+# Page caches cannot be dropped here, so every command runs warm, after one warm-up
+# read of the model. Side by side:
+#   (a) cp -r of the folder (and cp -r + sync: smp-convert fsyncs what it writes)
+#   (b) smp-convert hf2smp --compress none --layout tp=2     target: <= 1.5 x cp
+#   (c) smp-convert hf2smp (default zstd)  --layout tp=2
+#   (d) a Python converter written the obvious way: safetensors.torch.load_file of the
+#       whole model, slices for tp=2 as smp cuts them, h5py writes one file per rank
+#   (e) peak RSS (/usr/bin/time -v) of every command             target: <= 256 MiB for smp
+#   (f) zstd on these bf16 weights: checkpoint bytes / model bytes, and MB/s of (c)
+# Environment: SMP_BENCH_REPEAT=N runs each command N times and keeps the fastest
+# (default 1; more on a shared machine, where other processes skew single runs),
+# SMP_PY (python with torch, transformers, safetensors, h5py; default the oracle venv
+# under ~/.cache/smp), SMP_BIN (default build/bin; built if missing).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+CACHE=${1:-/tmp/smp-bench}
+BIN=${SMP_BIN:-$ROOT/build/bin}
+PY=${SMP_PY:-$(ls -d "$HOME"/.cache/smp/venv-*/bin/python 2>/dev/null | head -1 || true)}
+if [ -z "$PY" ] || [ ! -x "$PY" ]; then PY="$(tools/bootstrap.sh | tail -1)/bin/python"; fi
+if [ ! -x /usr/bin/time ]; then
+    echo "installing GNU time (for peak RSS)"; apt-get install -y time >/dev/null
+fi
+if [ ! -x "$BIN/smp-convert" ]; then scons -Q -j"$(nproc)" >/dev/null; fi
+mkdir -p "$CACHE"
+HF=$CACHE/hf
+OUT=$CACHE/out
+rm -rf "$OUT"
+mkdir -p "$OUT"
+
+# ------------------------------------------------------------------- the model
+if [ ! -f "$HF/.complete" ]; then
+    echo "making the model in $HF (once) ..."
+    rm -rf "$HF"
+    "$PY" - "$HF" <<'EOF'
+import os, sys, time
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig
+out = sys.argv[1]
+os.makedirs(out)
+cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=14,
+                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
+                  torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
+cfg.to_json_file(os.path.join(out, "config.json"))
+H, F, V, L, hd = 2048, 5632, 32000, 14, 128
+nq, nkv = 16, 4
+torch.manual_seed(0)
+t0 = time.time()
+def w(*shape):  # random normal (std 0.02, as transformers initializes), in bf16
+    return (torch.randn(*shape) * 0.02).to(torch.bfloat16)
+sd = {"model.embed_tokens.weight": w(V, H)}
+for i in range(L):
+    p = f"model.layers.{i}."
+    sd[p + "self_attn.q_proj.weight"] = w(nq * hd, H)
+    sd[p + "self_attn.k_proj.weight"] = w(nkv * hd, H)
+    sd[p + "self_attn.v_proj.weight"] = w(nkv * hd, H)
+    sd[p + "self_attn.o_proj.weight"] = w(H, nq * hd)
+    sd[p + "mlp.gate_proj.weight"] = w(F, H)
+    sd[p + "mlp.up_proj.weight"] = w(F, H)
+    sd[p + "mlp.down_proj.weight"] = w(H, F)
+    sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+    sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+sd["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
+sd["lm_head.weight"] = w(V, H)
+save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
+n = sum(t.numel() for t in sd.values())
+print(f"  {n/1e6:.0f} M parameters, {2*n/1e9:.2f} GB, made in {time.time()-t0:.0f}s")
+assert 2 * n >= 1.5e9
+EOF
+    touch "$HF/.complete"
+fi
+"$BIN/smp-inspect" "$HF" >/dev/null  # smp accepts the folder as a model
+IN_BYTES=$(du -sb --exclude=.complete "$HF" | cut -f1)
+
+# ------------------------------------------------- the obvious Python converter
+NAIVE=$CACHE/naive_convert.py
+cat >"$NAIVE" <<'EOF'
+"""hf -> tp=2 shard files the obvious way: load everything, slice, write with h5py."""
+import json, os, sys
+import h5py, numpy as np, torch
+from safetensors.torch import load_file
+src, dst, T = sys.argv[1], sys.argv[2], 2
+cfg = json.load(open(os.path.join(src, "config.json")))
+sd = load_file(os.path.join(src, "model.safetensors"))          # the whole model in memory
+os.makedirs(dst)
+files = [h5py.File(os.path.join(dst, f"shard-{r:05d}.h5"), "w") for r in range(T)]
+hd = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+for name, t in sd.items():
+    if name.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "gate_proj.weight", "up_proj.weight",
+                      "embed_tokens.weight", "lm_head.weight")):
+        dim = 0        # column-parallel (whole heads: the row counts are multiples of T*hd here), vocab-parallel
+    elif name.endswith(("o_proj.weight", "down_proj.weight")):
+        dim = 1        # row-parallel
+    else:
+        dim = None     # replicated: written once, by rank 0
+    for r in range(T):
+        if dim is None and r > 0:
+            continue
+        if dim is None:
+            part, off = t, [0] * t.dim()
+        else:
+            n = (t.shape[dim] + T - 1) // T
+            part = t.narrow(dim, r * n, min(n, t.shape[dim] - r * n))
+            off = [0] * t.dim()
+            off[dim] = r * n
+        raw = part.contiguous().view(torch.int16).numpy().view(np.uint16)  # h5py has no bf16: its bits
+        d = files[r].create_dataset(f"params/{name}", data=raw)
+        d.attrs["tensor"], d.attrs["dtype"] = name, "BF16"
+        d.attrs["offset"], d.attrs["global_shape"] = np.array(off, np.int64), np.array(list(t.shape), np.int64)
+for f in files:
+    f.close()
+EOF
+
+# ------------------------------------------------------------------- measuring
+calc() { awk "BEGIN { print $* }"; }
+TMPT=$(mktemp)
+trap 'rm -f "$TMPT"' EXIT
+declare -A T RSS BYTES
+# measure KEY OUTPATH CMD...: wall seconds, peak RSS (KiB) and bytes written; with
+# SMP_BENCH_REPEAT=N (default 1) the command runs N times and the fastest run counts
+# (for a shared, noisy machine), the output removed between runs.
+REPEAT=${SMP_BENCH_REPEAT:-1}
+measure() {
+    local key=$1 outp=$2; shift 2
+    local t0 t1 dt rss k
+    T[$key]=""
+    for ((k = 0; k < REPEAT; k++)); do
+        rm -rf "$outp"; sync
+        t0=$(date +%s.%N)
+        if ! /usr/bin/time -v -o "$TMPT" "$@" >/dev/null 2>"$OUT/$key.log"; then
+            echo "FAILED: $*"; cat "$OUT/$key.log"; exit 1
+        fi
+        t1=$(date +%s.%N)
+        dt=$(calc "$t1 - $t0")
+        rss=$(awk -F': ' '/Maximum resident set size/ {print $2}' "$TMPT")
+        if [ -z "${T[$key]}" ] || [ "$(calc "($dt < ${T[$key]})")" = 1 ]; then T[$key]=$dt; fi
+        if [ -z "${RSS[$key]:-}" ] || [ "$rss" -gt "${RSS[$key]}" ]; then RSS[$key]=$rss; fi
+        printf "  %-10s %7.2f s   peak RSS %8.1f MiB\n" "$key" "$dt" "$(calc "$rss / 1024")"
+    done
+    BYTES[$key]=$(du -sb "$outp" | cut -f1)
+}
+
+echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg), $(df -h "$CACHE" | awk 'NR==2 {print $1}')"
+echo "model: $HF, $(numfmt --to=iec "$IN_BYTES") ($IN_BYTES bytes), bf16"
+echo "warm-up read ..."
+cat "$HF"/* >/dev/null
+sync
+
+echo "runs (warm; each $REPEAT time(s), the fastest counts):"
+measure cp "$OUT/cp" cp -r "$HF" "$OUT/cp"
+rm -rf "$OUT/cp"; sync
+measure cp+sync "$OUT/cps" bash -c "cp -r '$HF' '$OUT/cps' && sync"
+rm -rf "$OUT/cps"; sync
+measure none "$OUT/none" "$BIN/smp-convert" hf2smp --in "$HF" --out "$OUT/none" --layout tp=2 --compress none
+"$BIN/smp-verify" "$OUT/none" >/dev/null
+rm -rf "$OUT/none"; sync
+measure zstd "$OUT/zstd" "$BIN/smp-convert" hf2smp --in "$HF" --out "$OUT/zstd" --layout tp=2
+"$BIN/smp-verify" "$OUT/zstd" >/dev/null
+rm -rf "$OUT/zstd"; sync
+measure python "$OUT/py" "$PY" "$NAIVE" "$HF" "$OUT/py"
+rm -rf "$OUT/py"; sync
+
+# ------------------------------------------------------------------- the table
+mib() { calc "${RSS[$1]} / 1024"; }
+ratio() { calc "${T[$1]} / ${T[cp]}"; }
+mbs() { calc "$IN_BYTES / ${T[$1]} / 1000000"; }
+verdict() { if [ "$(calc "($1 <= $2)")" = 1 ]; then echo "ok"; else echo "MISSED"; fi; }
+echo
+echo "load average after the runs: $(cut -d' ' -f1-3 /proc/loadavg) (other processes share these cores: see ps)"
+printf "%-44s %9s %9s %9s %11s %9s\n" "command (model $(numfmt --to=iec "$IN_BYTES"), tp=2)" "seconds" "x cp" "MB/s" "peak RSS" "out/in"
+row() {  # key label
+    printf "%-44s %9.2f %9.2f %9.0f %7.0f MiB %9.3f\n" "$2" "${T[$1]}" "$(ratio "$1")" "$(mbs "$1")" "$(mib "$1")" \
+        "$(calc "${BYTES[$1]} / $IN_BYTES")"
+}
+row cp "(a) cp -r"
+row cp+sync "(a') cp -r && sync"
+row none "(b) smp-convert --compress none"
+row zstd "(c) smp-convert (zstd, default level)"
+row python "(d) python: load_file + slice + h5py"
+echo
+echo "targets:"
+printf "  (b) smp-convert --compress none <= 1.5 x cp:        %.2f x cp -r, %.2f x cp -r && sync   %s\n" \
+    "$(ratio none)" "$(calc "${T[none]} / ${T[cp+sync]}")" "$(verdict "$(ratio none)" 1.5)"
+printf "  (e) smp-convert peak RSS <= 256 MiB:                none %.0f MiB, zstd %.0f MiB   %s\n" \
+    "$(mib none)" "$(mib zstd)" "$(verdict "$(calc "($(mib none) > $(mib zstd) ? $(mib none) : $(mib zstd))")" 256)"
+printf "  (d) python converter: %.2f s (%.2f x smp none), peak RSS %.0f MiB\n" "${T[python]}" \
+    "$(calc "${T[python]} / ${T[none]}")" "$(mib python)"
+printf "  (f) zstd on bf16 weights: checkpoint/model = %.3f (%s of %s), %.0f MB/s of model converted\n" \
+    "$(calc "${BYTES[zstd]} / $IN_BYTES")" "$(numfmt --to=iec "${BYTES[zstd]}")" "$(numfmt --to=iec "$IN_BYTES")" "$(mbs zstd)"
