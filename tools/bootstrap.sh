@@ -8,7 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS="scons gcc clang libclang-rt-14-dev pkg-config libhdf5-dev libzstd-dev libjansson-dev libxxhash-dev
-      libcmocka-dev libopenblas-dev libopenmpi-dev openmpi-bin python3-venv python3-torch"
+      libcmocka-dev libopenblas-dev libopenblas0-openmp libopenmpi-dev openmpi-bin python3-venv python3-torch"
 missing=()
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -111,7 +111,7 @@ def run(cmd, *args, san=False, check=None):
     env = dict(os.environ)
     env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
     env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
-    p = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env, timeout=120)
+    p = subprocess.run([str(exe), *map(str, args)], capture_output=True, text=True, env=env, timeout=600)
     if check is not None:
         assert p.returncode == check, f"{cmd} {args}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
     return p

@@ -1,0 +1,206 @@
+/* train/: the data order (files, sequences, shuffling by epoch, refusals), the
+ * learning-rate schedule, the deterministic gradient norm and clipping.
+ * The build links each unit test alone, so the train/ sources it covers are
+ * included here. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "../../train/data.c"
+#include "../../train/optim.c"
+
+static char tmpdir[256];
+
+static int setup(void **st)
+{
+    (void)st;
+    snprintf(tmpdir, sizeof tmpdir, "/tmp/smp-test-train-XXXXXX");
+    return mkdtemp(tmpdir) ? 0 : -1;
+}
+
+static int teardown(void **st)
+{
+    (void)st;
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", tmpdir);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+/* a token file holding tokens base, base+1, ... (mod vocab); u32: the 20240801 format */
+static const char *write_file(const char *name, int n, int base, int vocab, int u32, int magic_override, int count_delta)
+{
+    static char path[8][300];
+    static int k;
+    char *p = path[k++ % 8];
+    snprintf(p, 300, "%s/%s", tmpdir, name);
+    FILE *f = fopen(p, "wb");
+    int32_t h[256] = {0};
+    h[0] = magic_override ? magic_override : u32 ? DATA_MAGIC_U32 : DATA_MAGIC_U16;
+    h[1] = u32 ? 7 : 1;
+    h[2] = n + count_delta;
+    fwrite(h, 4, 256, f);
+    for (int i = 0; i < n; i++) {
+        uint32_t t = (uint32_t)((base + i) % vocab);
+        if (u32) fwrite(&t, 4, 1, f);
+        else {
+            uint16_t s = (uint16_t)t;
+            fwrite(&s, 2, 1, f);
+        }
+    }
+    fclose(f);
+    return p;
+}
+
+static void test_sequences_and_files(void **st)
+{
+    (void)st;
+    const int S = 4;
+    /* 13 tokens -> 3 sequences; 10 -> 2 (u32); 3 -> 0 */
+    char spec[1000];
+    snprintf(spec, sizeof spec, "%s,%s,%s", write_file("a.bin", 13, 0, 1000, 0, 0, 0),
+             write_file("b.bin", 10, 100, 1000, 1, 0, 0), write_file("c.bin", 3, 500, 1000, 0, 0, 0));
+    data_set ds;
+    assert_int_equal(data_open(&ds, spec, S, 1000), SHARD_OK);
+    assert_int_equal(ds.nfiles, 3);
+    assert_int_equal(ds.nseq, 5);
+    int32_t in[5 * 4], tg[5 * 4];
+    data_fill_sequential(&ds, 0, 5, in, tg);
+    /* sequence j of a file: tokens [j*S, j*S+S]; the third file is too short */
+    int first[5] = {0, 4, 8, 100, 104};
+    for (int r = 0; r < 5; r++)
+        for (int t = 0; t < S; t++) {
+            assert_int_equal(in[r * S + t], first[r] + t);
+            assert_int_equal(tg[r * S + t], first[r] + t + 1);
+        }
+    /* unshuffled, the global order repeats the files' order every epoch */
+    data_set_order(&ds, 0, 0);
+    int32_t in2[4], tg2[4];
+    assert_int_equal(data_fill(&ds, 5 * 7 + 3, 1, in2, tg2), SHARD_OK);
+    assert_int_equal(in2[0], 100);
+    data_close(&ds);
+    /* a glob is sorted and means the same files */
+    snprintf(spec, sizeof spec, "%s/[ab].bin", tmpdir);
+    assert_int_equal(data_open(&ds, spec, S, 1000), SHARD_OK);
+    assert_int_equal(ds.nseq, 5);
+    assert_string_equal(ds.files[1].path + strlen(ds.files[1].path) - 5, "b.bin");
+    data_close(&ds);
+}
+
+static void test_shuffle(void **st)
+{
+    (void)st;
+    const int S = 2, n = 50;
+    data_set ds;
+    assert_int_equal(data_open(&ds, write_file("s.bin", n * S + 1, 0, 1 << 16, 0, 0, 0), S, 1 << 16), SHARD_OK);
+    assert_int_equal(ds.nseq, (uint64_t)n);
+    data_set_order(&ds, 1, 1234);
+    int seen_epoch[3][50];
+    int32_t in[2], tg[2];
+    for (int e = 0; e < 3; e++) {
+        memset(seen_epoch[e], 0, sizeof seen_epoch[e]);
+        for (int p = 0; p < n; p++) {
+            assert_int_equal(data_fill(&ds, (uint64_t)(e * n + p), 1, in, tg), SHARD_OK);
+            int seq = in[0] / S;
+            assert_true(seq >= 0 && seq < n);
+            seen_epoch[e][p] = seq;
+        }
+        int count[50] = {0};
+        for (int p = 0; p < n; p++) count[seen_epoch[e][p]]++;
+        for (int j = 0; j < n; j++) assert_int_equal(count[j], 1); /* a permutation */
+    }
+    assert_true(memcmp(seen_epoch[0], seen_epoch[1], sizeof seen_epoch[0]) != 0); /* reshuffled each epoch */
+    /* positions alone determine the order: jump back to epoch 0 */
+    assert_int_equal(data_fill(&ds, 7, 1, in, tg), SHARD_OK);
+    assert_int_equal(in[0] / S, seen_epoch[0][7]);
+    /* another seed, another order; the same seed, the same */
+    data_set_order(&ds, 1, 1235);
+    int differ = 0;
+    for (int p = 0; p < n; p++) {
+        data_fill(&ds, (uint64_t)p, 1, in, tg);
+        differ += in[0] / S != seen_epoch[0][p];
+    }
+    assert_true(differ > 0);
+    data_set_order(&ds, 1, 1234);
+    for (int p = 0; p < n; p++) {
+        data_fill(&ds, (uint64_t)p, 1, in, tg);
+        assert_int_equal(in[0] / S, seen_epoch[0][p]);
+    }
+    data_close(&ds);
+}
+
+static void test_refusals(void **st)
+{
+    (void)st;
+    data_set ds;
+    /* tokens 240, 241, ...: the first one outside a vocabulary of 250 is at position 10 */
+    assert_int_equal(data_open(&ds, write_file("v.bin", 20, 240, 300, 0, 0, 0), 4, 250), SHARD_E_INVALID);
+    assert_non_null(strstr(shard_errmsg(), "v.bin: token 250 at position 10 is outside the model's vocabulary (vocab_size 250)"));
+    assert_int_equal(data_open(&ds, write_file("v32.bin", 20, 240, 300, 1, 0, 0), 4, 250), SHARD_E_INVALID);
+    assert_non_null(strstr(shard_errmsg(), "v32.bin: token 250 at position 10"));
+    assert_int_equal(data_open(&ds, write_file("m.bin", 20, 0, 100, 0, 12345, 0), 4, 100), SHARD_E_INVALID);
+    assert_non_null(strstr(shard_errmsg(), "not an llm.c token file"));
+    assert_int_equal(data_open(&ds, write_file("n.bin", 20, 0, 100, 0, 0, 1), 4, 100), SHARD_E_INVALID);
+    assert_non_null(strstr(shard_errmsg(), "header says 21 tokens"));
+    assert_int_equal(data_open(&ds, write_file("t.bin", 4, 0, 100, 0, 0, 0), 4, 100), SHARD_E_INVALID);
+    assert_non_null(strstr(shard_errmsg(), "fewer than 5 tokens"));
+    char spec[300];
+    snprintf(spec, sizeof spec, "%s/nothing-*.bin", tmpdir);
+    assert_int_equal(data_open(&ds, spec, 4, 100), SHARD_E_USAGE);
+    snprintf(spec, sizeof spec, "%s/absent.bin", tmpdir);
+    assert_int_equal(data_open(&ds, spec, 4, 100), SHARD_E_IO);
+}
+
+static void test_schedule(void **st)
+{
+    (void)st;
+    optim_hparams h = {.lr = 1.0f, .lr_min = 0.1f, .warmup = 4, .steps = 14, .cosine = 1};
+    assert_float_equal(optim_lr(&h, 0), 0.25f, 0);
+    assert_float_equal(optim_lr(&h, 3), 1.0f, 0);
+    assert_float_equal(optim_lr(&h, 4), 1.0f, 1e-7); /* the cosine starts at lr ... */
+    assert_float_equal(optim_lr(&h, 13), 0.1f, 1e-7); /* ... and reaches lr_min at the last step */
+    assert_float_equal(optim_lr(&h, 8), 0.1f + 0.9f * 0.5f * (1.0f + cosf((float)M_PI * 4.0f / 9.0f)), 1e-6);
+    for (int s = 4; s < 13; s++) assert_true(optim_lr(&h, s + 1) < optim_lr(&h, s));
+    h.cosine = 0;
+    assert_float_equal(optim_lr(&h, 10), 1.0f, 0);
+    h.warmup = 0;
+    assert_float_equal(optim_lr(&h, 0), 1.0f, 0);
+}
+
+static void test_norm_and_clip(void **st)
+{
+    (void)st;
+    size_t n = 300000; /* several chunks */
+    float *g = malloc(n * sizeof *g);
+    double naive = 0.0;
+    for (size_t i = 0; i < n; i++) {
+        g[i] = (float)sin((double)i) * 0.01f;
+        naive += (double)g[i] * g[i];
+    }
+    double a = optim_sumsq(g, n), b = optim_sumsq(g, n);
+    assert_true(a == b);
+    assert_true(fabs(a - naive) <= 1e-12 * naive);
+    double norm = sqrt(a);
+    assert_float_equal(optim_clip(g, n, norm, (float)(norm * 2)), 1.0f, 0); /* below the limit: untouched */
+    float coef = optim_clip(g, n, norm, 1.0f);
+    assert_float_equal(coef, (float)(1.0 / (norm + 1e-6)), 1e-6);
+    assert_true(fabs(sqrt(optim_sumsq(g, n)) - 1.0) < 1e-5);
+    assert_float_equal(optim_clip(g, n, 1e9, 0.0f), 1.0f, 0); /* clip 0: off */
+    free(g);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

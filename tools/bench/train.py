@@ -1,0 +1,122 @@
+#!/usr/bin/env python3
+"""bench/train.py: smp-train against a plain PyTorch eager training loop of the same
+model, batch and optimizer, on this machine's cores, in one run. Prints tokens/s and
+peak memory (max RSS) of each.
+
+    python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
+                                 --batch 8 --seq 256 --steps 20 --threads N]
+
+Both sides: fp32, AdamW, gradient clipping 1.0, the same random tokens; tokens/s is
+measured over the steps after the first two (warm-up). torch runs in its own process
+so its peak memory is its own. Needs the oracle venv (torch, transformers).
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BIN = pathlib.Path(os.environ.get("SMP_BUILD", ROOT / "build")) / "bin"
+
+TORCH_LOOP = r"""
+import json, sys, time, resource
+import numpy as np, torch, torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+a = json.loads(sys.argv[1])
+torch.set_num_threads(a["threads"])
+model = AutoModelForCausalLM.from_pretrained(a["hf"], torch_dtype=torch.float32, attn_implementation="eager")
+opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+toks = np.fromfile(a["data"], dtype="<u2", offset=1024).astype(np.int64)
+B, S = a["batch"], a["seq"]
+times = []
+for step in range(a["steps"]):
+    t0 = time.perf_counter()
+    rows = np.stack([toks[(step * B + r) * S:(step * B + r) * S + S + 1] for r in range(B)])
+    x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+    opt.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x).logits.reshape(-1, model.config.vocab_size), y.reshape(-1))
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    times.append(time.perf_counter() - t0)
+print(json.dumps({"tokens_per_s": B * S * (len(times) - 2) / sum(times[2:]), "loss": loss.item(),
+                  "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+"""
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--intermediate", type=int, default=0, help="default: 8/3 hidden rounded to 64")
+    ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--seq", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    a = ap.parse_args()
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    inter = a.intermediate or (a.hidden * 8 // 3 + 63) // 64 * 64
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = pathlib.Path(tmp)
+        torch.manual_seed(0)
+        cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=inter,
+                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                          max_position_embeddings=max(a.seq, 128))
+        model = LlamaForCausalLM(cfg)
+        nparams = sum(p.numel() for p in model.parameters())
+        model.save_pretrained(str(tmp / "hf"), safe_serialization=True)
+        del model
+        n = a.batch * a.seq * a.steps + 1
+        toks = np.random.default_rng(0).integers(0, a.vocab, size=n)
+        h = np.zeros(256, "<i4")
+        h[:3] = (20240520, 1, n)
+        (tmp / "d.bin").write_bytes(h.tobytes() + toks.astype("<u2").tobytes())
+        subprocess.run([str(BIN / "smp-convert"), "hf2smp", "--in", str(tmp / "hf"), "--out", str(tmp / "ck"),
+                        "--layout", "pp=1"], check=True, capture_output=True)
+        env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
+        # both sides get the same OpenBLAS kernels (Debian's torch calls OpenBLAS too;
+        # OpenBLAS 0.3.21 falls back to generic kernels on CPUs it does not know)
+        if "OPENBLAS_CORETYPE" not in env:
+            flags = set()
+            for line in open("/proc/cpuinfo"):
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
+                env["OPENBLAS_CORETYPE"] = "SkylakeX"
+            elif {"avx2", "fma"} <= flags:
+                env["OPENBLAS_CORETYPE"] = "Haswell"
+        # a wrapper process, so that the peak is smp-train's alone
+        wrap = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
+                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        p = subprocess.run([sys.executable, "-c", wrap, str(BIN / "smp-train"), "--ckpt", str(tmp / "ck"), "--data",
+                            str(tmp / "d.bin"), "--save-dir", str(tmp / "run"), "--steps", str(a.steps), "--batch",
+                            str(a.batch), "--seq", str(a.seq), "--schedule", "constant", "--log",
+                            str(tmp / "log.jsonl"), "--compress", "none"], check=True, capture_output=True, text=True,
+                           env=env)
+        smp_rss = int(p.stdout.split()[-1])
+        rows = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
+        smp_tps = a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"] for r in rows[2:])
+        p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
+            hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps, threads=a.threads))],
+            check=True, capture_output=True, text=True, env=env)
+        t = json.loads(p.stdout.strip().splitlines()[-1])
+    print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
+          f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
+          f"{a.threads} threads; fp32, AdamW; OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'auto')}")
+    print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}")
+    print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_rss / 1024:9.0f}M")
+    print(f"{'torch eager':12s} {t['tokens_per_s']:10.0f} {t['max_rss_kib'] / 1024:9.0f}M")
+    print(f"speed ratio smp/torch: {smp_tps / t['tokens_per_s']:.2f}x; memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,323 @@
+/* train/ckptio.c: checkpoints and run folders (ckptio.h). */
+#define _XOPEN_SOURCE 700
+#include "ckptio.h"
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <ftw.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "fp8.h"
+
+static char *join(const char *a, const char *b)
+{
+    size_t n = strlen(a) + strlen(b) + 2;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s/%s", a, b);
+    return p;
+}
+
+static int is_file(const char *p)
+{
+    struct stat st;
+    return stat(p, &st) == 0 && S_ISREG(st.st_mode);
+}
+
+shard_status ckptio_resolve(const char *path, char **ckpt_dir)
+{
+    *ckpt_dir = NULL;
+    char *man = join(path, "smp.json"), *lat = join(path, "latest");
+    if (!man || !lat) {
+        free(man); free(lat);
+        return shard_fail(SHARD_E_NOMEM, "out of memory");
+    }
+    shard_status s = SHARD_OK;
+    if (is_file(man)) {
+        *ckpt_dir = strdup(path);
+    } else if (is_file(lat)) {
+        FILE *f = fopen(lat, "r");
+        char name[256] = "";
+        if (!f) {
+            s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", lat, strerror(errno));
+        } else {
+            if (!fgets(name, sizeof name, f)) name[0] = 0;
+            fclose(f);
+            name[strcspn(name, "\r\n")] = 0;
+            if (!name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+                s = shard_fail(SHARD_E_INVALID, "%s: does not hold the name of a checkpoint folder", lat);
+            else
+                *ckpt_dir = join(path, name);
+        }
+    } else {
+        s = shard_fail(SHARD_E_USAGE, "%s: neither a checkpoint (no smp.json) nor a run folder (no latest)", path);
+    }
+    if (!s && !*ckpt_dir) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    free(man);
+    free(lat);
+    return s;
+}
+
+shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m)
+{
+    char *dir;
+    shard_status s = ckptio_resolve(path, &dir);
+    if (s) return s;
+    s = shard_ckpt_open(dir, out);
+    free(dir);
+    if (s) return s;
+    s = model_create(m, shard_ckpt_model(*out));
+    if (s) {
+        shard_ckpt_close(*out);
+        *out = NULL;
+    }
+    return s;
+}
+
+shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group, float *dst, int *present)
+{
+    size_t found = 0;
+    for (size_t i = 0; i < m->ntensors; i++) found += shard_ckpt_find(c, group, m->spec[i].name) >= 0;
+    *present = found > 0;
+    if (!found) return SHARD_OK;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        const shard_tensor_spec *t = &m->spec[i];
+        long k = shard_ckpt_find(c, group, t->name);
+        if (k < 0)
+            return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, t->name);
+        const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)k);
+        int same = ct->ndim == t->ndim;
+        for (int d = 0; same && d < t->ndim; d++) same = ct->shape[d] == t->shape[d];
+        if (!same)
+            return shard_fail(SHARD_E_INVALID, "%s: %s/%s has a shape other than the model's", shard_ckpt_dir(c), group,
+                              t->name);
+        shard_box box = {.ndim = t->ndim};
+        for (int d = 0; d < t->ndim; d++) box.len[d] = t->shape[d];
+        shard_status s = shard_ckpt_read(c, (size_t)k, &box, dst + m->offset[i], SHARD_DT_F32);
+        if (s) return s;
+    }
+    return SHARD_OK;
+}
+
+void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts)
+{
+    for (size_t i = 0; i < m->ntensors; i++) {
+        long k = shard_ckpt_find(c, "params", m->spec[i].name);
+        dts[i] = k >= 0 ? shard_ckpt_tensor_at(c, (size_t)k)->dtype : SHARD_DT_F32;
+    }
+}
+
+static shard_status fsync_path(const char *path, int dir)
+{
+    int fd = open(path, (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
+    if (fd < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    int rc = fsync(fd);
+    close(fd);
+    return rc ? shard_fail(SHARD_E_IO, "%s: fsync failed: %s", path, strerror(errno)) : SHARD_OK;
+}
+
+static shard_status write_latest(const char *run_dir, const char *name)
+{
+    char *tmp = join(run_dir, ".latest.tmp"), *lat = join(run_dir, "latest");
+    shard_status s = SHARD_OK;
+    if (!tmp || !lat) {
+        s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        goto out;
+    }
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) {
+        s = shard_fail(SHARD_E_IO, "%s: cannot create: %s", tmp, strerror(errno));
+        goto out;
+    }
+    char line[300];
+    int n = snprintf(line, sizeof line, "%s\n", name);
+    if (write(fd, line, (size_t)n) != n || fsync(fd) != 0) {
+        s = shard_fail(SHARD_E_IO, "%s: write failed: %s", tmp, strerror(errno));
+        close(fd);
+        unlink(tmp);
+        goto out;
+    }
+    close(fd);
+    if (rename(tmp, lat) != 0) {
+        s = shard_fail(SHARD_E_IO, "%s: cannot rename to %s: %s", tmp, lat, strerror(errno));
+        unlink(tmp);
+        goto out;
+    }
+    s = fsync_path(run_dir, 1);
+out:
+    free(tmp);
+    free(lat);
+    return s;
+}
+
+static shard_status write_group(shard_h5_writer *hw, const model *m, const char *group, const float *src,
+                                const shard_dtype *dts)
+{
+    for (size_t i = 0; i < m->ntensors; i++) {
+        const shard_tensor_spec *t = &m->spec[i];
+        shard_box box = {.ndim = t->ndim};
+        for (int d = 0; d < t->ndim; d++) box.len[d] = t->shape[d];
+        shard_status s = shard_h5_write_local(hw, group, t->name, dts ? dts[i] : SHARD_DT_F32, t->ndim, t->shape, &box,
+                                              src + m->offset[i], SHARD_DT_F32);
+        if (s) return s;
+    }
+    return SHARD_OK;
+}
+
+static shard_status write_fp8(shard_h5_writer *hw, const fp8_state *f)
+{
+    int64_t rows = (int64_t)f->nlin * FP8_ROLES;
+    int64_t hs[2] = {rows, f->hist_len}, ss[1] = {rows};
+    shard_box hb = {.ndim = 2, .len = {rows, f->hist_len}}, sb = {.ndim = 1, .len = {rows}};
+    shard_status s = shard_h5_write_local(hw, "fp8", "fp8.amax_history", SHARD_DT_F32, 2, hs, &hb, f->hist, SHARD_DT_F32);
+    if (!s) s = shard_h5_write_local(hw, "fp8", "fp8.scale", SHARD_DT_F32, 1, ss, &sb, f->scale, SHARD_DT_F32);
+    return s;
+}
+
+/* mkdir -p: 0 when dir exists (as a folder) afterwards */
+static int mkdir_p(const char *dir)
+{
+    char *p = strdup(dir);
+    if (!p) return -1;
+    for (char *q = p + 1; *q; q++) {
+        if (*q != '/') continue;
+        *q = 0;
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+            free(p);
+            return -1;
+        }
+        *q = '/';
+    }
+    int rc = mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
+    free(p);
+    struct stat st;
+    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))) {
+        errno = ENOTDIR;
+        rc = -1;
+    }
+    return rc;
+}
+
+shard_status ckptio_prepare(const char *run_dir)
+{
+    if (mkdir_p(run_dir) != 0)
+        return shard_fail(SHARD_E_IO, "%s: cannot create the run folder: %s", run_dir, strerror(errno));
+    return SHARD_OK;
+}
+
+shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o)
+{
+    char name[64];
+    snprintf(name, sizeof name, "step-%06lld", (long long)a->step);
+    char *final_dir = join(a->run_dir, name);
+    if (!final_dir) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (mkdir_p(a->run_dir) != 0) {
+        shard_status s = shard_fail(SHARD_E_IO, "%s: cannot create the run folder: %s", a->run_dir, strerror(errno));
+        free(final_dir);
+        return s;
+    }
+    shard_ckpt_writer *cw = NULL;
+    shard_h5_writer *hw = NULL;
+    shard_status s = shard_ckpt_begin(final_dir, &cw);
+    if (s) goto out;
+    char *shard_path = join(shard_ckpt_staging(cw), "shard-00000.h5");
+    if (!shard_path) {
+        s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        goto out;
+    }
+    s = shard_h5_create(shard_path, a->compress, &hw);
+    free(shard_path);
+    if (!s) s = write_group(hw, m, "params", m->params, a->param_dtypes);
+    if (!s) s = write_group(hw, m, "optim/master", m->params, NULL);
+    if (!s) s = write_group(hw, m, "optim/exp_avg", o->m, NULL);
+    if (!s) s = write_group(hw, m, "optim/exp_avg_sq", o->v, NULL);
+    if (!s && m->fp8) s = write_fp8(hw, m->fp8);
+    if (hw) {
+        if (s) shard_h5_abort(hw);
+        else s = shard_h5_close(hw);
+        hw = NULL;
+    }
+    for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) {
+        const char *rel = shard_ckpt_extra_at(a->src, i);
+        char *p = malloc(strlen(shard_ckpt_dir(a->src)) + strlen(rel) + 16);
+        if (!p) {
+            s = shard_fail(SHARD_E_NOMEM, "out of memory");
+            break;
+        }
+        sprintf(p, "%s/extra/%s", shard_ckpt_dir(a->src), rel);
+        s = shard_ckpt_add_extra(cw, p, rel);
+        free(p);
+    }
+    if (!s) {
+        shard_layout one = {1, 1, 1, 1};
+        int stages[1] = {m->L};
+        s = shard_ckpt_commit(cw, a->config_json, a->config_len, &m->d, &one, stages, a->training_json, 1);
+        if (!s) cw = NULL; /* a successful commit frees the writer; on failure abort removes the staging */
+    }
+    if (!s) s = write_latest(a->run_dir, name);
+out:
+    if (cw) shard_ckpt_abort(cw);
+    free(final_dir);
+    return s;
+}
+
+static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
+{
+    (void)sb; (void)flag; (void)ftw;
+    return remove(path);
+}
+
+static int step_of(const char *name, long long *step)
+{
+    if (strncmp(name, "step-", 5)) return 0;
+    const char *p = name + 5;
+    if (!*p) return 0;
+    for (const char *q = p; *q; q++)
+        if (*q < '0' || *q > '9') return 0;
+    *step = atoll(p);
+    return 1;
+}
+
+static int cmp_ll(const void *a, const void *b)
+{
+    long long x = *(const long long *)a, y = *(const long long *)b;
+    return x < y ? -1 : x > y;
+}
+
+void ckptio_prune(const char *run_dir, int keep)
+{
+    if (keep <= 0) return;
+    DIR *d = opendir(run_dir);
+    if (!d) return;
+    long long *steps = NULL;
+    size_t n = 0, cap = 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        long long st;
+        if (!step_of(e->d_name, &st)) continue;
+        if (n == cap) {
+            cap = cap ? 2 * cap : 16;
+            long long *p = realloc(steps, cap * sizeof *p);
+            if (!p) break;
+            steps = p;
+        }
+        steps[n++] = st;
+    }
+    closedir(d);
+    if (n > (size_t)keep) {
+        qsort(steps, n, sizeof *steps, cmp_ll);
+        for (size_t i = 0; i + (size_t)keep < n; i++) {
+            char name[64];
+            snprintf(name, sizeof name, "step-%06lld", steps[i]);
+            char *p = join(run_dir, name);
+            if (p && nftw(p, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
+                fprintf(stderr, "smp-train: warning: %s: could not remove an old checkpoint: %s\n", p, strerror(errno));
+            free(p);
+        }
+    }
+    free(steps);
+}

@@ -1,0 +1,50 @@
+/* train/ckptio.c: checkpoints and run folders for smp-train and smp-eval.
+ *
+ * A run folder (--save-dir) holds step-NNNNNN/ checkpoints (SMP format, written
+ * through libshard's atomic commit) and `latest`, a small file holding the name of
+ * the newest whole one, replaced by write-temp + fsync + rename + fsync of the
+ * folder, so that it always names a whole checkpoint.
+ *
+ * Groups written by one rank (whole tensors): "params" in each tensor's original
+ * dtype, "optim/master", "optim/exp_avg", "optim/exp_avg_sq" in fp32, and "fp8"
+ * (fp8.amax_history [7 * layers * 3, history], fp8.scale [7 * layers * 3]) when the
+ * FP8 recipe is on.
+ */
+#ifndef SMP_TRAIN_CKPTIO_H
+#define SMP_TRAIN_CKPTIO_H
+
+#include "model.h"
+#include "optim.h"
+#include "shard.h"
+
+/* path is a checkpoint (has smp.json) or a run folder (has latest): the checkpoint
+ * folder to open (malloc'ed). */
+shard_status ckptio_resolve(const char *path, char **ckpt_dir);
+/* Open the checkpoint at path (resolved as above) and create the model it describes. */
+shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m);
+/* Read every tensor of `group` ("params", "optim/master", ...) into dst (laid out
+ * like m->params), converting to fp32; SHARD_E_INVALID names a missing tensor or a
+ * wrong shape. *present: 0 when the group holds none of the tensors (nothing read). */
+shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
+/* The stored dtype of each parameter (params group) into dts[m->ntensors]. */
+void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts);
+
+typedef struct {
+    const char *run_dir;
+    int64_t step;
+    const char *config_json;
+    size_t config_len;
+    const shard_ckpt *src;       /* extra/ files are carried over from it */
+    const shard_dtype *param_dtypes;
+    shard_compress compress;
+    const char *training_json;
+} ckptio_save_args;
+/* Create the run folder (and its parents) if needed. */
+shard_status ckptio_prepare(const char *run_dir);
+/* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it. */
+shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o);
+/* Remove all but the newest `keep` step-NNNNNN folders of run_dir (keep 0: none
+ * removed). Failures are reported as warnings only. */
+void ckptio_prune(const char *run_dir, int keep);
+
+#endif

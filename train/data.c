@@ -1,0 +1,233 @@
+/* train/data.c: llm.c token files and the global order of sequences (data.h). */
+#include "data.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <glob.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static uint64_t splitmix64(uint64_t *x)
+{
+    uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+void rng_seed(rng_state *r, uint64_t seed, uint64_t stream)
+{
+    uint64_t x = seed ^ (stream * 0xd1342543de82ef95ull);
+    for (int i = 0; i < 4; i++) r->s[i] = splitmix64(&x);
+}
+
+static uint64_t rotl(uint64_t x, int k)
+{
+    return (x << k) | (x >> (64 - k));
+}
+
+uint64_t rng_next(rng_state *r)
+{
+    uint64_t *s = r->s, out = rotl(s[1] * 5, 7) * 9, t = s[1] << 17;
+    s[2] ^= s[0]; s[3] ^= s[1]; s[1] ^= s[2]; s[0] ^= s[3];
+    s[2] ^= t;
+    s[3] = rotl(s[3], 45);
+    return out;
+}
+
+/* uniform in [0, n) without modulo bias (Lemire's method, with rejection) */
+static uint64_t rng_below(rng_state *r, uint64_t n)
+{
+    unsigned __int128 m = (unsigned __int128)rng_next(r) * n;
+    uint64_t lo = (uint64_t)m;
+    if (lo < n) {
+        uint64_t thresh = -n % n;
+        while (lo < thresh) {
+            m = (unsigned __int128)rng_next(r) * n;
+            lo = (uint64_t)m;
+        }
+    }
+    return (uint64_t)(m >> 64);
+}
+
+static uint32_t token_at(const data_file *f, uint64_t i)
+{
+    const uint8_t *p = f->tokens + i * (uint64_t)f->token_size;
+    if (f->token_size == 2) return (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
+}
+
+static int32_t rd32(const uint8_t *p)
+{
+    return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
+}
+
+static shard_status open_file(data_file *f, const char *path, int S, int64_t vocab)
+{
+    memset(f, 0, sizeof *f);
+    f->path = strdup(path);
+    if (!f->path) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    struct stat st;
+    if (fstat(fd, &st) != 0) {
+        close(fd);
+        return shard_fail(SHARD_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+    }
+    if (!S_ISREG(st.st_mode)) {
+        close(fd);
+        return shard_fail(SHARD_E_INVALID, "%s: not a regular file", path);
+    }
+    if (st.st_size < 1024) {
+        close(fd);
+        return shard_fail(SHARD_E_INVALID, "%s: %lld bytes: too short for the 1024-byte header of an llm.c token file",
+                          path, (long long)st.st_size);
+    }
+    f->maplen = (size_t)st.st_size;
+    f->map = mmap(NULL, f->maplen, PROT_READ, MAP_PRIVATE, fd, 0);
+    close(fd);
+    if (f->map == MAP_FAILED) {
+        f->map = NULL;
+        return shard_fail(SHARD_E_IO, "%s: cannot map: %s", path, strerror(errno));
+    }
+    const uint8_t *h = f->map;
+    int32_t magic = rd32(h), version = rd32(h + 4), count = rd32(h + 8);
+    if (magic == DATA_MAGIC_U16 && version == 1) f->token_size = 2;
+    else if (magic == DATA_MAGIC_U32 && version == 7) f->token_size = 4;
+    else
+        return shard_fail(SHARD_E_INVALID,
+                          "%s: not an llm.c token file (magic %d version %d; expected 20240520 version 1 "
+                          "for uint16 tokens or 20240801 version 7 for uint32)", path, magic, version);
+    if (count < 0) return shard_fail(SHARD_E_INVALID, "%s: negative token count %d", path, count);
+    f->ntokens = (uint64_t)count;
+    uint64_t want = 1024 + f->ntokens * (uint64_t)f->token_size;
+    if ((uint64_t)st.st_size != want)
+        return shard_fail(SHARD_E_INVALID, "%s: the header says %llu tokens (%llu bytes with the header) but the file has %lld bytes",
+                          path, (unsigned long long)f->ntokens, (unsigned long long)want, (long long)st.st_size);
+    f->tokens = h + 1024;
+    for (uint64_t i = 0; i < f->ntokens; i++) {
+        uint32_t t = token_at(f, i);
+        if ((int64_t)t >= vocab)
+            return shard_fail(SHARD_E_INVALID, "%s: token %u at position %llu is outside the model's vocabulary (vocab_size %lld)",
+                              path, t, (unsigned long long)i, (long long)vocab);
+    }
+    f->nseq = f->ntokens > 0 ? (f->ntokens - 1) / (uint64_t)S : 0;
+    return SHARD_OK;
+}
+
+static shard_status add_path(data_set *ds, const char *path, int S, int64_t vocab)
+{
+    data_file *nf = realloc(ds->files, (size_t)(ds->nfiles + 1) * sizeof *nf);
+    if (!nf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    ds->files = nf;
+    data_file *f = &ds->files[ds->nfiles++];
+    shard_status s = open_file(f, path, S, vocab);
+    if (s) return s;
+    f->first_seq = ds->nseq;
+    ds->nseq += f->nseq;
+    return SHARD_OK;
+}
+
+shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
+{
+    memset(ds, 0, sizeof *ds);
+    ds->S = S;
+    ds->perm_epoch = -1;
+    if (S < 1) return shard_fail(SHARD_E_USAGE, "the sequence length must be at least 1");
+    char *copy = strdup(spec), *save = NULL;
+    if (!copy) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_status s = SHARD_OK;
+    for (char *part = strtok_r(copy, ",", &save); part && !s; part = strtok_r(NULL, ",", &save)) {
+        if (!*part) continue;
+        glob_t g;
+        int rc = strpbrk(part, "*?[") ? glob(part, 0, NULL, &g) : GLOB_NOMATCH;
+        if (rc == 0) {
+            for (size_t i = 0; i < g.gl_pathc && !s; i++) s = add_path(ds, g.gl_pathv[i], S, vocab);
+            globfree(&g);
+        } else if (rc == GLOB_NOMATCH && strpbrk(part, "*?[")) {
+            s = shard_fail(SHARD_E_USAGE, "%s: no file matches", part);
+        } else {
+            s = add_path(ds, part, S, vocab);
+        }
+    }
+    free(copy);
+    if (!s && ds->nfiles == 0) s = shard_fail(SHARD_E_USAGE, "no token file given");
+    if (!s && ds->nseq == 0)
+        s = shard_fail(SHARD_E_INVALID, "%s: fewer than %d tokens in every file: no sequence of length %d + 1", spec, S + 1, S);
+    if (s) data_close(ds);
+    return s;
+}
+
+void data_close(data_set *ds)
+{
+    for (int i = 0; i < ds->nfiles; i++) {
+        if (ds->files[i].map) munmap(ds->files[i].map, ds->files[i].maplen);
+        free(ds->files[i].path);
+    }
+    free(ds->files);
+    free(ds->perm);
+    memset(ds, 0, sizeof *ds);
+}
+
+void data_set_order(data_set *ds, int shuffle, uint64_t seed)
+{
+    ds->shuffle = shuffle;
+    ds->seed = seed;
+    ds->perm_epoch = -1;
+}
+
+static void fill_seq(const data_set *ds, uint64_t seq, int32_t *in, int32_t *tg)
+{
+    int lo = 0, hi = ds->nfiles - 1; /* the file holding seq: last with first_seq <= seq */
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (ds->files[mid].first_seq <= seq) lo = mid;
+        else hi = mid - 1;
+    }
+    while (ds->files[lo].nseq == 0 || seq - ds->files[lo].first_seq >= ds->files[lo].nseq) lo++; /* skip empty files */
+    const data_file *f = &ds->files[lo];
+    uint64_t start = (seq - f->first_seq) * (uint64_t)ds->S;
+    for (int t = 0; t < ds->S; t++) {
+        in[t] = (int32_t)token_at(f, start + t);
+        tg[t] = (int32_t)token_at(f, start + t + 1);
+    }
+}
+
+shard_status data_fill(data_set *ds, uint64_t first, int count, int32_t *inputs, int32_t *targets)
+{
+    for (int r = 0; r < count; r++) {
+        uint64_t p = first + (uint64_t)r, epoch = p / ds->nseq, idx = p % ds->nseq;
+        uint64_t seq = idx;
+        if (ds->shuffle) {
+            if (ds->perm_epoch != (int64_t)epoch) {
+                if (!ds->perm) {
+                    ds->perm = malloc(ds->nseq * sizeof *ds->perm);
+                    if (!ds->perm) return shard_fail(SHARD_E_NOMEM, "out of memory for the order of %llu sequences",
+                                                     (unsigned long long)ds->nseq);
+                }
+                rng_state rs;
+                rng_seed(&rs, ds->seed, epoch);
+                for (uint64_t i = 0; i < ds->nseq; i++) ds->perm[i] = i;
+                for (uint64_t i = ds->nseq - 1; i > 0; i--) { /* Fisher-Yates */
+                    uint64_t j = rng_below(&rs, i + 1), t = ds->perm[i];
+                    ds->perm[i] = ds->perm[j];
+                    ds->perm[j] = t;
+                }
+                ds->perm_epoch = (int64_t)epoch;
+            }
+            seq = ds->perm[idx];
+        }
+        fill_seq(ds, seq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
+    }
+    return SHARD_OK;
+}
+
+void data_fill_sequential(const data_set *ds, uint64_t first_seq, int count, int32_t *inputs, int32_t *targets)
+{
+    for (int r = 0; r < count; r++)
+        fill_seq(ds, (first_seq + (uint64_t)r) % ds->nseq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
+}

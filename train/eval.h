@@ -1,0 +1,18 @@
+/* train/eval.c: the mean loss of a model over sequential batches of a token set,
+ * laid out as llm.c does (batch i holds sequences [i*rows, (i+1)*rows) of the
+ * files' order: for one file, B*S+1 consecutive tokens, row r being tokens
+ * [r*S, r*S + S] of it). */
+#ifndef SMP_TRAIN_EVAL_H
+#define SMP_TRAIN_EVAL_H
+
+#include <stdint.h>
+
+#include "data.h"
+#include "model.h"
+
+/* m's activations must be allocated for rows x ds->S. Returns the sum of the
+ * per-token losses (double, in order); *tokens receives the number of targets. */
+double eval_loss_sum(model *m, const data_set *ds, int rows, int64_t nbatches, int32_t *inputs, int32_t *targets,
+                     uint64_t *tokens);
+
+#endif

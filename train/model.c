@@ -1,0 +1,279 @@
+/* train/model.c: the Llama/Mistral model of one rank, forward and backward (see model.h). */
+#include "model.h"
+
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fp8.h"
+
+static void *zalloc(size_t n, size_t size)
+{
+    return calloc(n ? n : 1, size);
+}
+
+long model_find(const model *m, const char *name)
+{
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (!strcmp(m->spec[i].name, name)) return (long)i;
+    return -1;
+}
+
+shard_status model_create(model *m, const shard_model_desc *d)
+{
+    memset(m, 0, sizeof *m);
+    m->d = *d;
+    m->V = (int)d->vocab;
+    m->H = (int)d->hidden;
+    m->F = (int)d->intermediate;
+    m->L = (int)d->layers;
+    m->nh = (int)d->heads;
+    m->nkv = (int)d->kv_heads;
+    m->hd = (int)d->head_dim;
+    m->window = (int)d->sliding_window;
+    m->vocab_start = 0;
+    m->vocab_local = m->V;
+    m->eps = (float)d->rms_norm_eps;
+    if (m->hd % 2) return shard_fail(SHARD_E_UNSUPPORTED, "head_dim %d is odd: RoPE needs an even head_dim", m->hd);
+    m->ntensors = shard_model_tensor_count(d);
+    m->spec = zalloc(m->ntensors, sizeof *m->spec);
+    m->offset = zalloc(m->ntensors, sizeof *m->offset);
+    m->numel = zalloc(m->ntensors, sizeof *m->numel);
+    m->lw = zalloc((size_t)m->L, sizeof *m->lw);
+    m->lg = zalloc((size_t)m->L, sizeof *m->lg);
+    m->inv_freq = zalloc((size_t)m->hd / 2, sizeof(float));
+    if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq) goto nomem;
+    size_t off = 0;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        shard_model_tensor(d, i, &m->spec[i]);
+        size_t n = 1;
+        for (int k = 0; k < m->spec[i].ndim; k++) n *= (size_t)m->spec[i].shape[k];
+        m->offset[i] = off;
+        m->numel[i] = n;
+        off += n;
+    }
+    m->nparams = off;
+    m->params = zalloc(off, sizeof(float));
+    m->grads = zalloc(off, sizeof(float));
+    if (!m->params || !m->grads) goto nomem;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        const shard_tensor_spec *t = &m->spec[i];
+        float *p = m->params + m->offset[i], *g = m->grads + m->offset[i];
+        layer_params *lw = t->layer >= 0 ? &m->lw[t->layer] : NULL, *lg = t->layer >= 0 ? &m->lg[t->layer] : NULL;
+        switch (t->role) {
+        case SHARD_T_EMBED: m->embed = p; m->dembed = g; break;
+        case SHARD_T_Q: lw->q = p; lg->q = g; break;
+        case SHARD_T_K: lw->k = p; lg->k = g; break;
+        case SHARD_T_V: lw->v = p; lg->v = g; break;
+        case SHARD_T_O: lw->o = p; lg->o = g; break;
+        case SHARD_T_GATE: lw->gate = p; lg->gate = g; break;
+        case SHARD_T_UP: lw->up = p; lg->up = g; break;
+        case SHARD_T_DOWN: lw->down = p; lg->down = g; break;
+        case SHARD_T_NORM_ATTN: lw->norm_attn = p; lg->norm_attn = g; break;
+        case SHARD_T_NORM_MLP: lw->norm_mlp = p; lg->norm_mlp = g; break;
+        case SHARD_T_NORM_FINAL: m->norm_final = p; m->dnorm_final = g; break;
+        case SHARD_T_HEAD: m->head = p; m->dhead = g; break;
+        }
+    }
+    if (d->tie_word_embeddings) { /* one tensor, two uses: both gradients sum into it */
+        m->head = m->embed;
+        m->dhead = m->dembed;
+    }
+    if (!m->embed || !m->head || !m->norm_final)
+        return shard_fail(SHARD_E_INTERNAL, "the model's tensor list lacks the embedding, head or final norm");
+    op_rope_params rp = {(float)d->rope_theta, d->rope_llama3, (float)d->rope_factor, (float)d->rope_low_freq_factor,
+                         (float)d->rope_high_freq_factor, (float)d->rope_original_max_positions};
+    op_rope_inv_freq(m->inv_freq, m->hd, &rp);
+    return SHARD_OK;
+nomem:
+    model_free(m);
+    return shard_fail(SHARD_E_NOMEM, "out of memory for the model's parameters");
+}
+
+static void free_acts(model *m)
+{
+    if (m->acts) {
+        for (int l = 0; l < m->L; l++) {
+            layer_acts *a = &m->acts[l];
+            float **all[] = {&a->x, &a->rstd1, &a->xn1, &a->q, &a->k, &a->v, &a->att, &a->lse,
+                             &a->xmid, &a->rstd2, &a->xn2, &a->gate, &a->up, &a->act};
+            for (size_t k = 0; k < sizeof all / sizeof *all; k++) free(*all[k]);
+        }
+        free(m->acts);
+        m->acts = NULL;
+    }
+    float **bufs[] = {&m->xL, &m->rstdf, &m->xnf, &m->logits, &m->rowmax, &m->sumexp, &m->target_logit,
+                      &m->losses, &m->cos_t, &m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv,
+                      &m->datt, &m->dgate, &m->dup, &m->dact, &m->dlogits};
+    for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
+        free(*bufs[k]);
+        *bufs[k] = NULL;
+    }
+    free(m->pos);
+    m->pos = NULL;
+}
+
+void model_free(model *m)
+{
+    if (!m) return;
+    free_acts(m);
+    free(m->spec); free(m->offset); free(m->numel); free(m->lw); free(m->lg); free(m->inv_freq);
+    free(m->params); free(m->grads);
+    fp8_free(m->fp8);
+    memset(m, 0, sizeof *m);
+}
+
+shard_status model_alloc_acts(model *m, int B, int T)
+{
+    free_acts(m);
+    m->B = B;
+    m->T = T;
+    const size_t N = (size_t)B * T, H = (size_t)m->H, F = (size_t)m->F;
+    const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd, Vl = (size_t)m->vocab_local;
+    int ok = 1;
+#define A(p, n) do { (p) = zalloc((n), sizeof(float)); ok &= (p) != NULL; } while (0)
+    m->acts = zalloc((size_t)m->L, sizeof *m->acts);
+    ok &= m->acts != NULL;
+    for (int l = 0; ok && l < m->L; l++) {
+        layer_acts *a = &m->acts[l];
+        A(a->x, N * H); A(a->rstd1, N); A(a->xn1, N * H); A(a->q, N * QD); A(a->k, N * KD); A(a->v, N * KD);
+        A(a->att, N * QD); A(a->lse, (size_t)B * m->nh * T); A(a->xmid, N * H); A(a->rstd2, N); A(a->xn2, N * H);
+        A(a->gate, N * F); A(a->up, N * F); A(a->act, N * F);
+    }
+    A(m->xL, N * H); A(m->rstdf, N); A(m->xnf, N * H); A(m->logits, N * Vl);
+    A(m->rowmax, N); A(m->sumexp, N); A(m->target_logit, N); A(m->losses, N);
+    A(m->cos_t, (size_t)T * m->hd); A(m->sin_t, (size_t)T * m->hd);
+    A(m->dx, N * H); A(m->dxn, N * H); A(m->dq, N * QD); A(m->dk, N * KD); A(m->dv, N * KD); A(m->datt, N * QD);
+    A(m->dgate, N * F); A(m->dup, N * F); A(m->dact, N * F); A(m->dlogits, N * Vl);
+#undef A
+    m->pos = zalloc((size_t)T, sizeof(int32_t));
+    if (!ok || !m->pos) {
+        free_acts(m);
+        return shard_fail(SHARD_E_NOMEM, "out of memory for the activations of %d x %d tokens", B, T);
+    }
+    if (m->fp8) {
+        size_t D = H > QD ? H : QD;
+        D = D > F ? D : F;
+        D = D > KD ? D : KD;
+        size_t big = N * D > D * D ? N * D : D * D;
+        shard_status s = fp8_reserve(m->fp8, 2 * N * D + D * D, big);
+        if (s) {
+            free_acts(m);
+            return s;
+        }
+    }
+    for (int t = 0; t < T; t++) m->pos[t] = t;
+    op_rope_table(m->cos_t, m->sin_t, m->pos, T, m->inv_freq, m->hd);
+    return SHARD_OK;
+}
+
+void model_zero_grads(model *m)
+{
+    memset(m->grads, 0, m->nparams * sizeof(float));
+}
+
+/* The linear layers of the blocks go through the FP8 recipe when it is on; the
+ * head stays in fp32 (as TransformerEngine leaves the output layer). */
+enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_GATE, LIN_UP, LIN_DOWN, LIN_COUNT };
+
+static void lin_fwd(model *m, int l, int which, float *out, const float *inp, const float *w, int N, int IN, int OUT)
+{
+    if (m->fp8) fp8_linear_forward(m->fp8, l * LIN_COUNT + which, out, inp, w, N, IN, OUT);
+    else op_linear_forward(out, inp, w, N, IN, OUT);
+}
+
+static void lin_bwd(model *m, int l, int which, float *dinp, float *dw, const float *dout, const float *inp,
+                    const float *w, int N, int IN, int OUT)
+{
+    if (m->fp8) fp8_linear_backward(m->fp8, l * LIN_COUNT + which, dinp, dw, dout, inp, w, N, IN, OUT);
+    else op_linear_backward(dinp, dw, dout, inp, w, N, IN, OUT);
+}
+
+static void add(float *y, const float *a, const float *b, size_t n)
+{
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+}
+
+double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
+{
+    const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
+    const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
+    op_embedding_forward(m->L ? m->acts[0].x : m->xL, tokens, m->embed, N, H, m->vocab_start, Vl);
+    for (int l = 0; l < m->L; l++) {
+        layer_acts *a = &m->acts[l];
+        const layer_params *w = &m->lw[l];
+        float *xnext = l + 1 < m->L ? m->acts[l + 1].x : m->xL;
+        op_rmsnorm_forward(a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
+        lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
+        lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
+        lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
+        op_rope_forward(a->q, m->cos_t, m->sin_t, B, T, m->nh, hd);
+        op_rope_forward(a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
+        op_attention_forward(a->att, a->lse, a->q, a->k, a->v, m->pos, m->pos, B, T, T, m->nh, m->nkv, hd, m->window);
+        lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
+        add(a->xmid, a->x, m->dxn, (size_t)N * H);
+        op_rmsnorm_forward(a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
+        lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
+        lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
+        op_swiglu_forward(a->act, a->gate, a->up, (size_t)N * F);
+        lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, w->down, N, F, H);
+        add(xnext, a->xmid, m->dxn, (size_t)N * H);
+    }
+    op_rmsnorm_forward(m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
+    op_linear_forward(m->logits, m->xnf, m->head, N, H, Vl);
+    /* the vocabulary-parallel cross-entropy; on one rank the tp reductions between
+     * its steps are the identity */
+    op_xent_rowmax(m->rowmax, m->target_logit, m->logits, targets, N, Vl, m->vocab_start);
+    op_xent_sumexp(m->sumexp, m->logits, m->rowmax, N, Vl);
+    op_xent_loss(m->losses, m->rowmax, m->sumexp, m->target_logit, targets, N);
+    double sum = 0.0; /* in row order: the same bits for any thread count */
+    for (int n = 0; n < N; n++)
+        if (targets[n] >= 0) sum += m->losses[n];
+    return sum;
+}
+
+void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale)
+{
+    const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
+    const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
+    const size_t NH = (size_t)N * H;
+    op_xent_backward(m->dlogits, m->logits, m->rowmax, m->sumexp, targets, N, Vl, m->vocab_start, loss_scale);
+    memset(m->dxn, 0, NH * sizeof(float));
+    op_linear_backward(m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
+    memset(m->dx, 0, NH * sizeof(float));
+    op_rmsnorm_backward(m->dx, m->dnorm_final, m->dxn, m->xL, m->norm_final, m->rstdf, N, H);
+    /* m->dx holds d loss / d (residual stream) as it goes down the layers: each
+     * block adds its branch's gradient to it (rmsnorm_backward accumulates) */
+    for (int l = m->L - 1; l >= 0; l--) {
+        layer_acts *a = &m->acts[l];
+        const layer_params *w = &m->lw[l];
+        layer_params *g = &m->lg[l];
+        /* MLP: x_next = xmid + down(silu(gate(xn2)) * up(xn2)) */
+        memset(m->dact, 0, (size_t)N * F * sizeof(float));
+        lin_bwd(m, l, LIN_DOWN, m->dact, g->down, m->dx, a->act, w->down, N, F, H);
+        memset(m->dgate, 0, (size_t)N * F * sizeof(float));
+        memset(m->dup, 0, (size_t)N * F * sizeof(float));
+        op_swiglu_backward(m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)N * F);
+        memset(m->dxn, 0, NH * sizeof(float));
+        lin_bwd(m, l, LIN_GATE, m->dxn, g->gate, m->dgate, a->xn2, w->gate, N, H, F);
+        lin_bwd(m, l, LIN_UP, m->dxn, g->up, m->dup, a->xn2, w->up, N, H, F);
+        op_rmsnorm_backward(m->dx, g->norm_mlp, m->dxn, a->xmid, w->norm_mlp, a->rstd2, N, H);
+        /* attention: xmid = x + o(attn(rope(q(xn1)), rope(k(xn1)), v(xn1))) */
+        memset(m->datt, 0, (size_t)N * QD * sizeof(float));
+        lin_bwd(m, l, LIN_O, m->datt, g->o, m->dx, a->att, w->o, N, QD, H);
+        memset(m->dq, 0, (size_t)N * QD * sizeof(float));
+        memset(m->dk, 0, (size_t)N * KD * sizeof(float));
+        memset(m->dv, 0, (size_t)N * KD * sizeof(float));
+        op_attention_backward(m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos, m->pos,
+                              B, T, T, m->nh, m->nkv, hd, m->window);
+        op_rope_backward(m->dq, m->cos_t, m->sin_t, B, T, m->nh, hd);
+        op_rope_backward(m->dk, m->cos_t, m->sin_t, B, T, m->nkv, hd);
+        memset(m->dxn, 0, NH * sizeof(float));
+        lin_bwd(m, l, LIN_Q, m->dxn, g->q, m->dq, a->xn1, w->q, N, H, QD);
+        lin_bwd(m, l, LIN_K, m->dxn, g->k, m->dk, a->xn1, w->k, N, H, KD);
+        lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
+        op_rmsnorm_backward(m->dx, g->norm_attn, m->dxn, a->x, w->norm_attn, a->rstd1, N, H);
+    }
+    op_embedding_backward(m->dembed, m->dx, tokens, N, H, m->vocab_start, Vl);
+}

@@ -1,0 +1,103 @@
+/* train/model.h: the Llama/Mistral model of one rank, assembled from kernels/ops.h.
+ *
+ * Parameters are held per tensor, in shard_model_tensor order (embedding, then each
+ * layer's q, k, v, o, gate, up, down, input_layernorm, post_attention_layernorm, then
+ * the final norm and the head), all in one fp32 array (so the optimizer and the
+ * gradient norm see one flat vector), with a gradient array of the same shape.
+ * With tied embeddings there is no head tensor: the head reads the embedding, and
+ * both uses accumulate into the embedding's gradient (backward ops accumulate).
+ *
+ * This is the single-rank model: every local size equals the global one and the
+ * vocabulary-parallel pieces run with vocab_start = 0, vocab_local = V. The fields
+ * that a tensor-, pipeline- or context-parallel split changes (local heads, local
+ * vocabulary, layers held, positions) are kept apart from the global description
+ * so that the split is a matter of filling them differently and adding the
+ * communication between the ops.
+ *
+ * Compute is fp32. Activations of every layer are kept for backward (no
+ * recomputation). A forward/backward runs on one microbatch of B sequences of T
+ * tokens; the caller zeroes the gradients at the start of an optimizer step and the
+ * backward passes accumulate into them.
+ */
+#ifndef SMP_TRAIN_MODEL_H
+#define SMP_TRAIN_MODEL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "ops.h"
+#include "shard.h"
+
+/* FP8 recipe of the linear layers in the transformer blocks (fp8.c). */
+typedef enum { FP8_OFF = 0, FP8_DELAYED, FP8_CURRENT } fp8_mode;
+typedef struct fp8_state fp8_state;
+
+typedef struct {
+    float *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
+} layer_params;
+
+typedef struct {
+    /* per layer, [N = B*T rows] */
+    float *x;        /* [N,H] residual stream entering the layer */
+    float *rstd1;    /* [N] */
+    float *xn1;      /* [N,H] input_layernorm output */
+    float *q;        /* [N,nh*hd] after RoPE */
+    float *k, *v;    /* [N,nkv*hd] (k after RoPE) */
+    float *att;      /* [N,nh*hd] attention output */
+    float *lse;      /* [B,nh,T] */
+    float *xmid;     /* [N,H] residual after attention */
+    float *rstd2;    /* [N] */
+    float *xn2;      /* [N,H] */
+    float *gate, *up;/* [N,F] */
+    float *act;      /* [N,F] silu(gate) * up */
+} layer_acts;
+
+typedef struct {
+    shard_model_desc d;
+    /* sizes of this rank's part (= global on one rank) */
+    int V, H, F, L, nh, nkv, hd, window;
+    int vocab_start, vocab_local;
+    float eps;
+    /* parameters, in shard_model_tensor order */
+    size_t ntensors;
+    shard_tensor_spec *spec;
+    size_t *offset;          /* element offset of tensor i in params/grads */
+    size_t *numel;
+    size_t nparams;
+    float *params, *grads;   /* nparams each */
+    float *embed, *norm_final, *head;      /* head == embed when tied */
+    float *dembed, *dnorm_final, *dhead;
+    layer_params *lw, *lg;   /* weights and their gradients, per layer */
+    float *inv_freq;         /* [hd/2] */
+    /* activations for a microbatch of B x T (allocated by model_alloc_acts) */
+    int B, T;
+    layer_acts *acts;
+    float *xL, *rstdf, *xnf; /* final residual, final norm */
+    float *logits;           /* [N,Vl] */
+    float *rowmax, *sumexp, *target_logit, *losses; /* [N] */
+    int32_t *pos;            /* [T] positions of this rank's tokens */
+    float *cos_t, *sin_t;    /* [T,hd] */
+    /* backward scratch */
+    float *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
+    /* FP8 (NULL when off) */
+    fp8_state *fp8;
+} model;
+
+/* Allocate a model for description d (parameters uninitialised, gradients zero). */
+shard_status model_create(model *m, const shard_model_desc *d);
+void model_free(model *m);
+/* Activations and scratch for microbatches of B sequences of T tokens. */
+shard_status model_alloc_acts(model *m, int B, int T);
+/* Index of the tensor with this name, or -1. */
+long model_find(const model *m, const char *name);
+
+/* Forward of one microbatch: tokens and targets [B*T] (targets < 0 are ignored).
+ * Fills losses[B*T] (per token) and returns their sum (in double, summed in row
+ * order, so that the result does not depend on the thread count). */
+double model_forward(model *m, const int32_t *tokens, const int32_t *targets);
+/* Backward of the last forward: accumulates into grads. loss_scale multiplies
+ * d(sum of per-token losses), e.g. 1 / (tokens in the optimizer step). */
+void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale);
+void model_zero_grads(model *m);
+
+#endif

@@ -1,0 +1,587 @@
+/* smp-train: train a Llama/Mistral model from an SMP checkpoint (one rank, C backend,
+ * fp32 compute). See HELP below and DESIGN.md's command section for the contract. */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "../tools/cli/cli.h"
+#include "../tools/cli/progress.h"
+#include "ckptio.h"
+#include "data.h"
+#include "eval.h"
+#include "fp8.h"
+#include "model.h"
+#include "optim.h"
+#include "shard.h"
+
+static const char HELP[] =
+    "usage: smp-train --ckpt CKPT|RUN_DIR --data TOKENS --save-dir RUN_DIR [options]\n"
+    "\n"
+    "Train a Llama/Mistral model from an SMP checkpoint (one rank, C backend, fp32).\n"
+    "A run folder's `latest` names its newest checkpoint; a checkpoint with a training\n"
+    "state resumes that run bit for bit (its settings are the defaults; flags given\n"
+    "here override them).\n"
+    "\n"
+    "  --ckpt CKPT|RUN_DIR       checkpoint, or run folder (its `latest`)\n"
+    "  --data TOKENS             llm.c token files: comma-separated paths or globs\n"
+    "  --val-data TOKENS         validation tokens: val_loss in the log\n"
+    "  --val-every N             validate every N steps (default: when saving)\n"
+    "  --val-batches N           validation batches of B/M sequences (default 8)\n"
+    "  --save-dir RUN_DIR        where step-NNNNNN/ checkpoints and `latest` go\n"
+    "  --layout L                pp=1,tp=1,cp=1,dp=1 only, in this build\n"
+    "  --steps N                 optimizer steps of the run (required for a new run)\n"
+    "  --batch B                 sequences per step (default 8)\n"
+    "  --microbatches M          gradient accumulation: B/M sequences at a time (default 1)\n"
+    "  --seq S                   tokens per sequence (default 256, at most max_position_embeddings)\n"
+    "  --lr X                    peak learning rate (default 3e-4)\n"
+    "  --warmup N                linear warmup steps (default 0)\n"
+    "  --lr-min X                final learning rate of the cosine (default lr/10)\n"
+    "  --schedule cosine|constant\n"
+    "  --seed N                  shuffle the sequences by N (default: sequential order)\n"
+    "  --clip X                  global gradient-norm clipping (default 1.0; 0: off)\n"
+    "  --weight-decay X          AdamW decoupled weight decay of matrices (default 0.1)\n"
+    "  --beta1 X --beta2 X --eps X   AdamW (defaults 0.9, 0.95, 1e-8)\n"
+    "  --max-bad K               stop after K non-finite steps in a row (default 5)\n"
+    "  --fp8 off|delayed|current FP8 recipe of the blocks' linear layers (default off)\n"
+    "  --fp8-history N           delayed scaling: amax history length (default 1024)\n"
+    "  --fp8-margin M            scale = fp8_max / amax / 2^M (default 0)\n"
+    "  --backend cpu             (cuda comes with the CUDA backend)\n"
+    "  --save-every N            checkpoint every N steps (and always at the end)\n"
+    "  --keep K                  keep the newest K checkpoints (default 0: all)\n"
+    "  --compress none|zstd|zstd:N  shard file compression (default zstd, level 3)\n"
+    "  --log FILE.jsonl          one JSON object per step (appended)\n"
+    "  --stop-at STEP            save and stop once STEP steps are done (the schedule\n"
+    "                            still spans --steps)\n"
+    "  --dump-grads DIR          compute the next step's gradients, write them to\n"
+    "                            DIR/grads.safetensors (fp32, unclipped) and exit\n"
+    "  --inject-nan STEPS        testing aid: make the loss of these steps (1-based,\n"
+    "                            comma-separated) NaN\n"
+    "\n"
+    "SIGTERM or SIGINT: finish the current step, save a checkpoint, exit 0.\n"
+    "The log's loss is the mean over the step's B*S target tokens.\n";
+
+static volatile sig_atomic_t stop_requested;
+
+static void on_signal(int sig)
+{
+    (void)sig;
+    stop_requested = 1;
+}
+
+/* ---------------------------------------------------------------- options */
+enum {
+    O_CKPT, O_DATA, O_VAL_DATA, O_VAL_EVERY, O_VAL_BATCHES, O_SAVE_DIR, O_LAYOUT, O_STEPS, O_BATCH, O_MICRO, O_SEQ,
+    O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
+    O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
+    O_INJECT_NAN, O_COUNT
+};
+static const char *OPT_NAMES[O_COUNT] = {
+    "--ckpt", "--data", "--val-data", "--val-every", "--val-batches", "--save-dir", "--layout", "--steps", "--batch",
+    "--microbatches", "--seq", "--lr", "--warmup", "--lr-min", "--schedule", "--seed", "--clip", "--weight-decay",
+    "--beta1", "--beta2", "--eps", "--max-bad", "--fp8", "--fp8-history", "--fp8-margin", "--backend",
+    "--save-every", "--keep", "--compress", "--log", "--stop-at", "--dump-grads", "--inject-nan"};
+
+typedef struct {
+    const char *v[O_COUNT];
+} options;
+
+/* integer option in [lo, hi]; returns 0 or an exit code */
+static int opt_int(const options *o, int k, int64_t lo, int64_t hi, int64_t *out)
+{
+    if (!o->v[k]) return 0;
+    char *end;
+    errno = 0;
+    long long x = strtoll(o->v[k], &end, 10);
+    if (errno || end == o->v[k] || *end || x < lo || x > hi)
+        return cli_usage("%s must be an integer in %lld..%lld, got \"%s\"", OPT_NAMES[k], (long long)lo, (long long)hi,
+                         o->v[k]);
+    *out = x;
+    return 0;
+}
+
+static int opt_float(const options *o, int k, double lo, double hi, float *out)
+{
+    if (!o->v[k]) return 0;
+    char *end;
+    double x = strtod(o->v[k], &end);
+    if (end == o->v[k] || *end || !(x >= lo && x <= hi))
+        return cli_usage("%s must be a number in [%g, %g], got \"%s\"", OPT_NAMES[k], lo, hi, o->v[k]);
+    *out = (float)x;
+    return 0;
+}
+
+/* ----------------------------------------------------------------- the run */
+typedef struct {
+    /* settings (resolved: flag, else the checkpoint's training state, else default) */
+    int64_t steps, batch, micro, seq, warmup, max_bad, fp8_hist, save_every, keep, val_every, val_batches, stop_at;
+    float lr, lr_min, clip, wd, beta1, beta2, eps, fp8_margin;
+    int cosine, shuffle, lr_min_set;
+    uint64_t seed;
+    fp8_mode fp8;
+    /* state */
+    int64_t step, opt_step, position;
+    uint64_t tokens;
+    double elapsed_before;
+} run_cfg;
+
+static const char *json_str(json_t *o, const char *k)
+{
+    json_t *v = json_object_get(o, k);
+    return json_is_string(v) ? json_string_value(v) : NULL;
+}
+
+static int json_i64(json_t *o, const char *k, int64_t *out)
+{
+    json_t *v = json_object_get(o, k);
+    if (!json_is_integer(v)) return 0;
+    *out = json_integer_value(v);
+    return 1;
+}
+
+static int json_f32(json_t *o, const char *k, float *out)
+{
+    json_t *v = json_object_get(o, k);
+    if (!json_is_number(v)) return 0;
+    *out = (float)json_number_value(v);
+    return 1;
+}
+
+/* the checkpoint's training state into cfg; SHARD_E_INVALID when malformed */
+static shard_status load_state(const char *ckdir, const char *text, run_cfg *c)
+{
+    json_error_t je;
+    json_t *t = json_loads(text, 0, &je);
+    shard_status s = SHARD_OK;
+    if (!json_is_object(t)) {
+        json_decref(t);
+        return shard_fail(SHARD_E_INVALID, "%s: the training state is not a JSON object", ckdir);
+    }
+    int ok = json_i64(t, "step", &c->step) && json_i64(t, "optimizer_step", &c->opt_step) &&
+             json_i64(t, "data_position", &c->position) && json_i64(t, "batch", &c->batch) &&
+             json_i64(t, "microbatches", &c->micro) && json_i64(t, "seq", &c->seq);
+    int64_t tok = 0;
+    ok = ok && json_i64(t, "tokens", &tok);
+    c->tokens = (uint64_t)tok;
+    json_t *sc = json_object_get(t, "schedule"), *op = json_object_get(t, "optimizer");
+    const char *kind = json_str(sc, "kind");
+    ok = ok && kind && json_f32(sc, "lr", &c->lr) && json_f32(sc, "lr_min", &c->lr_min) &&
+         json_i64(sc, "warmup", &c->warmup) && json_i64(sc, "steps", &c->steps);
+    c->cosine = kind && !strcmp(kind, "cosine");
+    c->lr_min_set = 1;
+    ok = ok && json_f32(op, "beta1", &c->beta1) && json_f32(op, "beta2", &c->beta2) && json_f32(op, "eps", &c->eps) &&
+         json_f32(op, "weight_decay", &c->wd) && json_f32(op, "clip", &c->clip);
+    json_t *da = json_object_get(t, "data");
+    json_t *seed = json_object_get(da, "seed");
+    c->shuffle = json_is_integer(seed);
+    c->seed = c->shuffle ? (uint64_t)json_integer_value(seed) : 0;
+    json_t *f8 = json_object_get(t, "fp8");
+    const char *mode = json_str(f8, "mode");
+    if (mode) c->fp8 = !strcmp(mode, "delayed") ? FP8_DELAYED : !strcmp(mode, "current") ? FP8_CURRENT : FP8_OFF;
+    json_i64(f8, "history", &c->fp8_hist);
+    json_f32(f8, "margin", &c->fp8_margin);
+    json_i64(t, "max_bad_steps", &c->max_bad);
+    json_t *el = json_object_get(t, "elapsed_s");
+    if (json_is_number(el)) c->elapsed_before = json_number_value(el);
+    if (!ok || c->step < 0 || c->opt_step < 0 || c->position < 0 || c->batch < 1 || c->micro < 1 || c->seq < 1)
+        s = shard_fail(SHARD_E_INVALID, "%s: the training state lacks or mangles step, optimizer_step, data_position, "
+                                        "tokens, batch, microbatches, seq, schedule or optimizer", ckdir);
+    json_decref(t);
+    return s;
+}
+
+static char *state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
+{
+    json_t *files = json_array();
+    for (int i = 0; i < ds->nfiles; i++) json_array_append_new(files, json_string(ds->files[i].path));
+    json_t *t = json_object();
+    json_object_set_new(t, "step", json_integer(c->step));
+    json_object_set_new(t, "tokens", json_integer((json_int_t)c->tokens));
+    json_object_set_new(t, "data_position", json_integer(c->position));
+    json_object_set_new(t, "optimizer_step", json_integer(c->opt_step));
+    json_object_set_new(t, "batch", json_integer(c->batch));
+    json_object_set_new(t, "microbatches", json_integer(c->micro));
+    json_object_set_new(t, "seq", json_integer(c->seq));
+    json_object_set_new(t, "schedule", json_pack("{s:s,s:f,s:f,s:I,s:I}", "kind", c->cosine ? "cosine" : "constant",
+                                                 "lr", (double)c->lr, "lr_min", (double)c->lr_min, "warmup",
+                                                 (json_int_t)c->warmup, "steps", (json_int_t)c->steps));
+    json_object_set_new(t, "optimizer", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:s}", "name", "adamw", "beta1",
+                                                  (double)c->beta1, "beta2", (double)c->beta2, "eps", (double)c->eps,
+                                                  "weight_decay", (double)c->wd, "clip", (double)c->clip,
+                                                  "weight_decay_applies_to", "matrices"));
+    json_object_set_new(t, "data", json_pack("{s:o,s:I,s:o,s:s}", "files", files, "sequences", (json_int_t)ds->nseq,
+                                             "seed", c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
+                                             "order", c->shuffle ? "shuffled" : "sequential"));
+    /* the only randomness of a run is the data order: epoch e's permutation comes
+     * from a generator seeded by (seed, e), so (seed, position) is the whole state */
+    json_object_set_new(t, "rng", json_pack("{s:s,s:o,s:I}", "generator", "xoshiro256** seeded by splitmix64(seed, epoch)",
+                                            "seed", c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
+                                            "epoch", (json_int_t)(ds->nseq ? (uint64_t)c->position / ds->nseq : 0)));
+    json_object_set_new(t, "fp8", json_pack("{s:s,s:I,s:f,s:s}", "mode", fp8_mode_name(c->fp8), "history",
+                                            (json_int_t)c->fp8_hist, "margin", (double)c->fp8_margin, "tensors",
+                                            f8 ? "fp8/fp8.amax_history, fp8/fp8.scale" : "none"));
+    json_object_set_new(t, "max_bad_steps", json_integer(c->max_bad));
+    json_object_set_new(t, "elapsed_s", json_real(elapsed));
+    char *text = json_dumps(t, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    json_decref(t);
+    return text;
+}
+
+static void log_num(FILE *f, const char *key, double v, const char *fmt)
+{
+    fprintf(f, ",\"%s\":", key);
+    if (isfinite(v)) fprintf(f, fmt, v);
+    else fputs("null", f);
+}
+
+static void fmt_eta(char *buf, size_t cap, double s)
+{
+    if (!(s >= 0) || s > 1e7) snprintf(buf, cap, "--");
+    else if (s >= 3600) snprintf(buf, cap, "%dh%02dm", (int)(s / 3600), (int)(s / 60) % 60);
+    else snprintf(buf, cap, "%dm%02ds", (int)(s / 60), (int)s % 60);
+}
+
+static int parse_steps_list(const char *text, int64_t **out, int *n)
+{
+    *out = NULL;
+    *n = 0;
+    if (!text) return 0;
+    const char *p = text;
+    while (*p) {
+        char *end;
+        long long v = strtoll(p, &end, 10);
+        if (end == p || v < 1) return cli_usage("--inject-nan takes step numbers (>= 1) separated by commas");
+        int64_t *q = realloc(*out, (size_t)(*n + 1) * sizeof *q);
+        if (!q) return cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory"));
+        *out = q;
+        (*out)[(*n)++] = v;
+        p = *end == ',' ? end + 1 : end;
+        if (*end && *end != ',') return cli_usage("--inject-nan takes step numbers (>= 1) separated by commas");
+    }
+    return 0;
+}
+
+static shard_status load_fp8(shard_ckpt *c, fp8_state *f)
+{
+    long h = shard_ckpt_find(c, "fp8", "fp8.amax_history"), sc = shard_ckpt_find(c, "fp8", "fp8.scale");
+    if (h < 0 || sc < 0) return SHARD_OK; /* none saved: fresh scaling state */
+    const shard_ckpt_tensor *th = shard_ckpt_tensor_at(c, (size_t)h), *ts = shard_ckpt_tensor_at(c, (size_t)sc);
+    int64_t rows = (int64_t)f->nlin * FP8_ROLES;
+    if (th->ndim != 2 || th->shape[0] != rows || th->shape[1] != f->hist_len || ts->ndim != 1 || ts->shape[0] != rows) {
+        fprintf(stderr, "smp-train: warning: %s: the saved FP8 scaling state has another shape (history length?); "
+                        "starting a fresh one\n", shard_ckpt_dir(c));
+        return SHARD_OK;
+    }
+    shard_box bh = {.ndim = 2, .len = {rows, f->hist_len}}, bs = {.ndim = 1, .len = {rows}};
+    shard_status s = shard_ckpt_read(c, (size_t)h, &bh, f->hist, SHARD_DT_F32);
+    if (!s) s = shard_ckpt_read(c, (size_t)sc, &bs, f->scale, SHARD_DT_F32);
+    return s;
+}
+
+static shard_status dump_grads(const char *dir, const model *m, double loss)
+{
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dir, strerror(errno));
+    char path[4096];
+    snprintf(path, sizeof path, "%s/grads.safetensors", dir);
+    shard_st_writer *w;
+    shard_status s = shard_st_writer_create(path, &w);
+    if (s) return s;
+    char lbuf[64];
+    snprintf(lbuf, sizeof lbuf, "%.17g", loss);
+    s = shard_st_writer_metadata(w, "loss", lbuf);
+    for (size_t i = 0; i < m->ntensors && !s; i++)
+        s = shard_st_writer_declare(w, m->spec[i].name, SHARD_DT_F32, m->spec[i].ndim, m->spec[i].shape);
+    for (size_t i = 0; i < m->ntensors && !s; i++)
+        s = shard_st_writer_write(w, m->grads + m->offset[i], m->numel[i] * sizeof(float));
+    if (s) {
+        shard_st_writer_abort(w);
+        return s;
+    }
+    return shard_st_writer_finish(w);
+}
+
+int main(int argc, char **argv)
+{
+    cli_init("smp-train");
+    if (cli_std_flags(argc, argv, HELP)) return 0;
+    options o = {{0}};
+    for (int i = 1; i < argc; i++) {
+        int k = 0;
+        while (k < O_COUNT && strcmp(argv[i], OPT_NAMES[k])) k++;
+        if (k == O_COUNT) return cli_usage("unknown option %s", argv[i]);
+        if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
+        o.v[k] = argv[++i];
+    }
+    if (!o.v[O_CKPT] || !o.v[O_DATA]) return cli_usage("--ckpt and --data are required");
+    if (!o.v[O_SAVE_DIR] && !o.v[O_DUMP_GRADS]) return cli_usage("--save-dir is required");
+    if (o.v[O_LAYOUT]) {
+        shard_layout l;
+        shard_status s = shard_layout_parse(o.v[O_LAYOUT], &l);
+        if (s) return cli_usage("--layout: %s", shard_errmsg());
+        if (shard_layout_size(&l) != 1)
+            return cli_usage("--layout %s: parallel layouts come with the parallel training issue; this smp-train runs on "
+                             "one rank (pp=1,tp=1,cp=1,dp=1)", o.v[O_LAYOUT]);
+    }
+    if (o.v[O_BACKEND] && strcmp(o.v[O_BACKEND], "cpu")) {
+        if (!strcmp(o.v[O_BACKEND], "cuda"))
+            return cli_usage("--backend cuda: the CUDA training backend comes with its own issue; this build trains on "
+                             "the C backend (--backend cpu)");
+        return cli_usage("--backend must be cpu or cuda, got \"%s\"", o.v[O_BACKEND]);
+    }
+    if (o.v[O_SCHEDULE] && strcmp(o.v[O_SCHEDULE], "cosine") && strcmp(o.v[O_SCHEDULE], "constant"))
+        return cli_usage("--schedule must be cosine or constant");
+    if (o.v[O_FP8] && strcmp(o.v[O_FP8], "off") && strcmp(o.v[O_FP8], "delayed") && strcmp(o.v[O_FP8], "current"))
+        return cli_usage("--fp8 must be off, delayed or current");
+    shard_compress comp;
+    if (shard_compress_parse(o.v[O_COMPRESS] ? o.v[O_COMPRESS] : "zstd", &comp))
+        return cli_usage("--compress: %s", shard_errmsg());
+    /* everything the run holds, released at done: */
+    int64_t *inject = NULL;
+    int ninject = 0, rc, exit_code = 0;
+    model m;
+    memset(&m, 0, sizeof m);
+    shard_ckpt *ck = NULL;
+    shard_dtype *pdt = NULL;
+    optim opt;
+    memset(&opt, 0, sizeof opt);
+    data_set ds, vs;
+    memset(&ds, 0, sizeof ds);
+    memset(&vs, 0, sizeof vs);
+    int32_t *in = NULL, *tg = NULL;
+    FILE *logf = NULL;
+#define OUT(code) do { exit_code = (code); goto done; } while (0)
+    if ((rc = parse_steps_list(o.v[O_INJECT_NAN], &inject, &ninject))) OUT(rc);
+
+    /* the model and, when the checkpoint has one, the run it continues */
+    shard_status s = ckptio_open_model(o.v[O_CKPT], &ck, &m);
+    if (s) OUT(cli_fail(s));
+    run_cfg c = {.batch = 8, .micro = 1, .seq = 256, .lr = 3e-4f, .cosine = 1, .clip = 1.0f, .wd = 0.1f, .beta1 = 0.9f,
+                 .beta2 = 0.95f, .eps = 1e-8f, .max_bad = 5, .fp8 = FP8_OFF, .fp8_hist = 1024, .val_batches = 8};
+    if (m.d.max_positions > 0 && c.seq > m.d.max_positions) c.seq = m.d.max_positions;
+    const char *tr = shard_ckpt_training_json(ck);
+    int resumed = 0;
+    if (tr) {
+        if ((s = load_state(shard_ckpt_dir(ck), tr, &c))) OUT(cli_fail(s));
+        resumed = 1;
+    }
+    /* flags override */
+    int64_t v64;
+    if ((rc = opt_int(&o, O_STEPS, 1, INT32_MAX, &c.steps)) || (rc = opt_int(&o, O_BATCH, 1, 1 << 24, &c.batch)) ||
+        (rc = opt_int(&o, O_MICRO, 1, 1 << 24, &c.micro)) || (rc = opt_int(&o, O_SEQ, 1, 1 << 24, &c.seq)) ||
+        (rc = opt_int(&o, O_WARMUP, 0, INT32_MAX, &c.warmup)) || (rc = opt_int(&o, O_MAX_BAD, 1, 1 << 30, &c.max_bad)) ||
+        (rc = opt_int(&o, O_FP8_HIST, 1, 1 << 20, &c.fp8_hist)) ||
+        (rc = opt_int(&o, O_SAVE_EVERY, 0, INT32_MAX, &c.save_every)) || (rc = opt_int(&o, O_KEEP, 0, 1 << 20, &c.keep)) ||
+        (rc = opt_int(&o, O_VAL_EVERY, 0, INT32_MAX, &c.val_every)) ||
+        (rc = opt_int(&o, O_VAL_BATCHES, 1, 1 << 30, &c.val_batches)) ||
+        (rc = opt_int(&o, O_STOP_AT, 1, INT32_MAX, &c.stop_at)) || (rc = opt_float(&o, O_LR, 0, 1e3, &c.lr)) ||
+        (rc = opt_float(&o, O_CLIP, 0, 1e30, &c.clip)) || (rc = opt_float(&o, O_WD, 0, 1e3, &c.wd)) ||
+        (rc = opt_float(&o, O_BETA1, 0, 0.9999999, &c.beta1)) || (rc = opt_float(&o, O_BETA2, 0, 0.9999999, &c.beta2)) ||
+        (rc = opt_float(&o, O_EPS, 0, 1, &c.eps)) || (rc = opt_float(&o, O_FP8_MARGIN, 0, 64, &c.fp8_margin)))
+        OUT(rc);
+    if (o.v[O_LR_MIN]) {
+        if ((rc = opt_float(&o, O_LR_MIN, 0, 1e3, &c.lr_min))) OUT(rc);
+        c.lr_min_set = 1;
+    } else if (!c.lr_min_set || o.v[O_LR]) {
+        c.lr_min = c.lr / 10.0f;
+    }
+    if (o.v[O_SCHEDULE]) c.cosine = !strcmp(o.v[O_SCHEDULE], "cosine");
+    if (o.v[O_SEED]) {
+        if ((rc = opt_int(&o, O_SEED, 0, INT64_MAX, &v64))) OUT(rc);
+        c.shuffle = 1;
+        c.seed = (uint64_t)v64;
+    }
+    if (o.v[O_FP8]) c.fp8 = !strcmp(o.v[O_FP8], "delayed") ? FP8_DELAYED : !strcmp(o.v[O_FP8], "current") ? FP8_CURRENT : FP8_OFF;
+    if (c.steps < 1) OUT(cli_usage("--steps is required for a new run"));
+    if (c.batch % c.micro) OUT(cli_usage("--batch %lld is not divisible by --microbatches %lld", (long long)c.batch, (long long)c.micro));
+    if ((int64_t)c.batch / c.micro * c.seq > INT32_MAX / 4) OUT(cli_usage("--batch / --microbatches * --seq is too large"));
+    if (m.d.max_positions > 0 && c.seq > m.d.max_positions)
+        fprintf(stderr, "smp-train: warning: --seq %lld exceeds max_position_embeddings %lld\n", (long long)c.seq,
+                (long long)m.d.max_positions);
+    if (resumed && c.step >= c.steps && !o.v[O_DUMP_GRADS]) {
+        printf("%s is at step %lld of %lld: nothing to do\n", shard_ckpt_dir(ck), (long long)c.step, (long long)c.steps);
+        OUT(0);
+    }
+    const int Bm = (int)(c.batch / c.micro), S = (int)c.seq;
+
+    /* weights: the fp32 master copy when saved, else the parameters */
+    int have_master = 0, have_p = 0, have_m = 0, have_v = 0;
+    if ((s = ckptio_read_group(ck, &m, "optim/master", m.params, &have_master))) OUT(cli_fail(s));
+    if (!have_master && (s = ckptio_read_group(ck, &m, "params", m.params, &have_p))) OUT(cli_fail(s));
+    if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
+    pdt = calloc(m.ntensors, sizeof *pdt);
+    if (!pdt) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
+    ckptio_param_dtypes(ck, &m, pdt);
+    optim_hparams h = {c.lr, c.lr_min, c.warmup, c.steps, c.cosine, c.beta1, c.beta2, c.eps, c.wd, c.clip};
+    if ((s = optim_create(&opt, &h, m.nparams))) OUT(cli_fail(s));
+    if ((s = ckptio_read_group(ck, &m, "optim/exp_avg", opt.m, &have_m)) ||
+        (s = ckptio_read_group(ck, &m, "optim/exp_avg_sq", opt.v, &have_v)))
+        OUT(cli_fail(s));
+    if (resumed && c.opt_step > 0 && !(have_master && have_m && have_v))
+        OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: the training state is at optimizer step %lld but the optimizer "
+                                                 "state (optim/master, exp_avg, exp_avg_sq) is missing",
+                                shard_ckpt_dir(ck), (long long)c.opt_step)));
+    opt.t = have_m && have_v ? c.opt_step : 0;
+    if (c.fp8 != FP8_OFF) {
+        m.fp8 = fp8_create(c.fp8, m.L * 7, (int)c.fp8_hist, c.fp8_margin);
+        if (!m.fp8) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
+        if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
+    }
+    if ((s = model_alloc_acts(&m, Bm, S))) OUT(cli_fail(s));
+
+    if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
+    data_set_order(&ds, c.shuffle, c.seed);
+    if (o.v[O_VAL_DATA] && (s = data_open(&vs, o.v[O_VAL_DATA], S, m.d.vocab))) OUT(cli_fail(s));
+    if (!o.v[O_DUMP_GRADS] && (s = ckptio_prepare(o.v[O_SAVE_DIR]))) OUT(cli_fail(s));
+    in = malloc((size_t)Bm * S * sizeof *in);
+    tg = malloc((size_t)Bm * S * sizeof *tg);
+    if (!in || !tg) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
+
+    if (o.v[O_LOG] && !(logf = fopen(o.v[O_LOG], "a")))
+        OUT(cli_fail(shard_fail(SHARD_E_IO, "%s: cannot open: %s", o.v[O_LOG], strerror(errno))));
+
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESETHAND; /* a second signal ends the process the usual way */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGINT, &sa, NULL);
+
+    char cbuf[32];
+    if (!o.v[O_DUMP_GRADS])
+        fprintf(stderr, "smp-train: %s: %s parameters, step %lld of %lld, batch %lld x %lld tokens (%lld microbatches), %s order%s\n",
+                shard_ckpt_dir(ck), cli_count(cbuf, m.nparams), (long long)c.step, (long long)c.steps, (long long)c.batch,
+                (long long)c.seq, (long long)c.micro, c.shuffle ? "shuffled" : "sequential",
+                c.fp8 ? (c.fp8 == FP8_DELAYED ? ", fp8 delayed" : ", fp8 current") : "");
+
+    const size_t cfg_len = strlen(shard_ckpt_config_json(ck));
+    const int tty = isatty(2);
+    const double t_start = now_seconds();
+    const float loss_scale = (float)(1.0 / ((double)c.batch * (double)c.seq));
+    int64_t bad_run = 0, saved_step = resumed ? c.step : -1;
+    double ema_dt = 0.0;
+
+    /* --dump-grads computes one step's gradients wherever the run stands */
+    while ((c.step < c.steps && !(c.stop_at && c.step >= c.stop_at)) || o.v[O_DUMP_GRADS]) {
+        const double t0 = now_seconds();
+        model_zero_grads(&m);
+        double lsum = 0.0;
+        for (int mb = 0; mb < c.micro; mb++) {
+            if ((s = data_fill(&ds, (uint64_t)c.position + (uint64_t)mb * Bm, Bm, in, tg))) OUT(cli_fail(s));
+            lsum += model_forward(&m, in, tg);
+            model_backward(&m, in, tg, loss_scale);
+        }
+        double loss = lsum / ((double)c.batch * (double)c.seq);
+        for (int k = 0; k < ninject; k++)
+            if (inject[k] == c.step + 1) loss = NAN;
+        const double norm = sqrt(optim_sumsq(m.grads, m.nparams));
+        if (o.v[O_DUMP_GRADS]) {
+            if ((s = dump_grads(o.v[O_DUMP_GRADS], &m, loss))) OUT(cli_fail(s));
+            printf("step %lld: loss %.9g, gradients in %s/grads.safetensors\n", (long long)c.step + 1, loss, o.v[O_DUMP_GRADS]);
+            OUT(0);
+        }
+        const float lr = optim_lr(&opt.h, c.step);
+        const int bad = !isfinite(loss) || !isfinite(norm);
+        c.step++;
+        c.position += c.batch;
+        c.tokens += (uint64_t)c.batch * (uint64_t)c.seq;
+        if (bad) {
+            bad_run++;
+            if (m.fp8) fp8_step_end(m.fp8, 1);
+            fprintf(stderr, "%ssmp-train: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped (%lld in a row)\n",
+                    tty ? "\r\033[K" : "", (long long)c.step, loss, norm, (long long)bad_run);
+        } else {
+            bad_run = 0;
+            optim_clip(m.grads, m.nparams, norm, opt.h.clip);
+            optim_step(&opt, &m, lr);
+            c.opt_step = opt.t;
+            if (m.fp8) fp8_step_end(m.fp8, 0);
+        }
+        const double t1 = now_seconds(), dt = t1 - t0;
+        const double tps = (double)c.batch * c.seq / (dt > 0 ? dt : 1e-9);
+        double val = NAN;
+        /* periodic saves wait for a good step; skipped steps leave the weights as
+         * they were, so the end of the run (or a signal) saves in any case */
+        int do_save = (!bad_run && c.save_every && c.step % c.save_every == 0) || stop_requested ||
+                      c.step == c.steps || (c.stop_at && c.step >= c.stop_at);
+        if (vs.nfiles && !bad_run &&
+            ((c.val_every && c.step % c.val_every == 0) || (!c.val_every && do_save) || c.step == c.steps)) {
+            uint64_t nt;
+            int64_t nb = c.val_batches;
+            if ((uint64_t)nb * Bm > vs.nseq) nb = (int64_t)(vs.nseq / (uint64_t)Bm);
+            if (m.fp8) m.fp8->frozen = 1; /* validation leaves the FP8 history alone */
+            if (nb > 0) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
+            if (m.fp8) m.fp8->frozen = 0;
+        }
+        if (logf) {
+            fprintf(logf, "{\"step\":%lld", (long long)c.step);
+            log_num(logf, "loss", loss, "%.17g");
+            log_num(logf, "lr", lr, "%.9g");
+            log_num(logf, "grad_norm", norm, "%.17g");
+            log_num(logf, "tokens_per_s", tps, "%.1f");
+            log_num(logf, "elapsed_s", t1 - t_start, "%.3f");
+            fprintf(logf, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)c.tokens, bad ? "true" : "false");
+            if (!isnan(val)) log_num(logf, "val_loss", val, "%.17g");
+            fputs("}\n", logf);
+            fflush(logf);
+        }
+        if (tty) {
+            ema_dt = ema_dt > 0 ? 0.9 * ema_dt + 0.1 * dt : dt;
+            char eta[32];
+            fmt_eta(eta, sizeof eta, ema_dt * (double)(c.steps - c.step));
+            fprintf(stderr, "\r\033[Kstep %lld/%lld  loss %.4f  lr %.3g  %.0f tok/s  ETA %s", (long long)c.step,
+                    (long long)c.steps, loss, lr, tps, eta);
+            if (!isnan(val)) fprintf(stderr, "  val %.4f", val);
+        }
+        if (bad_run >= c.max_bad) {
+            if (tty) fputc('\n', stderr);
+            char last[64] = "none in this run";
+            if (saved_step >= 0) snprintf(last, sizeof last, "step %lld", (long long)saved_step);
+            fprintf(stderr, "smp-train: error: %lld steps in a row had a non-finite loss or gradient (the last at step %lld); "
+                            "stopping without saving (last checkpoint: %s)\n",
+                    (long long)bad_run, (long long)c.step, last);
+            exit_code = 1;
+            break;
+        }
+        if (do_save) {
+            char *tj = state_json(&c, &ds, m.fp8, c.elapsed_before + (now_seconds() - t_start));
+            if (!tj) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
+            ckptio_save_args sa_ = {o.v[O_SAVE_DIR], c.step, shard_ckpt_config_json(ck), cfg_len, ck, pdt, comp, tj};
+            s = ckptio_save(&sa_, &m, &opt);
+            free(tj);
+            if (s) {
+                if (tty) fputc('\n', stderr);
+                OUT(cli_fail(s));
+            }
+            saved_step = c.step;
+            ckptio_prune(o.v[O_SAVE_DIR], (int)c.keep);
+        }
+        if (stop_requested) {
+            if (tty) fputc('\n', stderr);
+            fprintf(stderr, "smp-train: stopped by a signal after step %lld; saved %s/step-%06lld\n", (long long)c.step,
+                    o.v[O_SAVE_DIR], (long long)c.step);
+            break;
+        }
+    }
+    if (tty && exit_code == 0 && !stop_requested) fputc('\n', stderr);
+    if (exit_code == 0 && !stop_requested)
+        fprintf(stderr, "smp-train: step %lld of %lld, %s tokens seen; checkpoint %s/step-%06lld\n", (long long)c.step,
+                (long long)c.steps, cli_count(cbuf, c.tokens), o.v[O_SAVE_DIR], (long long)saved_step);
+done:
+    if (logf) fclose(logf);
+    free(in);
+    free(tg);
+    free(pdt);
+    free(inject);
+    data_close(&ds);
+    data_close(&vs);
+    optim_free(&opt);
+    model_free(&m);
+    shard_ckpt_close(ck);
+    return exit_code;
+}
