@@ -72,18 +72,76 @@ static shard_dtype pick_dtype(const char *how, shard_dtype src)
     return src;
 }
 
-static shard_status src_dtype(const source *src, const char *name, shard_dtype *dt, long *ci)
+
+
+/* One tensor to write: a model tensor of group params, an optimizer group's copy of
+ * one, or (reshard) a tensor of the fp8 group, written whole by rank 0. */
+typedef struct {
+    const char *group;
+    shard_tensor_spec spec; /* name and shape (role unused for fp8) */
+    size_t src_index;       /* reshard: the source tensor */
+    shard_dtype src_dt;
+} job;
+
+static job *make_jobs(const source *src, const shard_model_desc *d, size_t *n)
 {
-    if (src->init) { *dt = SHARD_DT_F32; return SHARD_OK; }
-    if (src->w) {
-        const shard_st_tensor *t = shard_weights_find(src->w, name);
-        *dt = t->dtype;
-        return SHARD_OK;
+    const size_t nt = shard_model_tensor_count(d);
+    size_t cap = nt + (src->c ? shard_ckpt_tensor_count(src->c) : 0);
+    job *j = calloc(cap + 1, sizeof *j);
+    if (!j) return NULL;
+    *n = 0;
+    if (!src->c) {
+        for (size_t i = 0; i < nt; i++) {
+            j[*n].group = "params";
+            shard_model_tensor(d, i, &j[*n].spec);
+            j[*n].src_dt = src->w ? shard_weights_find(src->w, j[*n].spec.name)->dtype : SHARD_DT_F32;
+            (*n)++;
+        }
+        return j;
     }
-    *ci = shard_ckpt_find(src->c, "params", name);
-    if (*ci < 0) return shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" is missing", shard_ckpt_dir(src->c), name);
-    *dt = shard_ckpt_tensor_at(src->c, (size_t)*ci)->dtype;
+    /* every tensor of the source, in the model's order within each group */
+    static const char *groups[] = {"params", "optim/master", "optim/exp_avg", "optim/exp_avg_sq", NULL};
+    for (int g = 0; groups[g]; g++)
+        for (size_t i = 0; i < nt; i++) {
+            shard_tensor_spec sp;
+            shard_model_tensor(d, i, &sp);
+            long ci = shard_ckpt_find(src->c, groups[g], sp.name);
+            if (ci < 0) continue; /* validated at open: params are complete */
+            j[*n] = (job){groups[g], sp, (size_t)ci, shard_ckpt_tensor_at(src->c, (size_t)ci)->dtype};
+            (*n)++;
+        }
+    for (size_t i = 0; i < shard_ckpt_tensor_count(src->c); i++) {
+        const shard_ckpt_tensor *t = shard_ckpt_tensor_at(src->c, i);
+        if (strcmp(t->group, "fp8")) continue;
+        job *x = &j[(*n)++];
+        x->group = "fp8";
+        snprintf(x->spec.name, sizeof x->spec.name, "%s", t->name);
+        x->spec.layer = -1;
+        x->spec.ndim = t->ndim > 2 ? 2 : t->ndim;
+        for (int k = 0; k < x->spec.ndim; k++) x->spec.shape[k] = t->shape[k];
+        x->src_index = i;
+        x->src_dt = t->dtype;
+    }
+    return j;
+}
+
+static shard_status piece_for(const shard_model_desc *d, const shard_layout *l, const int *stages, const job *jb, int rank,
+                              shard_piece *pc)
+{
+    if (!strcmp(jb->group, "params")) return shard_partition(d, l, stages, &jb->spec, rank, pc);
+    if (!strncmp(jb->group, "optim/", 6)) return shard_partition_optim(d, l, stages, &jb->spec, rank, pc);
+    /* fp8 scaling state: small, replicated; rank 0 stores it whole */
+    memset(pc, 0, sizeof *pc);
+    pc->holds = 1;
+    pc->writes = rank == 0;
+    pc->box.ndim = jb->spec.ndim;
+    for (int k = 0; k < jb->spec.ndim; k++) pc->box.len[k] = jb->spec.shape[k];
     return SHARD_OK;
+}
+
+static shard_dtype job_dtype(const args *a, const job *jb)
+{
+    return strcmp(jb->group, "params") ? jb->src_dt : pick_dtype(a->dtype, jb->src_dt);
 }
 
 /* Under mpirun the output ranks are split over the processes (rank r is written by
@@ -119,63 +177,57 @@ static shard_status convert(const args *a, const source *src, const shard_model_
     comp.threads = atoi(a->threads);
     struct stat ost;
     if (stat(a->out, &ost) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", a->out);
-    const size_t nt = shard_model_tensor_count(d);
     const int nranks = shard_layout_size(&l);
-    /* total bytes to write, for the progress line */
+    /* the jobs: the model's tensors (params), and for reshard every other group the
+     * source holds (optimizer state, fp8 scaling state) */
+    size_t nj = 0;
+    job *jobs = make_jobs(src, d, &nj);
+    if (!jobs) return shard_fail(SHARD_E_NOMEM, "out of memory");
     uint64_t total = 0;
-    shard_tensor_spec t;
     shard_piece pc;
-    for (int r = g_me; r < nranks; r += g_procs)
-        for (size_t i = 0; i < nt; i++) {
-            shard_model_tensor(d, i, &t);
-            if ((s = shard_partition(d, &l, stages, &t, r, &pc))) return s;
-            shard_dtype sdt;
-            long ci;
-            if ((s = src_dtype(src, t.name, &sdt, &ci))) return s;
-            if (pc.holds && pc.writes) total += shard_box_numel(&pc.box) * shard_dtype_size(pick_dtype(a->dtype, sdt));
+    for (int r = g_me; r < nranks && !s; r += g_procs)
+        for (size_t i = 0; i < nj && !s; i++) {
+            if ((s = piece_for(d, &l, stages, &jobs[i], r, &pc))) break;
+            if (pc.holds && pc.writes) total += shard_box_numel(&pc.box) * shard_dtype_size(job_dtype(a, &jobs[i]));
         }
     shard_ckpt_writer *cw = NULL;
     char staging[4096] = "";
-    if (g_me == 0) {
+    if (!s && g_me == 0) {
         s = shard_ckpt_begin(a->out, &cw);
         if (!s) snprintf(staging, sizeof staging, "%s", shard_ckpt_staging(cw));
     }
-    if ((s = agree(s))) return s;
+    if ((s = agree(s))) { free(jobs); shard_ckpt_abort(cw); return s; }
     if (g_procs > 1) MPI_Bcast(staging, sizeof staging, MPI_CHAR, 0, MPI_COMM_WORLD);
     progress pg;
     progress_start(&pg, "writing", total);
     for (int r = g_me; r < nranks && !s; r += g_procs) {
         shard_h5_writer *hw = NULL;
-        for (size_t i = 0; i < nt && !s; i++) {
-            shard_model_tensor(d, i, &t);
-            if ((s = shard_partition(d, &l, stages, &t, r, &pc))) break;
+        for (size_t i = 0; i < nj && !s; i++) {
+            const job *jb = &jobs[i];
+            if ((s = piece_for(d, &l, stages, jb, r, &pc))) break;
             uint64_t numel = shard_box_numel(&pc.box);
             if (!pc.holds || !pc.writes || numel == 0) continue;
             if (!hw) {
-                char name[64];
-                snprintf(name, sizeof name, "shard-%05d.h5", r);
                 char *p = malloc(strlen(staging) + 80);
-                sprintf(p, "%s/%s", staging, name);
+                sprintf(p, "%s/shard-%05d.h5", staging, r);
                 s = shard_h5_create(p, comp, &hw);
                 free(p);
                 if (s) break;
             }
-            shard_dtype sdt;
-            long ci = -1;
-            if ((s = src_dtype(src, t.name, &sdt, &ci))) break;
-            shard_dtype dt = pick_dtype(a->dtype, sdt);
+            shard_dtype dt = job_dtype(a, jb);
+            const shard_tensor_spec *t = &jb->spec;
             if (src->init) {
-                init_tensor it = {&t, src->seed, name_hash(t.name), d->initializer_range,
-                                  t.role == SHARD_T_NORM_ATTN || t.role == SHARD_T_NORM_MLP || t.role == SHARD_T_NORM_FINAL,
-                                  t.role == SHARD_T_EMBED ? src->pad_token : -1};
-                s = shard_h5_write_stream(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, init_fill, &it);
+                init_tensor it = {t, src->seed, name_hash(t->name), d->initializer_range,
+                                  t->role == SHARD_T_NORM_ATTN || t->role == SHARD_T_NORM_MLP || t->role == SHARD_T_NORM_FINAL,
+                                  t->role == SHARD_T_EMBED ? src->pad_token : -1};
+                s = shard_h5_write_stream(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, init_fill, &it);
             } else if (src->w) {
-                const shard_st_tensor *st = shard_weights_find(src->w, t.name);
-                s = shard_h5_write_piece(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, st->data, st->dtype);
+                const shard_st_tensor *st = shard_weights_find(src->w, t->name);
+                s = shard_h5_write_piece(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, st->data, st->dtype);
             } else {
                 /* the planner assembles this piece chunk by chunk from the stored ones */
-                ckpt_source cs = {src->c, (size_t)ci};
-                s = shard_h5_write_stream(hw, "params", t.name, dt, t.ndim, t.shape, &pc.box, fill_from_ckpt, &cs);
+                ckpt_source cs = {src->c, jb->src_index};
+                s = shard_h5_write_stream(hw, jb->group, t->name, dt, t->ndim, t->shape, &pc.box, fill_from_ckpt, &cs);
             }
             progress_add(&pg, numel * shard_dtype_size(dt));
         }
@@ -184,6 +236,7 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             else s = shard_h5_close(hw);
         }
     }
+    free(jobs);
     progress_end(&pg);
     s = agree(s);
     if (g_me != 0) return s; /* process 0 copies the extra files and commits */
@@ -214,7 +267,8 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             free(p);
         }
     }
-    if (!s && (s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, NULL, 0)) == SHARD_OK) cw = NULL;
+    const char *training = src->c ? shard_ckpt_training_json(src->c) : NULL; /* a training run moves with its state */
+    if (!s && (s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, training, 0)) == SHARD_OK) cw = NULL;
     shard_ckpt_abort(cw); /* NULL after a successful commit */
     return s;
 }

@@ -291,6 +291,13 @@ typedef struct {
 } shard_piece;
 shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, const int *layers_per_stage,
                              const shard_tensor_spec *t, int rank, shard_piece *out);
+/* The optimizer state's piece (fp32 master weights, Adam m and v; ZeRO-1): the
+ * parameter piece of the rank's (pp, tp) position split along dim 0 into dp*cp
+ * blocks of ceil(rows / (dp*cp)) rows; the rank at dp index i, cp index j holds
+ * block i*cp + j. writes: as for the parameters over tp (replicated kv heads and
+ * norms stored once, the tied copy not at all), and every block by its own rank. */
+shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout *l, const int *layers_per_stage,
+                                   const shard_tensor_spec *t, int rank, shard_piece *out);
 
 /* --------------------------------------------------------------- checkpoints */
 /* The SMP checkpoint format, version 1 (docs/FORMAT.md has it field by field):

@@ -152,3 +152,23 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
     out->writes = writes && shard_box_numel(b) > 0;
     return SHARD_OK;
 }
+
+shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout *l, const int *layers_per_stage,
+                                   const shard_tensor_spec *t, int rank, shard_piece *out)
+{
+    /* the (pp, tp) position's parameter piece, as its cp = dp = 0 rank holds it */
+    shard_coords c = shard_layout_coords(l, rank);
+    if (c.tp < 0) return shard_fail(SHARD_E_USAGE, "rank %d outside the layout", rank);
+    const int q = c.dp * l->cp + c.cp, parts = l->dp * l->cp;
+    c.cp = 0;
+    c.dp = 0;
+    shard_status s = shard_partition(d, l, layers_per_stage, t, shard_layout_rank(l, c), out);
+    if (s || !out->holds) return s;
+    /* ZeRO-1: that piece split along dim 0 over the dp*cp ranks of the position */
+    int64_t off, len;
+    block(out->box.len[0], parts, q, &off, &len);
+    out->box.off[0] += off;
+    out->box.len[0] = len;
+    out->writes = out->writes && shard_box_numel(&out->box) > 0;
+    return SHARD_OK;
+}
