@@ -265,6 +265,98 @@ out:
     return s;
 }
 
+static shard_status write_rank_file(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p,
+                                    const char *staging)
+{
+    int any = p->rank == 0 && m->fp8;
+    for (size_t i = 0; i < m->ntensors; i++)
+        any |= (p->pp[i].holds && p->pp[i].writes && m->numel[i]) || (p->op[i].writes && p->zn[i]);
+    if (!any) return SHARD_OK;
+    char name[64];
+    snprintf(name, sizeof name, "shard-%05d.h5", p->rank);
+    char *path = join(staging, name);
+    if (!path) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_h5_writer *hw;
+    shard_status s = shard_h5_create(path, a->compress, &hw);
+    free(path);
+    if (s) return s;
+    for (size_t i = 0; !s && i < m->ntensors; i++) {
+        const shard_tensor_spec *t = &m->spec[i];
+        if (p->pp[i].holds && p->pp[i].writes && m->numel[i])
+            s = shard_h5_write_local(hw, "params", t->name, a->param_dtypes ? a->param_dtypes[i] : SHARD_DT_F32, t->ndim,
+                                     t->shape, &p->pp[i].box, m->params + m->offset[i], SHARD_DT_F32);
+    }
+    const char *groups[3] = {"optim/master", "optim/exp_avg", "optim/exp_avg_sq"};
+    for (int g = 0; g < 3 && !s; g++) {
+        size_t base = 0;
+        for (size_t i = 0; !s && i < m->ntensors; i++) {
+            const shard_tensor_spec *t = &m->spec[i];
+            const float *src = g == 0 ? m->params + m->offset[i] + p->zoff[i] : (g == 1 ? o->m : o->v) + base;
+            if (p->op[i].writes && p->zn[i])
+                s = shard_h5_write_local(hw, groups[g], t->name, SHARD_DT_F32, t->ndim, t->shape, &p->op[i].box, src,
+                                         SHARD_DT_F32);
+            base += p->zn[i];
+        }
+    }
+    if (!s && p->rank == 0 && m->fp8) s = write_fp8(hw, m->fp8);
+    if (s) shard_h5_abort(hw);
+    else s = shard_h5_close(hw);
+    return s;
+}
+
+/* every rank learns whether any failed; the first failure's status, or
+ * SHARD_E_IO naming another rank */
+static shard_status agree(par_ctx *p, shard_status mine)
+{
+    int32_t v = (int32_t)mine;
+    if (shard_comm_allreduce(p->world, &v, 1, SHARD_DT_I32, SHARD_OP_MAX)) return shard_fail(SHARD_E_IO, "a collective failed");
+    if (!mine && v) return shard_fail((shard_status)v, "another rank failed to write its part of the checkpoint");
+    return mine;
+}
+
+shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p)
+{
+    char name[64];
+    snprintf(name, sizeof name, "step-%06lld", (long long)a->step);
+    char staging[4096];
+    memset(staging, 0, sizeof staging);
+    shard_ckpt_writer *cw = NULL;
+    shard_status s = SHARD_OK;
+    char *final_dir = join(a->run_dir, name);
+    if (!final_dir) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (p->rank == 0 && !s) {
+        if (mkdir_p(a->run_dir) != 0)
+            s = shard_fail(SHARD_E_IO, "%s: cannot create the run folder: %s", a->run_dir, strerror(errno));
+        if (!s) s = shard_ckpt_begin(final_dir, &cw);
+        if (!s) snprintf(staging, sizeof staging, "%s", shard_ckpt_staging(cw));
+    }
+    s = agree(p, s);
+    if (!s) s = shard_comm_broadcast(p->world, staging, sizeof staging, SHARD_DT_U8, 0);
+    if (!s) s = agree(p, write_rank_file(a, m, o, p, staging));
+    if (p->rank == 0) {
+        for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) {
+            const char *rel = shard_ckpt_extra_at(a->src, i);
+            char *ep = malloc(strlen(shard_ckpt_dir(a->src)) + strlen(rel) + 16);
+            if (!ep) {
+                s = shard_fail(SHARD_E_NOMEM, "out of memory");
+                break;
+            }
+            sprintf(ep, "%s/extra/%s", shard_ckpt_dir(a->src), rel);
+            s = shard_ckpt_add_extra(cw, ep, rel);
+            free(ep);
+        }
+        if (!s) {
+            s = shard_ckpt_commit(cw, a->config_json, a->config_len, &m->d, &p->l, p->stages, a->training_json, 1);
+            if (!s) cw = NULL;
+        }
+        if (!s) s = write_latest(a->run_dir, name);
+        if (cw) shard_ckpt_abort(cw);
+    }
+    s = agree(p, s);
+    free(final_dir);
+    return s;
+}
+
 static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
 {
     (void)sb; (void)flag; (void)ftw;

@@ -15,6 +15,7 @@
 
 #include "model.h"
 #include "optim.h"
+#include "par.h"
 #include "shard.h"
 
 /* path is a checkpoint (has smp.json) or a run folder (has latest): the checkpoint
@@ -43,6 +44,12 @@ typedef struct {
 shard_status ckptio_prepare(const char *run_dir);
 /* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it. */
 shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o);
+/* The same from every rank of p at once (collective over p->world): rank 0 begins
+ * the staging folder and broadcasts it, every rank writes shard-RRRRR.h5 with the
+ * pieces it stores (params where shard_partition says writes, the optimizer blocks
+ * where shard_partition_optim says writes; fp8 and extra/ files by rank 0), all
+ * agree, rank 0 commits and replaces latest. Every rank returns the same status. */
+shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p);
 /* Remove all but the newest `keep` step-NNNNNN folders of run_dir (keep 0: none
  * removed). Failures are reported as warnings only. */
 void ckptio_prune(const char *run_dir, int keep);

@@ -72,6 +72,19 @@ float optim_clip(float *grads, size_t n, double norm, float clip)
     return coef < 1.0f ? coef : 1.0f;
 }
 
+void optim_step_blocks(optim *o, model *m, float lr, const size_t *zoff, const size_t *zn)
+{
+    o->t++;
+    size_t base = 0;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        size_t off = m->offset[i] + zoff[i];
+        float wd = m->spec[i].ndim >= 2 ? o->h.weight_decay : 0.0f;
+        if (zn[i])
+            op_adamw(m->params + off, m->grads + off, o->m + base, o->v + base, zn[i], lr, o->h.beta1, o->h.beta2,
+                     o->h.eps, wd, (int)o->t);
+        base += zn[i];
+    }
+}
 void optim_step(optim *o, model *m, float lr)
 {
     o->t++;

@@ -44,5 +44,8 @@ double optim_sumsq(const float *x, size_t n);
 float optim_clip(float *grads, size_t n, double norm, float clip);
 /* One AdamW update of every tensor of m with learning rate lr. */
 void optim_step(optim *o, model *m, float lr);
+/* The same on blocks: tensor i's elements [zoff[i], zoff[i] + zn[i]) of m->params and
+ * m->grads, with Adam's moments packed in o->m, o->v in tensor order (ZeRO-1). */
+void optim_step_blocks(optim *o, model *m, float lr, const size_t *zoff, const size_t *zn);
 
 #endif

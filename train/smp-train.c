@@ -18,7 +18,10 @@
 #include "fp8.h"
 #include "model.h"
 #include "optim.h"
+#include "par.h"
 #include "shard.h"
+
+#include <mpi.h>
 
 static const char HELP[] =
     "usage: smp-train --ckpt CKPT|RUN_DIR --data TOKENS --save-dir RUN_DIR [options]\n"
@@ -34,7 +37,8 @@ static const char HELP[] =
     "  --val-every N             validate every N steps (default: when saving)\n"
     "  --val-batches N           validation batches of B/M sequences (default 8)\n"
     "  --save-dir RUN_DIR        where step-NNNNNN/ checkpoints and `latest` go\n"
-    "  --layout L                pp=1,tp=1,cp=1,dp=1 only, in this build\n"
+    "  --layout L                dp=D (the ranks under mpirun; default dp=<ranks>); tp, cp\n"
+    "                            and pp come in later steps of the parallel issue\n"
     "  --steps N                 optimizer steps of the run (required for a new run)\n"
     "  --batch B                 sequences per step (default 8)\n"
     "  --microbatches M          gradient accumulation: B/M sequences at a time (default 1)\n"
@@ -62,6 +66,8 @@ static const char HELP[] =
     "                            DIR/grads.safetensors (fp32, unclipped) and exit\n"
     "  --inject-nan STEPS        testing aid: make the loss of these steps (1-based,\n"
     "                            comma-separated) NaN\n"
+    "  --inject-fail RANK:STEP   testing aid: rank RANK fails with an error in the middle of\n"
+    "                            step STEP (1-based; after its backward pass)\n"
     "\n"
     "SIGTERM or SIGINT: finish the current step, save a checkpoint, exit 0.\n"
     "The log's loss is the mean over the step's B*S target tokens.\n";
@@ -79,13 +85,14 @@ enum {
     O_CKPT, O_DATA, O_VAL_DATA, O_VAL_EVERY, O_VAL_BATCHES, O_SAVE_DIR, O_LAYOUT, O_STEPS, O_BATCH, O_MICRO, O_SEQ,
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
-    O_INJECT_NAN, O_COUNT
+    O_INJECT_NAN, O_INJECT_FAIL, O_COUNT
 };
 static const char *OPT_NAMES[O_COUNT] = {
     "--ckpt", "--data", "--val-data", "--val-every", "--val-batches", "--save-dir", "--layout", "--steps", "--batch",
     "--microbatches", "--seq", "--lr", "--warmup", "--lr-min", "--schedule", "--seed", "--clip", "--weight-decay",
     "--beta1", "--beta2", "--eps", "--max-bad", "--fp8", "--fp8-history", "--fp8-margin", "--backend",
-    "--save-every", "--keep", "--compress", "--log", "--stop-at", "--dump-grads", "--inject-nan"};
+    "--save-every", "--keep", "--compress", "--log", "--stop-at", "--dump-grads", "--inject-nan",
+    "--inject-fail"};
 
 typedef struct {
     const char *v[O_COUNT];
@@ -305,10 +312,37 @@ static shard_status dump_grads(const char *dir, const model *m, double loss)
     return shard_st_writer_finish(w);
 }
 
+static int train_main(int argc, char **argv, par_ctx *P);
+
 int main(int argc, char **argv)
 {
     cli_init("smp-train");
     if (cli_std_flags(argc, argv, HELP)) return 0;
+    const int mpi = par_launched_by_mpirun();
+    if (mpi) MPI_Init(&argc, &argv);
+    par_ctx P;
+    shard_status s = par_init_world(&P, mpi);
+    if (s) {
+        int rc = cli_fail(s);
+        if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
+        return rc;
+    }
+    int rc = train_main(argc, argv, &P);
+    /* an error on one rank may leave the others waiting in a collective: end them all
+     * (exit codes other than 0 come from errors, or from the agreed stop after too
+     * many bad steps, which every rank reaches together) */
+    if (P.size > 1 && rc != 0) {
+        fflush(stdout);
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, rc);
+    }
+    par_free(&P);
+    if (mpi) MPI_Finalize();
+    return rc;
+}
+
+static int train_main(int argc, char **argv, par_ctx *P)
+{
     options o = {{0}};
     for (int i = 1; i < argc; i++) {
         int k = 0;
@@ -319,14 +353,23 @@ int main(int argc, char **argv)
     }
     if (!o.v[O_CKPT] || !o.v[O_DATA]) return cli_usage("--ckpt and --data are required");
     if (!o.v[O_SAVE_DIR] && !o.v[O_DUMP_GRADS]) return cli_usage("--save-dir is required");
+    shard_layout lay = {1, 1, 1, P->size};
     if (o.v[O_LAYOUT]) {
-        shard_layout l;
-        shard_status s = shard_layout_parse(o.v[O_LAYOUT], &l);
+        shard_status s = shard_layout_parse(o.v[O_LAYOUT], &lay);
         if (s) return cli_usage("--layout: %s", shard_errmsg());
-        if (shard_layout_size(&l) != 1)
-            return cli_usage("--layout %s: parallel layouts come with the parallel training issue; this smp-train runs on "
-                             "one rank (pp=1,tp=1,cp=1,dp=1)", o.v[O_LAYOUT]);
     }
+    if (shard_layout_size(&lay) != P->size) {
+        char lb[64];
+        return cli_usage("--layout %s is a parallel layout of %d ranks, but %d processes run (start them with "
+                         "mpirun -np %d)",
+                         shard_layout_format(&lay, lb, sizeof lb), shard_layout_size(&lay), P->size,
+                         shard_layout_size(&lay));
+    }
+    if (lay.tp > 1 || lay.cp > 1 || lay.pp > 1)
+        return cli_usage("--layout: this smp-train runs data parallelism (dp=D) only; tensor, context and pipeline "
+                         "parallelism come in later steps");
+    if (P->size > 1 && o.v[O_DUMP_GRADS]) return cli_usage("--dump-grads runs on one rank");
+    const int me0 = P->rank == 0;
     if (o.v[O_BACKEND] && strcmp(o.v[O_BACKEND], "cpu")) {
         if (!strcmp(o.v[O_BACKEND], "cuda"))
             return cli_usage("--backend cuda: the CUDA training backend comes with its own issue; this build trains on "
@@ -356,6 +399,10 @@ int main(int argc, char **argv)
     FILE *logf = NULL;
 #define OUT(code) do { exit_code = (code); goto done; } while (0)
     if ((rc = parse_steps_list(o.v[O_INJECT_NAN], &inject, &ninject))) OUT(rc);
+    long long fail_rank = -1, fail_step = -1;
+    if (o.v[O_INJECT_FAIL] && (sscanf(o.v[O_INJECT_FAIL], "%lld:%lld", &fail_rank, &fail_step) != 2 || fail_rank < 0 ||
+                               fail_step < 1))
+        OUT(cli_usage("--inject-fail takes RANK:STEP (STEP >= 1)"));
 
     /* the model and, when the checkpoint has one, the run it continues */
     shard_status s = ckptio_open_model(o.v[O_CKPT], &ck, &m);
@@ -397,29 +444,33 @@ int main(int argc, char **argv)
     }
     if (o.v[O_FP8]) c.fp8 = !strcmp(o.v[O_FP8], "delayed") ? FP8_DELAYED : !strcmp(o.v[O_FP8], "current") ? FP8_CURRENT : FP8_OFF;
     if (c.steps < 1) OUT(cli_usage("--steps is required for a new run"));
-    if (c.batch % c.micro) OUT(cli_usage("--batch %lld is not divisible by --microbatches %lld", (long long)c.batch, (long long)c.micro));
+    if (c.batch % ((int64_t)lay.dp * c.micro))
+        OUT(cli_usage("--batch %lld is not divisible by dp %d x --microbatches %lld", (long long)c.batch, lay.dp,
+                      (long long)c.micro));
     if ((int64_t)c.batch / c.micro * c.seq > INT32_MAX / 4) OUT(cli_usage("--batch / --microbatches * --seq is too large"));
     if (m.d.max_positions > 0 && c.seq > m.d.max_positions)
         fprintf(stderr, "smp-train: warning: --seq %lld exceeds max_position_embeddings %lld\n", (long long)c.seq,
                 (long long)m.d.max_positions);
     if (resumed && c.step >= c.steps && !o.v[O_DUMP_GRADS]) {
-        printf("%s is at step %lld of %lld: nothing to do\n", shard_ckpt_dir(ck), (long long)c.step, (long long)c.steps);
+        if (me0) printf("%s is at step %lld of %lld: nothing to do\n", shard_ckpt_dir(ck), (long long)c.step, (long long)c.steps);
         OUT(0);
     }
-    const int Bm = (int)(c.batch / c.micro), S = (int)c.seq;
+    const int Bm = (int)(c.batch / lay.dp / c.micro), S = (int)c.seq;
 
     /* weights: the fp32 master copy when saved, else the parameters */
     int have_master = 0, have_p = 0, have_m = 0, have_v = 0;
-    if ((s = ckptio_read_group(ck, &m, "optim/master", m.params, &have_master))) OUT(cli_fail(s));
-    if (!have_master && (s = ckptio_read_group(ck, &m, "params", m.params, &have_p))) OUT(cli_fail(s));
+    const int stages1[1] = {m.L};
+    if ((s = par_setup(P, &lay, stages1, &m))) OUT(cli_fail(s));
+    if ((s = par_read_params(P, ck, &m, "optim/master", &have_master))) OUT(cli_fail(s));
+    if (!have_master && (s = par_read_params(P, ck, &m, "params", &have_p))) OUT(cli_fail(s));
     if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     pdt = calloc(m.ntensors, sizeof *pdt);
     if (!pdt) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
     ckptio_param_dtypes(ck, &m, pdt);
     optim_hparams h = {c.lr, c.lr_min, c.warmup, c.steps, c.cosine, c.beta1, c.beta2, c.eps, c.wd, c.clip};
-    if ((s = optim_create(&opt, &h, m.nparams))) OUT(cli_fail(s));
-    if ((s = ckptio_read_group(ck, &m, "optim/exp_avg", opt.m, &have_m)) ||
-        (s = ckptio_read_group(ck, &m, "optim/exp_avg_sq", opt.v, &have_v)))
+    if ((s = optim_create(&opt, &h, P->zsum))) OUT(cli_fail(s));
+    if ((s = par_read_optim(P, ck, &m, "optim/exp_avg", opt.m, &have_m)) ||
+        (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.v, &have_v)))
         OUT(cli_fail(s));
     if (resumed && c.opt_step > 0 && !(have_master && have_m && have_v))
         OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: the training state is at optimizer step %lld but the optimizer "
@@ -436,12 +487,12 @@ int main(int argc, char **argv)
     if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
     data_set_order(&ds, c.shuffle, c.seed);
     if (o.v[O_VAL_DATA] && (s = data_open(&vs, o.v[O_VAL_DATA], S, m.d.vocab))) OUT(cli_fail(s));
-    if (!o.v[O_DUMP_GRADS] && (s = ckptio_prepare(o.v[O_SAVE_DIR]))) OUT(cli_fail(s));
+    if (me0 && !o.v[O_DUMP_GRADS] && (s = ckptio_prepare(o.v[O_SAVE_DIR]))) OUT(cli_fail(s));
     in = malloc((size_t)Bm * S * sizeof *in);
     tg = malloc((size_t)Bm * S * sizeof *tg);
     if (!in || !tg) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
 
-    if (o.v[O_LOG] && !(logf = fopen(o.v[O_LOG], "a")))
+    if (me0 && o.v[O_LOG] && !(logf = fopen(o.v[O_LOG], "a")))
         OUT(cli_fail(shard_fail(SHARD_E_IO, "%s: cannot open: %s", o.v[O_LOG], strerror(errno))));
 
     struct sigaction sa;
@@ -453,16 +504,19 @@ int main(int argc, char **argv)
     sigaction(SIGINT, &sa, NULL);
 
     char cbuf[32];
-    if (!o.v[O_DUMP_GRADS])
+    if (!o.v[O_DUMP_GRADS] && me0)
         fprintf(stderr, "smp-train: %s: %s parameters, step %lld of %lld, batch %lld x %lld tokens (%lld microbatches), %s order%s\n",
                 shard_ckpt_dir(ck), cli_count(cbuf, m.nparams), (long long)c.step, (long long)c.steps, (long long)c.batch,
                 (long long)c.seq, (long long)c.micro, c.shuffle ? "shuffled" : "sequential",
                 c.fp8 ? (c.fp8 == FP8_DELAYED ? ", fp8 delayed" : ", fp8 current") : "");
 
     const size_t cfg_len = strlen(shard_ckpt_config_json(ck));
-    const int tty = isatty(2);
+    const int tty = me0 && isatty(2);
     const double t_start = now_seconds();
     const float loss_scale = (float)(1.0 / ((double)c.batch * (double)c.seq));
+    /* replica r takes its contiguous B/D of the step's sequences */
+    const uint64_t replica_first = (uint64_t)P->g.me.dp * (uint64_t)(c.batch / lay.dp);
+
     int64_t bad_run = 0, saved_step = resumed ? c.step : -1;
     double ema_dt = 0.0;
 
@@ -470,16 +524,26 @@ int main(int argc, char **argv)
     while ((c.step < c.steps && !(c.stop_at && c.step >= c.stop_at)) || o.v[O_DUMP_GRADS]) {
         const double t0 = now_seconds();
         model_zero_grads(&m);
+        shard_comm *kinds[5] = {P->g.tp, P->g.cp, P->g.pp, P->g.dp, P->g.dpcp};
+        for (int k = 0; k < 5; k++)
+            if (kinds[k]) shard_comm_reset_bytes(kinds[k]);
         double lsum = 0.0;
         for (int mb = 0; mb < c.micro; mb++) {
-            if ((s = data_fill(&ds, (uint64_t)c.position + (uint64_t)mb * Bm, Bm, in, tg))) OUT(cli_fail(s));
+            if ((s = data_fill(&ds, (uint64_t)c.position + replica_first + (uint64_t)mb * Bm, Bm, in, tg)))
+                OUT(cli_fail(s));
             lsum += model_forward(&m, in, tg);
             model_backward(&m, in, tg, loss_scale);
         }
+        if (P->rank == fail_rank && c.step + 1 == fail_step)
+            OUT(cli_fail(shard_fail(SHARD_E_IO, "rank %d: injected failure (--inject-fail) in step %lld", P->rank,
+                                    (long long)c.step + 1)));
+        if (lay.dp > 1 && (s = par_allreduce_f64(P, P->g.dp, &lsum, 1, SHARD_OP_SUM))) OUT(cli_fail(s));
         double loss = lsum / ((double)c.batch * (double)c.seq);
         for (int k = 0; k < ninject; k++)
             if (inject[k] == c.step + 1) loss = NAN;
-        const double norm = sqrt(optim_sumsq(m.grads, m.nparams));
+        double sumsq;
+        if ((s = par_reduce_grads(P, &m, &sumsq))) OUT(cli_fail(s));
+        const double norm = sqrt(sumsq);
         if (o.v[O_DUMP_GRADS]) {
             if ((s = dump_grads(o.v[O_DUMP_GRADS], &m, loss))) OUT(cli_fail(s));
             printf("step %lld: loss %.9g, gradients in %s/grads.safetensors\n", (long long)c.step + 1, loss, o.v[O_DUMP_GRADS]);
@@ -487,18 +551,23 @@ int main(int argc, char **argv)
         }
         const float lr = optim_lr(&opt.h, c.step);
         const int bad = !isfinite(loss) || !isfinite(norm);
+        /* delayed scaling: every rank's amaxes of the step (the activations and
+         * gradients of its sequences) reduced to the max over all, as one rank sees */
+        if (m.fp8 && P->size > 1 &&
+            (s = shard_comm_allreduce(P->world, m.fp8->step_amax, (size_t)m.fp8->nlin * FP8_ROLES, SHARD_DT_F32,
+                                      SHARD_OP_MAX)))
+            OUT(cli_fail(s));
         c.step++;
         c.position += c.batch;
         c.tokens += (uint64_t)c.batch * (uint64_t)c.seq;
         if (bad) {
             bad_run++;
             if (m.fp8) fp8_step_end(m.fp8, 1);
-            fprintf(stderr, "%ssmp-train: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped (%lld in a row)\n",
+            if (me0) fprintf(stderr, "%ssmp-train: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped (%lld in a row)\n",
                     tty ? "\r\033[K" : "", (long long)c.step, loss, norm, (long long)bad_run);
         } else {
             bad_run = 0;
-            optim_clip(m.grads, m.nparams, norm, opt.h.clip);
-            optim_step(&opt, &m, lr);
+            if ((s = par_update(P, &m, &opt, norm, lr))) OUT(cli_fail(s));
             c.opt_step = opt.t;
             if (m.fp8) fp8_step_end(m.fp8, 0);
         }
@@ -507,6 +576,7 @@ int main(int argc, char **argv)
         double val = NAN;
         /* periodic saves wait for a good step; skipped steps leave the weights as
          * they were, so the end of the run (or a signal) saves in any case */
+        if (P->size > 1) stop_requested = par_any(P, stop_requested);
         int do_save = (!bad_run && c.save_every && c.step % c.save_every == 0) || stop_requested ||
                       c.step == c.steps || (c.stop_at && c.step >= c.stop_at);
         if (vs.nfiles && !bad_run &&
@@ -526,6 +596,15 @@ int main(int argc, char **argv)
             log_num(logf, "tokens_per_s", tps, "%.1f");
             log_num(logf, "elapsed_s", t1 - t_start, "%.3f");
             fprintf(logf, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)c.tokens, bad ? "true" : "false");
+            /* bytes this rank sent in the step, by kind (dp: the ZeRO-1 collectives over
+             * the dp*cp group and the loss all-reduce over dp) */
+            if (P->size > 1) {
+                uint64_t b[5];
+                for (int k = 0; k < 5; k++) b[k] = kinds[k] ? shard_comm_bytes(kinds[k]) : 0;
+                fprintf(logf, ",\"bytes_tp\":%llu,\"bytes_cp\":%llu,\"bytes_pp\":%llu,\"bytes_dp\":%llu",
+                        (unsigned long long)b[0], (unsigned long long)b[1], (unsigned long long)b[2],
+                        (unsigned long long)(b[3] + b[4]));
+            }
             if (!isnan(val)) log_num(logf, "val_loss", val, "%.17g");
             fputs("}\n", logf);
             fflush(logf);
@@ -542,7 +621,7 @@ int main(int argc, char **argv)
             if (tty) fputc('\n', stderr);
             char last[64] = "none in this run";
             if (saved_step >= 0) snprintf(last, sizeof last, "step %lld", (long long)saved_step);
-            fprintf(stderr, "smp-train: error: %lld steps in a row had a non-finite loss or gradient (the last at step %lld); "
+            if (me0) fprintf(stderr, "smp-train: error: %lld steps in a row had a non-finite loss or gradient (the last at step %lld); "
                             "stopping without saving (last checkpoint: %s)\n",
                     (long long)bad_run, (long long)c.step, last);
             exit_code = 1;
@@ -552,24 +631,24 @@ int main(int argc, char **argv)
             char *tj = state_json(&c, &ds, m.fp8, c.elapsed_before + (now_seconds() - t_start));
             if (!tj) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
             ckptio_save_args sa_ = {o.v[O_SAVE_DIR], c.step, shard_ckpt_config_json(ck), cfg_len, ck, pdt, comp, tj};
-            s = ckptio_save(&sa_, &m, &opt);
+            s = P->size > 1 ? ckptio_save_par(&sa_, &m, &opt, P) : ckptio_save(&sa_, &m, &opt);
             free(tj);
             if (s) {
                 if (tty) fputc('\n', stderr);
                 OUT(cli_fail(s));
             }
             saved_step = c.step;
-            ckptio_prune(o.v[O_SAVE_DIR], (int)c.keep);
+            if (me0) ckptio_prune(o.v[O_SAVE_DIR], (int)c.keep);
         }
         if (stop_requested) {
             if (tty) fputc('\n', stderr);
-            fprintf(stderr, "smp-train: stopped by a signal after step %lld; saved %s/step-%06lld\n", (long long)c.step,
+            if (me0) fprintf(stderr, "smp-train: stopped by a signal after step %lld; saved %s/step-%06lld\n", (long long)c.step,
                     o.v[O_SAVE_DIR], (long long)c.step);
             break;
         }
     }
     if (tty && exit_code == 0 && !stop_requested) fputc('\n', stderr);
-    if (exit_code == 0 && !stop_requested)
+    if (exit_code == 0 && !stop_requested && me0)
         fprintf(stderr, "smp-train: step %lld of %lld, %s tokens seen; checkpoint %s/step-%06lld\n", (long long)c.step,
                 (long long)c.steps, cli_count(cbuf, c.tokens), o.v[O_SAVE_DIR], (long long)saved_step);
 done:

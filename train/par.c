@@ -1,0 +1,226 @@
+/* train/par.c: smp-train across processes (par.h). */
+#include "par.h"
+
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+int par_launched_by_mpirun(void)
+{
+    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
+}
+
+shard_status par_init_world(par_ctx *p, int mpi)
+{
+    memset(p, 0, sizeof *p);
+    p->mpi = mpi;
+    shard_status s = mpi ? shard_comm_mpi_world(&p->world) : shard_comm_self(&p->world);
+    if (s) return s;
+    p->rank = shard_comm_rank(p->world);
+    p->size = shard_comm_size(p->world);
+    return SHARD_OK;
+}
+
+void par_free(par_ctx *p)
+{
+    shard_groups_free(&p->g);
+    shard_comm_free(p->world);
+    free(p->pp); free(p->op); free(p->rowsz); free(p->rows); free(p->blkrows); free(p->zoff); free(p->zn);
+    free(p->zbase); free(p->send); free(p->recv);
+    memset(p, 0, sizeof *p);
+}
+
+shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, const model *m)
+{
+    p->l = *l;
+    memcpy(p->stages, stages, (size_t)l->pp * sizeof *stages);
+    shard_status s = shard_groups_create(p->world, l, &p->g);
+    if (s) return s;
+    p->ndp = l->dp * l->cp;
+    const size_t n = m->ntensors;
+    p->pp = calloc(n, sizeof *p->pp);
+    p->op = calloc(n, sizeof *p->op);
+    p->rowsz = calloc(n, sizeof(size_t));
+    p->rows = calloc(n, sizeof(size_t));
+    p->blkrows = calloc(n, sizeof(size_t));
+    p->zoff = calloc(n, sizeof(size_t));
+    p->zn = calloc(n, sizeof(size_t));
+    p->zbase = calloc(n, sizeof(size_t));
+    if (!p->pp || !p->op || !p->rowsz || !p->rows || !p->blkrows || !p->zoff || !p->zn || !p->zbase)
+        return shard_fail(SHARD_E_NOMEM, "out of memory");
+    const int k = shard_comm_rank(p->g.dpcp);
+    p->zpad = p->zsum = 0;
+    for (size_t i = 0; i < n; i++) {
+        if ((s = shard_partition(&m->d, l, stages, &m->spec[i], p->rank, &p->pp[i])) ||
+            (s = shard_partition_optim(&m->d, l, stages, &m->spec[i], p->rank, &p->op[i])))
+            return s;
+        const shard_box *b = &p->pp[i].box;
+        size_t rows = 0, rowsz = 1;
+        if (p->pp[i].holds) {
+            rows = (size_t)b->len[0];
+            for (int d = 1; d < b->ndim; d++) rowsz *= (size_t)b->len[d];
+        }
+        if (rows * rowsz != m->numel[i])
+            return shard_fail(SHARD_E_INTERNAL, "%s: this rank's piece (%zu elements) is not the model's local tensor (%zu)",
+                              m->spec[i].name, rows * rowsz, m->numel[i]);
+        size_t br = (rows + (size_t)p->ndp - 1) / (size_t)p->ndp;
+        size_t r0 = (size_t)k * br < rows ? (size_t)k * br : rows;
+        size_t r1 = r0 + br < rows ? r0 + br : rows;
+        /* the block must be shard_partition_optim's box */
+        const shard_box *ob = &p->op[i].box;
+        if (p->pp[i].holds && (r1 > r0) &&
+            ((size_t)(ob->off[0] - b->off[0]) != r0 || (size_t)ob->len[0] != r1 - r0))
+            return shard_fail(SHARD_E_INTERNAL, "%s: the optimizer block of rank %d differs from shard_partition_optim's",
+                              m->spec[i].name, p->rank);
+        p->rows[i] = rows;
+        p->rowsz[i] = rowsz;
+        p->blkrows[i] = br;
+        p->zoff[i] = r0 * rowsz;
+        p->zn[i] = (r1 - r0) * rowsz;
+        p->zbase[i] = p->zpad;
+        p->zpad += br * rowsz;
+        p->zsum += p->zn[i];
+    }
+    if (p->ndp > 1) {
+        p->send = malloc((p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
+        p->recv = malloc((p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
+        if (!p->send || !p->recv) return shard_fail(SHARD_E_NOMEM, "out of memory for the ZeRO-1 buffers");
+    }
+    return SHARD_OK;
+}
+
+static shard_status check_shape(shard_ckpt *c, const shard_tensor_spec *t, const char *group, long k)
+{
+    const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)k);
+    int same = ct->ndim == t->ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = ct->shape[d] == t->shape[d];
+    if (!same)
+        return shard_fail(SHARD_E_INVALID, "%s: %s/%s has a shape other than the model's", shard_ckpt_dir(c), group,
+                          t->name);
+    return SHARD_OK;
+}
+
+static size_t group_found(shard_ckpt *c, const model *m, const char *group)
+{
+    size_t found = 0;
+    for (size_t i = 0; i < m->ntensors; i++) found += shard_ckpt_find(c, group, m->spec[i].name) >= 0;
+    return found;
+}
+
+shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const char *group, int *present)
+{
+    *present = group_found(c, m, group) > 0;
+    if (!*present) return SHARD_OK;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        long k = shard_ckpt_find(c, group, m->spec[i].name);
+        if (k < 0) return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, m->spec[i].name);
+        shard_status s = check_shape(c, &m->spec[i], group, k);
+        if (s) return s;
+        if (!p->pp[i].holds || !m->numel[i]) continue;
+        if ((s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, m->params + m->offset[i], SHARD_DT_F32))) return s;
+    }
+    return SHARD_OK;
+}
+
+shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present)
+{
+    *present = group_found(c, m, group) > 0;
+    if (!*present) return SHARD_OK;
+    size_t base = 0;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        long k = shard_ckpt_find(c, group, m->spec[i].name);
+        if (k < 0) return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, m->spec[i].name);
+        shard_status s = check_shape(c, &m->spec[i], group, k);
+        if (s) return s;
+        if (p->zn[i] && (s = shard_ckpt_read(c, (size_t)k, &p->op[i].box, dst + base, SHARD_DT_F32))) return s;
+        base += p->zn[i];
+    }
+    return SHARD_OK;
+}
+
+/* block r of tensor i: [r0, r0 + n) elements of its local array */
+static void block_of(const par_ctx *p, size_t i, int r, size_t *off, size_t *n)
+{
+    size_t rows = p->rows[i], br = p->blkrows[i];
+    size_t r0 = (size_t)r * br < rows ? (size_t)r * br : rows;
+    size_t r1 = r0 + br < rows ? r0 + br : rows;
+    *off = r0 * p->rowsz[i];
+    *n = (r1 - r0) * p->rowsz[i];
+}
+
+shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
+{
+    shard_status s;
+    if (p->size == 1) { /* the single-rank trainer's norm, bit for bit */
+        *sumsq = optim_sumsq(m->grads, m->nparams);
+        return SHARD_OK;
+    }
+    if (p->ndp > 1) {
+        for (int r = 0; r < p->ndp; r++) {
+            float *dst = p->send + (size_t)r * p->zpad;
+            for (size_t i = 0; i < m->ntensors; i++) {
+                size_t off, n, pad = p->blkrows[i] * p->rowsz[i];
+                block_of(p, i, r, &off, &n);
+                memcpy(dst + p->zbase[i], m->grads + m->offset[i] + off, n * sizeof(float));
+                memset(dst + p->zbase[i] + n, 0, (pad - n) * sizeof(float));
+            }
+        }
+        if ((s = shard_comm_reduce_scatter(p->g.dpcp, p->send, p->recv, p->zpad, SHARD_DT_F32, SHARD_OP_SUM))) return s;
+        for (size_t i = 0; i < m->ntensors; i++)
+            memcpy(m->grads + m->offset[i] + p->zoff[i], p->recv + p->zbase[i], p->zn[i] * sizeof(float));
+    }
+    double ss = 0.0;
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (p->op[i].writes && p->zn[i]) ss += optim_sumsq(m->grads + m->offset[i] + p->zoff[i], p->zn[i]);
+    if ((s = shard_comm_allreduce(p->world, &ss, 1, SHARD_DT_F64, SHARD_OP_SUM))) return s;
+    *sumsq = ss;
+    return SHARD_OK;
+}
+
+shard_status par_update(par_ctx *p, model *m, optim *o, double norm, float lr)
+{
+    if (p->size == 1) {
+        optim_clip(m->grads, m->nparams, norm, o->h.clip);
+        optim_step(o, m, lr);
+        return SHARD_OK;
+    }
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (p->zn[i]) optim_clip(m->grads + m->offset[i] + p->zoff[i], p->zn[i], norm, o->h.clip);
+    optim_step_blocks(o, m, lr, p->zoff, p->zn);
+    if (p->ndp > 1) {
+        for (size_t i = 0; i < m->ntensors; i++) {
+            size_t pad = p->blkrows[i] * p->rowsz[i];
+            memcpy(p->send + p->zbase[i], m->params + m->offset[i] + p->zoff[i], p->zn[i] * sizeof(float));
+            memset(p->send + p->zbase[i] + p->zn[i], 0, (pad - p->zn[i]) * sizeof(float));
+        }
+        shard_status s = shard_comm_allgather(p->g.dpcp, p->send, p->recv, p->zpad, SHARD_DT_F32);
+        if (s) return s;
+        for (int r = 0; r < p->ndp; r++) {
+            const float *src = p->recv + (size_t)r * p->zpad;
+            for (size_t i = 0; i < m->ntensors; i++) {
+                size_t off, n;
+                block_of(p, i, r, &off, &n);
+                memcpy(m->params + m->offset[i] + off, src + p->zbase[i], n * sizeof(float));
+            }
+        }
+    }
+    return SHARD_OK;
+}
+
+shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op)
+{
+    (void)p;
+    return shard_comm_allreduce(c, v, (size_t)n, SHARD_DT_F64, op);
+}
+
+int par_any(par_ctx *p, int mine)
+{
+    if (p->size == 1) return mine;
+    int32_t v = mine;
+    if (shard_comm_allreduce(p->world, &v, 1, SHARD_DT_I32, SHARD_OP_MAX)) {
+        fprintf(stderr, "smp-train: error: rank %d: a collective failed: %s\n", p->rank, shard_errmsg());
+        MPI_Abort(MPI_COMM_WORLD, 1);
+    }
+    return v;
+}
