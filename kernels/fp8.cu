@@ -1,0 +1,161 @@
+/* kernels/fp8.cu: FP8 quantize (with amax), dequantize and byte transpose (CUDA).
+ *
+ * Bit-exact with libshard's shard_fp8_quantize: the product x * scale is one fp32
+ * multiply (no contraction), then the hardware conversion with saturation to the
+ * largest finite value (__NV_SATFINITE), rounding to nearest even, which is what
+ * clamp-then-round gives. NaN is handled before the multiply, because the GPU's
+ * arithmetic returns a canonical NaN without the input's sign, while libshard keeps
+ * the sign: NaN -> sign | 0x7f (E4M3) or sign | 0x7e (E5M2), as ml_dtypes. */
+#include "cuda_common.cuh"
+
+__device__ __forceinline__ uint8_t fp8_quantize1(float x, float scale, bool e5m2)
+{
+    if (isnan(x)) return (uint8_t)((signbit(x) ? 0x80 : 0x00) | (e5m2 ? 0x7e : 0x7f));
+    const float y = __fmul_rn(x, scale);
+    return (uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, e5m2 ? __NV_E5M2 : __NV_E4M3);
+}
+
+__device__ __forceinline__ float fp8_value(uint8_t b, bool e5m2)
+{
+    __half_raw h = __nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)b, e5m2 ? __NV_E5M2 : __NV_E4M3);
+    return __half2float(__half(h));
+}
+
+enum { Q_THREADS = 256, Q_E = 8 }; /* Q_E elements per thread and step: 8 output bytes */
+
+template <typename T, bool VEC>
+__global__ void __launch_bounds__(Q_THREADS) fp8_quantize_kernel(uint8_t *q, float *amax, const T *x, size_t n,
+                                                                 const float *scale_p, bool e5m2)
+{
+    __shared__ float red[32];
+    const float scale = *scale_p;
+    float mx = 0.0f;
+    bool nan = false;
+    const size_t nv = VEC ? n / Q_E : n;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nv; i += (size_t)gridDim.x * blockDim.x) {
+        if (VEC) {
+            constexpr int PN = Pack<T>::N;
+            float v[Q_E];
+            for (int p = 0; p < Q_E / PN; p++) {
+                Pack<T> pk = ld_pack(x + i * Q_E + p * PN);
+                for (int e = 0; e < PN; e++) v[p * PN + e] = to_f(pk.v[e]);
+            }
+            union { uint2 u; uint8_t b[8]; } o;
+            for (int e = 0; e < Q_E; e++) {
+                float a = fabsf(v[e]);
+                mx = fmaxf(mx, a);
+                nan |= isnan(a);
+                o.b[e] = fp8_quantize1(v[e], scale, e5m2);
+            }
+            *reinterpret_cast<uint2 *>(q + i * Q_E) = o.u;
+        } else {
+            float v = ld_f(x + i), a = fabsf(v);
+            mx = fmaxf(mx, a);
+            nan |= isnan(a);
+            q[i] = fp8_quantize1(v, scale, e5m2);
+        }
+    }
+    if (VEC && blockIdx.x == 0)
+        for (size_t i = nv * Q_E + threadIdx.x; i < n; i += blockDim.x) {
+            float v = ld_f(x + i), a = fabsf(v);
+            mx = fmaxf(mx, a);
+            nan |= isnan(a);
+            q[i] = fp8_quantize1(v, scale, e5m2);
+        }
+    if (amax) { /* uniform branch: every thread takes it or none */
+        float m = block_max(mx, red);
+        float anynan = block_max(nan ? 1.0f : 0.0f, red);
+        if (threadIdx.x == 0) atomic_amax(amax, anynan > 0.0f ? __int_as_float(0x7fc00000) : m);
+    }
+}
+
+template <typename T>
+__global__ void fp8_dequantize_kernel(T *x, const uint8_t *q, size_t n, const float *scale_p, bool e5m2)
+{
+    const float inv = 1.0f / *scale_p; /* as shard_fp8_dequantize: value * (1 / scale) */
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        st_f(x + i, fp8_value(q[i], e5m2) * inv);
+}
+
+enum { TR_TILE = 64 };
+__global__ void fp8_transpose_kernel(uint8_t *dst, const uint8_t *src, int rows, int cols)
+{
+    __shared__ uint8_t tile[TR_TILE][TR_TILE + 1];
+    const int r0 = blockIdx.y * TR_TILE, c0 = blockIdx.x * TR_TILE;
+    const int tx = threadIdx.x, ty = threadIdx.y; /* 64 x 4 threads */
+    for (int i = ty; i < TR_TILE; i += 4) {
+        int r = r0 + i, c = c0 + tx;
+        if (r < rows && c < cols) tile[i][tx] = src[(size_t)r * cols + c];
+    }
+    __syncthreads();
+    for (int i = ty; i < TR_TILE; i += 4) {
+        int c = c0 + i, r = r0 + tx; /* dst row c, column r */
+        if (c < cols && r < rows) dst[(size_t)c * rows + r] = tile[tx][i];
+    }
+}
+
+template <typename T>
+static cudaError_t quantize_run(uint8_t *q, float *amax, const void *x, size_t n, const float *scale, bool e5m2,
+                                cudaStream_t stream)
+{
+    if (amax) {
+        cudaError_t e = cudaMemsetAsync(amax, 0, sizeof(float), stream);
+        if (e != cudaSuccess)
+            return smp_cuda_fail(e, "cuda_op_fp8_quantize", "cudaMemsetAsync: %s", cudaGetErrorString(e));
+    }
+    if (n == 0) return cudaSuccess;
+    int sms = smp_cuda_sm_count();
+    const unsigned cap = (unsigned)(sms > 0 ? sms * 4 : 512);
+    /* uint2 stores need 8-byte aligned q */
+    const bool vec = smp_aligned16(x) && ((uintptr_t)q & 7u) == 0;
+    if (vec) {
+        auto k = fp8_quantize_kernel<T, true>;
+        SMP_LAUNCH(k, smp_blocks(n / Q_E + 1, Q_THREADS, cap), Q_THREADS, 0, stream, q, amax, (const T *)x, n, scale,
+                   e5m2);
+    } else {
+        auto k = fp8_quantize_kernel<T, false>;
+        SMP_LAUNCH(k, smp_blocks(n, Q_THREADS, cap), Q_THREADS, 0, stream, q, amax, (const T *)x, n, scale, e5m2);
+    }
+    return smp_cuda_launched("cuda_op_fp8_quantize");
+}
+
+extern "C" cudaError_t cuda_op_fp8_quantize(uint8_t *q, float *amax, const void *x, size_t n, const float *scale,
+                                            int fmt, cudaDataType_t dt, cudaStream_t stream)
+{
+    SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)dt);
+    SMP_ARG(fmt == OP_FP8_E4M3 || fmt == OP_FP8_E5M2, "fmt=%d is not OP_FP8_E4M3 or OP_FP8_E5M2", fmt);
+    SMP_ARG(scale && ((q && x) || n == 0), "NULL pointer");
+    const bool e5m2 = fmt == OP_FP8_E5M2;
+    return dt == CUDA_R_32F ? quantize_run<float>(q, amax, x, n, scale, e5m2, stream)
+                            : quantize_run<bf16>(q, amax, x, n, scale, e5m2, stream);
+}
+
+extern "C" cudaError_t cuda_op_fp8_dequantize(void *x, const uint8_t *q, size_t n, const float *scale, int fmt,
+                                              cudaDataType_t dt, cudaStream_t stream)
+{
+    SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)dt);
+    SMP_ARG(fmt == OP_FP8_E4M3 || fmt == OP_FP8_E5M2, "fmt=%d is not OP_FP8_E4M3 or OP_FP8_E5M2", fmt);
+    if (n == 0) return cudaSuccess;
+    SMP_ARG(x && q && scale, "NULL pointer");
+    int sms = smp_cuda_sm_count();
+    const unsigned grid = smp_blocks(n, 256, (unsigned)(sms > 0 ? sms * 8 : 1024));
+    const bool e5m2 = fmt == OP_FP8_E5M2;
+    if (dt == CUDA_R_32F) {
+        SMP_LAUNCH(fp8_dequantize_kernel<float>, grid, 256, 0, stream, (float *)x, q, n, scale, e5m2);
+    } else {
+        SMP_LAUNCH(fp8_dequantize_kernel<bf16>, grid, 256, 0, stream, (bf16 *)x, q, n, scale, e5m2);
+    }
+    return smp_cuda_launched("cuda_op_fp8_dequantize");
+}
+
+extern "C" cudaError_t cuda_op_fp8_transpose(uint8_t *dst, const uint8_t *src, int rows, int cols,
+                                             cudaStream_t stream)
+{
+    SMP_ARG(rows >= 0 && cols >= 0, "bad shape rows=%d cols=%d", rows, cols);
+    if (rows == 0 || cols == 0) return cudaSuccess;
+    SMP_ARG(dst && src && dst != src, "NULL or aliased pointers");
+    SMP_ARG((rows + TR_TILE - 1) / TR_TILE <= 65535, "rows=%d too many for the grid", rows);
+    dim3 grid((cols + TR_TILE - 1) / TR_TILE, (rows + TR_TILE - 1) / TR_TILE);
+    SMP_LAUNCH(fp8_transpose_kernel, grid, dim3(TR_TILE, 4), 0, stream, dst, src, rows, cols);
+    return smp_cuda_launched("cuda_op_fp8_transpose");
+}

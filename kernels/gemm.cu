@@ -1,0 +1,428 @@
+/* kernels/gemm.cu: the linear layers' GEMMs through cuBLASLt (bf16, fp32, FP8).
+ *
+ * Row-major to cuBLASLt's column-major: a row-major [R,C] buffer is the
+ * column-major C x R matrix, its transpose. So with y = x W^T (x [N,IN],
+ * W [OUT,IN], y [N,OUT]):
+ *   forward  y^T (OUT x N)   = W (op T on the IN x OUT buffer) . x^T (IN x N, op N)    m=OUT n=N  k=IN
+ *   dgrad    dx^T (IN x N)  += W^T (IN x OUT, op N) . dy^T (OUT x N, op N)            m=IN  n=N  k=OUT
+ *   wgrad    dW^T (IN x OUT) += x^T (IN x N, op N) . dy (op T on the OUT x N buffer)  m=IN  n=OUT k=N
+ * FP8 on Hopper takes only TN (A transposed, B not). The forward is TN as it is;
+ * for the backward the operands are transposed into the cuda_gemm's scratch:
+ *   dgrad    A = (W^T as [IN,OUT] row-major), op T; B = dy [N,OUT], op N
+ *   wgrad    A = (x^T as [IN,N] row-major), op T;   B = (dy^T as [OUT,N]), op N
+ * Scales: cuBLASLt computes D = alpha * scale_A * scale_B * (A.B) + beta * C, so
+ * the FP8 calls take each operand's dequantization factor 1/scale.
+ *
+ * Each distinct problem (shape, layouts, dtypes, beta, options) gets its
+ * descriptors built and its algorithm chosen once by cublasLtMatmulAlgoGetHeuristic,
+ * then kept in a small cache in the cuda_gemm; per call only the scale and amax
+ * pointers are set on the cached descriptor. The preference asks for 16-byte
+ * alignment only, so a cached algorithm fits any 16-byte aligned pointers. */
+#include "cuda_common.cuh"
+
+#include <cublasLt.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { GEMM_CACHE = 64 };
+
+typedef struct {
+    int ta, tb, m, n, k, lda, ldb, ldd;
+    int at, bt, dt, compute;
+    int beta1, fast_accum, amax, scaled;
+} gemm_key;
+
+typedef struct {
+    gemm_key key;
+    cublasLtMatmulDesc_t desc;
+    cublasLtMatrixLayout_t a, b, d;
+    cublasLtMatmulAlgo_t algo;
+    int used;
+} gemm_entry;
+
+struct cuda_gemm {
+    cublasLtHandle_t lt;
+    void *ws;
+    size_t ws_bytes;
+    uint8_t *scratch;
+    size_t scratch_bytes;
+    gemm_entry cache[GEMM_CACHE];
+    int nused, evict;
+    int amax_d_ok[2]; /* AMAX_D_POINTER with a bf16 [0] / fp32 [1] output: -1 unknown, 0 no, 1 yes */
+};
+
+static cudaError_t lt_fail(cublasStatus_t st, const char *fn, const char *what)
+{
+    cudaError_t e;
+    switch (st) {
+    case CUBLAS_STATUS_NOT_SUPPORTED:
+    case CUBLAS_STATUS_ARCH_MISMATCH: e = cudaErrorNotSupported; break;
+    case CUBLAS_STATUS_INVALID_VALUE: e = cudaErrorInvalidValue; break;
+    case CUBLAS_STATUS_ALLOC_FAILED: e = cudaErrorMemoryAllocation; break;
+    case CUBLAS_STATUS_EXECUTION_FAILED: e = cudaErrorLaunchFailure; break;
+    case CUBLAS_STATUS_NOT_INITIALIZED: e = cudaErrorInitializationError; break;
+    default: e = cudaErrorUnknown; break;
+    }
+    return smp_cuda_fail(e, fn, "%s: %s (%s)", what, cublasLtGetStatusName(st), cublasLtGetStatusString(st));
+}
+
+static void entry_destroy(gemm_entry *en)
+{
+    if (en->desc) cublasLtMatmulDescDestroy(en->desc);
+    if (en->a) cublasLtMatrixLayoutDestroy(en->a);
+    if (en->b) cublasLtMatrixLayoutDestroy(en->b);
+    if (en->d) cublasLtMatrixLayoutDestroy(en->d);
+    memset(en, 0, sizeof *en);
+}
+
+extern "C" size_t cuda_gemm_fp8_scratch_bytes(int N, int IN, int OUT)
+{
+    if (N <= 0 || IN <= 0 || OUT <= 0) return 0;
+    const size_t al = 256;
+    size_t w = ((size_t)OUT * IN + al - 1) / al * al, x = ((size_t)N * IN + al - 1) / al * al;
+    size_t dy = ((size_t)N * OUT + al - 1) / al * al;
+    return w + x + dy;
+}
+
+extern "C" cudaError_t cuda_gemm_create(cuda_gemm **out, size_t workspace_bytes, size_t fp8_scratch_bytes)
+{
+    SMP_ARG(out, "NULL pointer");
+    *out = NULL;
+    cuda_gemm *g = (cuda_gemm *)calloc(1, sizeof *g);
+    if (!g) return smp_cuda_fail(cudaErrorMemoryAllocation, "cuda_gemm_create", "out of host memory");
+    g->amax_d_ok[0] = g->amax_d_ok[1] = -1;
+    g->ws_bytes = workspace_bytes ? workspace_bytes : (size_t)32 << 20;
+    cudaError_t e = cudaSuccess;
+    cublasStatus_t st = cublasLtCreate(&g->lt);
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        e = lt_fail(st, "cuda_gemm_create", "cublasLtCreate");
+        g->lt = NULL;
+        goto fail;
+    }
+    e = cudaMalloc(&g->ws, g->ws_bytes);
+    if (e != cudaSuccess) {
+        e = smp_cuda_fail(e, "cuda_gemm_create", "workspace of %zu bytes: %s", g->ws_bytes, cudaGetErrorString(e));
+        g->ws = NULL;
+        goto fail;
+    }
+    if (fp8_scratch_bytes) {
+        e = cudaMalloc((void **)&g->scratch, fp8_scratch_bytes);
+        if (e != cudaSuccess) {
+            e = smp_cuda_fail(e, "cuda_gemm_create", "fp8 scratch of %zu bytes: %s", fp8_scratch_bytes,
+                              cudaGetErrorString(e));
+            g->scratch = NULL;
+            goto fail;
+        }
+        g->scratch_bytes = fp8_scratch_bytes;
+    }
+    *out = g;
+    return cudaSuccess;
+fail:
+    cuda_gemm_free(g);
+    return e;
+}
+
+extern "C" void cuda_gemm_free(cuda_gemm *g)
+{
+    if (!g) return;
+    for (int i = 0; i < g->nused; i++) entry_destroy(&g->cache[i]);
+    if (g->ws) cudaFree(g->ws);
+    if (g->scratch) cudaFree(g->scratch);
+    if (g->lt) cublasLtDestroy(g->lt);
+    free(g);
+}
+
+/* One GEMM: D (m x n, ldd) = alpha * [a_scale * b_scale] * op(A) op(B) + beta * D,
+ * column-major, C = D. a_scale/b_scale/amax_d only for FP8 (NULL otherwise). */
+typedef struct {
+    cublasOperation_t ta, tb;
+    int m, n, k;
+    const void *A;
+    cudaDataType_t at;
+    int lda;
+    const void *B;
+    cudaDataType_t bt;
+    int ldb;
+    void *D;
+    cudaDataType_t dt;
+    int ldd;
+    float beta;
+    cublasComputeType_t compute;
+    const float *a_scale, *b_scale;
+    float *amax_d;
+    int fast_accum;
+} gemm_call;
+
+static int key_eq(const gemm_key *a, const gemm_key *b) { return memcmp(a, b, sizeof *a) == 0; }
+
+static cublasStatus_t set_ptr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const void *p)
+{
+    return cublasLtMatmulDescSetAttribute(desc, attr, &p, sizeof p);
+}
+
+static cublasStatus_t set_call_pointers(gemm_entry *en, const gemm_call *c)
+{
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    if (en->key.scaled) {
+        st = set_ptr(en->desc, CUBLASLT_MATMUL_DESC_A_SCALE_POINTER, c->a_scale);
+        if (st == CUBLAS_STATUS_SUCCESS) st = set_ptr(en->desc, CUBLASLT_MATMUL_DESC_B_SCALE_POINTER, c->b_scale);
+    }
+    if (st == CUBLAS_STATUS_SUCCESS && en->key.amax) st = set_ptr(en->desc, CUBLASLT_MATMUL_DESC_AMAX_D_POINTER, c->amax_d);
+    return st;
+}
+
+/* The cached entry for this call, built (and its algorithm chosen) on first use.
+ * On failure returns NULL with *st set. */
+static gemm_entry *entry_for(cuda_gemm *g, const gemm_call *c, cublasStatus_t *st, const char **what)
+{
+    gemm_key key;
+    memset(&key, 0, sizeof key);
+    key.ta = c->ta; key.tb = c->tb; key.m = c->m; key.n = c->n; key.k = c->k;
+    key.lda = c->lda; key.ldb = c->ldb; key.ldd = c->ldd;
+    key.at = c->at; key.bt = c->bt; key.dt = c->dt; key.compute = c->compute;
+    key.beta1 = c->beta != 0.0f; key.fast_accum = c->fast_accum; key.amax = c->amax_d != NULL;
+    key.scaled = c->a_scale != NULL;
+    for (int i = 0; i < g->nused; i++)
+        if (key_eq(&g->cache[i].key, &key)) return &g->cache[i];
+
+    gemm_entry *en;
+    if (g->nused < GEMM_CACHE) {
+        en = &g->cache[g->nused++];
+    } else { /* full: replace entries round robin */
+        en = &g->cache[g->evict];
+        g->evict = (g->evict + 1) % GEMM_CACHE;
+        entry_destroy(en);
+    }
+    memset(en, 0, sizeof *en);
+    en->key = key;
+    cublasLtMatmulPreference_t pref = NULL;
+    cublasLtMatmulHeuristicResult_t res;
+    int nres = 0;
+    const uint32_t align = 16;
+    const int32_t ta = c->ta, tb = c->tb;
+    const int8_t fast = (int8_t)(c->fast_accum ? 1 : 0);
+    *what = "cublasLtMatmulDescCreate";
+    if ((*st = cublasLtMatmulDescCreate(&en->desc, c->compute, CUDA_R_32F)) != CUBLAS_STATUS_SUCCESS) goto fail;
+    *what = "matmul descriptor attributes";
+    if ((*st = cublasLtMatmulDescSetAttribute(en->desc, CUBLASLT_MATMUL_DESC_TRANSA, &ta, sizeof ta)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatmulDescSetAttribute(en->desc, CUBLASLT_MATMUL_DESC_TRANSB, &tb, sizeof tb)) != CUBLAS_STATUS_SUCCESS)
+        goto fail;
+    if (key.scaled &&
+        (*st = cublasLtMatmulDescSetAttribute(en->desc, CUBLASLT_MATMUL_DESC_FAST_ACCUM, &fast, sizeof fast)) != CUBLAS_STATUS_SUCCESS)
+        goto fail;
+    if ((*st = set_call_pointers(en, c)) != CUBLAS_STATUS_SUCCESS) goto fail;
+    *what = "cublasLtMatrixLayoutCreate";
+    if ((*st = cublasLtMatrixLayoutCreate(&en->a, c->at, c->ta == CUBLAS_OP_N ? c->m : c->k,
+                                          c->ta == CUBLAS_OP_N ? c->k : c->m, c->lda)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatrixLayoutCreate(&en->b, c->bt, c->tb == CUBLAS_OP_N ? c->k : c->n,
+                                          c->tb == CUBLAS_OP_N ? c->n : c->k, c->ldb)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatrixLayoutCreate(&en->d, c->dt, c->m, c->n, c->ldd)) != CUBLAS_STATUS_SUCCESS)
+        goto fail;
+    *what = "matmul preference";
+    if ((*st = cublasLtMatmulPreferenceCreate(&pref)) != CUBLAS_STATUS_SUCCESS) goto fail;
+    if ((*st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &g->ws_bytes,
+                                                    sizeof g->ws_bytes)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align,
+                                                    sizeof align)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align,
+                                                    sizeof align)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align,
+                                                    sizeof align)) != CUBLAS_STATUS_SUCCESS ||
+        (*st = cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align,
+                                                    sizeof align)) != CUBLAS_STATUS_SUCCESS)
+        goto fail;
+    *what = "cublasLtMatmulAlgoGetHeuristic";
+    memset(&res, 0, sizeof res);
+    *st = cublasLtMatmulAlgoGetHeuristic(g->lt, en->desc, en->a, en->b, en->d, en->d, pref, 1, &res, &nres);
+    if (*st == CUBLAS_STATUS_SUCCESS && nres == 0) *st = CUBLAS_STATUS_NOT_SUPPORTED;
+    if (*st != CUBLAS_STATUS_SUCCESS) goto fail;
+    en->algo = res.algo;
+    en->used = 1;
+    cublasLtMatmulPreferenceDestroy(pref);
+    return en;
+fail:
+    if (pref) cublasLtMatmulPreferenceDestroy(pref);
+    entry_destroy(en); /* stays in the table as an empty key that matches nothing real */
+    en->key.m = -1;
+    return NULL;
+}
+
+static cudaError_t run_gemm(cuda_gemm *g, const gemm_call *c, const char *fn, cudaStream_t stream,
+                            cublasStatus_t *st_out)
+{
+    cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
+    const char *what = "";
+    gemm_entry *en = entry_for(g, c, &st, &what);
+    if (st_out) *st_out = st;
+    if (!en) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "%s for m=%d n=%d k=%d types %d,%d->%d", what, c->m, c->n, c->k, (int)c->at,
+                 (int)c->bt, (int)c->dt);
+        return lt_fail(st, fn, buf);
+    }
+    if ((st = set_call_pointers(en, c)) != CUBLAS_STATUS_SUCCESS) {
+        if (st_out) *st_out = st;
+        return lt_fail(st, fn, "scale/amax pointers");
+    }
+    const float alpha = 1.0f, beta = c->beta;
+    st = cublasLtMatmul(g->lt, en->desc, &alpha, c->A, en->a, c->B, en->b, &beta, c->D, en->d, c->D, en->d, &en->algo,
+                        g->ws, g->ws_bytes, stream);
+    if (st_out) *st_out = st;
+    if (st != CUBLAS_STATUS_SUCCESS) {
+        char buf[160];
+        snprintf(buf, sizeof buf, "cublasLtMatmul m=%d n=%d k=%d types %d,%d->%d", c->m, c->n, c->k, (int)c->at,
+                 (int)c->bt, (int)c->dt);
+        return lt_fail(st, fn, buf);
+    }
+    return cudaSuccess;
+}
+
+static int gemm_dt_ok(cudaDataType_t in, cudaDataType_t out)
+{
+    if (in == CUDA_R_32F) return out == CUDA_R_32F;
+    if (in == CUDA_R_16BF) return out == CUDA_R_32F || out == CUDA_R_16BF;
+    return 0;
+}
+
+extern "C" cudaError_t cuda_op_linear_forward(cuda_gemm *g, void *out, cudaDataType_t out_dt, const void *inp,
+                                              const void *weight, cudaDataType_t dt, int N, int IN, int OUT,
+                                              cudaStream_t stream)
+{
+    SMP_ARG(g, "NULL cuda_gemm");
+    SMP_ARG(N >= 0 && IN > 0 && OUT > 0, "bad shape N=%d IN=%d OUT=%d", N, IN, OUT);
+    SMP_ARG(gemm_dt_ok(dt, out_dt), "unsupported dtypes %d -> %d", (int)dt, (int)out_dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(out && inp && weight, "NULL pointer");
+    SMP_ARG(smp_aligned16(out) && smp_aligned16(inp) && smp_aligned16(weight), "pointers must be 16-byte aligned");
+    gemm_call c;
+    memset(&c, 0, sizeof c);
+    c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = OUT; c.n = N; c.k = IN;
+    c.A = weight; c.at = dt; c.lda = IN;
+    c.B = inp; c.bt = dt; c.ldb = IN;
+    c.D = out; c.dt = out_dt; c.ldd = OUT;
+    c.beta = 0.0f; c.compute = CUBLAS_COMPUTE_32F;
+    return run_gemm(g, &c, "cuda_op_linear_forward", stream, NULL);
+}
+
+extern "C" cudaError_t cuda_op_linear_backward(cuda_gemm *g, void *dinp, void *dweight, cudaDataType_t dw_dt,
+                                               const void *dout, const void *inp, const void *weight, cudaDataType_t dt,
+                                               int N, int IN, int OUT, cudaStream_t stream)
+{
+    SMP_ARG(g, "NULL cuda_gemm");
+    SMP_ARG(N >= 0 && IN > 0 && OUT > 0, "bad shape N=%d IN=%d OUT=%d", N, IN, OUT);
+    SMP_ARG(gemm_dt_ok(dt, dt), "unsupported dtype %d", (int)dt);
+    SMP_ARG(!dweight || gemm_dt_ok(dt, dw_dt), "unsupported dtypes %d -> dweight %d", (int)dt, (int)dw_dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(dout && (!dinp || weight) && (!dweight || inp), "NULL pointer");
+    SMP_ARG(smp_aligned16(dout) && smp_aligned16(inp) && smp_aligned16(weight) && smp_aligned16(dinp) &&
+                smp_aligned16(dweight),
+            "pointers must be 16-byte aligned");
+    gemm_call c;
+    if (dinp) {
+        memset(&c, 0, sizeof c);
+        c.ta = CUBLAS_OP_N; c.tb = CUBLAS_OP_N; c.m = IN; c.n = N; c.k = OUT;
+        c.A = weight; c.at = dt; c.lda = IN;
+        c.B = dout; c.bt = dt; c.ldb = OUT;
+        c.D = dinp; c.dt = dt; c.ldd = IN;
+        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
+        cudaError_t e = run_gemm(g, &c, "cuda_op_linear_backward (dinp)", stream, NULL);
+        if (e != cudaSuccess) return e;
+    }
+    if (dweight) {
+        memset(&c, 0, sizeof c);
+        c.ta = CUBLAS_OP_N; c.tb = CUBLAS_OP_T; c.m = IN; c.n = OUT; c.k = N;
+        c.A = inp; c.at = dt; c.lda = IN;
+        c.B = dout; c.bt = dt; c.ldb = OUT;
+        c.D = dweight; c.dt = dw_dt; c.ldd = IN;
+        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
+        cudaError_t e = run_gemm(g, &c, "cuda_op_linear_backward (dweight)", stream, NULL);
+        if (e != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
+
+#define FP8_SHAPE_CHECK()                                                                                  \
+    SMP_ARG(g, "NULL cuda_gemm");                                                                          \
+    SMP_ARG(N > 0 && IN > 0 && OUT > 0 && N % 16 == 0 && IN % 16 == 0 && OUT % 16 == 0,                    \
+            "FP8 GEMMs need N, IN, OUT positive multiples of 16 (N=%d IN=%d OUT=%d)", N, IN, OUT)
+
+extern "C" cudaError_t cuda_op_linear_forward_fp8(cuda_gemm *g, void *out, cudaDataType_t out_dt, float *out_amax,
+                                                  const uint8_t *inp_q, const float *inp_sinv, const uint8_t *w_q,
+                                                  const float *w_sinv, int N, int IN, int OUT, int fast_accum,
+                                                  cudaStream_t stream)
+{
+    FP8_SHAPE_CHECK();
+    SMP_ARG(out_dt == CUDA_R_16BF || out_dt == CUDA_R_32F, "out dtype %d is not CUDA_R_16BF or CUDA_R_32F", (int)out_dt);
+    SMP_ARG(out && inp_q && w_q && inp_sinv && w_sinv, "NULL pointer");
+    SMP_ARG(smp_aligned16(out) && smp_aligned16(inp_q) && smp_aligned16(w_q), "pointers must be 16-byte aligned");
+    gemm_call c;
+    memset(&c, 0, sizeof c);
+    c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = OUT; c.n = N; c.k = IN;
+    c.A = w_q; c.at = CUDA_R_8F_E4M3; c.lda = IN; c.a_scale = w_sinv;
+    c.B = inp_q; c.bt = CUDA_R_8F_E4M3; c.ldb = IN; c.b_scale = inp_sinv;
+    c.D = out; c.dt = out_dt; c.ldd = OUT;
+    c.beta = 0.0f; c.compute = CUBLAS_COMPUTE_32F; c.fast_accum = fast_accum ? 1 : 0;
+    const int oi = out_dt == CUDA_R_16BF ? 0 : 1;
+    if (out_amax && g->amax_d_ok[oi] != 0) {
+        c.amax_d = out_amax;
+        cublasStatus_t st;
+        cudaError_t e = run_gemm(g, &c, "cuda_op_linear_forward_fp8", stream, &st);
+        if (e == cudaSuccess) {
+            g->amax_d_ok[oi] = 1;
+            return cudaSuccess;
+        }
+        /* cuBLASLt refuses AMAX_D for this output type: remember, and reduce below */
+        if (g->amax_d_ok[oi] == 1 || (st != CUBLAS_STATUS_NOT_SUPPORTED && st != CUBLAS_STATUS_INVALID_VALUE)) return e;
+        g->amax_d_ok[oi] = 0;
+        c.amax_d = NULL;
+    }
+    cudaError_t e = run_gemm(g, &c, "cuda_op_linear_forward_fp8", stream, NULL);
+    if (e != cudaSuccess || !out_amax) return e;
+    return cuda_op_amax(out_amax, out, (size_t)N * OUT, out_dt, stream);
+}
+
+extern "C" cudaError_t cuda_op_linear_backward_fp8(cuda_gemm *g, void *dinp, cudaDataType_t dinp_dt, void *dweight,
+                                                   cudaDataType_t dw_dt, const uint8_t *dout_q, const float *dout_sinv,
+                                                   const uint8_t *inp_q, const float *inp_sinv, const uint8_t *w_q,
+                                                   const float *w_sinv, int N, int IN, int OUT, cudaStream_t stream)
+{
+    FP8_SHAPE_CHECK();
+    SMP_ARG(!dinp || dinp_dt == CUDA_R_16BF || dinp_dt == CUDA_R_32F, "dinp dtype %d", (int)dinp_dt);
+    SMP_ARG(!dweight || dw_dt == CUDA_R_16BF || dw_dt == CUDA_R_32F, "dweight dtype %d", (int)dw_dt);
+    SMP_ARG(dout_q && dout_sinv && (!dinp || (w_q && w_sinv)) && (!dweight || (inp_q && inp_sinv)), "NULL pointer");
+    SMP_ARG(smp_aligned16(dinp) && smp_aligned16(dweight) && smp_aligned16(dout_q) && smp_aligned16(inp_q) &&
+                smp_aligned16(w_q),
+            "pointers must be 16-byte aligned");
+    const size_t need = cuda_gemm_fp8_scratch_bytes(N, IN, OUT);
+    SMP_ARG(g->scratch_bytes >= need, "the cuda_gemm has %zu bytes of fp8 scratch, this call needs %zu", g->scratch_bytes,
+            need);
+    const size_t al = 256;
+    uint8_t *wT = g->scratch;                                            /* [IN, OUT] */
+    uint8_t *xT = wT + ((size_t)OUT * IN + al - 1) / al * al;            /* [IN, N] */
+    uint8_t *dyT = xT + ((size_t)N * IN + al - 1) / al * al;             /* [OUT, N] */
+    gemm_call c;
+    cudaError_t e;
+    if (dinp) {
+        if ((e = cuda_op_fp8_transpose(wT, w_q, OUT, IN, stream)) != cudaSuccess) return e;
+        memset(&c, 0, sizeof c);
+        c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = IN; c.n = N; c.k = OUT;
+        c.A = wT; c.at = CUDA_R_8F_E4M3; c.lda = OUT; c.a_scale = w_sinv;
+        c.B = dout_q; c.bt = CUDA_R_8F_E5M2; c.ldb = OUT; c.b_scale = dout_sinv;
+        c.D = dinp; c.dt = dinp_dt; c.ldd = IN;
+        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
+        if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dinp)", stream, NULL)) != cudaSuccess) return e;
+    }
+    if (dweight) {
+        if ((e = cuda_op_fp8_transpose(xT, inp_q, N, IN, stream)) != cudaSuccess) return e;
+        if ((e = cuda_op_fp8_transpose(dyT, dout_q, N, OUT, stream)) != cudaSuccess) return e;
+        memset(&c, 0, sizeof c);
+        c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = IN; c.n = OUT; c.k = N;
+        c.A = xT; c.at = CUDA_R_8F_E4M3; c.lda = N; c.a_scale = inp_sinv;
+        c.B = dyT; c.bt = CUDA_R_8F_E5M2; c.ldb = N; c.b_scale = dout_sinv;
+        c.D = dweight; c.dt = dw_dt; c.ldd = IN;
+        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
+        if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dweight)", stream, NULL)) != cudaSuccess) return e;
+    }
+    return cudaSuccess;
+}
