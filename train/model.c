@@ -19,6 +19,38 @@ long model_find(const model *m, const char *name)
     return -1;
 }
 
+/* point the per-tensor views at params/grads (offsets and sizes already set) */
+static shard_status bind(model *m)
+{
+    m->embed = m->norm_final = m->head = m->dembed = m->dnorm_final = m->dhead = NULL;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        const shard_tensor_spec *t = &m->spec[i];
+        float *p = m->params + m->offset[i], *g = m->grads + m->offset[i];
+        layer_params *lw = t->layer >= 0 ? &m->lw[t->layer] : NULL, *lg = t->layer >= 0 ? &m->lg[t->layer] : NULL;
+        switch (t->role) {
+        case SHARD_T_EMBED: m->embed = p; m->dembed = g; break;
+        case SHARD_T_Q: lw->q = p; lg->q = g; break;
+        case SHARD_T_K: lw->k = p; lg->k = g; break;
+        case SHARD_T_V: lw->v = p; lg->v = g; break;
+        case SHARD_T_O: lw->o = p; lg->o = g; break;
+        case SHARD_T_GATE: lw->gate = p; lg->gate = g; break;
+        case SHARD_T_UP: lw->up = p; lg->up = g; break;
+        case SHARD_T_DOWN: lw->down = p; lg->down = g; break;
+        case SHARD_T_NORM_ATTN: lw->norm_attn = p; lg->norm_attn = g; break;
+        case SHARD_T_NORM_MLP: lw->norm_mlp = p; lg->norm_mlp = g; break;
+        case SHARD_T_NORM_FINAL: m->norm_final = p; m->dnorm_final = g; break;
+        case SHARD_T_HEAD: m->head = p; m->dhead = g; break;
+        }
+    }
+    if (m->d.tie_word_embeddings) { /* one tensor, two uses: both gradients sum into it */
+        m->head = m->embed;
+        m->dhead = m->dembed;
+    }
+    if (!m->embed || !m->head || !m->norm_final)
+        return shard_fail(SHARD_E_INTERNAL, "the model's tensor list lacks the embedding, head or final norm");
+    return SHARD_OK;
+}
+
 shard_status model_create(model *m, const shard_model_desc *d)
 {
     memset(m, 0, sizeof *m);
@@ -33,6 +65,9 @@ shard_status model_create(model *m, const shard_model_desc *d)
     m->window = (int)d->sliding_window;
     m->vocab_start = 0;
     m->vocab_local = m->V;
+    m->l0 = 0;
+    m->l1 = m->L;
+    m->first = m->last = 1;
     m->eps = (float)d->rms_norm_eps;
     if (m->hd % 2) return shard_fail(SHARD_E_UNSUPPORTED, "head_dim %d is odd: RoPE needs an even head_dim", m->hd);
     m->ntensors = shard_model_tensor_count(d);
@@ -56,31 +91,11 @@ shard_status model_create(model *m, const shard_model_desc *d)
     m->params = zalloc(off, sizeof(float));
     m->grads = zalloc(off, sizeof(float));
     if (!m->params || !m->grads) goto nomem;
-    for (size_t i = 0; i < m->ntensors; i++) {
-        const shard_tensor_spec *t = &m->spec[i];
-        float *p = m->params + m->offset[i], *g = m->grads + m->offset[i];
-        layer_params *lw = t->layer >= 0 ? &m->lw[t->layer] : NULL, *lg = t->layer >= 0 ? &m->lg[t->layer] : NULL;
-        switch (t->role) {
-        case SHARD_T_EMBED: m->embed = p; m->dembed = g; break;
-        case SHARD_T_Q: lw->q = p; lg->q = g; break;
-        case SHARD_T_K: lw->k = p; lg->k = g; break;
-        case SHARD_T_V: lw->v = p; lg->v = g; break;
-        case SHARD_T_O: lw->o = p; lg->o = g; break;
-        case SHARD_T_GATE: lw->gate = p; lg->gate = g; break;
-        case SHARD_T_UP: lw->up = p; lg->up = g; break;
-        case SHARD_T_DOWN: lw->down = p; lg->down = g; break;
-        case SHARD_T_NORM_ATTN: lw->norm_attn = p; lg->norm_attn = g; break;
-        case SHARD_T_NORM_MLP: lw->norm_mlp = p; lg->norm_mlp = g; break;
-        case SHARD_T_NORM_FINAL: m->norm_final = p; m->dnorm_final = g; break;
-        case SHARD_T_HEAD: m->head = p; m->dhead = g; break;
-        }
+    shard_status st = bind(m);
+    if (st) {
+        model_free(m);
+        return st;
     }
-    if (d->tie_word_embeddings) { /* one tensor, two uses: both gradients sum into it */
-        m->head = m->embed;
-        m->dhead = m->dembed;
-    }
-    if (!m->embed || !m->head || !m->norm_final)
-        return shard_fail(SHARD_E_INTERNAL, "the model's tensor list lacks the embedding, head or final norm");
     op_rope_params rp = {(float)d->rope_theta, d->rope_llama3, (float)d->rope_factor, (float)d->rope_low_freq_factor,
                          (float)d->rope_high_freq_factor, (float)d->rope_original_max_positions};
     op_rope_inv_freq(m->inv_freq, m->hd, &rp);
@@ -90,20 +105,80 @@ nomem:
     return shard_fail(SHARD_E_NOMEM, "out of memory for the model's parameters");
 }
 
-static void free_acts(model *m)
+shard_status model_localize(model *m, const shard_piece *pieces, int tp)
 {
-    if (m->acts) {
+    if (m->acts) return shard_fail(SHARD_E_INTERNAL, "model_localize after model_alloc_acts");
+    size_t off = 0;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        const shard_tensor_spec *t = &m->spec[i];
+        const shard_box *b = &pieces[i].box;
+        size_t n = pieces[i].holds ? (size_t)shard_box_numel(b) : 0;
+        m->offset[i] = off;
+        m->numel[i] = n;
+        off += n;
+        if (!pieces[i].holds) continue;
+        switch (t->role) {
+        case SHARD_T_EMBED: case SHARD_T_HEAD: /* the same rows of the vocabulary */
+            m->vocab_start = (int)b->off[0];
+            m->vocab_local = (int)b->len[0];
+            break;
+        case SHARD_T_Q: m->nh = (int)(b->len[0] / m->hd); break;
+        case SHARD_T_K: m->nkv = (int)(b->len[0] / m->hd); break;
+        case SHARD_T_GATE: m->F = (int)b->len[0]; break;
+        default: break;
+        }
+    }
+    free(m->params);
+    free(m->grads);
+    m->nparams = off;
+    m->params = zalloc(off, sizeof(float));
+    m->grads = zalloc(off, sizeof(float));
+    if (!m->params || !m->grads) return shard_fail(SHARD_E_NOMEM, "out of memory for the model's parameters");
+    m->tp_size = tp;
+    return bind(m);
+}
+
+void model_set_stage(model *m, int l0, int l1, int first, int last)
+{
+    m->l0 = l0;
+    m->l1 = l1;
+    m->first = first;
+    m->last = last;
+}
+
+static void tp_sum(model *m, float *buf, size_t n, shard_op op)
+{
+    if (m->tp_size <= 1 || !m->tp || m->comm_err) return;
+    shard_status s = shard_comm_allreduce(m->tp, buf, n, SHARD_DT_F32, op);
+    if (s) m->comm_err = s;
+}
+
+static void free_slot(model *m, act_slot *sl)
+{
+    if (sl->acts) {
         for (int l = 0; l < m->L; l++) {
-            layer_acts *a = &m->acts[l];
+            layer_acts *a = &sl->acts[l];
             float **all[] = {&a->x, &a->rstd1, &a->xn1, &a->q, &a->k, &a->v, &a->att, &a->lse,
                              &a->xmid, &a->rstd2, &a->xn2, &a->gate, &a->up, &a->act};
             for (size_t k = 0; k < sizeof all / sizeof *all; k++) free(*all[k]);
         }
-        free(m->acts);
-        m->acts = NULL;
+        free(sl->acts);
     }
-    float **bufs[] = {&m->xL, &m->rstdf, &m->xnf, &m->logits, &m->rowmax, &m->sumexp, &m->target_logit,
-                      &m->losses, &m->cos_t, &m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv,
+    float **bufs[] = {&sl->xL, &sl->rstdf, &sl->xnf, &sl->logits, &sl->rowmax, &sl->sumexp, &sl->losses};
+    for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) free(*bufs[k]);
+    memset(sl, 0, sizeof *sl);
+}
+
+static void free_acts(model *m)
+{
+    for (int k = 0; m->slots && k < m->nslots; k++) free_slot(m, &m->slots[k]);
+    free(m->slots);
+    m->slots = NULL;
+    m->nslots = 0;
+    m->acts = NULL;
+    m->xL = m->rstdf = m->xnf = m->logits = m->rowmax = m->sumexp = m->losses = NULL;
+    m->target_logit = NULL; /* the second half of sumexp's buffer */
+    float **bufs[] = {&m->cos_t, &m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv,
                       &m->datt, &m->dgate, &m->dup, &m->dact, &m->dlogits};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         free(*bufs[k]);
@@ -111,6 +186,26 @@ static void free_acts(model *m)
     }
     free(m->pos);
     m->pos = NULL;
+}
+
+void model_use_slot(model *m, int k)
+{
+    act_slot *sl = &m->slots[k];
+    m->slot = k;
+    m->acts = sl->acts;
+    m->xL = sl->xL;
+    m->rstdf = sl->rstdf;
+    m->xnf = sl->xnf;
+    m->logits = sl->logits;
+    m->rowmax = sl->rowmax;
+    m->sumexp = sl->sumexp;
+    m->target_logit = sl->sumexp ? sl->sumexp + (size_t)m->B * m->T : NULL; /* one all-reduce for both */
+    m->losses = sl->losses;
+}
+
+float *model_stage_input(model *m)
+{
+    return m->l0 < m->l1 ? m->acts[m->l0].x : m->xL;
 }
 
 void model_free(model *m)
@@ -125,6 +220,11 @@ void model_free(model *m)
 
 shard_status model_alloc_acts(model *m, int B, int T)
 {
+    return model_alloc_slots(m, B, T, 1);
+}
+
+shard_status model_alloc_slots(model *m, int B, int T, int nslots)
+{
     free_acts(m);
     m->B = B;
     m->T = T;
@@ -132,21 +232,29 @@ shard_status model_alloc_acts(model *m, int B, int T)
     const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd, Vl = (size_t)m->vocab_local;
     int ok = 1;
 #define A(p, n) do { (p) = zalloc((n), sizeof(float)); ok &= (p) != NULL; } while (0)
-    m->acts = zalloc((size_t)m->L, sizeof *m->acts);
-    ok &= m->acts != NULL;
-    for (int l = 0; ok && l < m->L; l++) {
-        layer_acts *a = &m->acts[l];
-        A(a->x, N * H); A(a->rstd1, N); A(a->xn1, N * H); A(a->q, N * QD); A(a->k, N * KD); A(a->v, N * KD);
-        A(a->att, N * QD); A(a->lse, (size_t)B * m->nh * T); A(a->xmid, N * H); A(a->rstd2, N); A(a->xn2, N * H);
-        A(a->gate, N * F); A(a->up, N * F); A(a->act, N * F);
+    m->slots = zalloc((size_t)nslots, sizeof *m->slots);
+    ok &= m->slots != NULL;
+    if (ok) m->nslots = nslots;
+    const size_t NV = m->last ? N * Vl : 0, NL = m->last ? N : 0;
+    for (int k = 0; ok && k < nslots; k++) {
+        act_slot *sl = &m->slots[k];
+        sl->acts = zalloc((size_t)m->L, sizeof *sl->acts);
+        ok &= sl->acts != NULL;
+        for (int l = m->l0; ok && l < m->l1; l++) {
+            layer_acts *a = &sl->acts[l];
+            A(a->x, N * H); A(a->rstd1, N); A(a->xn1, N * H); A(a->q, N * QD); A(a->k, N * KD); A(a->v, N * KD);
+            A(a->att, N * QD); A(a->lse, (size_t)B * m->nh * T); A(a->xmid, N * H); A(a->rstd2, N);
+            A(a->xn2, N * H); A(a->gate, N * F); A(a->up, N * F); A(a->act, N * F);
+        }
+        A(sl->xL, N * H); A(sl->rstdf, NL); A(sl->xnf, m->last ? N * H : 0); A(sl->logits, NV);
+        A(sl->rowmax, NL); A(sl->sumexp, 2 * NL); A(sl->losses, NL);
     }
-    A(m->xL, N * H); A(m->rstdf, N); A(m->xnf, N * H); A(m->logits, N * Vl);
-    A(m->rowmax, N); A(m->sumexp, N); A(m->target_logit, N); A(m->losses, N);
     A(m->cos_t, (size_t)T * m->hd); A(m->sin_t, (size_t)T * m->hd);
     A(m->dx, N * H); A(m->dxn, N * H); A(m->dq, N * QD); A(m->dk, N * KD); A(m->dv, N * KD); A(m->datt, N * QD);
-    A(m->dgate, N * F); A(m->dup, N * F); A(m->dact, N * F); A(m->dlogits, N * Vl);
+    A(m->dgate, N * F); A(m->dup, N * F); A(m->dact, N * F); A(m->dlogits, NV);
 #undef A
     m->pos = zalloc((size_t)T, sizeof(int32_t));
+    if (ok) model_use_slot(m, 0);
     if (!ok || !m->pos) {
         free_acts(m);
         return shard_fail(SHARD_E_NOMEM, "out of memory for the activations of %d x %d tokens", B, T);
@@ -199,11 +307,15 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
 {
     const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
-    op_embedding_forward(m->L ? m->acts[0].x : m->xL, tokens, m->embed, N, H, m->vocab_start, Vl);
-    for (int l = 0; l < m->L; l++) {
+    if (m->first) {
+        float *x0 = model_stage_input(m);
+        op_embedding_forward(x0, tokens, m->embed, N, H, m->vocab_start, Vl);
+        tp_sum(m, x0, (size_t)N * H, SHARD_OP_SUM); /* vocab-parallel: rows of the others */
+    }
+    for (int l = m->l0; l < m->l1; l++) {
         layer_acts *a = &m->acts[l];
         const layer_params *w = &m->lw[l];
-        float *xnext = l + 1 < m->L ? m->acts[l + 1].x : m->xL;
+        float *xnext = l + 1 < m->l1 ? m->acts[l + 1].x : m->xL;
         op_rmsnorm_forward(a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
         lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
         lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
@@ -212,20 +324,25 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
         op_rope_forward(a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
         op_attention_forward(a->att, a->lse, a->q, a->k, a->v, m->pos, m->pos, B, T, T, m->nh, m->nkv, hd, m->window);
         lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
+        tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);      /* row-parallel: sum of the partial products */
         add(a->xmid, a->x, m->dxn, (size_t)N * H);
         op_rmsnorm_forward(a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
         lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
         lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
         op_swiglu_forward(a->act, a->gate, a->up, (size_t)N * F);
         lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, w->down, N, F, H);
+        tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);
         add(xnext, a->xmid, m->dxn, (size_t)N * H);
     }
+    if (!m->last) return 0.0; /* the output, xL, goes to the next stage */
     op_rmsnorm_forward(m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
     op_linear_forward(m->logits, m->xnf, m->head, N, H, Vl);
     /* the vocabulary-parallel cross-entropy; on one rank the tp reductions between
      * its steps are the identity */
     op_xent_rowmax(m->rowmax, m->target_logit, m->logits, targets, N, Vl, m->vocab_start);
+    tp_sum(m, m->rowmax, (size_t)N, SHARD_OP_MAX);
     op_xent_sumexp(m->sumexp, m->logits, m->rowmax, N, Vl);
+    tp_sum(m, m->sumexp, 2 * (size_t)N, SHARD_OP_SUM); /* sumexp and target_logit (one owner) */
     op_xent_loss(m->losses, m->rowmax, m->sumexp, m->target_logit, targets, N);
     double sum = 0.0; /* in row order: the same bits for any thread count */
     for (int n = 0; n < N; n++)
@@ -238,14 +355,17 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
     const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
     const size_t NH = (size_t)N * H;
-    op_xent_backward(m->dlogits, m->logits, m->rowmax, m->sumexp, targets, N, Vl, m->vocab_start, loss_scale);
-    memset(m->dxn, 0, NH * sizeof(float));
-    op_linear_backward(m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
-    memset(m->dx, 0, NH * sizeof(float));
-    op_rmsnorm_backward(m->dx, m->dnorm_final, m->dxn, m->xL, m->norm_final, m->rstdf, N, H);
+    if (m->last) { /* else dx holds the gradient of xL, from the next stage */
+        op_xent_backward(m->dlogits, m->logits, m->rowmax, m->sumexp, targets, N, Vl, m->vocab_start, loss_scale);
+        memset(m->dxn, 0, NH * sizeof(float));
+        op_linear_backward(m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
+        tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* the head is column-parallel over the vocabulary */
+        memset(m->dx, 0, NH * sizeof(float));
+        op_rmsnorm_backward(m->dx, m->dnorm_final, m->dxn, m->xL, m->norm_final, m->rstdf, N, H);
+    }
     /* m->dx holds d loss / d (residual stream) as it goes down the layers: each
      * block adds its branch's gradient to it (rmsnorm_backward accumulates) */
-    for (int l = m->L - 1; l >= 0; l--) {
+    for (int l = m->l1 - 1; l >= m->l0; l--) {
         layer_acts *a = &m->acts[l];
         const layer_params *w = &m->lw[l];
         layer_params *g = &m->lg[l];
@@ -258,6 +378,7 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         memset(m->dxn, 0, NH * sizeof(float));
         lin_bwd(m, l, LIN_GATE, m->dxn, g->gate, m->dgate, a->xn2, w->gate, N, H, F);
         lin_bwd(m, l, LIN_UP, m->dxn, g->up, m->dup, a->xn2, w->up, N, H, F);
+        tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* column-parallel: input gradient summed, then the norm */
         op_rmsnorm_backward(m->dx, g->norm_mlp, m->dxn, a->xmid, w->norm_mlp, a->rstd2, N, H);
         /* attention: xmid = x + o(attn(rope(q(xn1)), rope(k(xn1)), v(xn1))) */
         memset(m->datt, 0, (size_t)N * QD * sizeof(float));
@@ -273,7 +394,8 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         lin_bwd(m, l, LIN_Q, m->dxn, g->q, m->dq, a->xn1, w->q, N, H, QD);
         lin_bwd(m, l, LIN_K, m->dxn, g->k, m->dk, a->xn1, w->k, N, H, KD);
         lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
+        tp_sum(m, m->dxn, NH, SHARD_OP_SUM);
         op_rmsnorm_backward(m->dx, g->norm_attn, m->dxn, a->x, w->norm_attn, a->rstd1, N, H);
     }
-    op_embedding_backward(m->dembed, m->dx, tokens, N, H, m->vocab_start, Vl);
+    if (m->first) op_embedding_backward(m->dembed, m->dx, tokens, N, H, m->vocab_start, Vl);
 }

@@ -7,8 +7,10 @@
  * With tied embeddings there is no head tensor: the head reads the embedding, and
  * both uses accumulate into the embedding's gradient (backward ops accumulate).
  *
- * This is the single-rank model: every local size equals the global one and the
- * vocabulary-parallel pieces run with vocab_start = 0, vocab_local = V. The fields
+ * model_create makes the single-rank model: every local size equals the global one
+ * and the vocabulary-parallel pieces run with vocab_start = 0, vocab_local = V;
+ * model_localize and model_set_stage make it one tensor-/pipeline-parallel rank's,
+ * and m->tp adds the tp all-reduces between the ops (par.h). The fields
  * that a tensor-, pipeline- or context-parallel split changes (local heads, local
  * vocabulary, layers held, positions) are kept apart from the global description
  * so that the split is a matter of filling them differently and adding the
@@ -52,11 +54,22 @@ typedef struct {
     float *act;      /* [N,F] silu(gate) * up */
 } layer_acts;
 
+/* The activations of one microbatch in flight (a pipeline stage keeps up to
+ * pp - stage of them; one otherwise). model_use_slot points the model's fields
+ * (acts, xL, ...) at one of them. */
+typedef struct {
+    layer_acts *acts;        /* [L]; only the held layers' are allocated */
+    float *xL, *rstdf, *xnf, *logits, *rowmax, *sumexp, *losses;
+} act_slot;
+
 typedef struct {
     shard_model_desc d;
     /* sizes of this rank's part (= global on one rank) */
     int V, H, F, L, nh, nkv, hd, window;
     int vocab_start, vocab_local;
+    /* pipeline stage: layers [l0, l1); first: the embedding runs here; last: the
+     * final norm, head and loss (one rank: 0, L, 1, 1) */
+    int l0, l1, first, last;
     float eps;
     /* parameters, in shard_model_tensor order */
     size_t ntensors;
@@ -69,8 +82,10 @@ typedef struct {
     float *dembed, *dnorm_final, *dhead;
     layer_params *lw, *lg;   /* weights and their gradients, per layer */
     float *inv_freq;         /* [hd/2] */
-    /* activations for a microbatch of B x T (allocated by model_alloc_acts) */
-    int B, T;
+    /* activations for a microbatch of B x T (allocated by model_alloc_acts), the
+     * fields below pointing at slot `slot` of nslots */
+    int B, T, nslots, slot;
+    act_slot *slots;
     layer_acts *acts;
     float *xL, *rstdf, *xnf; /* final residual, final norm */
     float *logits;           /* [N,Vl] */
@@ -81,13 +96,31 @@ typedef struct {
     float *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
     /* FP8 (NULL when off) */
     fp8_state *fp8;
+    /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed
+     * collective inside forward or backward is recorded in comm_err (the pass goes
+     * on with wrong numbers; the caller checks comm_err and ends the run). */
+    int tp_size;
+    shard_comm *tp;
+    shard_status comm_err;
 } model;
 
 /* Allocate a model for description d (parameters uninitialised, gradients zero). */
 shard_status model_create(model *m, const shard_model_desc *d);
 void model_free(model *m);
+/* Make m the model of one tensor-parallel rank: tensor i becomes the box
+ * pieces[i].box of the global tensor (shard_partition), and the local sizes follow
+ * from them (query and kv heads, intermediate size, vocab rows and their start).
+ * Parameters are reallocated (uninitialised), before model_alloc_acts. Every
+ * tensor that the rank does not hold (another stage's) gets no elements. */
+shard_status model_localize(model *m, const shard_piece *pieces, int tp);
+/* A pipeline stage (before model_alloc_acts, after model_localize): layers [l0, l1),
+ * first and last as in the model's fields. */
+void model_set_stage(model *m, int l0, int l1, int first, int last);
 /* Activations and scratch for microbatches of B sequences of T tokens. */
 shard_status model_alloc_acts(model *m, int B, int T);
+/* The same with nslots activation slots (slot 0 in use). */
+shard_status model_alloc_slots(model *m, int B, int T, int nslots);
+void model_use_slot(model *m, int k);
 /* Index of the tensor with this name, or -1. */
 long model_find(const model *m, const char *name);
 
@@ -95,6 +128,12 @@ long model_find(const model *m, const char *name);
  * Fills losses[B*T] (per token) and returns their sum (in double, summed in row
  * order, so that the result does not depend on the thread count). */
 double model_forward(model *m, const int32_t *tokens, const int32_t *targets);
+/* Pipeline stages: a stage other than the first takes its input [B*T, H] in
+ * model_stage_input(m) (the current slot's) before model_forward; a stage other
+ * than the last leaves its output in xL (and returns 0), and takes the gradient of
+ * that output in dx before model_backward; after model_backward, dx holds the
+ * gradient of the stage's input (to send to the stage before). */
+float *model_stage_input(model *m);
 /* Backward of the last forward: accumulates into grads. loss_scale multiplies
  * d(sum of per-token losses), e.g. 1 / (tokens in the optimizer step). */
 void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale);

@@ -24,6 +24,8 @@ shard_status par_init_world(par_ctx *p, int mpi)
 
 void par_free(par_ctx *p)
 {
+    shard_comm_free(p->kvc);
+    shard_comm_free(p->emb);
     shard_groups_free(&p->g);
     shard_comm_free(p->world);
     free(p->pp); free(p->op); free(p->rowsz); free(p->rows); free(p->blkrows); free(p->zoff); free(p->zn);
@@ -31,7 +33,7 @@ void par_free(par_ctx *p)
     memset(p, 0, sizeof *p);
 }
 
-shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, const model *m)
+shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int micro, model *m)
 {
     p->l = *l;
     memcpy(p->stages, stages, (size_t)l->pp * sizeof *stages);
@@ -50,11 +52,32 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, con
     if (!p->pp || !p->op || !p->rowsz || !p->rows || !p->blkrows || !p->zoff || !p->zn || !p->zbase)
         return shard_fail(SHARD_E_NOMEM, "out of memory");
     const int k = shard_comm_rank(p->g.dpcp);
-    p->zpad = p->zsum = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < n; i++)
         if ((s = shard_partition(&m->d, l, stages, &m->spec[i], p->rank, &p->pp[i])) ||
             (s = shard_partition_optim(&m->d, l, stages, &m->spec[i], p->rank, &p->op[i])))
             return s;
+    /* the model of this rank: its pieces only */
+    if ((s = model_localize(m, p->pp, l->tp))) return s;
+    m->tp = p->g.tp;
+    p->stage = p->g.me.pp;
+    p->nstages = l->pp;
+    int l0 = 0;
+    for (int j = 0; j < p->stage; j++) l0 += stages[j];
+    model_set_stage(m, l0, l0 + stages[p->stage], p->stage == 0, p->stage == l->pp - 1);
+    p->nslots = l->pp > 1 ? (micro < l->pp - p->stage ? micro : l->pp - p->stage) : 1;
+    /* tied embeddings over stages: the first stage's table and the last stage's copy
+     * get the sum of both gradients */
+    if (l->pp > 1 && m->d.tie_word_embeddings &&
+        (s = shard_comm_split(p->g.pp, m->first || m->last ? 0 : 1, p->stage, &p->emb)))
+        return s;
+    /* kv heads fewer than tp: each is replicated on kv_rep consecutive tp ranks, whose
+     * k/v weight gradients (each from its own query heads) are summed over kvc */
+    p->kv_rep = m->d.kv_heads < l->tp ? l->tp / (int)m->d.kv_heads : 1;
+    if (p->kv_rep > 1 &&
+        (s = shard_comm_split(p->g.tp, p->g.me.tp / p->kv_rep, p->g.me.tp % p->kv_rep, &p->kvc)))
+        return s;
+    p->zpad = p->zsum = 0;
+    for (size_t i = 0; i < n; i++) {
         const shard_box *b = &p->pp[i].box;
         size_t rows = 0, rowsz = 1;
         if (p->pp[i].holds) {
@@ -152,6 +175,18 @@ static void block_of(const par_ctx *p, size_t i, int r, size_t *off, size_t *n)
 shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
 {
     shard_status s;
+    if (p->emb && (m->first || m->last))
+        for (size_t i = 0; i < m->ntensors; i++)
+            if (m->spec[i].role == SHARD_T_EMBED &&
+                (s = shard_comm_allreduce(p->emb, m->grads + m->offset[i], m->numel[i], SHARD_DT_F32, SHARD_OP_SUM)))
+                return s;
+    if (p->kv_rep > 1)
+        for (int l = m->l0; l < m->l1; l++) {
+            size_t n = (size_t)m->nkv * m->hd * m->H;
+            if ((s = shard_comm_allreduce(p->kvc, m->lg[l].k, n, SHARD_DT_F32, SHARD_OP_SUM)) ||
+                (s = shard_comm_allreduce(p->kvc, m->lg[l].v, n, SHARD_DT_F32, SHARD_OP_SUM)))
+                return s;
+        }
     if (p->size == 1) { /* the single-rank trainer's norm, bit for bit */
         *sumsq = optim_sumsq(m->grads, m->nparams);
         return SHARD_OK;
@@ -223,4 +258,98 @@ int par_any(par_ctx *p, int mine)
         MPI_Abort(MPI_COMM_WORLD, 1);
     }
     return v;
+}
+
+/* ------------------------------------------------------------------ pipeline */
+#define PP_TAG 7
+
+static shard_status pp_recv_input(par_ctx *p, model *m, int mb)
+{
+    model_use_slot(m, mb % p->nslots);
+    return shard_comm_recv(p->g.pp, model_stage_input(m), (size_t)m->B * m->T * m->H, SHARD_DT_F32, p->stage - 1,
+                           PP_TAG);
+}
+
+static shard_status pp_fwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
+                           double *lsum)
+{
+    model_use_slot(m, mb % p->nslots);
+    shard_status s = fill(ctx, mb, in, tg);
+    if (s) return s;
+    *lsum += model_forward(m, in, tg);
+    return m->comm_err;
+}
+
+static shard_status pp_bwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
+                           float loss_scale)
+{
+    model_use_slot(m, mb % p->nslots);
+    shard_status s = fill(ctx, mb, in, tg);
+    if (s) return s;
+    model_backward(m, in, tg, loss_scale);
+    return m->comm_err;
+}
+
+shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
+                            float loss_scale, double *lsum)
+{
+    shard_status s;
+    *lsum = 0.0;
+    if (p->nstages <= 1) {
+        for (int mb = 0; mb < M; mb++) {
+            if ((s = fill(ctx, mb, in, tg))) return s;
+            *lsum += model_forward(m, in, tg);
+            model_backward(m, in, tg, loss_scale);
+            if (m->comm_err) return m->comm_err;
+        }
+        return SHARD_OK;
+    }
+    /* 1F1B (PipeDream-flush, as Megatron's non-interleaved schedule) */
+    const int P = p->nstages, st = p->stage, first = st == 0, last = st == P - 1;
+    const size_t n = (size_t)m->B * m->T * m->H;
+    shard_comm *c = p->g.pp;
+    const int warm = P - st - 1 < M ? P - st - 1 : M, rem = M - warm;
+    for (int i = 0; i < warm; i++) {
+        if (!first && (s = pp_recv_input(p, m, i))) return s;
+        if ((s = pp_fwd(p, m, i, fill, ctx, in, tg, lsum))) return s;
+        if (!last && (s = shard_comm_send(c, m->xL, n, SHARD_DT_F32, st + 1, PP_TAG))) return s;
+    }
+    if (rem > 0 && !first && (s = pp_recv_input(p, m, warm))) return s;
+    for (int i = 0; i < rem; i++) {
+        const int f = warm + i;
+        if ((s = pp_fwd(p, m, f, fill, ctx, in, tg, lsum))) return s;
+        /* send this forward's output, receive the gradient of the oldest one's */
+        if (!last && (s = shard_comm_sendrecv(c, m->xL, st + 1, m->dx, st + 1, n, SHARD_DT_F32, PP_TAG))) return s;
+        if ((s = pp_bwd(p, m, i, fill, ctx, in, tg, loss_scale))) return s;
+        if (first) continue;
+        if (i == rem - 1) {
+            if ((s = shard_comm_send(c, m->dx, n, SHARD_DT_F32, st - 1, PP_TAG))) return s;
+        } else {
+            /* send the input gradient back, receive the next forward's input */
+            model_use_slot(m, (f + 1) % p->nslots);
+            if ((s = shard_comm_sendrecv(c, m->dx, st - 1, model_stage_input(m), st - 1, n, SHARD_DT_F32, PP_TAG)))
+                return s;
+        }
+    }
+    for (int i = rem; i < M; i++) {
+        if (!last && (s = shard_comm_recv(c, m->dx, n, SHARD_DT_F32, st + 1, PP_TAG))) return s;
+        if ((s = pp_bwd(p, m, i, fill, ctx, in, tg, loss_scale))) return s;
+        if (!first && (s = shard_comm_send(c, m->dx, n, SHARD_DT_F32, st - 1, PP_TAG))) return s;
+    }
+    return SHARD_OK;
+}
+
+shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t *tg, double *lsum)
+{
+    shard_status s;
+    const size_t n = (size_t)m->B * m->T * m->H;
+    model_use_slot(m, 0);
+    if (p->nstages > 1 && !m->first &&
+        (s = shard_comm_recv(p->g.pp, model_stage_input(m), n, SHARD_DT_F32, p->stage - 1, PP_TAG)))
+        return s;
+    *lsum = model_forward(m, in, tg);
+    if (m->comm_err) return m->comm_err;
+    if (p->nstages > 1 && !m->last && (s = shard_comm_send(p->g.pp, m->xL, n, SHARD_DT_F32, p->stage + 1, PP_TAG)))
+        return s;
+    return SHARD_OK;
 }

@@ -1,4 +1,5 @@
-/* train/par.h: smp-train across processes (MPI through libshard's communicators).
+/* train/par.h: smp-train across processes (MPI through libshard's communicators):
+ * pipeline, tensor and data parallelism (context parallelism comes later).
  *
  * One process (no mpirun) runs with the self communicator and layout 1,1,1,1, and
  * the code paths below reduce to the single-rank trainer's, bit for bit.
@@ -18,6 +19,25 @@
  * writes = 1); rank 0 begins (staging folder, broadcast), commits after everyone
  * reported, and replaces `latest`. Loading reads every rank's boxes through the
  * planner, from a checkpoint of any layout.
+ *
+ * Tensor parallelism (Megatron, DESIGN.md "Parallel layout"): each rank holds only its
+ * shard_partition pieces (model_localize). q/k/v/gate/up are column-parallel (whole
+ * local heads; with kv heads fewer than tp a rank's query heads all read its single
+ * kv head), o/down row-parallel with an all-reduce of their outputs over tp; in
+ * backward the input gradients of the column-parallel linears (and of the head) are
+ * all-reduced over tp before the norm's backward, so every norm's weight gradient
+ * is already whole and equal on the tp ranks (no further reduction). The k/v weight
+ * gradients of a replicated kv head are summed over the tp/kv ranks sharing it (kvc).
+ * Embedding and head are vocab-parallel (blocks of ceil(V/tp) rows, the last one
+ * shorter, padding never stored): the embedding's output is all-reduced, the
+ * cross-entropy reduces the row max (max) and the sum of exponentials with the
+ * target's logit (one sum) over tp, never the logits. The ZeRO-1 blocks cut each
+ * rank's LOCAL piece.
+ * Pipeline parallelism: the stage's layers (and the embedding on the first, the
+ * final norm and head on the last), the 1F1B schedule of par_train_step over the
+ * microbatches with activations and their gradients sent over g.pp; the loss is
+ * computed on the last stage and broadcast; a tied embedding's first-stage table
+ * and last-stage copy get the sum of both gradients (emb) and so stay equal.
  *
  * Failure: any error on a rank calls MPI_Abort (every rank ends, non-zero); a
  * checkpoint is committed only after every rank reported its shard file whole. */
@@ -39,6 +59,11 @@ typedef struct {
     shard_comm *world;
     shard_groups g;
     int ndp;                 /* dp * cp: the ZeRO-1 group's size */
+    int kv_rep;              /* tp ranks sharing one kv head (1 when kv heads >= tp) */
+    shard_comm *kvc;         /* those ranks (a split of tp; NULL when kv_rep is 1) */
+    int stage, nstages;      /* pipeline: this rank's stage (its rank in g.pp) of pp */
+    int nslots;              /* activation slots: min(microbatches, pp - stage) */
+    shard_comm *emb;         /* tied embeddings with pp > 1: the first and last stage */
     /* per tensor of the model (m->ntensors) */
     shard_piece *pp;         /* shard_partition: the parameter piece held */
     shard_piece *op;         /* shard_partition_optim: the optimizer block held */
@@ -56,9 +81,10 @@ typedef struct {
 int par_launched_by_mpirun(void);
 /* World communicator (MPI when mpi, else self). */
 shard_status par_init_world(par_ctx *p, int mpi);
-/* Groups of layout l (whose size must be the world's) and the per-tensor tables of
- * model m (created with the global description). */
-shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, const model *m);
+/* Groups of layout l (whose size must be the world's), the per-tensor tables of
+ * model m (created with the global description), and m made this rank's model
+ * (model_localize: its shard_partition pieces only; m->tp the tp group). */
+shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int micro, model *m);
 void par_free(par_ctx *p);
 
 /* Read group ("params" or "optim/master") into m->params: every tensor's piece
@@ -68,12 +94,27 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const ch
  * into dst[zsum] (packed in tensor order). */
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
 
-/* After the backward passes: reduce-scatter the gradients over dpcp (every rank
+/* After the backward passes: sum the k/v weight gradients over the tp ranks that
+ * share a kv head (kv heads fewer than tp), reduce-scatter the gradients over dpcp (every rank
  * then holds the summed gradient of its blocks in m->grads), return the global
  * gradient norm's square (over the world). */
 shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq);
 /* Clip this rank's blocks by the global norm, AdamW them, all-gather the blocks. */
 shard_status par_update(par_ctx *p, model *m, optim *o, double norm, float lr);
+/* The data of microbatch mb of the step: inputs and targets [B*T]. */
+typedef shard_status (*par_fill_fn)(void *ctx, int mb, int32_t *in, int32_t *tg);
+/* The forward and backward passes of one optimizer step over M microbatches
+ * (gradients accumulate in m->grads, zeroed by the caller). pp = 1: each microbatch
+ * forward then backward. pp > 1: the 1F1B schedule (warmup of pp - stage - 1
+ * forwards, then one forward and one backward in turn, then the remaining
+ * backwards), activations sent to the next stage and their gradients back over
+ * g.pp. *lsum: the sum of the step's per-token losses on the last stage, 0 on the
+ * others. Needs model_alloc_slots(m, ..., p->nslots). */
+shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
+                            float loss_scale, double *lsum);
+/* One forward pass of a batch through the pipeline (validation): the loss sum on
+ * the last stage, 0 on the others. */
+shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t *tg, double *lsum);
 /* Sum (op SUM) or max of a double over the world. */
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op);
 int par_any(par_ctx *p, int mine); /* max over the world of an int flag */

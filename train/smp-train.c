@@ -37,11 +37,14 @@ static const char HELP[] =
     "  --val-every N             validate every N steps (default: when saving)\n"
     "  --val-batches N           validation batches of B/M sequences (default 8)\n"
     "  --save-dir RUN_DIR        where step-NNNNNN/ checkpoints and `latest` go\n"
-    "  --layout L                dp=D (the ranks under mpirun; default dp=<ranks>); tp, cp\n"
-    "                            and pp come in later steps of the parallel issue\n"
+    "  --layout L                pp=P,tp=T,dp=D (P*T*D ranks under mpirun; default\n"
+    "                            dp=<ranks>); cp comes in a later step of the parallel issue\n"
+    "  --stages S                layers per pipeline stage: \"auto\" or \"2,1,...\" (default: the\n"
+    "                            checkpoint's when it has pp stages, else auto)\n"
     "  --steps N                 optimizer steps of the run (required for a new run)\n"
     "  --batch B                 sequences per step (default 8)\n"
-    "  --microbatches M          gradient accumulation: B/M sequences at a time (default 1)\n"
+    "  --microbatches M          gradient accumulation: B/M sequences at a time (default 1);\n"
+    "                            with pp > 1 the microbatches of the 1F1B schedule\n"
     "  --seq S                   tokens per sequence (default 256, at most max_position_embeddings)\n"
     "  --lr X                    peak learning rate (default 3e-4)\n"
     "  --warmup N                linear warmup steps (default 0)\n"
@@ -85,14 +88,14 @@ enum {
     O_CKPT, O_DATA, O_VAL_DATA, O_VAL_EVERY, O_VAL_BATCHES, O_SAVE_DIR, O_LAYOUT, O_STEPS, O_BATCH, O_MICRO, O_SEQ,
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
-    O_INJECT_NAN, O_INJECT_FAIL, O_COUNT
+    O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_COUNT
 };
 static const char *OPT_NAMES[O_COUNT] = {
     "--ckpt", "--data", "--val-data", "--val-every", "--val-batches", "--save-dir", "--layout", "--steps", "--batch",
     "--microbatches", "--seq", "--lr", "--warmup", "--lr-min", "--schedule", "--seed", "--clip", "--weight-decay",
     "--beta1", "--beta2", "--eps", "--max-bad", "--fp8", "--fp8-history", "--fp8-margin", "--backend",
     "--save-every", "--keep", "--compress", "--log", "--stop-at", "--dump-grads", "--inject-nan",
-    "--inject-fail"};
+    "--inject-fail", "--stages"};
 
 typedef struct {
     const char *v[O_COUNT];
@@ -314,6 +317,19 @@ static shard_status dump_grads(const char *dir, const model *m, double loss)
 
 static int train_main(int argc, char **argv, par_ctx *P);
 
+/* the sequences of microbatch mb of a step: this replica's, from `first` on */
+typedef struct {
+    data_set *ds;
+    uint64_t first;
+    int rows;
+} step_data;
+
+static shard_status fill_step(void *ctx, int mb, int32_t *in, int32_t *tg)
+{
+    step_data *sd = ctx;
+    return data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, in, tg);
+}
+
 int main(int argc, char **argv)
 {
     cli_init("smp-train");
@@ -365,9 +381,9 @@ static int train_main(int argc, char **argv, par_ctx *P)
                          shard_layout_format(&lay, lb, sizeof lb), shard_layout_size(&lay), P->size,
                          shard_layout_size(&lay));
     }
-    if (lay.tp > 1 || lay.cp > 1 || lay.pp > 1)
-        return cli_usage("--layout: this smp-train runs data parallelism (dp=D) only; tensor, context and pipeline "
-                         "parallelism come in later steps");
+    if (lay.cp > 1)
+        return cli_usage("--layout: this smp-train runs pipeline, tensor and data parallelism (pp=P,tp=T,dp=D); "
+                         "context parallelism comes in a later step");
     if (P->size > 1 && o.v[O_DUMP_GRADS]) return cli_usage("--dump-grads runs on one rank");
     const int me0 = P->rank == 0;
     if (o.v[O_BACKEND] && strcmp(o.v[O_BACKEND], "cpu")) {
@@ -407,6 +423,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
     /* the model and, when the checkpoint has one, the run it continues */
     shard_status s = ckptio_open_model(o.v[O_CKPT], &ck, &m);
     if (s) OUT(cli_fail(s));
+    if ((s = shard_layout_check(&lay, &m.d))) OUT(cli_usage("--layout: %s", shard_errmsg()));
     run_cfg c = {.batch = 8, .micro = 1, .seq = 256, .lr = 3e-4f, .cosine = 1, .clip = 1.0f, .wd = 0.1f, .beta1 = 0.9f,
                  .beta2 = 0.95f, .eps = 1e-8f, .max_bad = 5, .fp8 = FP8_OFF, .fp8_hist = 1024, .val_batches = 8};
     if (m.d.max_positions > 0 && c.seq > m.d.max_positions) c.seq = m.d.max_positions;
@@ -444,6 +461,10 @@ static int train_main(int argc, char **argv, par_ctx *P)
     }
     if (o.v[O_FP8]) c.fp8 = !strcmp(o.v[O_FP8], "delayed") ? FP8_DELAYED : !strcmp(o.v[O_FP8], "current") ? FP8_CURRENT : FP8_OFF;
     if (c.steps < 1) OUT(cli_usage("--steps is required for a new run"));
+    if (c.fp8 == FP8_CURRENT && lay.tp > 1)
+        OUT(cli_usage("--fp8 current with tp > 1: current scaling takes each tensor's amax where it is used, and "
+                      "a tensor-parallel rank sees only its piece (use --fp8 delayed, whose amaxes are reduced over "
+                      "all ranks)"));
     if (c.batch % ((int64_t)lay.dp * c.micro))
         OUT(cli_usage("--batch %lld is not divisible by dp %d x --microbatches %lld", (long long)c.batch, lay.dp,
                       (long long)c.micro));
@@ -459,8 +480,15 @@ static int train_main(int argc, char **argv, par_ctx *P)
 
     /* weights: the fp32 master copy when saved, else the parameters */
     int have_master = 0, have_p = 0, have_m = 0, have_v = 0;
-    const int stages1[1] = {m.L};
-    if ((s = par_setup(P, &lay, stages1, &m))) OUT(cli_fail(s));
+    int stages[SHARD_MAX_PP];
+    if (o.v[O_STAGES]) {
+        if ((s = shard_stages_parse(o.v[O_STAGES], &m.d, lay.pp, stages))) OUT(cli_usage("--stages: %s", shard_errmsg()));
+    } else if (shard_ckpt_layout(ck)->pp == lay.pp) {
+        memcpy(stages, shard_ckpt_stages(ck), (size_t)lay.pp * sizeof *stages);
+    } else if ((s = shard_stages_auto(&m.d, lay.pp, stages))) {
+        OUT(cli_fail(s));
+    }
+    if ((s = par_setup(P, &lay, stages, (int)c.micro, &m))) OUT(cli_fail(s));
     if ((s = par_read_params(P, ck, &m, "optim/master", &have_master))) OUT(cli_fail(s));
     if (!have_master && (s = par_read_params(P, ck, &m, "params", &have_p))) OUT(cli_fail(s));
     if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
@@ -482,7 +510,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
         if (!m.fp8) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
         if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
     }
-    if ((s = model_alloc_acts(&m, Bm, S))) OUT(cli_fail(s));
+    if ((s = model_alloc_slots(&m, Bm, S, P->nslots))) OUT(cli_fail(s));
 
     if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
     data_set_order(&ds, c.shuffle, c.seed);
@@ -506,7 +534,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
     char cbuf[32];
     if (!o.v[O_DUMP_GRADS] && me0)
         fprintf(stderr, "smp-train: %s: %s parameters, step %lld of %lld, batch %lld x %lld tokens (%lld microbatches), %s order%s\n",
-                shard_ckpt_dir(ck), cli_count(cbuf, m.nparams), (long long)c.step, (long long)c.steps, (long long)c.batch,
+                shard_ckpt_dir(ck), cli_count(cbuf, shard_model_param_count(&m.d)), (long long)c.step, (long long)c.steps, (long long)c.batch,
                 (long long)c.seq, (long long)c.micro, c.shuffle ? "shuffled" : "sequential",
                 c.fp8 ? (c.fp8 == FP8_DELAYED ? ", fp8 delayed" : ", fp8 current") : "");
 
@@ -524,20 +552,18 @@ static int train_main(int argc, char **argv, par_ctx *P)
     while ((c.step < c.steps && !(c.stop_at && c.step >= c.stop_at)) || o.v[O_DUMP_GRADS]) {
         const double t0 = now_seconds();
         model_zero_grads(&m);
-        shard_comm *kinds[5] = {P->g.tp, P->g.cp, P->g.pp, P->g.dp, P->g.dpcp};
-        for (int k = 0; k < 5; k++)
+        shard_comm *kinds[7] = {P->g.tp, P->g.cp, P->g.pp, P->g.dp, P->g.dpcp, P->kvc, P->emb};
+        for (int k = 0; k < 7; k++)
             if (kinds[k]) shard_comm_reset_bytes(kinds[k]);
         double lsum = 0.0;
-        for (int mb = 0; mb < c.micro; mb++) {
-            if ((s = data_fill(&ds, (uint64_t)c.position + replica_first + (uint64_t)mb * Bm, Bm, in, tg)))
-                OUT(cli_fail(s));
-            lsum += model_forward(&m, in, tg);
-            model_backward(&m, in, tg, loss_scale);
-        }
+        step_data sd = {&ds, (uint64_t)c.position + replica_first, Bm};
+        if ((s = par_train_step(P, &m, (int)c.micro, fill_step, &sd, in, tg, loss_scale, &lsum))) OUT(cli_fail(s));
         if (P->rank == fail_rank && c.step + 1 == fail_step)
             OUT(cli_fail(shard_fail(SHARD_E_IO, "rank %d: injected failure (--inject-fail) in step %lld", P->rank,
                                     (long long)c.step + 1)));
         if (lay.dp > 1 && (s = par_allreduce_f64(P, P->g.dp, &lsum, 1, SHARD_OP_SUM))) OUT(cli_fail(s));
+        /* the loss, computed on the last stage, to every stage (rank 0 logs it) */
+        if (lay.pp > 1 && (s = shard_comm_broadcast(P->g.pp, &lsum, 1, SHARD_DT_F64, lay.pp - 1))) OUT(cli_fail(s));
         double loss = lsum / ((double)c.batch * (double)c.seq);
         for (int k = 0; k < ninject; k++)
             if (inject[k] == c.step + 1) loss = NAN;
@@ -585,7 +611,18 @@ static int train_main(int argc, char **argv, par_ctx *P)
             int64_t nb = c.val_batches;
             if ((uint64_t)nb * Bm > vs.nseq) nb = (int64_t)(vs.nseq / (uint64_t)Bm);
             if (m.fp8) m.fp8->frozen = 1; /* validation leaves the FP8 history alone */
-            if (nb > 0) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
+            if (nb > 0 && lay.pp == 1) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
+            if (m.comm_err) OUT(cli_fail(m.comm_err));
+            if (nb > 0 && lay.pp > 1) { /* through the pipeline; the sum from the last stage */
+                double vsum = 0.0, one;
+                for (int64_t i = 0; i < nb; i++) {
+                    data_fill_sequential(&vs, (uint64_t)i * (uint64_t)Bm, Bm, in, tg);
+                    if ((s = par_forward(P, &m, in, tg, &one))) OUT(cli_fail(s));
+                    vsum += one;
+                }
+                if ((s = shard_comm_broadcast(P->g.pp, &vsum, 1, SHARD_DT_F64, lay.pp - 1))) OUT(cli_fail(s));
+                val = vsum / ((double)nb * (double)Bm * (double)S);
+            }
             if (m.fp8) m.fp8->frozen = 0;
         }
         if (logf) {
@@ -596,13 +633,14 @@ static int train_main(int argc, char **argv, par_ctx *P)
             log_num(logf, "tokens_per_s", tps, "%.1f");
             log_num(logf, "elapsed_s", t1 - t_start, "%.3f");
             fprintf(logf, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)c.tokens, bad ? "true" : "false");
-            /* bytes this rank sent in the step, by kind (dp: the ZeRO-1 collectives over
-             * the dp*cp group and the loss all-reduce over dp) */
+            /* bytes this rank sent in the step, by kind (tp: the tensor-parallel all-reduces
+             * and the kv-head groups' gradient sums; dp: the ZeRO-1 collectives over the
+             * dp*cp group and the loss all-reduce over dp) */
             if (P->size > 1) {
-                uint64_t b[5];
-                for (int k = 0; k < 5; k++) b[k] = kinds[k] ? shard_comm_bytes(kinds[k]) : 0;
+                uint64_t b[7];
+                for (int k = 0; k < 7; k++) b[k] = kinds[k] ? shard_comm_bytes(kinds[k]) : 0;
                 fprintf(logf, ",\"bytes_tp\":%llu,\"bytes_cp\":%llu,\"bytes_pp\":%llu,\"bytes_dp\":%llu",
-                        (unsigned long long)b[0], (unsigned long long)b[1], (unsigned long long)b[2],
+                        (unsigned long long)(b[0] + b[5]), (unsigned long long)b[1], (unsigned long long)(b[2] + b[6]),
                         (unsigned long long)(b[3] + b[4]));
             }
             if (!isnan(val)) log_num(logf, "val_loss", val, "%.17g");
