@@ -13,6 +13,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -37,6 +39,70 @@ static const char HELP[] =
 typedef struct {
     const char *in, *out, *layout, *stages, *dtype, *compress, *threads, *seed_text;
 } args;
+
+/* hf2smp: read the rows of a sub-box straight from the safetensors file with
+ * pread (the page cache copies once into the chunk buffer: no page faults of a
+ * mapping, no second copy); converting dtype where asked. */
+typedef struct {
+    int fd;
+    const shard_st_tensor *st;
+    const int64_t *gshape;
+    int ndim;
+} file_source;
+
+static shard_status read_at(int fd, void *dst, size_t n, uint64_t off)
+{
+    char *d = dst;
+    while (n) {
+        ssize_t r = pread(fd, d, n, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return shard_fail(SHARD_E_IO, "read failed: %s", r < 0 ? strerror(errno) : "file shrank");
+        d += r; n -= (size_t)r; off += (uint64_t)r;
+    }
+    return SHARD_OK;
+}
+
+static shard_status fill_from_file(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
+{
+    const file_source *fs = ctx;
+    const int nd = fs->ndim;
+    const size_t ses = shard_dtype_size(fs->st->dtype), des = shard_dtype_size(dt);
+    const int64_t rowlen = sub->len[nd - 1];
+    const uint64_t nrows = shard_box_numel(sub) / (uint64_t)rowlen;
+    const int whole_rows = sub->off[nd - 1] == 0 && rowlen == fs->gshape[nd - 1];
+    /* rows [r0, r1) of the sub-box that are consecutive in the file form one read */
+    char tmp[1 << 16];
+    int64_t idx[SHARD_MAX_DIMS];
+    for (uint64_t r = 0; r < nrows;) {
+        uint64_t rem = r;
+        for (int k = nd - 2; k >= 0; k--) { idx[k] = sub->off[k] + (int64_t)(rem % (uint64_t)sub->len[k]); rem /= (uint64_t)sub->len[k]; }
+        int64_t flat = 0;
+        for (int k = 0; k < nd - 1; k++) flat = flat * fs->gshape[k] + idx[k];
+        flat = flat * fs->gshape[nd - 1] + sub->off[nd - 1];
+        uint64_t run = 1;
+        if (whole_rows && nd >= 2) { /* the rest of this plane's rows are contiguous */
+            uint64_t left = (uint64_t)(sub->len[nd - 2] - (idx[nd - 2] - sub->off[nd - 2]));
+            run = left < nrows - r ? left : nrows - r;
+        }
+        size_t n = (size_t)(run * (uint64_t)rowlen);
+        uint64_t off = fs->st->file_offset + (uint64_t)flat * ses;
+        char *out = (char *)dst + (size_t)(r * (uint64_t)rowlen) * des;
+        shard_status s;
+        if (dt == fs->st->dtype) {
+            s = read_at(fs->fd, out, n * ses, off);
+        } else { /* through a small buffer, converting */
+            s = SHARD_OK;
+            for (size_t done = 0; done < n && !s;) {
+                size_t k = (n - done) * ses < sizeof tmp ? n - done : sizeof tmp / ses;
+                if (!(s = read_at(fs->fd, tmp, k * ses, off + done * ses))) s = shard_convert(out + done * des, dt, tmp, fs->st->dtype, k);
+                done += k;
+            }
+        }
+        if (s) return s;
+        r += run;
+    }
+    return SHARD_OK;
+}
 
 /* reshard: the planner fills any sub-box of a target piece from the stored pieces */
 typedef struct {
@@ -223,7 +289,17 @@ static shard_status convert(const args *a, const source *src, const shard_model_
                 s = shard_h5_write_stream(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, init_fill, &it);
             } else if (src->w) {
                 const shard_st_tensor *st = shard_weights_find(src->w, t->name);
-                s = shard_h5_write_piece(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, st->data, st->dtype);
+                file_source fs = {-1, st, t->shape, t->ndim};
+                size_t wi = 0;
+                while (shard_weights_at(src->w, wi) != st) wi++;
+                const char *fn = shard_weights_file_of(src->w, wi);
+                char *fp = malloc(strlen(a->in) + strlen(fn) + 2);
+                sprintf(fp, "%s/%s", a->in, fn);
+                fs.fd = open(fp, O_RDONLY | O_CLOEXEC);
+                if (fs.fd < 0) s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", fp, strerror(errno));
+                else s = shard_h5_write_stream(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, fill_from_file, &fs);
+                if (fs.fd >= 0) close(fs.fd);
+                free(fp);
             } else {
                 /* the planner assembles this piece chunk by chunk from the stored ones */
                 ckpt_source cs = {src->c, jb->src_index};

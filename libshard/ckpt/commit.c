@@ -7,6 +7,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <hdf5.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -183,6 +184,38 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
 
 static void rm_tree(const char *p);
 
+typedef struct {
+    shard_status s;
+    uint64_t hash, bytes;
+    char msg[512];
+} hash_result;
+
+typedef struct {
+    const char *dir;
+    const char **names;
+    size_t n;
+    hash_result *out;
+    size_t next;
+    pthread_mutex_t mu;
+} hash_job;
+
+static void *hash_worker(void *arg)
+{
+    hash_job *j = arg;
+    for (;;) {
+        pthread_mutex_lock(&j->mu);
+        size_t i = j->next++;
+        pthread_mutex_unlock(&j->mu);
+        if (i >= j->n) break;
+        char *p = shard_path_join(j->dir, j->names[i]);
+        hash_result *r = &j->out[i];
+        r->s = p ? shard_file_xxh64(p, &r->hash, &r->bytes) : shard_fail(SHARD_E_NOMEM, "out of memory");
+        if (r->s) snprintf(r->msg, sizeof r->msg, "%s", shard_errmsg()); /* messages are per thread */
+        free(p);
+    }
+    return NULL;
+}
+
 static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 static shard_status fsync_path(const char *p, int dir)
@@ -225,15 +258,28 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
             if (H5Lvisit(c.file, H5_INDEX_NAME, H5_ITER_INC, visit, &c) < 0) s = c.s ? c.s : shard_fail(SHARD_E_INVALID, "%s: cannot list its datasets", p);
             H5Fclose(c.file);
         }
-        uint64_t hash, bytes;
-        if (!s) s = shard_file_xxh64(p, &hash, &bytes);
-        if (!s) {
-            char hex[17];
-            snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
-            json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", names[i], "bytes", (json_int_t)bytes, "xxh64", hex));
-        }
         free(p);
     }
+    /* every shard file's checksum, several files at once */
+    hash_job hj = {w->staging, (const char **)names, n, calloc(n + 1, sizeof(hash_result)), 0, PTHREAD_MUTEX_INITIALIZER};
+    if (!s && !hj.out) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!s) {
+        long nc = sysconf(_SC_NPROCESSORS_ONLN);
+        int nt = (int)(nc < 1 ? 1 : nc > 8 ? 8 : nc);
+        if ((size_t)nt > n) nt = (int)n;
+        pthread_t th[8];
+        int started = 0;
+        for (int i = 1; i < nt; i++) if (pthread_create(&th[started], NULL, hash_worker, &hj) == 0) started++;
+        hash_worker(&hj);
+        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+        for (size_t i = 0; i < n && !s; i++) {
+            if (hj.out[i].s) { s = shard_fail(hj.out[i].s, "%s", hj.out[i].msg); break; }
+            char hex[17];
+            snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hj.out[i].hash);
+            json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", names[i], "bytes", (json_int_t)hj.out[i].bytes, "xxh64", hex));
+        }
+    }
+    free(hj.out);
     size_t k;
     json_t *ev;
     json_array_foreach(w->extras, k, ev) {
