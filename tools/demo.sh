@@ -1,36 +1,52 @@
 #!/usr/bin/env bash
-# The main job, end to end on this machine:
-#   1. build smp; save a tiny Llama (GQA, bf16, sharded safetensors + index, a tokenizer
-#      file) with transformers; look at it with smp-inspect
-#   2. smp-convert hf2smp into pp=2,tp=2,cp=2 (with 4 MPI processes), verify, inspect
-#   3. reshard it to tp=4,dp=2, then merge it back into a Hugging Face folder
-#   4. check the export with transformers: same tensors bit for bit, same logits
-# Training (smp-train under mpirun, resume in another layout) joins as it lands.
+# The main job, end to end on this machine (CPU backend, MPI ranks on the local cores):
+#   1. save a tiny Llama (GQA, bf16, sharded safetensors + index, a tokenizer file)
+#      with transformers; smp-inspect it
+#   2. smp-convert hf2smp into pp=2,tp=2,cp=2 with 4 processes; verify; inspect
+#   3. train it under mpirun, 8 ranks, pp=2,tp=2,dp=2, on English text (byte tokens)
+#   4. reshard the run's checkpoint (weights, optimizer and training state) to tp=4,dp=2
+#      and resume there for more steps
+#   5. smp-eval; merge into a Hugging Face folder; transformers loads it and gives the
+#      same loss as smp-eval
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(tools/bootstrap.sh | tail -1)
+PY="$VENV/bin/python"
 scons -Q -j"$(nproc)" >/dev/null
-export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 OMP_NUM_THREADS=1
+MPI="mpirun --oversubscribe --bind-to none"
 OUT=${1:-build/demo}
 rm -rf "$OUT"; mkdir -p "$OUT"
 say() { printf '\n\033[1m== %s\033[0m\n' "$*"; }
 
-say "a model folder, as transformers saves it"
-"$VENV/bin/python" tools/demo/make_model.py "$OUT/hf"
+say "1. a model folder, as transformers saves it"
+"$PY" tools/demo/make_model.py "$OUT/hf"
 echo '{"model_max_length": 512}' > "$OUT/hf/tokenizer_config.json"
 build/bin/smp-inspect "$OUT/hf"
 
-say "hf2smp into pp=2,tp=2,cp=2 (8 ranks), 4 processes"
-mpirun --oversubscribe --bind-to none -np 4 build/bin/smp-convert hf2smp \
-    --in "$OUT/hf" --out "$OUT/ckpt" --layout pp=2,tp=2,cp=2
+say "2. hf2smp into pp=2,tp=2,cp=2 (8 ranks' shard files), 4 processes"
+$MPI -np 4 build/bin/smp-convert hf2smp --in "$OUT/hf" --out "$OUT/ckpt" --layout pp=2,tp=2,cp=2
 build/bin/smp-verify "$OUT/ckpt"
-build/bin/smp-inspect "$OUT/ckpt" | sed -n 1,12p
+build/bin/smp-inspect "$OUT/ckpt" | sed -n 1,6p
 
-say "reshard to tp=4,dp=2, merge back to Hugging Face safetensors"
-build/bin/smp-convert reshard --in "$OUT/ckpt" --out "$OUT/ckpt-tp4" --layout tp=4,dp=2
-build/bin/smp-verify "$OUT/ckpt-tp4"
-build/bin/smp-merge --in "$OUT/ckpt-tp4" --out "$OUT/export"
+say "3. train under mpirun: 8 ranks, pp=2,tp=2,dp=2"
+"$PY" tools/text2tokens.py "$OUT/train.bin" README.md docs/*.md --val-fraction 0.1 --val-out "$OUT/val.bin"
+$MPI -np 8 build/bin/smp-train --ckpt "$OUT/ckpt" --data "$OUT/train.bin" --val-data "$OUT/val.bin" \
+    --save-dir "$OUT/run" --layout pp=2,tp=2,dp=2 --steps 40 --stop-at 24 --batch 8 --microbatches 2 \
+    --seq 64 --lr 1e-2 --warmup 4 --seed 1 --log "$OUT/run/log.jsonl"
+build/bin/smp-verify "$OUT/run/$(cat "$OUT/run/latest")"
 
-say "the export, checked with transformers"
-"$VENV/bin/python" tools/demo/check_export.py "$OUT/hf" "$OUT/export"
+say "4. reshard the run to tp=4,dp=2 and resume there"
+mkdir -p "$OUT/run2"
+build/bin/smp-convert reshard --in "$OUT/run/$(cat "$OUT/run/latest")" --out "$OUT/run2/step-000024" --layout tp=4,dp=2
+echo step-000024 > "$OUT/run2/latest"
+$MPI -np 8 build/bin/smp-train --ckpt "$OUT/run2" --data "$OUT/train.bin" --val-data "$OUT/val.bin" \
+    --save-dir "$OUT/run2" --layout tp=4,dp=2 --log "$OUT/run2/log.jsonl"
+build/bin/smp-verify "$OUT/run2/$(cat "$OUT/run2/latest")"
+"$PY" tools/plot_log.py "$OUT/run/log.jsonl" -o "$OUT/loss.png" >/dev/null && echo "plot: $OUT/loss.png"
+
+say "5. evaluate, merge, check the export with transformers"
+build/bin/smp-eval --ckpt "$OUT/run2" --data "$OUT/val.bin" --batch 4 --seq 64 --batches 4 --json | tee "$OUT/eval.json"
+build/bin/smp-merge --in "$OUT/run2/$(cat "$OUT/run2/latest")" --out "$OUT/export"
+"$PY" tools/demo/check_export.py "$OUT/hf" "$OUT/export" "$OUT/val.bin" "$OUT/eval.json" "$OUT/run/log.jsonl" "$OUT/run2/log.jsonl"
 echo "demo: ok"
