@@ -153,6 +153,13 @@ static void tp_sum(model *m, float *buf, size_t n, shard_op op)
     if (s) m->comm_err = s;
 }
 
+void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
+{
+    m->cp = cp;
+    m->cp_size = cp_size;
+    m->cp_rank = cp_rank;
+}
+
 static void free_slot(model *m, act_slot *sl)
 {
     if (sl->acts) {
@@ -179,13 +186,16 @@ static void free_acts(model *m)
     m->xL = m->rstdf = m->xnf = m->logits = m->rowmax = m->sumexp = m->losses = NULL;
     m->target_logit = NULL; /* the second half of sumexp's buffer */
     float **bufs[] = {&m->cos_t, &m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv,
-                      &m->datt, &m->dgate, &m->dup, &m->dact, &m->dlogits};
+                      &m->datt, &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1],
+                      &m->ring_out, &m->ring_lse};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         free(*bufs[k]);
         *bufs[k] = NULL;
     }
     free(m->pos);
     m->pos = NULL;
+    free(m->cp_pos);
+    m->cp_pos = NULL;
 }
 
 void model_use_slot(model *m, int k)
@@ -252,10 +262,19 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     A(m->cos_t, (size_t)T * m->hd); A(m->sin_t, (size_t)T * m->hd);
     A(m->dx, N * H); A(m->dxn, N * H); A(m->dq, N * QD); A(m->dk, N * KD); A(m->dv, N * KD); A(m->datt, N * QD);
     A(m->dgate, N * F); A(m->dup, N * F); A(m->dact, N * F); A(m->dlogits, NV);
+    const int C = m->cp_size > 1 ? m->cp_size : 1;
+    if (C > 1) {
+        if (T % 2) {
+            free_acts(m);
+            return shard_fail(SHARD_E_USAGE, "context parallelism: %d tokens per rank is odd (two equal chunks)", T);
+        }
+        A(m->ring[0], 4 * N * KD); A(m->ring[1], 4 * N * KD); A(m->ring_out, N * QD); A(m->ring_lse, (size_t)B * m->nh * T);
+    }
 #undef A
     m->pos = zalloc((size_t)T, sizeof(int32_t));
+    m->cp_pos = zalloc((size_t)T * C, sizeof(int32_t));
     if (ok) model_use_slot(m, 0);
-    if (!ok || !m->pos) {
+    if (!ok || !m->pos || !m->cp_pos) {
         free_acts(m);
         return shard_fail(SHARD_E_NOMEM, "out of memory for the activations of %d x %d tokens", B, T);
     }
@@ -270,7 +289,11 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
             return s;
         }
     }
-    for (int t = 0; t < T; t++) m->pos[t] = t;
+    /* cp rank i: chunks i and 2C-1-i of T/2 tokens each (C = 1: 0..T-1) */
+    for (int i = 0; i < C; i++)
+        for (int t = 0; t < T; t++)
+            m->cp_pos[(size_t)i * T + t] = C == 1 ? t : t < T / 2 ? i * (T / 2) + t : (2 * C - 1 - i) * (T / 2) + t - T / 2;
+    memcpy(m->pos, m->cp_pos + (size_t)(C > 1 ? m->cp_rank : 0) * T, (size_t)T * sizeof(int32_t));
     op_rope_table(m->cos_t, m->sin_t, m->pos, T, m->inv_freq, m->hd);
     return SHARD_OK;
 }
@@ -295,6 +318,73 @@ static void lin_bwd(model *m, int l, int which, float *dinp, float *dw, const fl
 {
     if (m->fp8) fp8_linear_backward(m->fp8, l * LIN_COUNT + which, dinp, dw, dout, inp, w, N, IN, OUT);
     else op_linear_backward(dinp, dw, dout, inp, w, N, IN, OUT);
+}
+
+/* ---- ring attention over the cp group ------------------------------------------ */
+#define CP_TAG 11
+
+/* one step of the ring: send n floats to the next cp rank, receive the previous one's */
+static void cp_pass(model *m, const float *send, float *recv, size_t n)
+{
+    if (m->comm_err) return;
+    const int C = m->cp_size, r = m->cp_rank;
+    shard_status s = shard_comm_sendrecv(m->cp, send, (r + 1) % C, recv, (r + C - 1) % C, n, SHARD_DT_F32, CP_TAG);
+    if (s) m->comm_err = s;
+}
+
+/* a->att, a->lse: attention of this rank's queries over the keys of the whole
+ * sequence. The local block first; then C - 1 times the K/V block in hand goes to
+ * the next rank and the previous rank's comes in (at pass j the block of cp rank
+ * r - j), its partial result merged by log-sum-exp. */
+static void attention_forward(model *m, layer_acts *a)
+{
+    const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
+    op_attention_forward(a->att, a->lse, a->q, a->k, a->v, m->pos, m->pos, B, T, T, m->nh, m->nkv, m->hd, m->window);
+    if (C <= 1) return;
+    const size_t nk = (size_t)B * T * m->nkv * m->hd;
+    float *cur = m->ring[0], *nxt = m->ring[1];
+    memcpy(cur, a->k, nk * sizeof(float));
+    memcpy(cur + nk, a->v, nk * sizeof(float));
+    for (int j = 1; j < C; j++) {
+        cp_pass(m, cur, nxt, 2 * nk);
+        float *t = cur; cur = nxt; nxt = t;
+        const int src = (r - j + C) % C;
+        op_attention_forward(m->ring_out, m->ring_lse, a->q, cur, cur + nk, m->pos, m->cp_pos + (size_t)src * T,
+                             B, T, T, m->nh, m->nkv, m->hd, m->window);
+        op_attention_merge(a->att, a->lse, m->ring_out, m->ring_lse, B, T, m->nh, m->hd);
+    }
+}
+
+/* dq, dk, dv (zeroed by the caller) from datt, with the final out and lse: the local
+ * pair first; then the K/V blocks go around the ring as in forward, each carrying
+ * the dK/dV that the ranks it visited accumulated; after C - 1 passes the block in
+ * hand is the next rank's, and one more pass of its dK/dV brings every block's
+ * gradient home. */
+static void attention_backward(model *m, layer_acts *a)
+{
+    const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
+    op_attention_backward(m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos, m->pos,
+                          B, T, T, m->nh, m->nkv, m->hd, m->window);
+    if (C <= 1) return;
+    const size_t nk = (size_t)B * T * m->nkv * m->hd;
+    float *cur = m->ring[0], *nxt = m->ring[1];
+    memcpy(cur, a->k, nk * sizeof(float));
+    memcpy(cur + nk, a->v, nk * sizeof(float));
+    memset(cur + 2 * nk, 0, 2 * nk * sizeof(float));
+    for (int j = 1; j < C; j++) {
+        cp_pass(m, cur, nxt, 4 * nk);
+        float *t = cur; cur = nxt; nxt = t;
+        const int src = (r - j + C) % C;
+        op_attention_backward(m->dq, cur + 2 * nk, cur + 3 * nk, m->datt, a->q, cur, cur + nk, a->att, a->lse,
+                              m->pos, m->cp_pos + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd, m->window);
+    }
+    cp_pass(m, cur + 2 * nk, nxt + 2 * nk, 2 * nk); /* to the owner, r + 1; ours from r - 1 */
+    const float *dk = nxt + 2 * nk, *dv = nxt + 3 * nk;
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < nk; i++) {
+        m->dk[i] += dk[i];
+        m->dv[i] += dv[i];
+    }
 }
 
 static void add(float *y, const float *a, const float *b, size_t n)
@@ -322,7 +412,7 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
         lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
         op_rope_forward(a->q, m->cos_t, m->sin_t, B, T, m->nh, hd);
         op_rope_forward(a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
-        op_attention_forward(a->att, a->lse, a->q, a->k, a->v, m->pos, m->pos, B, T, T, m->nh, m->nkv, hd, m->window);
+        attention_forward(m, a);
         lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
         tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);      /* row-parallel: sum of the partial products */
         add(a->xmid, a->x, m->dxn, (size_t)N * H);
@@ -386,8 +476,7 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         memset(m->dq, 0, (size_t)N * QD * sizeof(float));
         memset(m->dk, 0, (size_t)N * KD * sizeof(float));
         memset(m->dv, 0, (size_t)N * KD * sizeof(float));
-        op_attention_backward(m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos, m->pos,
-                              B, T, T, m->nh, m->nkv, hd, m->window);
+        attention_backward(m, a);
         op_rope_backward(m->dq, m->cos_t, m->sin_t, B, T, m->nh, hd);
         op_rope_backward(m->dk, m->cos_t, m->sin_t, B, T, m->nkv, hd);
         memset(m->dxn, 0, NH * sizeof(float));

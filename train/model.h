@@ -102,6 +102,17 @@ typedef struct {
     int tp_size;
     shard_comm *tp;
     shard_status comm_err;
+    /* context parallelism: the cp group (NULL or cp_size 1 on one rank). Each
+     * sequence of S = T * cp_size tokens is cut into 2 * cp_size chunks of T / 2; this
+     * rank (cp_rank i) holds chunks i and 2 cp_size - 1 - i, in that order, as its T
+     * tokens (pos). Attention is a ring over cp (model.c): K/V blocks travel around
+     * the group, the partial results merge by log-sum-exp; in backward the visiting
+     * block's dK/dV travel with it and return to their owner at the end. */
+    int cp_size, cp_rank;
+    shard_comm *cp;
+    int32_t *cp_pos;         /* [cp_size * T]: the positions of every cp rank's tokens */
+    float *ring[2];          /* [4 * N * nkv * hd] each: K, V, dK, dV of a visiting block */
+    float *ring_out, *ring_lse; /* [N * nh * hd], [B * nh * T]: one block's partial attention */
 } model;
 
 /* Allocate a model for description d (parameters uninitialised, gradients zero). */
@@ -116,7 +127,12 @@ shard_status model_localize(model *m, const shard_piece *pieces, int tp);
 /* A pipeline stage (before model_alloc_acts, after model_localize): layers [l0, l1),
  * first and last as in the model's fields. */
 void model_set_stage(model *m, int l0, int l1, int first, int last);
-/* Activations and scratch for microbatches of B sequences of T tokens. */
+/* Context parallelism (before model_alloc_acts): the cp group, its size and this
+ * rank's index in it. */
+void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank);
+/* Activations and scratch for microbatches of B sequences of T tokens (T: this
+ * rank's tokens of a sequence, the sequence length / cp_size; with cp_size > 1, T
+ * must be even). */
 shard_status model_alloc_acts(model *m, int B, int T);
 /* The same with nslots activation slots (slot 0 in use). */
 shard_status model_alloc_slots(model *m, int B, int T, int nslots);

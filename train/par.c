@@ -59,6 +59,7 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     /* the model of this rank: its pieces only */
     if ((s = model_localize(m, p->pp, l->tp))) return s;
     m->tp = p->g.tp;
+    model_set_cp(m, p->g.cp, l->cp, p->g.me.cp);
     p->stage = p->g.me.pp;
     p->nstages = l->pp;
     int l0 = 0;
@@ -241,6 +242,19 @@ shard_status par_update(par_ctx *p, model *m, optim *o, double norm, float lr)
         }
     }
     return SHARD_OK;
+}
+
+void par_cp_select(const model *m, int rows, int32_t *in, int32_t *tg)
+{
+    if (m->cp_size <= 1) return;
+    const size_t T = (size_t)m->T, S = T * (size_t)m->cp_size;
+    /* in place: the source index b*S + pos[t] is never below the destination b*T + t,
+     * and grows with it, so no source is overwritten before it is read */
+    for (size_t b = 0; b < (size_t)rows; b++)
+        for (size_t t = 0; t < T; t++) {
+            in[b * T + t] = in[b * S + (size_t)m->pos[t]];
+            tg[b * T + t] = tg[b * S + (size_t)m->pos[t]];
+        }
 }
 
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op)

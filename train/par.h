@@ -1,5 +1,5 @@
 /* train/par.h: smp-train across processes (MPI through libshard's communicators):
- * pipeline, tensor and data parallelism (context parallelism comes later).
+ * pipeline, tensor, context and data parallelism.
  *
  * One process (no mpirun) runs with the self communicator and layout 1,1,1,1, and
  * the code paths below reduce to the single-rank trainer's, bit for bit.
@@ -39,6 +39,15 @@
  * computed on the last stage and broadcast; a tied embedding's first-stage table
  * and last-stage copy get the sum of both gradients (emb) and so stay equal.
  *
+ * Context parallelism: every rank of a cp group takes the same sequences (the dp split
+ * of the batch is unchanged); each sequence of S tokens is cut into 2C chunks of
+ * S/(2C), cp rank i keeping chunks i and 2C-1-i (par_cp_select; their positions feed
+ * RoPE and the causal / sliding-window mask). Attention is a ring over g.cp (K/V of
+ * the kv heads after RoPE passed C-1 times, partial results merged by log-sum-exp;
+ * in backward the visiting blocks' dK/dV travel with them and go home at the end);
+ * every other op is token-local. The weight gradients are summed over dp*cp by the
+ * ZeRO-1 reduce-scatter (the loss scale counts all B*S tokens of the step), and the
+ * step's loss sum is all-reduced over dp*cp (dpcp).
  * Failure: any error on a rank calls MPI_Abort (every rank ends, non-zero); a
  * checkpoint is committed only after every rank reported its shard file whole. */
 #ifndef SMP_TRAIN_PAR_H
@@ -115,6 +124,10 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
 /* One forward pass of a batch through the pipeline (validation): the loss sum on
  * the last stage, 0 on the others. */
 shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t *tg, double *lsum);
+/* Context parallelism: keep, of each of the rows sequences of S = m->T * cp_size
+ * tokens in in/tg [rows * S], this rank's m->T tokens (positions m->pos), packed in
+ * place to [rows * m->T]. Nothing when cp_size is 1. */
+void par_cp_select(const model *m, int rows, int32_t *in, int32_t *tg);
 /* Sum (op SUM) or max of a double over the world. */
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op);
 int par_any(par_ctx *p, int mine); /* max over the world of an int flag */

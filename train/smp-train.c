@@ -37,8 +37,8 @@ static const char HELP[] =
     "  --val-every N             validate every N steps (default: when saving)\n"
     "  --val-batches N           validation batches of B/M sequences (default 8)\n"
     "  --save-dir RUN_DIR        where step-NNNNNN/ checkpoints and `latest` go\n"
-    "  --layout L                pp=P,tp=T,dp=D (P*T*D ranks under mpirun; default\n"
-    "                            dp=<ranks>); cp comes in a later step of the parallel issue\n"
+    "  --layout L                pp=P,tp=T,cp=C,dp=D (P*T*C*D ranks under mpirun; default\n"
+    "                            dp=<ranks>); cp: each sequence in 2C chunks, ring attention\n"
     "  --stages S                layers per pipeline stage: \"auto\" or \"2,1,...\" (default: the\n"
     "                            checkpoint's when it has pp stages, else auto)\n"
     "  --steps N                 optimizer steps of the run (required for a new run)\n"
@@ -322,12 +322,15 @@ typedef struct {
     data_set *ds;
     uint64_t first;
     int rows;
+    const model *m; /* context parallelism: this rank's tokens of each sequence */
 } step_data;
 
 static shard_status fill_step(void *ctx, int mb, int32_t *in, int32_t *tg)
 {
     step_data *sd = ctx;
-    return data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, in, tg);
+    shard_status s = data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, in, tg);
+    if (!s) par_cp_select(sd->m, sd->rows, in, tg);
+    return s;
 }
 
 int main(int argc, char **argv)
@@ -381,9 +384,6 @@ static int train_main(int argc, char **argv, par_ctx *P)
                          shard_layout_format(&lay, lb, sizeof lb), shard_layout_size(&lay), P->size,
                          shard_layout_size(&lay));
     }
-    if (lay.cp > 1)
-        return cli_usage("--layout: this smp-train runs pipeline, tensor and data parallelism (pp=P,tp=T,dp=D); "
-                         "context parallelism comes in a later step");
     if (P->size > 1 && o.v[O_DUMP_GRADS]) return cli_usage("--dump-grads runs on one rank");
     const int me0 = P->rank == 0;
     if (o.v[O_BACKEND] && strcmp(o.v[O_BACKEND], "cpu")) {
@@ -468,6 +468,9 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if (c.batch % ((int64_t)lay.dp * c.micro))
         OUT(cli_usage("--batch %lld is not divisible by dp %d x --microbatches %lld", (long long)c.batch, lay.dp,
                       (long long)c.micro));
+    if (lay.cp > 1 && c.seq % (2 * lay.cp))
+        OUT(cli_usage("--seq %lld is not divisible by 2 x cp = %d: context parallelism cuts each sequence into 2 x cp "
+                      "chunks of equal length", (long long)c.seq, 2 * lay.cp));
     if ((int64_t)c.batch / c.micro * c.seq > INT32_MAX / 4) OUT(cli_usage("--batch / --microbatches * --seq is too large"));
     if (m.d.max_positions > 0 && c.seq > m.d.max_positions)
         fprintf(stderr, "smp-train: warning: --seq %lld exceeds max_position_embeddings %lld\n", (long long)c.seq,
@@ -510,7 +513,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
         if (!m.fp8) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
         if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
     }
-    if ((s = model_alloc_slots(&m, Bm, S, P->nslots))) OUT(cli_fail(s));
+    if ((s = model_alloc_slots(&m, Bm, S / lay.cp, P->nslots))) OUT(cli_fail(s));
 
     if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
     data_set_order(&ds, c.shuffle, c.seed);
@@ -556,12 +559,13 @@ static int train_main(int argc, char **argv, par_ctx *P)
         for (int k = 0; k < 7; k++)
             if (kinds[k]) shard_comm_reset_bytes(kinds[k]);
         double lsum = 0.0;
-        step_data sd = {&ds, (uint64_t)c.position + replica_first, Bm};
+        step_data sd = {&ds, (uint64_t)c.position + replica_first, Bm, &m};
         if ((s = par_train_step(P, &m, (int)c.micro, fill_step, &sd, in, tg, loss_scale, &lsum))) OUT(cli_fail(s));
         if (P->rank == fail_rank && c.step + 1 == fail_step)
             OUT(cli_fail(shard_fail(SHARD_E_IO, "rank %d: injected failure (--inject-fail) in step %lld", P->rank,
                                     (long long)c.step + 1)));
-        if (lay.dp > 1 && (s = par_allreduce_f64(P, P->g.dp, &lsum, 1, SHARD_OP_SUM))) OUT(cli_fail(s));
+        /* the sum over the replicas' sequences and (cp) over each sequence's parts */
+        if (P->ndp > 1 && (s = par_allreduce_f64(P, P->g.dpcp, &lsum, 1, SHARD_OP_SUM))) OUT(cli_fail(s));
         /* the loss, computed on the last stage, to every stage (rank 0 logs it) */
         if (lay.pp > 1 && (s = shard_comm_broadcast(P->g.pp, &lsum, 1, SHARD_DT_F64, lay.pp - 1))) OUT(cli_fail(s));
         double loss = lsum / ((double)c.batch * (double)c.seq);
@@ -611,16 +615,19 @@ static int train_main(int argc, char **argv, par_ctx *P)
             int64_t nb = c.val_batches;
             if ((uint64_t)nb * Bm > vs.nseq) nb = (int64_t)(vs.nseq / (uint64_t)Bm);
             if (m.fp8) m.fp8->frozen = 1; /* validation leaves the FP8 history alone */
-            if (nb > 0 && lay.pp == 1) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
+            if (nb > 0 && lay.pp == 1 && lay.cp == 1) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
             if (m.comm_err) OUT(cli_fail(m.comm_err));
-            if (nb > 0 && lay.pp > 1) { /* through the pipeline; the sum from the last stage */
+            if (nb > 0 && (lay.pp > 1 || lay.cp > 1)) {
+                /* through the pipeline (the sum from the last stage), each cp rank on its tokens */
                 double vsum = 0.0, one;
                 for (int64_t i = 0; i < nb; i++) {
                     data_fill_sequential(&vs, (uint64_t)i * (uint64_t)Bm, Bm, in, tg);
+                    par_cp_select(&m, Bm, in, tg);
                     if ((s = par_forward(P, &m, in, tg, &one))) OUT(cli_fail(s));
                     vsum += one;
                 }
-                if ((s = shard_comm_broadcast(P->g.pp, &vsum, 1, SHARD_DT_F64, lay.pp - 1))) OUT(cli_fail(s));
+                if (lay.cp > 1 && (s = par_allreduce_f64(P, P->g.cp, &vsum, 1, SHARD_OP_SUM))) OUT(cli_fail(s));
+                if (lay.pp > 1 && (s = shard_comm_broadcast(P->g.pp, &vsum, 1, SHARD_DT_F64, lay.pp - 1))) OUT(cli_fail(s));
                 val = vsum / ((double)nb * (double)Bm * (double)S);
             }
             if (m.fp8) m.fp8->frozen = 0;
@@ -635,7 +642,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
             fprintf(logf, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)c.tokens, bad ? "true" : "false");
             /* bytes this rank sent in the step, by kind (tp: the tensor-parallel all-reduces
              * and the kv-head groups' gradient sums; dp: the ZeRO-1 collectives over the
-             * dp*cp group and the loss all-reduce over dp) */
+             * dp*cp group and the loss all-reduce over it; cp: the ring attention's K/V
+             * passes (with dK/dV in backward), and with validation its loss all-reduce) */
             if (P->size > 1) {
                 uint64_t b[7];
                 for (int k = 0; k < 7; k++) b[k] = kinds[k] ? shard_comm_bytes(kinds[k]) : 0;
