@@ -3,7 +3,7 @@
 #   1. save a tiny Llama (GQA, bf16, sharded safetensors + index, a tokenizer file)
 #      with transformers; smp-inspect it
 #   2. smp-convert hf2smp into pp=2,tp=2,cp=2 with 4 processes; verify; inspect
-#   3. train it under mpirun, 8 ranks, pp=2,tp=2,dp=2, on English text (byte tokens)
+#   3. train it under mpirun, 8 ranks, pp=2,tp=2,cp=2, on English text (byte tokens)
 #   4. reshard the run's checkpoint (weights, optimizer and training state) to tp=4,dp=2
 #      and resume there for more steps
 #   5. smp-eval; merge into a Hugging Face folder; transformers loads it and gives the
@@ -29,10 +29,10 @@ $MPI -np 4 build/bin/smp-convert hf2smp --in "$OUT/hf" --out "$OUT/ckpt" --layou
 build/bin/smp-verify "$OUT/ckpt"
 build/bin/smp-inspect "$OUT/ckpt" | sed -n 1,6p
 
-say "3. train under mpirun: 8 ranks, pp=2,tp=2,dp=2"
+say "3. train under mpirun: 8 ranks, pp=2,tp=2,cp=2 (ring attention)"
 "$PY" tools/text2tokens.py "$OUT/train.bin" README.md docs/*.md --val-fraction 0.1 --val-out "$OUT/val.bin"
 $MPI -np 8 build/bin/smp-train --ckpt "$OUT/ckpt" --data "$OUT/train.bin" --val-data "$OUT/val.bin" \
-    --save-dir "$OUT/run" --layout pp=2,tp=2,dp=2 --steps 40 --stop-at 24 --batch 8 --microbatches 2 \
+    --save-dir "$OUT/run" --layout pp=2,tp=2,cp=2 --steps 40 --stop-at 24 --batch 8 --microbatches 2 \
     --seq 64 --lr 1e-2 --warmup 4 --seed 1 --log "$OUT/run/log.jsonl"
 build/bin/smp-verify "$OUT/run/$(cat "$OUT/run/latest")"
 

@@ -49,6 +49,6 @@ l2 = [json.loads(l) for l in log2.read_text().splitlines()]
 first, last = l1[0]["loss"], l2[-1]["loss"]
 assert last < first - 0.5, (first, last)
 print(f"export: {len(b)} tensors in the original's names, shapes and dtypes; config and tokenizer files unchanged")
-print(f"training loss {first:.3f} -> {l1[-1]['loss']:.3f} (pp=2,tp=2,dp=2, step {l1[-1]['step']}) "
+print(f"training loss {first:.3f} -> {l1[-1]['loss']:.3f} (pp=2,tp=2,cp=2, step {l1[-1]['step']}) "
       f"-> {last:.3f} (resumed at tp=4,dp=2, step {l2[-1]['step']})")
 print(f"validation loss: smp-eval {ev['loss']:.5f}, transformers on the export {hf_loss:.5f}")
