@@ -78,6 +78,13 @@ if [ -x build/bin/smp-gpu-parity ]; then
 else
     echo "smp-gpu-parity not built (no nvcc): nothing to run"
 fi
+if [ -x build/bin/smp-nccl-test ]; then
+    out=$(build/bin/smp-nccl-test 2>&1); rc=$?
+    echo "$out" | tail -3
+    if [ $rc -ne 0 ]; then bad "smp-nccl-test (exit $rc)"
+    elif echo "$out" | grep -q "SKIP"; then echo "(not counted: no GPU here)"
+    else ok "smp-nccl-test"; fi
+fi
 
 echo
 for f in "${failures[@]}"; do echo "failed: $f"; done

@@ -439,6 +439,16 @@ shard_status shard_comm_barrier(shard_comm *c);
 uint64_t shard_comm_bytes(const shard_comm *c);
 void shard_comm_reset_bytes(shard_comm *c);
 
+/* NCCL (libshard_nccl.so, built with the CUDA backend): a communicator over the
+ * same processes as `bootstrap` (MPI), one GPU per rank (`device`), buffers in GPU
+ * memory; half-precision reductions allowed. Calls wait with a deadline
+ * (SMP_NCCL_TIMEOUT seconds, default 300) and watch NCCL's asynchronous errors: a
+ * failed or hung peer becomes an error on every rank, never a hang. */
+shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out);
+/* This process's rank among the processes of its host, from the launcher's
+ * environment (Open MPI, MPICH, SLURM, torchrun's LOCAL_RANK); 0 when unknown. */
+int shard_comm_local_rank(void);
+
 /* The groups of a layout, built from a world communicator of layout-size ranks:
  * tp (same pp, dp, cp), cp (same pp, dp, tp), dp (same pp, cp, tp), dpcp (the
  * dp*cp ranks sharing one (pp, tp) position: ZeRO-1's optimizer shards), pp (same

@@ -1,0 +1,78 @@
+/* The NCCL communicator on GPUs, under mpirun (one GPU per rank):
+ *   mpirun -np N build/bin/smp-nccl-test
+ * Each collective on device buffers against its definition; prints one line per
+ * failed check and "nccl: P passed, F failed" on rank 0. Without a GPU it prints
+ * "nccl: SKIP: no CUDA device found" and exits 0. */
+#include "shard.h"
+
+#include <cuda_runtime.h>
+#include <mpi.h>
+#include <stdio.h>
+#include <stdlib.h>
+
+static int passed, failed, me;
+#define CHECK(cond, ...) do { if (cond) passed++; else { failed++; fprintf(stderr, "rank %d: FAIL line %d: ", me, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
+
+int main(int argc, char **argv)
+{
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+        printf("nccl: SKIP: no CUDA device found\n");
+        return 0;
+    }
+    MPI_Init(&argc, &argv);
+    shard_comm *world, *gpu;
+    if (shard_comm_mpi_world(&world)) { fprintf(stderr, "%s\n", shard_errmsg()); return 1; }
+    me = shard_comm_rank(world);
+    const int n = shard_comm_size(world), dev = shard_comm_local_rank() % ndev;
+    if (shard_comm_nccl(world, dev, &gpu)) { fprintf(stderr, "rank %d: %s\n", me, shard_errmsg()); MPI_Abort(MPI_COMM_WORLD, 1); }
+    enum { K = 1 << 20 };
+    float *h = malloc(sizeof(float) * K * (size_t)n), *d, *d2;
+    cudaMalloc((void **)&d, sizeof(float) * K * (size_t)n);
+    cudaMalloc((void **)&d2, sizeof(float) * K * (size_t)n);
+    /* all-reduce */
+    for (int i = 0; i < K; i++) h[i] = (float)(me + 1) * (float)(i % 7);
+    cudaMemcpy(d, h, sizeof(float) * K, cudaMemcpyHostToDevice);
+    CHECK(shard_comm_allreduce(gpu, d, K, SHARD_DT_F32, SHARD_OP_SUM) == SHARD_OK, "allreduce: %s", shard_errmsg());
+    cudaMemcpy(h, d, sizeof(float) * K, cudaMemcpyDeviceToHost);
+    int bad = 0;
+    for (int i = 0; i < K; i++) bad += h[i] != (float)(n * (n + 1) / 2) * (float)(i % 7);
+    CHECK(!bad, "allreduce values (%d wrong)", bad);
+    /* reduce-scatter and all-gather */
+    for (int b = 0; b < n; b++) for (int i = 0; i < K; i++) h[(size_t)b * K + i] = (float)(me + b);
+    cudaMemcpy(d, h, sizeof(float) * K * (size_t)n, cudaMemcpyHostToDevice);
+    CHECK(shard_comm_reduce_scatter(gpu, d, d2, K, SHARD_DT_F32, SHARD_OP_SUM) == SHARD_OK, "reduce_scatter: %s", shard_errmsg());
+    cudaMemcpy(h, d2, sizeof(float) * K, cudaMemcpyDeviceToHost);
+    bad = 0;
+    for (int i = 0; i < K; i++) bad += h[i] != (float)(n * (n - 1) / 2 + n * me);
+    CHECK(!bad, "reduce_scatter values (%d wrong)", bad);
+    CHECK(shard_comm_allgather(gpu, d2, d, K, SHARD_DT_F32) == SHARD_OK, "allgather: %s", shard_errmsg());
+    cudaMemcpy(h, d, sizeof(float) * K * (size_t)n, cudaMemcpyDeviceToHost);
+    bad = 0;
+    for (int b = 0; b < n; b++) for (int i = 0; i < K; i++) bad += h[(size_t)b * K + i] != (float)(n * (n - 1) / 2 + n * b);
+    CHECK(!bad, "allgather values (%d wrong)", bad);
+    /* a ring pass, and a bf16 reduction (allowed on GPUs) */
+    if (n > 1) {
+        float x = (float)me, y = -1;
+        cudaMemcpy(d, &x, 4, cudaMemcpyHostToDevice);
+        CHECK(shard_comm_sendrecv(gpu, d, (me + 1) % n, d2, (me + n - 1) % n, 1, SHARD_DT_F32, 0) == SHARD_OK, "sendrecv: %s", shard_errmsg());
+        cudaMemcpy(&y, d2, 4, cudaMemcpyDeviceToHost);
+        CHECK(y == (float)((me + n - 1) % n), "sendrecv value %g", y);
+    }
+    uint16_t one = shard_f32_to_bf16(1.0f), got = 0;
+    cudaMemcpy(d, &one, 2, cudaMemcpyHostToDevice);
+    CHECK(shard_comm_allreduce(gpu, d, 1, SHARD_DT_BF16, SHARD_OP_SUM) == SHARD_OK, "bf16 allreduce: %s", shard_errmsg());
+    cudaMemcpy(&got, d, 2, cudaMemcpyDeviceToHost);
+    CHECK(shard_bf16_to_f32(got) == (float)n, "bf16 allreduce value %g", shard_bf16_to_f32(got));
+    CHECK(shard_comm_barrier(gpu) == SHARD_OK, "barrier: %s", shard_errmsg());
+    int tot[2] = {passed, failed}, sum[2];
+    MPI_Reduce(tot, sum, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
+    if (me == 0) printf("nccl: %d passed, %d failed\n", sum[0], sum[1]);
+    cudaFree(d);
+    cudaFree(d2);
+    free(h);
+    shard_comm_free(gpu);
+    shard_comm_free(world);
+    MPI_Finalize();
+    return failed ? 1 : 0;
+}
