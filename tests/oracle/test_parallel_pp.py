@@ -3,7 +3,7 @@
 their gradients sent between stages, the loss on the last stage, tied embeddings summed
 between the first and last stage. Every layout trains the same model as one rank does.
 
-- pp=2 (1 and 4 microbatches), pp=3 (explicit and automatic stages), pp=2 with a tied
+- pp=2 (1 and 4 microbatches), pp=3 (explicit and automatic stages), pp=4, pp=2 with a tied
   embedding, pp=2,tp=2 and pp=2,tp=2,dp=2 (8 ranks): 6 steps with the same global batch
   log per-step losses (and validation losses) within 2e-4 relative of the single-rank run;
 - a checkpoint saved at pp=2,tp=2 resumes at pp=1 (one rank), one saved by one rank
@@ -21,7 +21,7 @@ from test_parallel import assert_tracks, mpirun, rel
 from test_parallel_tp import allreduce_bytes, block, ceil
 from test_train import make_ckpt, read_log, write_tokens
 
-CASES = ["llama-tp-kv2", "llama-gqa-f32", "llama-tied-bf16-llama3"]
+CASES = ["llama-tp-kv2", "llama-gqa-f32", "llama-tied-bf16-llama3", "llama-sharded"]
 SEQ = 16
 COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
 
@@ -52,6 +52,7 @@ def setup(tmp_path_factory):
     ("llama-tp-kv2", "pp=2", 2, 1, None),
     ("llama-tp-kv2", "pp=2", 2, 4, None),
     ("llama-gqa-f32", "pp=3", 3, 4, None),            # auto stages: 1,1,1
+    ("llama-sharded", "pp=4", 4, 4, None),            # 4 layers, one per stage
     ("llama-gqa-f32", "pp=2", 2, 2, "2,1"),
     ("llama-tied-bf16-llama3", "pp=2", 2, 2, None),   # tied: first and last stage's copies summed
     ("llama-tp-kv2", "pp=2,tp=2", 4, 2, None),
