@@ -153,6 +153,34 @@ static void tp_sum(model *m, float *buf, size_t n, shard_op op)
     if (s) m->comm_err = s;
 }
 
+static int sp_on(const model *m)
+{
+    return m->sp && m->tp_size > 1 && m->tp;
+}
+
+size_t model_local_rows(const model *m)
+{
+    const size_t N = (size_t)m->B * m->T;
+    return sp_on(m) ? N / (size_t)m->tp_size : N;
+}
+
+/* sequence parallelism: full[N rows] (partial sums) -> loc[N/tp rows], this rank's
+ * block of the sum (token-major blocks: block r is tp rank r's rows) */
+static void tp_reduce_scatter(model *m, const float *full, float *loc, size_t nloc)
+{
+    if (m->comm_err) return;
+    shard_status s = shard_comm_reduce_scatter(m->tp, full, loc, nloc, SHARD_DT_F32, SHARD_OP_SUM);
+    if (s) m->comm_err = s;
+}
+
+/* loc[N/tp rows] of every tp rank -> full[N rows] */
+static void tp_allgather(model *m, const float *loc, float *full, size_t nloc)
+{
+    if (m->comm_err) return;
+    shard_status s = shard_comm_allgather(m->tp, loc, full, nloc, SHARD_DT_F32);
+    if (s) m->comm_err = s;
+}
+
 void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
 {
     m->cp = cp;
@@ -187,7 +215,7 @@ static void free_acts(model *m)
     m->target_logit = NULL; /* the second half of sumexp's buffer */
     float **bufs[] = {&m->cos_t, &m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv,
                       &m->datt, &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1],
-                      &m->ring_out, &m->ring_lse};
+                      &m->ring_out, &m->ring_lse, &m->sp_loc};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         free(*bufs[k]);
         *bufs[k] = NULL;
@@ -236,6 +264,9 @@ shard_status model_alloc_acts(model *m, int B, int T)
 shard_status model_alloc_slots(model *m, int B, int T, int nslots)
 {
     free_acts(m);
+    if (sp_on(m) && ((size_t)B * T) % (size_t)m->tp_size)
+        return shard_fail(SHARD_E_USAGE, "sequence parallelism: %d x %d tokens per microbatch are not divisible by tp = %d",
+                          B, T, m->tp_size);
     m->B = B;
     m->T = T;
     const size_t N = (size_t)B * T, H = (size_t)m->H, F = (size_t)m->F;
@@ -262,6 +293,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     A(m->cos_t, (size_t)T * m->hd); A(m->sin_t, (size_t)T * m->hd);
     A(m->dx, N * H); A(m->dxn, N * H); A(m->dq, N * QD); A(m->dk, N * KD); A(m->dv, N * KD); A(m->datt, N * QD);
     A(m->dgate, N * F); A(m->dup, N * F); A(m->dact, N * F); A(m->dlogits, NV);
+    if (sp_on(m)) A(m->sp_loc, N / (size_t)m->tp_size * H);
     const int C = m->cp_size > 1 ? m->cp_size : 1;
     if (C > 1) {
         if (T % 2) {
@@ -397,16 +429,28 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
 {
     const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
+    const int sp = sp_on(m), Nl = (int)model_local_rows(m);
+    const size_t NlH = (size_t)Nl * H;
     if (m->first) {
         float *x0 = model_stage_input(m);
-        op_embedding_forward(x0, tokens, m->embed, N, H, m->vocab_start, Vl);
-        tp_sum(m, x0, (size_t)N * H, SHARD_OP_SUM); /* vocab-parallel: rows of the others */
+        if (sp) { /* vocab-parallel partial rows of all N tokens, summed into this rank's tokens */
+            op_embedding_forward(m->dxn, tokens, m->embed, N, H, m->vocab_start, Vl);
+            tp_reduce_scatter(m, m->dxn, x0, NlH);
+        } else {
+            op_embedding_forward(x0, tokens, m->embed, N, H, m->vocab_start, Vl);
+            tp_sum(m, x0, (size_t)N * H, SHARD_OP_SUM); /* vocab-parallel: rows of the others */
+        }
     }
     for (int l = m->l0; l < m->l1; l++) {
         layer_acts *a = &m->acts[l];
         const layer_params *w = &m->lw[l];
         float *xnext = l + 1 < m->l1 ? m->acts[l + 1].x : m->xL;
-        op_rmsnorm_forward(a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
+        if (sp) { /* the norm on this rank's tokens, then all of them for the linears */
+            op_rmsnorm_forward(m->sp_loc, a->rstd1, a->x, w->norm_attn, Nl, H, m->eps);
+            tp_allgather(m, m->sp_loc, a->xn1, NlH);
+        } else {
+            op_rmsnorm_forward(a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
+        }
         lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
         lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
         lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
@@ -414,18 +458,35 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
         op_rope_forward(a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
         attention_forward(m, a);
         lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
-        tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);      /* row-parallel: sum of the partial products */
-        add(a->xmid, a->x, m->dxn, (size_t)N * H);
-        op_rmsnorm_forward(a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
+        if (sp) {
+            tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+            add(a->xmid, a->x, m->sp_loc, NlH);
+            op_rmsnorm_forward(m->sp_loc, a->rstd2, a->xmid, w->norm_mlp, Nl, H, m->eps);
+            tp_allgather(m, m->sp_loc, a->xn2, NlH);
+        } else {
+            tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM); /* row-parallel: sum of the partial products */
+            add(a->xmid, a->x, m->dxn, (size_t)N * H);
+            op_rmsnorm_forward(a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
+        }
         lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
         lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
         op_swiglu_forward(a->act, a->gate, a->up, (size_t)N * F);
         lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, w->down, N, F, H);
-        tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);
-        add(xnext, a->xmid, m->dxn, (size_t)N * H);
+        if (sp) {
+            tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+            add(xnext, a->xmid, m->sp_loc, NlH);
+        } else {
+            tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);
+            add(xnext, a->xmid, m->dxn, (size_t)N * H);
+        }
     }
     if (!m->last) return 0.0; /* the output, xL, goes to the next stage */
-    op_rmsnorm_forward(m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
+    if (sp) {
+        op_rmsnorm_forward(m->sp_loc, m->rstdf, m->xL, m->norm_final, Nl, H, m->eps);
+        tp_allgather(m, m->sp_loc, m->xnf, NlH); /* the head and the loss on all N tokens */
+    } else {
+        op_rmsnorm_forward(m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
+    }
     op_linear_forward(m->logits, m->xnf, m->head, N, H, Vl);
     /* the vocabulary-parallel cross-entropy; on one rank the tp reductions between
      * its steps are the identity */
@@ -445,13 +506,20 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
     const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
     const size_t NH = (size_t)N * H;
+    const int sp = sp_on(m), Nl = (int)model_local_rows(m);
+    const size_t NlH = (size_t)Nl * H;
+    /* sp: the input gradient of the column-parallel linears is reduce-scattered to
+     * this rank's tokens (sp_loc) for the norm's backward; the other way, dx (this
+     * rank's tokens) is all-gathered into dxn before the row-parallel linears */
+    float *dnorm = sp ? m->sp_loc : m->dxn;
     if (m->last) { /* else dx holds the gradient of xL, from the next stage */
         op_xent_backward(m->dlogits, m->logits, m->rowmax, m->sumexp, targets, N, Vl, m->vocab_start, loss_scale);
         memset(m->dxn, 0, NH * sizeof(float));
         op_linear_backward(m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
-        tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* the head is column-parallel over the vocabulary */
-        memset(m->dx, 0, NH * sizeof(float));
-        op_rmsnorm_backward(m->dx, m->dnorm_final, m->dxn, m->xL, m->norm_final, m->rstdf, N, H);
+        if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        else tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* the head is column-parallel over the vocabulary */
+        memset(m->dx, 0, NlH * sizeof(float));
+        op_rmsnorm_backward(m->dx, m->dnorm_final, dnorm, m->xL, m->norm_final, m->rstdf, Nl, H);
     }
     /* m->dx holds d loss / d (residual stream) as it goes down the layers: each
      * block adds its branch's gradient to it (rmsnorm_backward accumulates) */
@@ -460,19 +528,26 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         const layer_params *w = &m->lw[l];
         layer_params *g = &m->lg[l];
         /* MLP: x_next = xmid + down(silu(gate(xn2)) * up(xn2)) */
+        const float *dout = m->dx;
+        if (sp) {
+            tp_allgather(m, m->dx, m->dxn, NlH);
+            dout = m->dxn;
+        }
         memset(m->dact, 0, (size_t)N * F * sizeof(float));
-        lin_bwd(m, l, LIN_DOWN, m->dact, g->down, m->dx, a->act, w->down, N, F, H);
+        lin_bwd(m, l, LIN_DOWN, m->dact, g->down, dout, a->act, w->down, N, F, H);
         memset(m->dgate, 0, (size_t)N * F * sizeof(float));
         memset(m->dup, 0, (size_t)N * F * sizeof(float));
         op_swiglu_backward(m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)N * F);
         memset(m->dxn, 0, NH * sizeof(float));
         lin_bwd(m, l, LIN_GATE, m->dxn, g->gate, m->dgate, a->xn2, w->gate, N, H, F);
         lin_bwd(m, l, LIN_UP, m->dxn, g->up, m->dup, a->xn2, w->up, N, H, F);
-        tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* column-parallel: input gradient summed, then the norm */
-        op_rmsnorm_backward(m->dx, g->norm_mlp, m->dxn, a->xmid, w->norm_mlp, a->rstd2, N, H);
+        if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        else tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* column-parallel: input gradient summed, then the norm */
+        op_rmsnorm_backward(m->dx, g->norm_mlp, dnorm, a->xmid, w->norm_mlp, a->rstd2, Nl, H);
         /* attention: xmid = x + o(attn(rope(q(xn1)), rope(k(xn1)), v(xn1))) */
+        if (sp) tp_allgather(m, m->dx, m->dxn, NlH);
         memset(m->datt, 0, (size_t)N * QD * sizeof(float));
-        lin_bwd(m, l, LIN_O, m->datt, g->o, m->dx, a->att, w->o, N, QD, H);
+        lin_bwd(m, l, LIN_O, m->datt, g->o, dout, a->att, w->o, N, QD, H);
         memset(m->dq, 0, (size_t)N * QD * sizeof(float));
         memset(m->dk, 0, (size_t)N * KD * sizeof(float));
         memset(m->dv, 0, (size_t)N * KD * sizeof(float));
@@ -483,8 +558,16 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         lin_bwd(m, l, LIN_Q, m->dxn, g->q, m->dq, a->xn1, w->q, N, H, QD);
         lin_bwd(m, l, LIN_K, m->dxn, g->k, m->dk, a->xn1, w->k, N, H, KD);
         lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
-        tp_sum(m, m->dxn, NH, SHARD_OP_SUM);
-        op_rmsnorm_backward(m->dx, g->norm_attn, m->dxn, a->x, w->norm_attn, a->rstd1, N, H);
+        if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        else tp_sum(m, m->dxn, NH, SHARD_OP_SUM);
+        op_rmsnorm_backward(m->dx, g->norm_attn, dnorm, a->x, w->norm_attn, a->rstd1, Nl, H);
     }
-    if (m->first) op_embedding_backward(m->dembed, m->dx, tokens, N, H, m->vocab_start, Vl);
+    if (m->first) {
+        const float *demb = m->dx;
+        if (sp) { /* the gradient of every token's row: this rank's vocabulary rows */
+            tp_allgather(m, m->dx, m->dxn, NlH);
+            demb = m->dxn;
+        }
+        op_embedding_backward(m->dembed, demb, tokens, N, H, m->vocab_start, Vl);
+    }
 }

@@ -102,6 +102,17 @@ typedef struct {
     int tp_size;
     shard_comm *tp;
     shard_status comm_err;
+    /* sequence parallelism (Megatron; set before model_alloc_acts, effective with
+     * tp_size > 1): between the tensor-parallel regions (embedding output, residual
+     * stream, norms) this rank holds only its N / tp_size of the microbatch's N = B*T
+     * tokens, rows [r N/tp, (r+1) N/tp) for tp rank r, at the start of x, xmid,
+     * rstd1/2, xL, rstdf and dx; the row-parallel outputs (o, down, the embedding) are
+     * reduce-scattered over the tokens instead of all-reduced, the norms' outputs
+     * all-gathered before the column-parallel linears (xn1, xn2, xnf hold all N
+     * rows); backward swaps the two. The norm weight gradients are then partial
+     * (this rank's tokens) and par_reduce_grads sums them over tp. */
+    int sp;
+    float *sp_loc;           /* [N/tp, H]: a local slice between the collectives */
     /* context parallelism: the cp group (NULL or cp_size 1 on one rank). Each
      * sequence of S = T * cp_size tokens is cut into 2 * cp_size chunks of T / 2; this
      * rank (cp_rank i) holds chunks i and 2 cp_size - 1 - i, in that order, as its T
@@ -132,10 +143,13 @@ void model_set_stage(model *m, int l0, int l1, int first, int last);
 void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank);
 /* Activations and scratch for microbatches of B sequences of T tokens (T: this
  * rank's tokens of a sequence, the sequence length / cp_size; with cp_size > 1, T
- * must be even). */
+ * must be even; with sequence parallelism, B*T must be divisible by tp_size). */
 shard_status model_alloc_acts(model *m, int B, int T);
 /* The same with nslots activation slots (slot 0 in use). */
 shard_status model_alloc_slots(model *m, int B, int T, int nslots);
+/* Rows of the residual stream that this rank holds: B*T, or B*T / tp_size with
+ * sequence parallelism (what a pipeline stage sends and receives). */
+size_t model_local_rows(const model *m);
 void model_use_slot(model *m, int k);
 /* Index of the tensor with this name, or -1. */
 long model_find(const model *m, const char *name);

@@ -173,6 +173,38 @@ static void block_of(const par_ctx *p, size_t i, int r, size_t *off, size_t *n)
     *n = (r1 - r0) * p->rowsz[i];
 }
 
+static int is_norm(const shard_tensor_spec *t)
+{
+    return t->role == SHARD_T_NORM_ATTN || t->role == SHARD_T_NORM_MLP || t->role == SHARD_T_NORM_FINAL;
+}
+
+/* sequence parallelism: each tp rank's norm weight gradients cover only its tokens;
+ * one all-reduce over tp of all the stage's norms (packed) makes them whole */
+static shard_status sp_norm_grads(par_ctx *p, model *m)
+{
+    size_t n = 0;
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (is_norm(&m->spec[i])) n += m->numel[i];
+    if (!n) return SHARD_OK;
+    float *buf = malloc(n * sizeof(float));
+    if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory for the norm gradients");
+    size_t k = 0;
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (is_norm(&m->spec[i])) {
+            memcpy(buf + k, m->grads + m->offset[i], m->numel[i] * sizeof(float));
+            k += m->numel[i];
+        }
+    shard_status s = shard_comm_allreduce(p->g.tp, buf, n, SHARD_DT_F32, SHARD_OP_SUM);
+    k = 0;
+    for (size_t i = 0; !s && i < m->ntensors; i++)
+        if (is_norm(&m->spec[i])) {
+            memcpy(m->grads + m->offset[i], buf + k, m->numel[i] * sizeof(float));
+            k += m->numel[i];
+        }
+    free(buf);
+    return s;
+}
+
 shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
 {
     shard_status s;
@@ -188,6 +220,7 @@ shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
                 (s = shard_comm_allreduce(p->kvc, m->lg[l].v, n, SHARD_DT_F32, SHARD_OP_SUM)))
                 return s;
         }
+    if (m->sp && m->tp_size > 1 && (s = sp_norm_grads(p, m))) return s;
     if (p->size == 1) { /* the single-rank trainer's norm, bit for bit */
         *sumsq = optim_sumsq(m->grads, m->nparams);
         return SHARD_OK;
@@ -280,7 +313,7 @@ int par_any(par_ctx *p, int mine)
 static shard_status pp_recv_input(par_ctx *p, model *m, int mb)
 {
     model_use_slot(m, mb % p->nslots);
-    return shard_comm_recv(p->g.pp, model_stage_input(m), (size_t)m->B * m->T * m->H, SHARD_DT_F32, p->stage - 1,
+    return shard_comm_recv(p->g.pp, model_stage_input(m), model_local_rows(m) * m->H, SHARD_DT_F32, p->stage - 1,
                            PP_TAG);
 }
 
@@ -320,7 +353,7 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
     }
     /* 1F1B (PipeDream-flush, as Megatron's non-interleaved schedule) */
     const int P = p->nstages, st = p->stage, first = st == 0, last = st == P - 1;
-    const size_t n = (size_t)m->B * m->T * m->H;
+    const size_t n = model_local_rows(m) * m->H; /* sequence parallel: this rank's tokens */
     shard_comm *c = p->g.pp;
     const int warm = P - st - 1 < M ? P - st - 1 : M, rem = M - warm;
     for (int i = 0; i < warm; i++) {
@@ -356,7 +389,7 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
 shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t *tg, double *lsum)
 {
     shard_status s;
-    const size_t n = (size_t)m->B * m->T * m->H;
+    const size_t n = model_local_rows(m) * m->H; /* sequence parallel: this rank's tokens */
     model_use_slot(m, 0);
     if (p->nstages > 1 && !m->first &&
         (s = shard_comm_recv(p->g.pp, model_stage_input(m), n, SHARD_DT_F32, p->stage - 1, PP_TAG)))

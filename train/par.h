@@ -33,6 +33,13 @@
  * cross-entropy reduces the row max (max) and the sum of exponentials with the
  * target's logit (one sum) over tp, never the logits. The ZeRO-1 blocks cut each
  * rank's LOCAL piece.
+ * Sequence parallelism (--sequence-parallel, m->sp; model.h): between the tp regions
+ * each tp rank holds N/tp of a microbatch's N tokens; the all-reduces above become a
+ * reduce-scatter (row-parallel outputs, the embedding's output, the input gradients
+ * of the column-parallel linears and the head) and an all-gather (the norms' outputs,
+ * the residual gradient before o/down and the embedding's backward); pipeline stages
+ * send only their N/tp rows; par_reduce_grads all-reduces the norm weight gradients
+ * (then partial per rank) over tp, once per step, packed.
  * Pipeline parallelism: the stage's layers (and the embedding on the first, the
  * final norm and head on the last), the 1F1B schedule of par_train_step over the
  * microbatches with activations and their gradients sent over g.pp; the loss is

@@ -41,6 +41,9 @@ static const char HELP[] =
     "                            dp=<ranks>); cp: each sequence in 2C chunks, ring attention\n"
     "  --stages S                layers per pipeline stage: \"auto\" or \"2,1,...\" (default: the\n"
     "                            checkpoint's when it has pp stages, else auto)\n"
+    "  --sequence-parallel       with tp > 1: norms, residual stream and embedding output split\n"
+    "                            over the tp ranks by token (reduce-scatter / all-gather\n"
+    "                            instead of all-reduce); B/dp/M x S/cp must divide by tp\n"
     "  --steps N                 optimizer steps of the run (required for a new run)\n"
     "  --batch B                 sequences per step (default 8)\n"
     "  --microbatches M          gradient accumulation: B/M sequences at a time (default 1);\n"
@@ -363,7 +366,12 @@ int main(int argc, char **argv)
 static int train_main(int argc, char **argv, par_ctx *P)
 {
     options o = {{0}};
+    int seqpar = 0; /* --sequence-parallel: a flag, no value */
     for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--sequence-parallel")) {
+            seqpar = 1;
+            continue;
+        }
         int k = 0;
         while (k < O_COUNT && strcmp(argv[i], OPT_NAMES[k])) k++;
         if (k == O_COUNT) return cli_usage("unknown option %s", argv[i]);
@@ -480,6 +488,10 @@ static int train_main(int argc, char **argv, par_ctx *P)
         OUT(0);
     }
     const int Bm = (int)(c.batch / lay.dp / c.micro), S = (int)c.seq;
+    if (seqpar && lay.tp > 1 && ((int64_t)Bm * (S / lay.cp)) % lay.tp)
+        OUT(cli_usage("--sequence-parallel: a microbatch holds %lld tokens per rank (--batch / dp / --microbatches = %d "
+                      "sequences of --seq / cp = %d tokens), not divisible by tp = %d: sequence parallelism splits "
+                      "them over the tp ranks", (long long)Bm * (S / lay.cp), Bm, S / lay.cp, lay.tp));
 
     /* weights: the fp32 master copy when saved, else the parameters */
     int have_master = 0, have_p = 0, have_m = 0, have_v = 0;
@@ -513,6 +525,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
         if (!m.fp8) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
         if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
     }
+    m.sp = seqpar;
     if ((s = model_alloc_slots(&m, Bm, S / lay.cp, P->nslots))) OUT(cli_fail(s));
 
     if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
@@ -540,6 +553,9 @@ static int train_main(int argc, char **argv, par_ctx *P)
                 shard_ckpt_dir(ck), cli_count(cbuf, shard_model_param_count(&m.d)), (long long)c.step, (long long)c.steps, (long long)c.batch,
                 (long long)c.seq, (long long)c.micro, c.shuffle ? "shuffled" : "sequential",
                 c.fp8 ? (c.fp8 == FP8_DELAYED ? ", fp8 delayed" : ", fp8 current") : "");
+    if (!o.v[O_DUMP_GRADS] && me0 && seqpar && lay.tp > 1)
+        fprintf(stderr, "smp-train: sequence parallel over tp = %d: %d of a microbatch's %lld tokens per rank\n", lay.tp,
+                (int)((int64_t)Bm * (S / lay.cp) / lay.tp), (long long)Bm * (S / lay.cp));
 
     const size_t cfg_len = strlen(shard_ckpt_config_json(ck));
     const int tty = me0 && isatty(2);
@@ -641,7 +657,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
             log_num(logf, "elapsed_s", t1 - t_start, "%.3f");
             fprintf(logf, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)c.tokens, bad ? "true" : "false");
             /* bytes this rank sent in the step, by kind (tp: the tensor-parallel all-reduces
-             * and the kv-head groups' gradient sums; dp: the ZeRO-1 collectives over the
+             * (with --sequence-parallel the reduce-scatters and all-gathers, and the norm
+             * weight gradients' all-reduce) and the kv-head groups' gradient sums; dp: the ZeRO-1 collectives over the
              * dp*cp group and the loss all-reduce over it; cp: the ring attention's K/V
              * passes (with dK/dV in backward), and with validation its loss all-reduce) */
             if (P->size > 1) {
