@@ -17,15 +17,15 @@ home. Every layout trains the same model as one rank does.
 """
 import json
 
-import numpy as np
 import pytest
 import torch
 
 import models
+import partest
 from conftest import run
 from test_parallel import assert_tracks, mpirun, rel
 from test_parallel_tp import dp_bytes
-from test_train import make_ckpt, read_log, write_tokens
+from test_train import read_log
 
 # sliding window 5 < SEQ 16, not a multiple of any chunk length (8, 4, 2)
 models.CASES.setdefault("mistral-cp-window5", ("mistral", dict(vocab_size=67, hidden_size=40, intermediate_size=72,
@@ -42,24 +42,7 @@ COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("cp")
-    V = min(models.CASES[c][1]["vocab_size"] for c in CASES)
-    data = write_tokens(tmp / "d.bin", np.random.default_rng(7).integers(0, V, size=6000))
-    val = write_tokens(tmp / "v.bin", np.random.default_rng(8).integers(0, V, size=2000))
-    # the window case sharpened: attention far from uniform, so the window matters
-    cks = {case: make_ckpt(tmp, case, sharp=case.startswith("mistral"))[1] for case in CASES}
-
-    class Refs(dict):
-        """The single-rank run of (case, microbatches), made when first asked for."""
-        def __missing__(self, key):
-            case, micro = key
-            ref = tmp / f"ref-{case}-m{micro}"
-            run("smp-train", "--ckpt", cks[case], "--data", data, "--save-dir", ref, "--steps", 6, "--val-data", val,
-                "--val-every", 3, "--val-batches", 2, "--microbatches", micro, "--log", ref / "log.jsonl", *COMMON,
-                check=0)
-            self[key] = read_log(ref / "log.jsonl")
-            return self[key]
-    return tmp, cks, data, val, Refs()
+    return partest.make_setup(tmp_path_factory.mktemp("cp"), CASES, COMMON, sharp=lambda case: case.startswith("mistral"))
 
 
 def layout_of(layout):

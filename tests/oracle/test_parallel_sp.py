@@ -19,15 +19,15 @@ weight gradients (partial per rank) are all-reduced over tp once per step.
 - the logged bytes_tp (and bytes_pp) equal the formula of sp_tp_bytes below;
 - a microbatch whose token count tp does not divide is refused.
 """
-import numpy as np
 import pytest
 
 import models
+import partest
 import test_parallel_tp  # noqa: F401  (registers the llama-tp-kv2 case)
 from conftest import run
 from test_parallel import assert_tracks, mpirun, rel
 from test_parallel_tp import allreduce_bytes
-from test_train import make_ckpt, read_log, write_tokens
+from test_train import read_log
 
 CASES = ["llama-tp-kv2", "llama-tied-bf16-llama3"]
 SEQ = 16
@@ -36,23 +36,7 @@ COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("sp")
-    V = min(models.CASES[c][1]["vocab_size"] for c in CASES)
-    data = write_tokens(tmp / "d.bin", np.random.default_rng(7).integers(0, V, size=6000))
-    val = write_tokens(tmp / "v.bin", np.random.default_rng(8).integers(0, V, size=2000))
-    cks = {case: make_ckpt(tmp, case, sharp=False)[1] for case in CASES}
-
-    class Refs(dict):
-        """The single-rank run of (case, microbatches); validation batches are B/M sequences."""
-        def __missing__(self, key):
-            case, micro = key
-            ref = tmp / f"ref-{case}-m{micro}"
-            run("smp-train", "--ckpt", cks[case], "--data", data, "--save-dir", ref, "--steps", 6, "--val-data", val,
-                "--val-every", 3, "--val-batches", 2, "--microbatches", micro, "--log", ref / "log.jsonl", *COMMON,
-                check=0)
-            self[key] = read_log(ref / "log.jsonl")
-            return self[key]
-    return tmp, cks, data, val, Refs()
+    return partest.make_setup(tmp_path_factory.mktemp("sp"), CASES, COMMON)
 
 
 @pytest.mark.parametrize("case,layout,np_,micro", [
