@@ -62,6 +62,34 @@ static shard_status read_at(int fd, void *dst, size_t n, uint64_t off)
     return SHARD_OK;
 }
 
+/* The source files of hf2smp, each opened once for the whole conversion. */
+typedef struct {
+    const char *dir;
+    size_t n;
+    const char *names[4096];
+    int fds[4096];
+} file_cache;
+
+static shard_status cached_fd(file_cache *fc, const char *name, int *fd)
+{
+    for (size_t i = 0; i < fc->n; i++)
+        if (!strcmp(fc->names[i], name)) { *fd = fc->fds[i]; return SHARD_OK; }
+    if (fc->n == sizeof fc->fds / sizeof fc->fds[0]) return shard_fail(SHARD_E_UNSUPPORTED, "%s: more than 4096 weight files", fc->dir);
+    char *p = malloc(strlen(fc->dir) + strlen(name) + 2);
+    sprintf(p, "%s/%s", fc->dir, name);
+    *fd = open(p, O_RDONLY | O_CLOEXEC);
+    shard_status s = *fd < 0 ? shard_fail(SHARD_E_IO, "%s: cannot open: %s", p, strerror(errno)) : SHARD_OK;
+    free(p);
+    if (!s) { fc->names[fc->n] = name; fc->fds[fc->n++] = *fd; }
+    return s;
+}
+
+static void close_cache(file_cache *fc)
+{
+    for (size_t i = 0; i < fc->n; i++) close(fc->fds[i]);
+    fc->n = 0;
+}
+
 static shard_status fill_from_file(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
 {
     const file_source *fs = ctx;
@@ -147,6 +175,7 @@ typedef struct {
     shard_tensor_spec spec; /* name and shape (role unused for fp8) */
     size_t src_index;       /* reshard: the source tensor */
     shard_dtype src_dt;
+    const char *src_file;   /* hf2smp: the safetensors file holding the tensor */
 } job;
 
 static job *make_jobs(const source *src, const shard_model_desc *d, size_t *n)
@@ -160,7 +189,14 @@ static job *make_jobs(const source *src, const shard_model_desc *d, size_t *n)
         for (size_t i = 0; i < nt; i++) {
             j[*n].group = "params";
             shard_model_tensor(d, i, &j[*n].spec);
-            j[*n].src_dt = src->w ? shard_weights_find(src->w, j[*n].spec.name)->dtype : SHARD_DT_F32;
+            j[*n].src_dt = SHARD_DT_F32;
+            if (src->w) {
+                const shard_st_tensor *st = shard_weights_find(src->w, j[*n].spec.name);
+                size_t wi = 0;
+                while (shard_weights_at(src->w, wi) != st) wi++;
+                j[*n].src_dt = st->dtype;
+                j[*n].src_file = shard_weights_file_of(src->w, wi);
+            }
             (*n)++;
         }
         return j;
@@ -173,7 +209,7 @@ static job *make_jobs(const source *src, const shard_model_desc *d, size_t *n)
             shard_model_tensor(d, i, &sp);
             long ci = shard_ckpt_find(src->c, groups[g], sp.name);
             if (ci < 0) continue; /* validated at open: params are complete */
-            j[*n] = (job){groups[g], sp, (size_t)ci, shard_ckpt_tensor_at(src->c, (size_t)ci)->dtype};
+            j[*n] = (job){groups[g], sp, (size_t)ci, shard_ckpt_tensor_at(src->c, (size_t)ci)->dtype, NULL};
             (*n)++;
         }
     for (size_t i = 0; i < shard_ckpt_tensor_count(src->c); i++) {
@@ -214,6 +250,7 @@ static shard_dtype job_dtype(const args *a, const job *jb)
  * process r mod size); process 0 makes the staging folder and commits. Without
  * mpirun there is no MPI at all (no singleton start-up cost). */
 static int g_me = 0, g_procs = 1;
+#define CONFIG_MAX (16u << 20) /* as libshard's config reader */
 
 static int launched_by_mpirun(void)
 {
@@ -266,6 +303,10 @@ static shard_status convert(const args *a, const source *src, const shard_model_
     if (g_procs > 1) MPI_Bcast(staging, sizeof staging, MPI_CHAR, 0, MPI_COMM_WORLD);
     progress pg;
     progress_start(&pg, "writing", total);
+    static file_cache cache; /* 64 KiB: not on the stack */
+    file_cache *files = &cache;
+    files->dir = a->in;
+    files->n = 0;
     for (int r = g_me; r < nranks && !s; r += g_procs) {
         shard_h5_writer *hw = NULL;
         for (size_t i = 0; i < nj && !s; i++) {
@@ -288,18 +329,9 @@ static shard_status convert(const args *a, const source *src, const shard_model_
                                   t->role == SHARD_T_EMBED ? src->pad_token : -1};
                 s = shard_h5_write_stream(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, init_fill, &it);
             } else if (src->w) {
-                const shard_st_tensor *st = shard_weights_find(src->w, t->name);
-                file_source fs = {-1, st, t->shape, t->ndim};
-                size_t wi = 0;
-                while (shard_weights_at(src->w, wi) != st) wi++;
-                const char *fn = shard_weights_file_of(src->w, wi);
-                char *fp = malloc(strlen(a->in) + strlen(fn) + 2);
-                sprintf(fp, "%s/%s", a->in, fn);
-                fs.fd = open(fp, O_RDONLY | O_CLOEXEC);
-                if (fs.fd < 0) s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", fp, strerror(errno));
-                else s = shard_h5_write_stream(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, fill_from_file, &fs);
-                if (fs.fd >= 0) close(fs.fd);
-                free(fp);
+                file_source fs = {-1, shard_weights_find(src->w, t->name), t->shape, t->ndim};
+                if (!(s = cached_fd(files, jb->src_file, &fs.fd)))
+                    s = shard_h5_write_stream(hw, "params", t->name, dt, t->ndim, t->shape, &pc.box, fill_from_file, &fs);
             } else {
                 /* the planner assembles this piece chunk by chunk from the stored ones */
                 ckpt_source cs = {src->c, jb->src_index};
@@ -312,6 +344,7 @@ static shard_status convert(const args *a, const source *src, const shard_model_
             else s = shard_h5_close(hw);
         }
     }
+    close_cache(files);
     free(jobs);
     progress_end(&pg);
     s = agree(s);
@@ -416,30 +449,30 @@ static int run_command(int argc, char **argv, args *ap)
         unsigned long long seed = strtoull(a.seed_text, &end, 10);
         if (*end || !a.seed_text[0]) return cli_usage("--seed must be a non-negative integer");
         shard_model_desc d;
-        if ((s = shard_config_load(a.in, &d))) return cli_fail(s);
-        FILE *f = fopen(a.in, "rb");
-        char *text = NULL;
-        size_t len = 0;
-        if (f) { fseek(f, 0, SEEK_END); len = (size_t)ftell(f); rewind(f); text = malloc(len + 1); len = fread(text, 1, len, f); text[len] = 0; fclose(f); }
-        source src = {.init = 1, .seed = seed, .pad_token = -1};
-        /* transformers zeroes the padding token's embedding row */
-        const char *pt = text ? strstr(text, "\"pad_token_id\"") : NULL;
-        if (pt) { pt = strchr(pt, ':'); if (pt) { long long v = strtoll(pt + 1, &end, 10); if (end != pt + 1 && v >= 0 && v < d.vocab) src.pad_token = v; } }
+        char *text;
+        size_t len;
+        /* read once: what is parsed is exactly what the checkpoint stores */
+        if ((s = shard_read_file(a.in, CONFIG_MAX, &text, &len))) return cli_fail(s);
+        if ((s = shard_config_parse(text, len, a.in, &d))) { free(text); return cli_fail(s); }
+        source src = {.init = 1, .seed = seed, .pad_token = d.pad_token_id}; /* transformers zeroes that row */
         if (!strcmp(a.dtype, "keep")) a.dtype = d.torch_dtype == SHARD_DT_BF16 ? "bf16" : "fp32";
-        s = convert(&a, &src, &d, text ? text : "", len, NULL);
+        s = convert(&a, &src, &d, text, len, NULL);
         free(text);
     } else if (!strcmp(argv[1], "hf2smp")) {
         char cfg[4096];
         snprintf(cfg, sizeof cfg, "%s/config.json", a.in);
         shard_model_desc d;
         source src = {0};
-        if ((s = shard_config_load(cfg, &d)) || (s = shard_weights_open(a.in, &src.w))) return cli_fail(s);
-        if ((s = shard_model_check_weights(&d, src.w, a.in))) { shard_weights_close(src.w); return cli_fail(s); }
-        FILE *f = fopen(cfg, "rb");
-        char *text = NULL;
-        size_t len = 0;
-        if (f) { fseek(f, 0, SEEK_END); len = (size_t)ftell(f); rewind(f); text = malloc(len + 1); len = fread(text, 1, len, f); fclose(f); }
-        s = convert(&a, &src, &d, text ? text : "", len, a.in);
+        char *text;
+        size_t len;
+        if ((s = shard_read_file(cfg, CONFIG_MAX, &text, &len))) return cli_fail(s);
+        if ((s = shard_config_parse(text, len, cfg, &d)) || (s = shard_weights_open(a.in, &src.w)) ||
+            (s = shard_model_check_weights(&d, src.w, a.in))) {
+            free(text);
+            shard_weights_close(src.w);
+            return cli_fail(s);
+        }
+        s = convert(&a, &src, &d, text, len, a.in);
         free(text);
         shard_weights_close(src.w);
     } else if (!strcmp(argv[1], "reshard")) {

@@ -171,23 +171,11 @@ int main(int argc, char **argv)
         char src[4096];
         snprintf(src, sizeof src, "%s/extra/%s", in, n);
         snprintf(path, sizeof path, "%s/%s", stage, n);
-        FILE *f = fopen(src, "rb");
-        if (!f) { s = shard_fail(SHARD_E_CORRUPT, "%s: missing", src); break; }
-        fseek(f, 0, SEEK_END);
-        long len = ftell(f);
-        rewind(f);
-        char *data = malloc((size_t)len + 1);
-        size_t got = fread(data, 1, (size_t)len, f);
-        fclose(f);
-        s = write_file(path, data, got);
-        free(data);
+        struct stat est;
+        s = stat(src, &est) != 0 ? shard_fail(SHARD_E_CORRUPT, "%s: missing", src) : shard_copy_file(src, path);
     }
     if (!s && rename(stage, out) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", out, strerror(errno));
-    if (s) {
-        char cmd[8400];
-        snprintf(cmd, sizeof cmd, "rm -rf -- '%s'", stage);
-        if (system(cmd) != 0) fprintf(stderr, "%s: warning: could not remove %s\n", cli_name(), stage);
-    }
+    if (s) shard_remove_tree(stage);
     free(stage); free(file_of); free(idx); free(dts);
     shard_ckpt_close(c);
     if (s) return cli_fail(s);

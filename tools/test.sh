@@ -68,23 +68,18 @@ for f in build/fuzz/bin/fuzz_*; do
     rm -rf "$work"
 done
 
-step "GPU parity (skips without a GPU)"
-if [ -x build/bin/smp-gpu-parity ]; then
-    out=$(build/bin/smp-gpu-parity 2>&1); rc=$?
+step "GPU programs (skip without a GPU)"
+gpu_program() {  # a program that prints SKIP and exits 0 where there is no GPU
+    local exe=$1
+    if [ ! -x "$exe" ]; then echo "${exe##*/} not built (no nvcc): nothing to run"; return; fi
+    out=$("$exe" 2>&1); rc=$?
     echo "$out" | tail -5
-    if [ $rc -ne 0 ]; then bad "smp-gpu-parity (exit $rc)"
+    if [ $rc -ne 0 ]; then bad "${exe##*/} (exit $rc)"
     elif echo "$out" | grep -q "SKIP"; then echo "(not counted: no GPU here)"
-    else ok "smp-gpu-parity"; fi
-else
-    echo "smp-gpu-parity not built (no nvcc): nothing to run"
-fi
-if [ -x build/bin/smp-nccl-test ]; then
-    out=$(build/bin/smp-nccl-test 2>&1); rc=$?
-    echo "$out" | tail -3
-    if [ $rc -ne 0 ]; then bad "smp-nccl-test (exit $rc)"
-    elif echo "$out" | grep -q "SKIP"; then echo "(not counted: no GPU here)"
-    else ok "smp-nccl-test"; fi
-fi
+    else ok "${exe##*/}"; fi
+}
+gpu_program build/bin/smp-gpu-parity
+gpu_program build/bin/smp-nccl-test
 
 echo
 for f in "${failures[@]}"; do echo "failed: $f"; done

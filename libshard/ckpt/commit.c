@@ -55,7 +55,7 @@ shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out)
     return SHARD_OK;
 }
 
-static shard_status copy_file(const char *src, const char *dst)
+shard_status shard_copy_file(const char *src, const char *dst)
 {
     int in = open(src, O_RDONLY | O_CLOEXEC);
     if (in < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", src, strerror(errno));
@@ -89,7 +89,7 @@ shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, co
     mkdir(dir, 0755);
     char *dst = shard_path_join(dir, rel);
     free(dir);
-    shard_status s = copy_file(src_path, dst);
+    shard_status s = shard_copy_file(src_path, dst);
     free(dst);
     if (!s) json_array_append_new(w->extras, json_string(rel));
     return s;
@@ -182,7 +182,6 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
     return 0;
 }
 
-static void rm_tree(const char *p);
 
 typedef struct {
     shard_status s;
@@ -354,14 +353,14 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
         if (rename(w->final_dir, old) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot move aside: %s", w->final_dir, strerror(errno));
     }
     if (!s && rename(w->staging, w->final_dir) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", w->final_dir, strerror(errno));
-    if (!s && old) rm_tree(old);
+    if (!s && old) shard_remove_tree(old);
     free(old);
     if (!s) s = shard_fsync_dir_of(w->final_dir);
     if (!s) { free(w->staging); w->staging = NULL; shard_ckpt_abort(w); }
     return s;
 }
 
-static void rm_tree(const char *p)
+void shard_remove_tree(const char *p)
 {
     DIR *d = opendir(p);
     if (d) {
@@ -370,7 +369,7 @@ static void rm_tree(const char *p)
             if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
             char *c = shard_path_join(p, e->d_name);
             struct stat st;
-            if (lstat(c, &st) == 0 && S_ISDIR(st.st_mode)) rm_tree(c);
+            if (lstat(c, &st) == 0 && S_ISDIR(st.st_mode)) shard_remove_tree(c);
             else unlink(c);
             free(c);
         }
@@ -382,7 +381,7 @@ static void rm_tree(const char *p)
 void shard_ckpt_abort(shard_ckpt_writer *w)
 {
     if (!w) return;
-    if (w->staging) rm_tree(w->staging);
+    if (w->staging) shard_remove_tree(w->staging);
     json_decref(w->extras);
     free(w->staging);
     free(w->final_dir);

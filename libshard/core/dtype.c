@@ -264,7 +264,7 @@ float shard_fp8_quantize(uint8_t *q, const float *x, size_t n, float scale, shar
     float amax = 0.0f;
     for (size_t i = 0; i < n; i++) {
         float a = fabsf(x[i]);
-        if (a > amax || isnan(a)) amax = isnan(amax) ? amax : a;
+        if (!isnan(amax) && (a > amax || isnan(a))) amax = a; /* a NaN sticks */
         float v = x[i] * scale;
         if (v > mx) v = mx;
         else if (v < -mx) v = -mx;

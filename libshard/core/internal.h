@@ -7,8 +7,6 @@
 #include <jansson.h>
 #include <stdbool.h>
 
-/* Read a whole file (at most max_bytes) into a NUL-terminated buffer. */
-shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
 /* Parse JSON text strictly: one value, duplicate keys rejected, only whitespace
  * after it; errors name path and the position. */
 shard_status shard_json_parse(const char *text, size_t len, const char *path, json_t **out);

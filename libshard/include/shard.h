@@ -49,6 +49,14 @@ shard_status shard_fail(shard_status s, const char *fmt, ...)
 #endif
     ;
 
+/* ------------------------------------------------------------------- files */
+/* Read a whole file (at most max_bytes) into a fresh NUL-terminated buffer. */
+shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
+/* Copy src to a new file dst (refused if it exists) and fsync it. */
+shard_status shard_copy_file(const char *src, const char *dst);
+/* Remove a folder and everything under it (best effort; for staging folders). */
+void shard_remove_tree(const char *path);
+
 /* ------------------------------------------------------------------ dtypes */
 /* The dtypes of the safetensors format. */
 typedef enum {
@@ -190,6 +198,7 @@ typedef struct {
     int tie_word_embeddings;
     int64_t sliding_window;  /* 0: none */
     double initializer_range;
+    int64_t pad_token_id;    /* -1 when absent, null, or outside the vocabulary */
     shard_dtype torch_dtype; /* SHARD_DT_INVALID when config.json names none */
 } shard_model_desc;
 

@@ -155,6 +155,11 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     double drop = 0;
     TRY(get_num(c, r, "attention_dropout", 0.0, 0.0, 1.0, &drop));
     if (drop != 0) return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"attention_dropout\" = %g: dropout is not supported", c->path, drop);
+    /* the padding token (transformers zeroes its embedding row at initialization);
+     * informational, so an unusual value is kept as "none" rather than refused */
+    json_t *pad = json_object_get(r, "pad_token_id");
+    d->pad_token_id = json_is_integer(pad) && json_integer_value(pad) >= 0 && json_integer_value(pad) < d->vocab
+                          ? json_integer_value(pad) : -1;
     int64_t ptp;
     TRY(get_int(c, r, "pretraining_tp", 1, 1, 1024, &ptp)); /* the same function split differently: accepted */
 
