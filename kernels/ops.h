@@ -127,6 +127,7 @@ void op_adamw(float *param, const float *grad, float *m, float *v, size_t n,
 double op_sumsq(const float *x, size_t n);      /* sum of squares, for grad-norm clipping */
 float op_amax(const float *x, size_t n);        /* max |x|, NaN propagates */
 void op_scale(float *x, float s, size_t n);     /* x *= s */
+void op_add(float *y, const float *a, const float *b, size_t n); /* y = a + b; y may be a or b */
 
 /* ---- FP8 (E4M3 forward, E5M2 backward), TransformerEngine-style --------------
  * q = saturate(x * scale) rounded to nearest even in the format; the stored byte is

@@ -1,4 +1,5 @@
-/* kernels/reduce.c: reductions for gradient clipping and FP8 scaling (portable C). */
+/* kernels/reduce.c: reductions for gradient clipping and FP8 scaling, scaling and
+ * addition (portable C). */
 #include "ops.h"
 
 #include <math.h>
@@ -39,4 +40,11 @@ void op_scale(float *x, float s, size_t n)
     #pragma omp parallel for schedule(static)
     for (size_t i = 0; i < n; i++)
         x[i] *= s;
+}
+
+void op_add(float *y, const float *a, const float *b, size_t n)
+{
+    #pragma omp parallel for schedule(static)
+    for (size_t i = 0; i < n; i++)
+        y[i] = a[i] + b[i];
 }

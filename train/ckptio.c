@@ -62,7 +62,7 @@ shard_status ckptio_resolve(const char *path, char **ckpt_dir)
     return s;
 }
 
-shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m)
+shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev *d)
 {
     char *dir;
     shard_status s = ckptio_resolve(path, &dir);
@@ -70,7 +70,7 @@ shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m)
     s = shard_ckpt_open(dir, out);
     free(dir);
     if (s) return s;
-    s = model_create(m, shard_ckpt_model(*out));
+    s = model_create(m, shard_ckpt_model(*out), d);
     if (s) {
         shard_ckpt_close(*out);
         *out = NULL;
@@ -109,6 +109,13 @@ void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts)
         long k = shard_ckpt_find(c, "params", m->spec[i].name);
         dts[i] = k >= 0 ? shard_ckpt_tensor_at(c, (size_t)k)->dtype : SHARD_DT_F32;
     }
+}
+
+/* the parameters on the host: the model's own array on the C backend, else the
+ * copy model_params_download made */
+static const float *host_params(const model *m)
+{
+    return m->dev->cuda ? m->hparams : (const float *)m->params;
 }
 
 static shard_status fsync_path(const char *path, int dir)
@@ -231,10 +238,12 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
     }
     s = shard_h5_create(shard_path, a->compress, &hw);
     free(shard_path);
-    if (!s) s = write_group(hw, m, "params", m->params, a->param_dtypes);
-    if (!s) s = write_group(hw, m, "optim/master", m->params, NULL);
-    if (!s) s = write_group(hw, m, "optim/exp_avg", o->m, NULL);
-    if (!s) s = write_group(hw, m, "optim/exp_avg_sq", o->v, NULL);
+    const float *hp = host_params(m);
+    if (!hp || !o->hm) s = shard_fail(SHARD_E_INTERNAL, "checkpoint: the host copies of the state are missing");
+    if (!s) s = write_group(hw, m, "params", hp, a->param_dtypes);
+    if (!s) s = write_group(hw, m, "optim/master", o->hmaster ? o->hmaster : hp, NULL);
+    if (!s) s = write_group(hw, m, "optim/exp_avg", o->hm, NULL);
+    if (!s) s = write_group(hw, m, "optim/exp_avg_sq", o->hv, NULL);
     if (!s && m->fp8) s = write_fp8(hw, m->fp8);
     if (hw) {
         if (s) shard_h5_abort(hw);
@@ -268,6 +277,8 @@ out:
 static shard_status write_rank_file(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p,
                                     const char *staging)
 {
+    const float *hp = host_params(m);
+    if (!hp || !o->hm) return shard_fail(SHARD_E_INTERNAL, "checkpoint: the host copies of the state are missing");
     int any = p->rank == 0 && m->fp8;
     for (size_t i = 0; i < m->ntensors; i++)
         any |= (p->pp[i].holds && p->pp[i].writes && m->numel[i]) || (p->op[i].writes && p->zn[i]);
@@ -284,14 +295,15 @@ static shard_status write_rank_file(const ckptio_save_args *a, const model *m, c
         const shard_tensor_spec *t = &m->spec[i];
         if (p->pp[i].holds && p->pp[i].writes && m->numel[i])
             s = shard_h5_write_local(hw, "params", t->name, a->param_dtypes ? a->param_dtypes[i] : SHARD_DT_F32, t->ndim,
-                                     t->shape, &p->pp[i].box, m->params + m->offset[i], SHARD_DT_F32);
+                                     t->shape, &p->pp[i].box, hp + m->offset[i], SHARD_DT_F32);
     }
     const char *groups[3] = {"optim/master", "optim/exp_avg", "optim/exp_avg_sq"};
     for (int g = 0; g < 3 && !s; g++) {
         size_t base = 0;
         for (size_t i = 0; !s && i < m->ntensors; i++) {
             const shard_tensor_spec *t = &m->spec[i];
-            const float *src = g == 0 ? m->params + m->offset[i] + p->zoff[i] : (g == 1 ? o->m : o->v) + base;
+            const float *src = g == 0 ? (o->hmaster ? o->hmaster + base : hp + m->offset[i] + p->zoff[i])
+                                      : (g == 1 ? o->hm : o->hv) + base;
             if (p->op[i].writes && p->zn[i])
                 s = shard_h5_write_local(hw, groups[g], t->name, SHARD_DT_F32, t->ndim, t->shape, &p->op[i].box, src,
                                          SHARD_DT_F32);

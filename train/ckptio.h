@@ -21,8 +21,9 @@
 /* path is a checkpoint (has smp.json) or a run folder (has latest): the checkpoint
  * folder to open (malloc'ed). */
 shard_status ckptio_resolve(const char *path, char **ckpt_dir);
-/* Open the checkpoint at path (resolved as above) and create the model it describes. */
-shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m);
+/* Open the checkpoint at path (resolved as above) and create the model it describes
+ * on backend d. */
+shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev *d);
 /* Read every tensor of `group` ("params", "optim/master", ...) into dst (laid out
  * like m->params), converting to fp32; SHARD_E_INVALID names a missing tensor or a
  * wrong shape. *present: 0 when the group holds none of the tensors (nothing read). */

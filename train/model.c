@@ -12,6 +12,20 @@ static void *zalloc(size_t n, size_t size)
     return calloc(n ? n : 1, size);
 }
 
+/* backend memory: zeroed, NULL on failure (recorded in the backend) */
+static void *dalloc(model *m, size_t n, size_t size)
+{
+    return m->dev->ops->alloc(m->dev, (n ? n : 1) * size);
+}
+static void dfree(model *m, void *p)
+{
+    if (p && m->dev) m->dev->ops->release(m->dev, p);
+}
+#define DV (m->dev)
+#define OPS (m->dev->ops)
+/* element i of a compute-dtype buffer */
+#define AT(p, i) dev_at(m->dev, (p), (size_t)(i))
+
 long model_find(const model *m, const char *name)
 {
     for (size_t i = 0; i < m->ntensors; i++)
@@ -25,8 +39,10 @@ static shard_status bind(model *m)
     m->embed = m->norm_final = m->head = m->dembed = m->dnorm_final = m->dhead = NULL;
     for (size_t i = 0; i < m->ntensors; i++) {
         const shard_tensor_spec *t = &m->spec[i];
-        float *p = m->params + m->offset[i], *g = m->grads + m->offset[i];
-        layer_params *lw = t->layer >= 0 ? &m->lw[t->layer] : NULL, *lg = t->layer >= 0 ? &m->lg[t->layer] : NULL;
+        void *p = AT(m->params, m->offset[i]);
+        float *g = m->grads + m->offset[i];
+        layer_params *lw = t->layer >= 0 ? &m->lw[t->layer] : NULL;
+        layer_grads *lg = t->layer >= 0 ? &m->lg[t->layer] : NULL;
         switch (t->role) {
         case SHARD_T_EMBED: m->embed = p; m->dembed = g; break;
         case SHARD_T_Q: lw->q = p; lg->q = g; break;
@@ -51,10 +67,11 @@ static shard_status bind(model *m)
     return SHARD_OK;
 }
 
-shard_status model_create(model *m, const shard_model_desc *d)
+shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
 {
     memset(m, 0, sizeof *m);
     m->d = *d;
+    m->dev = dv;
     m->V = (int)d->vocab;
     m->H = (int)d->hidden;
     m->F = (int)d->intermediate;
@@ -88,9 +105,10 @@ shard_status model_create(model *m, const shard_model_desc *d)
         off += n;
     }
     m->nparams = off;
-    m->params = zalloc(off, sizeof(float));
-    m->grads = zalloc(off, sizeof(float));
-    if (!m->params || !m->grads) goto nomem;
+    m->params = dalloc(m, off, dv->es);
+    m->grads = dalloc(m, off, sizeof(float));
+    m->inv_freq_d = dalloc(m, (size_t)m->hd / 2, sizeof(float));
+    if (!m->params || !m->grads || !m->inv_freq_d) goto nomem;
     shard_status st = bind(m);
     if (st) {
         model_free(m);
@@ -99,6 +117,7 @@ shard_status model_create(model *m, const shard_model_desc *d)
     op_rope_params rp = {(float)d->rope_theta, d->rope_llama3, (float)d->rope_factor, (float)d->rope_low_freq_factor,
                          (float)d->rope_high_freq_factor, (float)d->rope_original_max_positions};
     op_rope_inv_freq(m->inv_freq, m->hd, &rp);
+    OPS->upload(DV, m->inv_freq_d, m->inv_freq, (size_t)m->hd / 2 * sizeof(float));
     return SHARD_OK;
 nomem:
     model_free(m);
@@ -128,11 +147,13 @@ shard_status model_localize(model *m, const shard_piece *pieces, int tp)
         default: break;
         }
     }
-    free(m->params);
-    free(m->grads);
+    dfree(m, m->params);
+    dfree(m, m->grads);
+    free(m->hparams);
+    m->hparams = NULL;
     m->nparams = off;
-    m->params = zalloc(off, sizeof(float));
-    m->grads = zalloc(off, sizeof(float));
+    m->params = dalloc(m, off, DV->es);
+    m->grads = dalloc(m, off, sizeof(float));
     if (!m->params || !m->grads) return shard_fail(SHARD_E_NOMEM, "out of memory for the model's parameters");
     m->tp_size = tp;
     return bind(m);
@@ -146,11 +167,17 @@ void model_set_stage(model *m, int l0, int l1, int first, int last)
     m->last = last;
 }
 
-static void tp_sum(model *m, float *buf, size_t n, shard_op op)
+/* all-reduce over tp of n elements of dtype dt */
+static void tp_reduce(model *m, void *buf, size_t n, shard_dtype dt, shard_op op)
 {
     if (m->tp_size <= 1 || !m->tp || m->comm_err) return;
-    shard_status s = shard_comm_allreduce(m->tp, buf, n, SHARD_DT_F32, op);
+    shard_status s = shard_comm_allreduce(m->tp, buf, n, dt, op);
     if (s) m->comm_err = s;
+}
+/* the same for activations (the compute dtype), summed */
+static void tp_sum(model *m, void *buf, size_t n)
+{
+    tp_reduce(m, buf, n, DV->dt, SHARD_OP_SUM);
 }
 
 static int sp_on(const model *m)
@@ -166,18 +193,18 @@ size_t model_local_rows(const model *m)
 
 /* sequence parallelism: full[N rows] (partial sums) -> loc[N/tp rows], this rank's
  * block of the sum (token-major blocks: block r is tp rank r's rows) */
-static void tp_reduce_scatter(model *m, const float *full, float *loc, size_t nloc)
+static void tp_reduce_scatter(model *m, const void *full, void *loc, size_t nloc)
 {
     if (m->comm_err) return;
-    shard_status s = shard_comm_reduce_scatter(m->tp, full, loc, nloc, SHARD_DT_F32, SHARD_OP_SUM);
+    shard_status s = shard_comm_reduce_scatter(m->tp, full, loc, nloc, DV->dt, SHARD_OP_SUM);
     if (s) m->comm_err = s;
 }
 
 /* loc[N/tp rows] of every tp rank -> full[N rows] */
-static void tp_allgather(model *m, const float *loc, float *full, size_t nloc)
+static void tp_allgather(model *m, const void *loc, void *full, size_t nloc)
 {
     if (m->comm_err) return;
-    shard_status s = shard_comm_allgather(m->tp, loc, full, nloc, SHARD_DT_F32);
+    shard_status s = shard_comm_allgather(m->tp, loc, full, nloc, DV->dt);
     if (s) m->comm_err = s;
 }
 
@@ -188,19 +215,26 @@ void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
     m->cp_rank = cp_rank;
 }
 
+/* every backend buffer of a layer's activations, in a fixed order */
+#define LAYER_BUFS(a) {(void **)&(a)->x, (void **)&(a)->rstd1, &(a)->xn1, &(a)->q, &(a)->k, &(a)->v, &(a)->att, \
+                       (void **)&(a)->lse, &(a)->xmid, (void **)&(a)->rstd2, &(a)->xn2, &(a)->gate, &(a)->up, &(a)->act}
+
+static void free_layer(model *m, layer_acts *a)
+{
+    void **all[] = LAYER_BUFS(a);
+    for (size_t k = 0; k < sizeof all / sizeof *all; k++) dfree(m, *all[k]);
+    memset(a, 0, sizeof *a);
+}
+
 static void free_slot(model *m, act_slot *sl)
 {
     if (sl->acts) {
-        for (int l = 0; l < m->L; l++) {
-            layer_acts *a = &sl->acts[l];
-            float **all[] = {&a->x, &a->rstd1, &a->xn1, &a->q, &a->k, &a->v, &a->att, &a->lse,
-                             &a->xmid, &a->rstd2, &a->xn2, &a->gate, &a->up, &a->act};
-            for (size_t k = 0; k < sizeof all / sizeof *all; k++) free(*all[k]);
-        }
+        for (int l = 0; l < m->L; l++) free_layer(m, &sl->acts[l]);
         free(sl->acts);
     }
-    float **bufs[] = {&sl->xL, &sl->rstdf, &sl->xnf, &sl->logits, &sl->rowmax, &sl->sumexp, &sl->losses};
-    for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) free(*bufs[k]);
+    void **bufs[] = {&sl->xL, (void **)&sl->rstdf, &sl->xnf, &sl->logits, (void **)&sl->rowmax, (void **)&sl->sumexp,
+                     (void **)&sl->losses};
+    for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) dfree(m, *bufs[k]);
     memset(sl, 0, sizeof *sl);
 }
 
@@ -211,19 +245,23 @@ static void free_acts(model *m)
     m->slots = NULL;
     m->nslots = 0;
     m->acts = NULL;
-    m->xL = m->rstdf = m->xnf = m->logits = m->rowmax = m->sumexp = m->losses = NULL;
+    m->xL = m->xnf = m->logits = NULL;
+    m->rstdf = m->rowmax = m->sumexp = m->losses = NULL;
     m->target_logit = NULL; /* the second half of sumexp's buffer */
-    float **bufs[] = {&m->cos_t, &m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv,
-                      &m->datt, &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1],
-                      &m->ring_out, &m->ring_lse, &m->sp_loc};
+    free_layer(m, &m->rc);
+    void **bufs[] = {(void **)&m->cos_t, (void **)&m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv, &m->datt,
+                     &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
+                     (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
+                     (void **)&m->tok_d, (void **)&m->tgt_d};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
-        free(*bufs[k]);
+        dfree(m, *bufs[k]);
         *bufs[k] = NULL;
     }
     free(m->pos);
     m->pos = NULL;
     free(m->cp_pos);
     m->cp_pos = NULL;
+    m->act_bytes = 0;
 }
 
 void model_use_slot(model *m, int k)
@@ -241,7 +279,7 @@ void model_use_slot(model *m, int k)
     m->losses = sl->losses;
 }
 
-float *model_stage_input(model *m)
+void *model_stage_input(model *m)
 {
     return m->l0 < m->l1 ? m->acts[m->l0].x : m->xL;
 }
@@ -249,9 +287,14 @@ float *model_stage_input(model *m)
 void model_free(model *m)
 {
     if (!m) return;
-    free_acts(m);
+    if (m->dev) {
+        free_acts(m);
+        dfree(m, m->params);
+        dfree(m, m->grads);
+        dfree(m, m->inv_freq_d);
+    }
     free(m->spec); free(m->offset); free(m->numel); free(m->lw); free(m->lg); free(m->inv_freq);
-    free(m->params); free(m->grads);
+    free(m->hparams);
     fp8_free(m->fp8);
     memset(m, 0, sizeof *m);
 }
@@ -259,6 +302,29 @@ void model_free(model *m)
 shard_status model_alloc_acts(model *m, int B, int T)
 {
     return model_alloc_slots(m, B, T, 1);
+}
+
+/* the tensors of a layer that recomputation keeps per layer (else in the shared set m->rc) */
+static int kept(const model *m, const void *const *field, const layer_acts *a)
+{
+    if (m->recompute == RECOMPUTE_NONE || field == (const void *const *)&a->x) return 1;
+    if (m->recompute == RECOMPUTE_FULL) return 0;
+    /* attention: the MLP half stays */
+    return field == (const void *const *)&a->xmid || field == (const void *const *)&a->rstd2 ||
+           field == (const void *const *)&a->xn2 || field == (const void *const *)&a->gate ||
+           field == (const void *const *)&a->up || field == (const void *const *)&a->act;
+}
+
+/* elements of each LAYER_BUFS entry, and its element size */
+static void layer_sizes(const model *m, size_t *n, size_t *es)
+{
+    const size_t N = (size_t)m->B * m->T, H = (size_t)m->H, F = (size_t)m->F, e = m->dev->es, f = sizeof(float);
+    const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd;
+    const size_t nn[] = {N * H, N, N * H, N * QD, N * KD, N * KD, N * QD, (size_t)m->B * m->nh * m->T, N * H, N, N * H,
+                         N * F, N * F, N * F};
+    const size_t ee[] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e};
+    memcpy(n, nn, sizeof nn);
+    memcpy(es, ee, sizeof ee);
 }
 
 shard_status model_alloc_slots(model *m, int B, int T, int nslots)
@@ -269,53 +335,65 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
                           B, T, m->tp_size);
     m->B = B;
     m->T = T;
-    const size_t N = (size_t)B * T, H = (size_t)m->H, F = (size_t)m->F;
+    const size_t N = (size_t)B * T, H = (size_t)m->H, F = (size_t)m->F, e = DV->es, f = sizeof(float);
     const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd, Vl = (size_t)m->vocab_local;
     int ok = 1;
-#define A(p, n) do { (p) = zalloc((n), sizeof(float)); ok &= (p) != NULL; } while (0)
+#define A(p, n, sz) do { const size_t n_ = (n); (p) = dalloc(m, n_, (sz)); ok &= (p) != NULL; m->act_bytes += (n_ ? n_ : 1) * (sz); } while (0)
     m->slots = zalloc((size_t)nslots, sizeof *m->slots);
     ok &= m->slots != NULL;
     if (ok) m->nslots = nslots;
     const size_t NV = m->last ? N * Vl : 0, NL = m->last ? N : 0;
+    size_t ln[14], les[14];
+    layer_sizes(m, ln, les);
     for (int k = 0; ok && k < nslots; k++) {
         act_slot *sl = &m->slots[k];
         sl->acts = zalloc((size_t)m->L, sizeof *sl->acts);
         ok &= sl->acts != NULL;
         for (int l = m->l0; ok && l < m->l1; l++) {
             layer_acts *a = &sl->acts[l];
-            A(a->x, N * H); A(a->rstd1, N); A(a->xn1, N * H); A(a->q, N * QD); A(a->k, N * KD); A(a->v, N * KD);
-            A(a->att, N * QD); A(a->lse, (size_t)B * m->nh * T); A(a->xmid, N * H); A(a->rstd2, N);
-            A(a->xn2, N * H); A(a->gate, N * F); A(a->up, N * F); A(a->act, N * F);
+            void **all[] = LAYER_BUFS(a);
+            for (int j = 0; ok && j < 14; j++)
+                if (kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
         }
-        A(sl->xL, N * H); A(sl->rstdf, NL); A(sl->xnf, m->last ? N * H : 0); A(sl->logits, NV);
-        A(sl->rowmax, NL); A(sl->sumexp, 2 * NL); A(sl->losses, NL);
+        A(sl->xL, N * H, e); A(sl->rstdf, NL, f); A(sl->xnf, m->last ? N * H : 0, e); A(sl->logits, NV, e);
+        A(sl->rowmax, NL, f); A(sl->sumexp, 2 * NL, f); A(sl->losses, NL, f);
     }
-    A(m->cos_t, (size_t)T * m->hd); A(m->sin_t, (size_t)T * m->hd);
-    A(m->dx, N * H); A(m->dxn, N * H); A(m->dq, N * QD); A(m->dk, N * KD); A(m->dv, N * KD); A(m->datt, N * QD);
-    A(m->dgate, N * F); A(m->dup, N * F); A(m->dact, N * F); A(m->dlogits, NV);
-    if (sp_on(m)) A(m->sp_loc, N / (size_t)m->tp_size * H);
+    if (ok && m->recompute != RECOMPUTE_NONE && m->l0 < m->l1) { /* one shared set of what is recomputed */
+        layer_acts *a = &m->rc;
+        void **all[] = LAYER_BUFS(a);
+        for (int j = 1; ok && j < 14; j++)
+            if (!kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
+    }
+    A(m->cos_t, (size_t)T * m->hd, f); A(m->sin_t, (size_t)T * m->hd, f);
+    A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
+    A(m->datt, N * QD, e); A(m->dgate, N * F, e); A(m->dup, N * F, e); A(m->dact, N * F, e); A(m->dlogits, NV, e);
+    A(m->tok_d, N, sizeof(int32_t)); A(m->tgt_d, N, sizeof(int32_t));
+    if (sp_on(m)) A(m->sp_loc, N / (size_t)m->tp_size * H, e);
     const int C = m->cp_size > 1 ? m->cp_size : 1;
     if (C > 1) {
         if (T % 2) {
             free_acts(m);
             return shard_fail(SHARD_E_USAGE, "context parallelism: %d tokens per rank is odd (two equal chunks)", T);
         }
-        A(m->ring[0], 4 * N * KD); A(m->ring[1], 4 * N * KD); A(m->ring_out, N * QD); A(m->ring_lse, (size_t)B * m->nh * T);
+        A(m->ring[0], 4 * N * KD, e); A(m->ring[1], 4 * N * KD, e); A(m->ring_out, N * QD, e);
+        A(m->ring_lse, (size_t)B * m->nh * T, f);
     }
+    A(m->pos_d, (size_t)T, sizeof(int32_t)); A(m->cp_pos_d, (size_t)T * C, sizeof(int32_t));
 #undef A
     m->pos = zalloc((size_t)T, sizeof(int32_t));
     m->cp_pos = zalloc((size_t)T * C, sizeof(int32_t));
     if (ok) model_use_slot(m, 0);
     if (!ok || !m->pos || !m->cp_pos) {
+        shard_status s = DV->err ? dev_status(DV) : SHARD_E_NOMEM;
         free_acts(m);
+        if (s != SHARD_E_NOMEM) return shard_fail(s, "out of memory for the activations of %d x %d tokens: %s", B, T, shard_errmsg());
         return shard_fail(SHARD_E_NOMEM, "out of memory for the activations of %d x %d tokens", B, T);
     }
     if (m->fp8) {
         size_t D = H > QD ? H : QD;
         D = D > F ? D : F;
         D = D > KD ? D : KD;
-        size_t big = N * D > D * D ? N * D : D * D;
-        shard_status s = fp8_reserve(m->fp8, 2 * N * D + D * D, big);
+        shard_status s = OPS->fp8_reserve(DV, m->fp8, (int)N, (int)D);
         if (s) {
             free_acts(m);
             return s;
@@ -326,41 +404,67 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         for (int t = 0; t < T; t++)
             m->cp_pos[(size_t)i * T + t] = C == 1 ? t : t < T / 2 ? i * (T / 2) + t : (2 * C - 1 - i) * (T / 2) + t - T / 2;
     memcpy(m->pos, m->cp_pos + (size_t)(C > 1 ? m->cp_rank : 0) * T, (size_t)T * sizeof(int32_t));
-    op_rope_table(m->cos_t, m->sin_t, m->pos, T, m->inv_freq, m->hd);
-    return SHARD_OK;
+    OPS->upload(DV, m->cp_pos_d, m->cp_pos, (size_t)T * C * sizeof(int32_t));
+    OPS->upload(DV, m->pos_d, m->pos, (size_t)T * sizeof(int32_t));
+    OPS->rope_table(DV, m->cos_t, m->sin_t, m->pos_d, T, m->inv_freq_d, m->hd);
+    return dev_status(DV);
+}
+
+void model_memory(const model *m, size_t *params, size_t *grads, size_t *acts)
+{
+    *params = m->nparams * m->dev->es;
+    *grads = m->nparams * sizeof(float);
+    *acts = m->act_bytes;
+}
+
+float *model_params_host(model *m)
+{
+    if (!m->dev->cuda) return m->params;
+    if (!m->hparams) m->hparams = malloc((m->nparams ? m->nparams : 1) * sizeof(float));
+    return m->hparams;
+}
+
+void model_params_download(model *m)
+{
+    if (m->dev->cuda && model_params_host(m)) dev_download_f32(m->dev, m->hparams, m->params, m->nparams);
+}
+
+void model_params_upload(model *m)
+{
+    if (m->dev->cuda && m->hparams) dev_upload_f32(m->dev, m->params, m->hparams, m->nparams);
 }
 
 void model_zero_grads(model *m)
 {
-    memset(m->grads, 0, m->nparams * sizeof(float));
+    OPS->zero(DV, m->grads, m->nparams * sizeof(float));
 }
 
 /* The linear layers of the blocks go through the FP8 recipe when it is on; the
- * head stays in fp32 (as TransformerEngine leaves the output layer). */
+ * head stays in the compute dtype (as TransformerEngine leaves the output layer). */
 enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_GATE, LIN_UP, LIN_DOWN, LIN_COUNT };
 
-static void lin_fwd(model *m, int l, int which, float *out, const float *inp, const float *w, int N, int IN, int OUT)
+static void lin_fwd(model *m, int l, int which, void *out, const void *inp, const void *w, int N, int IN, int OUT)
 {
-    if (m->fp8) fp8_linear_forward(m->fp8, l * LIN_COUNT + which, out, inp, w, N, IN, OUT);
-    else op_linear_forward(out, inp, w, N, IN, OUT);
+    if (m->fp8) OPS->fp8_linear_forward(DV, m->fp8, l * LIN_COUNT + which, out, inp, w, N, IN, OUT);
+    else OPS->linear_forward(DV, out, inp, w, N, IN, OUT);
 }
 
-static void lin_bwd(model *m, int l, int which, float *dinp, float *dw, const float *dout, const float *inp,
-                    const float *w, int N, int IN, int OUT)
+static void lin_bwd(model *m, int l, int which, void *dinp, float *dw, const void *dout, const void *inp,
+                    const void *w, int N, int IN, int OUT)
 {
-    if (m->fp8) fp8_linear_backward(m->fp8, l * LIN_COUNT + which, dinp, dw, dout, inp, w, N, IN, OUT);
-    else op_linear_backward(dinp, dw, dout, inp, w, N, IN, OUT);
+    if (m->fp8) OPS->fp8_linear_backward(DV, m->fp8, l * LIN_COUNT + which, dinp, dw, dout, inp, w, N, IN, OUT);
+    else OPS->linear_backward(DV, dinp, dw, dout, inp, w, N, IN, OUT);
 }
 
 /* ---- ring attention over the cp group ------------------------------------------ */
 #define CP_TAG 11
 
-/* one step of the ring: send n floats to the next cp rank, receive the previous one's */
-static void cp_pass(model *m, const float *send, float *recv, size_t n)
+/* one step of the ring: send n elements to the next cp rank, receive the previous one's */
+static void cp_pass(model *m, const void *send, void *recv, size_t n)
 {
     if (m->comm_err) return;
     const int C = m->cp_size, r = m->cp_rank;
-    shard_status s = shard_comm_sendrecv(m->cp, send, (r + 1) % C, recv, (r + C - 1) % C, n, SHARD_DT_F32, CP_TAG);
+    shard_status s = shard_comm_sendrecv(m->cp, send, (r + 1) % C, recv, (r + C - 1) % C, n, DV->dt, CP_TAG);
     if (s) m->comm_err = s;
 }
 
@@ -371,19 +475,20 @@ static void cp_pass(model *m, const float *send, float *recv, size_t n)
 static void attention_forward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
-    op_attention_forward(a->att, a->lse, a->q, a->k, a->v, m->pos, m->pos, B, T, T, m->nh, m->nkv, m->hd, m->window);
+    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, B, T, T, m->nh, m->nkv, m->hd,
+                           m->window);
     if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
-    float *cur = m->ring[0], *nxt = m->ring[1];
-    memcpy(cur, a->k, nk * sizeof(float));
-    memcpy(cur + nk, a->v, nk * sizeof(float));
+    void *cur = m->ring[0], *nxt = m->ring[1];
+    OPS->copy(DV, cur, a->k, nk * DV->es);
+    OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
     for (int j = 1; j < C; j++) {
         cp_pass(m, cur, nxt, 2 * nk);
-        float *t = cur; cur = nxt; nxt = t;
+        void *t = cur; cur = nxt; nxt = t;
         const int src = (r - j + C) % C;
-        op_attention_forward(m->ring_out, m->ring_lse, a->q, cur, cur + nk, m->pos, m->cp_pos + (size_t)src * T,
-                             B, T, T, m->nh, m->nkv, m->hd, m->window);
-        op_attention_merge(a->att, a->lse, m->ring_out, m->ring_lse, B, T, m->nh, m->hd);
+        OPS->attention_forward(DV, m->ring_out, m->ring_lse, a->q, cur, AT(cur, nk), m->pos_d,
+                               m->cp_pos_d + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd, m->window);
+        OPS->attention_merge(DV, a->att, a->lse, m->ring_out, m->ring_lse, B, T, m->nh, m->hd);
     }
 }
 
@@ -395,179 +500,238 @@ static void attention_forward(model *m, layer_acts *a)
 static void attention_backward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
-    op_attention_backward(m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos, m->pos,
-                          B, T, T, m->nh, m->nkv, m->hd, m->window);
+    OPS->attention_backward(DV, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos_d, m->pos_d,
+                            B, T, T, m->nh, m->nkv, m->hd, m->window);
     if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
-    float *cur = m->ring[0], *nxt = m->ring[1];
-    memcpy(cur, a->k, nk * sizeof(float));
-    memcpy(cur + nk, a->v, nk * sizeof(float));
-    memset(cur + 2 * nk, 0, 2 * nk * sizeof(float));
+    void *cur = m->ring[0], *nxt = m->ring[1];
+    OPS->copy(DV, cur, a->k, nk * DV->es);
+    OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
+    OPS->zero(DV, AT(cur, 2 * nk), 2 * nk * DV->es);
     for (int j = 1; j < C; j++) {
         cp_pass(m, cur, nxt, 4 * nk);
-        float *t = cur; cur = nxt; nxt = t;
+        void *t = cur; cur = nxt; nxt = t;
         const int src = (r - j + C) % C;
-        op_attention_backward(m->dq, cur + 2 * nk, cur + 3 * nk, m->datt, a->q, cur, cur + nk, a->att, a->lse,
-                              m->pos, m->cp_pos + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd, m->window);
+        OPS->attention_backward(DV, m->dq, AT(cur, 2 * nk), AT(cur, 3 * nk), m->datt, a->q, cur, AT(cur, nk), a->att,
+                                a->lse, m->pos_d, m->cp_pos_d + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd,
+                                m->window);
     }
-    cp_pass(m, cur + 2 * nk, nxt + 2 * nk, 2 * nk); /* to the owner, r + 1; ours from r - 1 */
-    const float *dk = nxt + 2 * nk, *dv = nxt + 3 * nk;
-    #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < nk; i++) {
-        m->dk[i] += dk[i];
-        m->dv[i] += dv[i];
+    cp_pass(m, AT(cur, 2 * nk), AT(nxt, 2 * nk), 2 * nk); /* to the owner, r + 1; ours from r - 1 */
+    OPS->add(DV, m->dk, m->dk, AT(nxt, 2 * nk), nk);
+    OPS->add(DV, m->dv, m->dv, AT(nxt, 3 * nk), nk);
+}
+
+/* The working set of layer l: its own tensors where it keeps them, the shared
+ * recompute set for the others (model.h, recompute_mode). */
+static layer_acts *work(model *m, int l)
+{
+    static _Thread_local layer_acts w;
+    if (m->recompute == RECOMPUTE_NONE) return &m->acts[l];
+    const layer_acts *a = &m->acts[l];
+    w = m->rc;
+    w.x = a->x;
+    if (m->recompute == RECOMPUTE_ATTENTION) {
+        w.xmid = a->xmid; w.rstd2 = a->rstd2; w.xn2 = a->xn2; w.gate = a->gate; w.up = a->up; w.act = a->act;
+    }
+    return &w;
+}
+
+/* The four parts of a layer's forward, so that backward can recompute the first ones.
+ * 1: input norm, q/k/v, RoPE, attention -> att, lse */
+static void fwd_attention(model *m, int l, layer_acts *a)
+{
+    const int B = m->B, T = m->T, N = B * T, H = m->H, hd = m->hd, QD = m->nh * hd, KD = m->nkv * hd;
+    const int Nl = (int)model_local_rows(m);
+    const layer_params *w = &m->lw[l];
+    if (sp_on(m)) { /* the norm on this rank's tokens, then all of them for the linears */
+        OPS->rmsnorm_forward(DV, m->sp_loc, a->rstd1, a->x, w->norm_attn, Nl, H, m->eps);
+        tp_allgather(m, m->sp_loc, a->xn1, (size_t)Nl * H);
+    } else {
+        OPS->rmsnorm_forward(DV, a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
+    }
+    lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
+    lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
+    lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
+    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, B, T, m->nh, hd);
+    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
+    attention_forward(m, a);
+}
+
+/* 2: output projection, residual -> xmid, post-attention norm -> xn2 */
+static void fwd_attention_out(model *m, int l, layer_acts *a)
+{
+    const int N = m->B * m->T, H = m->H, QD = m->nh * m->hd, Nl = (int)model_local_rows(m);
+    const size_t NlH = (size_t)Nl * H;
+    const layer_params *w = &m->lw[l];
+    lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
+    if (sp_on(m)) {
+        tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        OPS->add(DV, a->xmid, a->x, m->sp_loc, NlH);
+        OPS->rmsnorm_forward(DV, m->sp_loc, a->rstd2, a->xmid, w->norm_mlp, Nl, H, m->eps);
+        tp_allgather(m, m->sp_loc, a->xn2, NlH);
+    } else {
+        tp_sum(m, m->dxn, (size_t)N * H); /* row-parallel: sum of the partial products */
+        OPS->add(DV, a->xmid, a->x, m->dxn, (size_t)N * H);
+        OPS->rmsnorm_forward(DV, a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
     }
 }
 
-static void add(float *y, const float *a, const float *b, size_t n)
+/* 3: gate, up, SwiGLU -> act */
+static void fwd_mlp(model *m, int l, layer_acts *a)
 {
-    #pragma omp parallel for schedule(static)
-    for (size_t i = 0; i < n; i++) y[i] = a[i] + b[i];
+    const int N = m->B * m->T, H = m->H, F = m->F;
+    const layer_params *w = &m->lw[l];
+    lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
+    lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
+    OPS->swiglu_forward(DV, a->act, a->gate, a->up, (size_t)N * F);
+}
+
+/* 4: down projection, residual -> the next layer's input */
+static void fwd_mlp_out(model *m, int l, layer_acts *a, void *xnext)
+{
+    const int N = m->B * m->T, H = m->H, F = m->F, Nl = (int)model_local_rows(m);
+    const size_t NlH = (size_t)Nl * H;
+    lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, m->lw[l].down, N, F, H);
+    if (sp_on(m)) {
+        tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        OPS->add(DV, xnext, a->xmid, m->sp_loc, NlH);
+    } else {
+        tp_sum(m, m->dxn, (size_t)N * H);
+        OPS->add(DV, xnext, a->xmid, m->dxn, (size_t)N * H);
+    }
+}
+
+/* the microbatch's tokens and targets where the backend reads them */
+static void put_tokens(model *m, const int32_t *tokens, const int32_t *targets, const int32_t **tok,
+                       const int32_t **tgt)
+{
+    const size_t n = (size_t)m->B * m->T * sizeof(int32_t);
+    if (!DV->cuda) {
+        *tok = tokens;
+        *tgt = targets;
+        return;
+    }
+    if (tokens) OPS->upload(DV, m->tok_d, tokens, n);
+    if (targets) OPS->upload(DV, m->tgt_d, targets, n);
+    *tok = m->tok_d;
+    *tgt = m->tgt_d;
 }
 
 double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
 {
-    const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
-    const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
+    const int B = m->B, T = m->T, N = B * T, H = m->H, Vl = m->vocab_local;
     const int sp = sp_on(m), Nl = (int)model_local_rows(m);
     const size_t NlH = (size_t)Nl * H;
+    const int32_t *tok, *tgt;
+    put_tokens(m, m->first ? tokens : NULL, m->last ? targets : NULL, &tok, &tgt);
     if (m->first) {
-        float *x0 = model_stage_input(m);
+        void *x0 = model_stage_input(m);
         if (sp) { /* vocab-parallel partial rows of all N tokens, summed into this rank's tokens */
-            op_embedding_forward(m->dxn, tokens, m->embed, N, H, m->vocab_start, Vl);
+            OPS->embedding_forward(DV, m->dxn, tok, m->embed, N, H, m->vocab_start, Vl);
             tp_reduce_scatter(m, m->dxn, x0, NlH);
         } else {
-            op_embedding_forward(x0, tokens, m->embed, N, H, m->vocab_start, Vl);
-            tp_sum(m, x0, (size_t)N * H, SHARD_OP_SUM); /* vocab-parallel: rows of the others */
+            OPS->embedding_forward(DV, x0, tok, m->embed, N, H, m->vocab_start, Vl);
+            tp_sum(m, x0, (size_t)N * H); /* vocab-parallel: rows of the others */
         }
     }
     for (int l = m->l0; l < m->l1; l++) {
-        layer_acts *a = &m->acts[l];
-        const layer_params *w = &m->lw[l];
-        float *xnext = l + 1 < m->l1 ? m->acts[l + 1].x : m->xL;
-        if (sp) { /* the norm on this rank's tokens, then all of them for the linears */
-            op_rmsnorm_forward(m->sp_loc, a->rstd1, a->x, w->norm_attn, Nl, H, m->eps);
-            tp_allgather(m, m->sp_loc, a->xn1, NlH);
-        } else {
-            op_rmsnorm_forward(a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
-        }
-        lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
-        lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
-        lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
-        op_rope_forward(a->q, m->cos_t, m->sin_t, B, T, m->nh, hd);
-        op_rope_forward(a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
-        attention_forward(m, a);
-        lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
-        if (sp) {
-            tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
-            add(a->xmid, a->x, m->sp_loc, NlH);
-            op_rmsnorm_forward(m->sp_loc, a->rstd2, a->xmid, w->norm_mlp, Nl, H, m->eps);
-            tp_allgather(m, m->sp_loc, a->xn2, NlH);
-        } else {
-            tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM); /* row-parallel: sum of the partial products */
-            add(a->xmid, a->x, m->dxn, (size_t)N * H);
-            op_rmsnorm_forward(a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
-        }
-        lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
-        lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
-        op_swiglu_forward(a->act, a->gate, a->up, (size_t)N * F);
-        lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, w->down, N, F, H);
-        if (sp) {
-            tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
-            add(xnext, a->xmid, m->sp_loc, NlH);
-        } else {
-            tp_sum(m, m->dxn, (size_t)N * H, SHARD_OP_SUM);
-            add(xnext, a->xmid, m->dxn, (size_t)N * H);
-        }
+        layer_acts *a = work(m, l);
+        fwd_attention(m, l, a);
+        fwd_attention_out(m, l, a);
+        fwd_mlp(m, l, a);
+        fwd_mlp_out(m, l, a, l + 1 < m->l1 ? m->acts[l + 1].x : m->xL);
     }
     if (!m->last) return 0.0; /* the output, xL, goes to the next stage */
     if (sp) {
-        op_rmsnorm_forward(m->sp_loc, m->rstdf, m->xL, m->norm_final, Nl, H, m->eps);
+        OPS->rmsnorm_forward(DV, m->sp_loc, m->rstdf, m->xL, m->norm_final, Nl, H, m->eps);
         tp_allgather(m, m->sp_loc, m->xnf, NlH); /* the head and the loss on all N tokens */
     } else {
-        op_rmsnorm_forward(m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
+        OPS->rmsnorm_forward(DV, m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
     }
-    op_linear_forward(m->logits, m->xnf, m->head, N, H, Vl);
+    OPS->linear_forward(DV, m->logits, m->xnf, m->head, N, H, Vl);
     /* the vocabulary-parallel cross-entropy; on one rank the tp reductions between
      * its steps are the identity */
-    op_xent_rowmax(m->rowmax, m->target_logit, m->logits, targets, N, Vl, m->vocab_start);
-    tp_sum(m, m->rowmax, (size_t)N, SHARD_OP_MAX);
-    op_xent_sumexp(m->sumexp, m->logits, m->rowmax, N, Vl);
-    tp_sum(m, m->sumexp, 2 * (size_t)N, SHARD_OP_SUM); /* sumexp and target_logit (one owner) */
-    op_xent_loss(m->losses, m->rowmax, m->sumexp, m->target_logit, targets, N);
-    double sum = 0.0; /* in row order: the same bits for any thread count */
-    for (int n = 0; n < N; n++)
-        if (targets[n] >= 0) sum += m->losses[n];
-    return sum;
+    OPS->xent_rowmax(DV, m->rowmax, m->target_logit, m->logits, tgt, N, Vl, m->vocab_start);
+    tp_reduce(m, m->rowmax, (size_t)N, SHARD_DT_F32, SHARD_OP_MAX);
+    OPS->xent_sumexp(DV, m->sumexp, m->logits, m->rowmax, N, Vl);
+    tp_reduce(m, m->sumexp, 2 * (size_t)N, SHARD_DT_F32, SHARD_OP_SUM); /* sumexp and target_logit (one owner) */
+    return OPS->xent_loss(DV, m->losses, m->rowmax, m->sumexp, m->target_logit, tgt, N);
 }
 
 void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale)
 {
     const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
-    const size_t NH = (size_t)N * H;
+    const size_t NH = (size_t)N * H, e = DV->es;
     const int sp = sp_on(m), Nl = (int)model_local_rows(m);
     const size_t NlH = (size_t)Nl * H;
+    const int32_t *tok, *tgt;
+    put_tokens(m, m->first ? tokens : NULL, m->last ? targets : NULL, &tok, &tgt);
     /* sp: the input gradient of the column-parallel linears is reduce-scattered to
      * this rank's tokens (sp_loc) for the norm's backward; the other way, dx (this
      * rank's tokens) is all-gathered into dxn before the row-parallel linears */
-    float *dnorm = sp ? m->sp_loc : m->dxn;
+    void *dnorm = sp ? m->sp_loc : m->dxn;
     if (m->last) { /* else dx holds the gradient of xL, from the next stage */
-        op_xent_backward(m->dlogits, m->logits, m->rowmax, m->sumexp, targets, N, Vl, m->vocab_start, loss_scale);
-        memset(m->dxn, 0, NH * sizeof(float));
-        op_linear_backward(m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
+        OPS->xent_backward(DV, m->dlogits, m->logits, m->rowmax, m->sumexp, tgt, N, Vl, m->vocab_start, loss_scale);
+        OPS->zero(DV, m->dxn, NH * e);
+        OPS->linear_backward(DV, m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
-        else tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* the head is column-parallel over the vocabulary */
-        memset(m->dx, 0, NlH * sizeof(float));
-        op_rmsnorm_backward(m->dx, m->dnorm_final, dnorm, m->xL, m->norm_final, m->rstdf, Nl, H);
+        else tp_sum(m, m->dxn, NH); /* the head is column-parallel over the vocabulary */
+        OPS->zero(DV, m->dx, NlH * e);
+        OPS->rmsnorm_backward(DV, m->dx, m->dnorm_final, dnorm, m->xL, m->norm_final, m->rstdf, Nl, H);
     }
     /* m->dx holds d loss / d (residual stream) as it goes down the layers: each
      * block adds its branch's gradient to it (rmsnorm_backward accumulates) */
     for (int l = m->l1 - 1; l >= m->l0; l--) {
-        layer_acts *a = &m->acts[l];
+        layer_acts *a = work(m, l);
+        if (m->recompute != RECOMPUTE_NONE) fwd_attention(m, l, a);
+        if (m->recompute == RECOMPUTE_FULL) {
+            fwd_attention_out(m, l, a);
+            fwd_mlp(m, l, a);
+        }
         const layer_params *w = &m->lw[l];
-        layer_params *g = &m->lg[l];
+        layer_grads *g = &m->lg[l];
         /* MLP: x_next = xmid + down(silu(gate(xn2)) * up(xn2)) */
-        const float *dout = m->dx;
+        const void *dout = m->dx;
         if (sp) {
             tp_allgather(m, m->dx, m->dxn, NlH);
             dout = m->dxn;
         }
-        memset(m->dact, 0, (size_t)N * F * sizeof(float));
+        OPS->zero(DV, m->dact, (size_t)N * F * e);
         lin_bwd(m, l, LIN_DOWN, m->dact, g->down, dout, a->act, w->down, N, F, H);
-        memset(m->dgate, 0, (size_t)N * F * sizeof(float));
-        memset(m->dup, 0, (size_t)N * F * sizeof(float));
-        op_swiglu_backward(m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)N * F);
-        memset(m->dxn, 0, NH * sizeof(float));
+        OPS->zero(DV, m->dgate, (size_t)N * F * e);
+        OPS->zero(DV, m->dup, (size_t)N * F * e);
+        OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)N * F);
+        OPS->zero(DV, m->dxn, NH * e);
         lin_bwd(m, l, LIN_GATE, m->dxn, g->gate, m->dgate, a->xn2, w->gate, N, H, F);
         lin_bwd(m, l, LIN_UP, m->dxn, g->up, m->dup, a->xn2, w->up, N, H, F);
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
-        else tp_sum(m, m->dxn, NH, SHARD_OP_SUM); /* column-parallel: input gradient summed, then the norm */
-        op_rmsnorm_backward(m->dx, g->norm_mlp, dnorm, a->xmid, w->norm_mlp, a->rstd2, Nl, H);
+        else tp_sum(m, m->dxn, NH); /* column-parallel: input gradient summed, then the norm */
+        OPS->rmsnorm_backward(DV, m->dx, g->norm_mlp, dnorm, a->xmid, w->norm_mlp, a->rstd2, Nl, H);
         /* attention: xmid = x + o(attn(rope(q(xn1)), rope(k(xn1)), v(xn1))) */
         if (sp) tp_allgather(m, m->dx, m->dxn, NlH);
-        memset(m->datt, 0, (size_t)N * QD * sizeof(float));
+        OPS->zero(DV, m->datt, (size_t)N * QD * e);
         lin_bwd(m, l, LIN_O, m->datt, g->o, dout, a->att, w->o, N, QD, H);
-        memset(m->dq, 0, (size_t)N * QD * sizeof(float));
-        memset(m->dk, 0, (size_t)N * KD * sizeof(float));
-        memset(m->dv, 0, (size_t)N * KD * sizeof(float));
+        OPS->zero(DV, m->dq, (size_t)N * QD * e);
+        OPS->zero(DV, m->dk, (size_t)N * KD * e);
+        OPS->zero(DV, m->dv, (size_t)N * KD * e);
         attention_backward(m, a);
-        op_rope_backward(m->dq, m->cos_t, m->sin_t, B, T, m->nh, hd);
-        op_rope_backward(m->dk, m->cos_t, m->sin_t, B, T, m->nkv, hd);
-        memset(m->dxn, 0, NH * sizeof(float));
+        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, B, T, m->nh, hd);
+        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, B, T, m->nkv, hd);
+        OPS->zero(DV, m->dxn, NH * e);
         lin_bwd(m, l, LIN_Q, m->dxn, g->q, m->dq, a->xn1, w->q, N, H, QD);
         lin_bwd(m, l, LIN_K, m->dxn, g->k, m->dk, a->xn1, w->k, N, H, KD);
         lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
-        else tp_sum(m, m->dxn, NH, SHARD_OP_SUM);
-        op_rmsnorm_backward(m->dx, g->norm_attn, dnorm, a->x, w->norm_attn, a->rstd1, Nl, H);
+        else tp_sum(m, m->dxn, NH);
+        OPS->rmsnorm_backward(DV, m->dx, g->norm_attn, dnorm, a->x, w->norm_attn, a->rstd1, Nl, H);
     }
     if (m->first) {
-        const float *demb = m->dx;
+        const void *demb = m->dx;
         if (sp) { /* the gradient of every token's row: this rank's vocabulary rows */
             tp_allgather(m, m->dx, m->dxn, NlH);
             demb = m->dxn;
         }
-        op_embedding_backward(m->dembed, demb, tokens, N, H, m->vocab_start, Vl);
+        OPS->embedding_backward(DV, m->dembed, demb, tok, N, H, m->vocab_start, Vl);
     }
 }

@@ -27,6 +27,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dev.h"
 #include "ops.h"
 #include "shard.h"
 
@@ -34,24 +35,36 @@
 typedef enum { FP8_OFF = 0, FP8_DELAYED, FP8_CURRENT } fp8_mode;
 typedef struct fp8_state fp8_state;
 
+/* a layer's weights (the compute dtype) and their gradients (fp32) */
+typedef struct {
+    void *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
+} layer_params;
 typedef struct {
     float *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
-} layer_params;
+} layer_grads;
+
+/* Activation recomputation: what backward recomputes instead of keeping.
+ *   none:      every layer keeps all of the tensors below;
+ *   attention: a layer keeps x and the MLP's tensors; backward recomputes the
+ *              attention half (norm, q/k/v, RoPE, attention: xn1, q, k, v, att, lse,
+ *              rstd1) from x, into one shared set;
+ *   full:      a layer keeps only x; backward recomputes the whole layer. */
+typedef enum { RECOMPUTE_NONE = 0, RECOMPUTE_ATTENTION, RECOMPUTE_FULL } recompute_mode;
 
 typedef struct {
-    /* per layer, [N = B*T rows] */
-    float *x;        /* [N,H] residual stream entering the layer */
+    /* per layer, [N = B*T rows]; void *: the compute dtype, float *: fp32 */
+    void *x;         /* [N,H] residual stream entering the layer */
     float *rstd1;    /* [N] */
-    float *xn1;      /* [N,H] input_layernorm output */
-    float *q;        /* [N,nh*hd] after RoPE */
-    float *k, *v;    /* [N,nkv*hd] (k after RoPE) */
-    float *att;      /* [N,nh*hd] attention output */
+    void *xn1;       /* [N,H] input_layernorm output */
+    void *q;         /* [N,nh*hd] after RoPE */
+    void *k, *v;     /* [N,nkv*hd] (k after RoPE) */
+    void *att;       /* [N,nh*hd] attention output */
     float *lse;      /* [B,nh,T] */
-    float *xmid;     /* [N,H] residual after attention */
+    void *xmid;      /* [N,H] residual after attention */
     float *rstd2;    /* [N] */
-    float *xn2;      /* [N,H] */
-    float *gate, *up;/* [N,F] */
-    float *act;      /* [N,F] silu(gate) * up */
+    void *xn2;       /* [N,H] */
+    void *gate, *up; /* [N,F] */
+    void *act;       /* [N,F] silu(gate) * up */
 } layer_acts;
 
 /* The activations of one microbatch in flight (a pipeline stage keeps up to
@@ -59,7 +72,8 @@ typedef struct {
  * (acts, xL, ...) at one of them. */
 typedef struct {
     layer_acts *acts;        /* [L]; only the held layers' are allocated */
-    float *xL, *rstdf, *xnf, *logits, *rowmax, *sumexp, *losses;
+    void *xL, *xnf, *logits;
+    float *rstdf, *rowmax, *sumexp, *losses;
 } act_slot;
 
 typedef struct {
@@ -77,23 +91,35 @@ typedef struct {
     size_t *offset;          /* element offset of tensor i in params/grads */
     size_t *numel;
     size_t nparams;
-    float *params, *grads;   /* nparams each */
-    float *embed, *norm_final, *head;      /* head == embed when tied */
+    /* the backend (dev.h) that holds every tensor below and runs the ops */
+    dev *dev;
+    void *params;            /* [nparams] in dev->dt: the compute copy */
+    float *grads;            /* [nparams] fp32 */
+    float *hparams;          /* host fp32 copy for checkpoints (model_params_host) */
+    void *embed, *norm_final, *head;       /* head == embed when tied */
     float *dembed, *dnorm_final, *dhead;
-    layer_params *lw, *lg;   /* weights and their gradients, per layer */
-    float *inv_freq;         /* [hd/2] */
+    layer_params *lw;        /* weights, per layer */
+    layer_grads *lg;         /* their gradients */
+    float *inv_freq;         /* [hd/2], host */
+    float *inv_freq_d;       /* the same in the backend */
+    recompute_mode recompute; /* set before model_alloc_acts */
+    size_t act_bytes;        /* backend bytes of the activations and scratch */
+    layer_acts rc;           /* recompute: the shared set of the recomputed tensors */
     /* activations for a microbatch of B x T (allocated by model_alloc_acts), the
      * fields below pointing at slot `slot` of nslots */
     int B, T, nslots, slot;
     act_slot *slots;
     layer_acts *acts;
-    float *xL, *rstdf, *xnf; /* final residual, final norm */
-    float *logits;           /* [N,Vl] */
+    void *xL, *xnf;          /* final residual, final norm */
+    float *rstdf;
+    void *logits;            /* [N,Vl] */
     float *rowmax, *sumexp, *target_logit, *losses; /* [N] */
-    int32_t *pos;            /* [T] positions of this rank's tokens */
+    int32_t *pos;            /* [T] positions of this rank's tokens (host) */
+    int32_t *pos_d;          /* the same in the backend */
+    int32_t *tok_d, *tgt_d;  /* [N] the microbatch's tokens and targets in the backend */
     float *cos_t, *sin_t;    /* [T,hd] */
     /* backward scratch */
-    float *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
+    void *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
     /* FP8 (NULL when off) */
     fp8_state *fp8;
     /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed
@@ -112,7 +138,7 @@ typedef struct {
      * rows); backward swaps the two. The norm weight gradients are then partial
      * (this rank's tokens) and par_reduce_grads sums them over tp. */
     int sp;
-    float *sp_loc;           /* [N/tp, H]: a local slice between the collectives */
+    void *sp_loc;            /* [N/tp, H]: a local slice between the collectives */
     /* context parallelism: the cp group (NULL or cp_size 1 on one rank). Each
      * sequence of S = T * cp_size tokens is cut into 2 * cp_size chunks of T / 2; this
      * rank (cp_rank i) holds chunks i and 2 cp_size - 1 - i, in that order, as its T
@@ -121,13 +147,16 @@ typedef struct {
      * block's dK/dV travel with it and return to their owner at the end. */
     int cp_size, cp_rank;
     shard_comm *cp;
-    int32_t *cp_pos;         /* [cp_size * T]: the positions of every cp rank's tokens */
-    float *ring[2];          /* [4 * N * nkv * hd] each: K, V, dK, dV of a visiting block */
-    float *ring_out, *ring_lse; /* [N * nh * hd], [B * nh * T]: one block's partial attention */
+    int32_t *cp_pos;         /* [cp_size * T]: the positions of every cp rank's tokens (host) */
+    int32_t *cp_pos_d;       /* the same in the backend */
+    void *ring[2];           /* [4 * N * nkv * hd] each: K, V, dK, dV of a visiting block */
+    void *ring_out;          /* [N * nh * hd]: one block's partial attention */
+    float *ring_lse;         /* [B * nh * T] */
 } model;
 
-/* Allocate a model for description d (parameters uninitialised, gradients zero). */
-shard_status model_create(model *m, const shard_model_desc *d);
+/* Allocate a model for description d on backend dv (parameters uninitialised,
+ * gradients zero). dv outlives the model. */
+shard_status model_create(model *m, const shard_model_desc *d, dev *dv);
 void model_free(model *m);
 /* Make m the model of one tensor-parallel rank: tensor i becomes the box
  * pieces[i].box of the global tensor (shard_partition), and the local sizes follow
@@ -163,7 +192,16 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets);
  * than the last leaves its output in xL (and returns 0), and takes the gradient of
  * that output in dx before model_backward; after model_backward, dx holds the
  * gradient of the stage's input (to send to the stage before). */
-float *model_stage_input(model *m);
+void *model_stage_input(model *m);
+/* Host fp32 view of the parameters for checkpoint I/O: the parameters themselves on
+ * the C backend; on CUDA a host buffer, filled from the device by
+ * model_params_download and sent to it by model_params_upload. NULL on out of memory. */
+float *model_params_host(model *m);
+void model_params_download(model *m);
+void model_params_upload(model *m);
+/* Bytes of the parameters, gradients and activations (all slots and scratch),
+ * for the memory line smp-train prints at start */
+void model_memory(const model *m, size_t *params, size_t *grads, size_t *acts);
 /* Backward of the last forward: accumulates into grads. loss_scale multiplies
  * d(sum of per-token losses), e.g. 1 / (tokens in the optimizer step). */
 void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale);

@@ -17,6 +17,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "dev.h"
 #include "model.h"
 
 typedef struct {
@@ -30,22 +31,37 @@ typedef struct {
 typedef struct {
     optim_hparams h;
     size_t n;
-    float *m, *v;          /* Adam's moments, like model.params */
+    dev *dev;              /* the backend holding m, v and master */
+    float *m, *v;          /* Adam's moments [n] (this rank's blocks, packed in tensor order) */
+    float *master;         /* fp32 master weights [n] when the compute dtype is not fp32
+                              (bf16: the parameters are a bf16 copy), else NULL: the
+                              fp32 parameters are the master */
+    float *hm, *hv, *hmaster; /* host copies for checkpoints (optim_host) */
     int64_t t;             /* updates applied so far (AdamW's step count) */
 } optim;
 
-shard_status optim_create(optim *o, const optim_hparams *h, size_t nparams);
+/* n: this rank's optimizer elements (ZeRO-1 blocks). A master copy is made when
+ * d->dt is not fp32. */
+shard_status optim_create(optim *o, const optim_hparams *h, size_t nparams, dev *d);
+/* Host views of m, v and master for checkpoint I/O (the arrays themselves on the C
+ * backend): optim_download fills them from the backend, optim_upload sends them. */
+shard_status optim_host(optim *o);
+void optim_download(optim *o);
+void optim_upload(optim *o);
 void optim_free(optim *o);
 float optim_lr(const optim_hparams *h, int64_t step);
 /* Sum of squares of x in double, in a fixed order (the same bits for any thread
  * count, which a resumed run relies on). */
 double optim_sumsq(const float *x, size_t n);
-/* Clip the gradients given their global norm (see above); returns the factor. */
+/* The clipping factor for a global norm (1 when no clipping applies). */
+float optim_clip_coef(double norm, float clip);
+/* Clip host gradients given their global norm (see above); returns the factor. */
 float optim_clip(float *grads, size_t n, double norm, float clip);
 /* One AdamW update of every tensor of m with learning rate lr. */
 void optim_step(optim *o, model *m, float lr);
 /* The same on blocks: tensor i's elements [zoff[i], zoff[i] + zn[i]) of m->params and
- * m->grads, with Adam's moments packed in o->m, o->v in tensor order (ZeRO-1). */
+ * m->grads, with Adam's moments (and the master) packed in o->m, o->v in tensor
+ * order (ZeRO-1). */
 void optim_step_blocks(optim *o, model *m, float lr, const size_t *zoff, const size_t *zn);
 
 #endif

@@ -22,14 +22,35 @@ shard_status par_init_world(par_ctx *p, int mpi)
     return SHARD_OK;
 }
 
-void par_free(par_ctx *p)
+void par_release(par_ctx *p)
 {
     shard_comm_free(p->kvc);
     shard_comm_free(p->emb);
+    p->kvc = p->emb = NULL;
+    if (p->dg_owned) {
+        shard_groups_free(&p->dg);
+        shard_comm_free(p->dworld);
+    }
+    memset(&p->dg, 0, sizeof p->dg);
+    p->dworld = NULL;
+    p->dg_owned = 0;
+    if (p->dev) {
+        p->dev->ops->release(p->dev, p->send);
+        p->dev->ops->release(p->dev, p->recv);
+        p->dev->ops->release(p->dev, p->normbuf);
+    }
+    p->send = p->recv = NULL;
+    p->normbuf = NULL;
+    p->dev = NULL;
+}
+
+void par_free(par_ctx *p)
+{
+    par_release(p);
     shard_groups_free(&p->g);
     shard_comm_free(p->world);
     free(p->pp); free(p->op); free(p->rowsz); free(p->rows); free(p->blkrows); free(p->zoff); free(p->zn);
-    free(p->zbase); free(p->send); free(p->recv);
+    free(p->zbase);
     memset(p, 0, sizeof *p);
 }
 
@@ -39,6 +60,10 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     memcpy(p->stages, stages, (size_t)l->pp * sizeof *stages);
     shard_status s = shard_groups_create(p->world, l, &p->g);
     if (s) return s;
+    p->dev = m->dev;
+    if ((s = m->dev->ops->comm_for(m->dev, p->world, &p->dworld, &p->dg_owned))) return s;
+    if (!p->dg_owned) p->dg = p->g;
+    else if ((s = shard_groups_create(p->dworld, l, &p->dg))) return s;
     p->ndp = l->dp * l->cp;
     const size_t n = m->ntensors;
     p->pp = calloc(n, sizeof *p->pp);
@@ -58,8 +83,8 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
             return s;
     /* the model of this rank: its pieces only */
     if ((s = model_localize(m, p->pp, l->tp))) return s;
-    m->tp = p->g.tp;
-    model_set_cp(m, p->g.cp, l->cp, p->g.me.cp);
+    m->tp = p->dg.tp;
+    model_set_cp(m, p->dg.cp, l->cp, p->g.me.cp);
     p->stage = p->g.me.pp;
     p->nstages = l->pp;
     int l0 = 0;
@@ -69,13 +94,13 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     /* tied embeddings over stages: the first stage's table and the last stage's copy
      * get the sum of both gradients */
     if (l->pp > 1 && m->d.tie_word_embeddings &&
-        (s = shard_comm_split(p->g.pp, m->first || m->last ? 0 : 1, p->stage, &p->emb)))
+        (s = shard_comm_split(p->dg.pp, m->first || m->last ? 0 : 1, p->stage, &p->emb)))
         return s;
     /* kv heads fewer than tp: each is replicated on kv_rep consecutive tp ranks, whose
      * k/v weight gradients (each from its own query heads) are summed over kvc */
     p->kv_rep = m->d.kv_heads < l->tp ? l->tp / (int)m->d.kv_heads : 1;
     if (p->kv_rep > 1 &&
-        (s = shard_comm_split(p->g.tp, p->g.me.tp / p->kv_rep, p->g.me.tp % p->kv_rep, &p->kvc)))
+        (s = shard_comm_split(p->dg.tp, p->g.me.tp / p->kv_rep, p->g.me.tp % p->kv_rep, &p->kvc)))
         return s;
     p->zpad = p->zsum = 0;
     for (size_t i = 0; i < n; i++) {
@@ -107,8 +132,9 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
         p->zsum += p->zn[i];
     }
     if (p->ndp > 1) {
-        p->send = malloc((p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
-        p->recv = malloc((p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
+        dev *d = m->dev;
+        p->send = d->ops->alloc(d, (p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
+        p->recv = d->ops->alloc(d, (p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
         if (!p->send || !p->recv) return shard_fail(SHARD_E_NOMEM, "out of memory for the ZeRO-1 buffers");
     }
     return SHARD_OK;
@@ -142,7 +168,9 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const ch
         shard_status s = check_shape(c, &m->spec[i], group, k);
         if (s) return s;
         if (!p->pp[i].holds || !m->numel[i]) continue;
-        if ((s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, m->params + m->offset[i], SHARD_DT_F32))) return s;
+        float *host = model_params_host((model *)m);
+        if (!host) return shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
+        if ((s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, host + m->offset[i], SHARD_DT_F32))) return s;
     }
     return SHARD_OK;
 }
@@ -186,28 +214,33 @@ static shard_status sp_norm_grads(par_ctx *p, model *m)
     for (size_t i = 0; i < m->ntensors; i++)
         if (is_norm(&m->spec[i])) n += m->numel[i];
     if (!n) return SHARD_OK;
-    float *buf = malloc(n * sizeof(float));
-    if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory for the norm gradients");
+    dev *d = p->dev;
+    if (!p->normbuf) {
+        p->normbuf = d->ops->alloc(d, n * sizeof(float));
+        if (!p->normbuf) return dev_status(d);
+        p->normbuf_n = n;
+    }
+    float *buf = p->normbuf;
     size_t k = 0;
     for (size_t i = 0; i < m->ntensors; i++)
         if (is_norm(&m->spec[i])) {
-            memcpy(buf + k, m->grads + m->offset[i], m->numel[i] * sizeof(float));
+            d->ops->copy(d, buf + k, m->grads + m->offset[i], m->numel[i] * sizeof(float));
             k += m->numel[i];
         }
-    shard_status s = shard_comm_allreduce(p->g.tp, buf, n, SHARD_DT_F32, SHARD_OP_SUM);
+    shard_status s = shard_comm_allreduce(p->dg.tp, buf, n, SHARD_DT_F32, SHARD_OP_SUM);
     k = 0;
     for (size_t i = 0; !s && i < m->ntensors; i++)
         if (is_norm(&m->spec[i])) {
-            memcpy(m->grads + m->offset[i], buf + k, m->numel[i] * sizeof(float));
+            d->ops->copy(d, m->grads + m->offset[i], buf + k, m->numel[i] * sizeof(float));
             k += m->numel[i];
         }
-    free(buf);
     return s;
 }
 
 shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
 {
     shard_status s;
+    dev *d = p->dev;
     if (p->emb && (m->first || m->last))
         for (size_t i = 0; i < m->ntensors; i++)
             if (m->spec[i].role == SHARD_T_EMBED &&
@@ -222,26 +255,28 @@ shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
         }
     if (m->sp && m->tp_size > 1 && (s = sp_norm_grads(p, m))) return s;
     if (p->size == 1) { /* the single-rank trainer's norm, bit for bit */
-        *sumsq = optim_sumsq(m->grads, m->nparams);
-        return SHARD_OK;
+        *sumsq = d->ops->sumsq(d, m->grads, m->nparams);
+        return dev_status(d);
     }
     if (p->ndp > 1) {
+        float *send = p->send, *recv = p->recv;
         for (int r = 0; r < p->ndp; r++) {
-            float *dst = p->send + (size_t)r * p->zpad;
+            float *dst = send + (size_t)r * p->zpad;
             for (size_t i = 0; i < m->ntensors; i++) {
                 size_t off, n, pad = p->blkrows[i] * p->rowsz[i];
                 block_of(p, i, r, &off, &n);
-                memcpy(dst + p->zbase[i], m->grads + m->offset[i] + off, n * sizeof(float));
-                memset(dst + p->zbase[i] + n, 0, (pad - n) * sizeof(float));
+                d->ops->copy(d, dst + p->zbase[i], m->grads + m->offset[i] + off, n * sizeof(float));
+                if (pad > n) d->ops->zero(d, dst + p->zbase[i] + n, (pad - n) * sizeof(float));
             }
         }
-        if ((s = shard_comm_reduce_scatter(p->g.dpcp, p->send, p->recv, p->zpad, SHARD_DT_F32, SHARD_OP_SUM))) return s;
+        if ((s = shard_comm_reduce_scatter(p->dg.dpcp, send, recv, p->zpad, SHARD_DT_F32, SHARD_OP_SUM))) return s;
         for (size_t i = 0; i < m->ntensors; i++)
-            memcpy(m->grads + m->offset[i] + p->zoff[i], p->recv + p->zbase[i], p->zn[i] * sizeof(float));
+            d->ops->copy(d, m->grads + m->offset[i] + p->zoff[i], recv + p->zbase[i], p->zn[i] * sizeof(float));
     }
     double ss = 0.0;
     for (size_t i = 0; i < m->ntensors; i++)
-        if (p->op[i].writes && p->zn[i]) ss += optim_sumsq(m->grads + m->offset[i] + p->zoff[i], p->zn[i]);
+        if (p->op[i].writes && p->zn[i]) ss += d->ops->sumsq(d, m->grads + m->offset[i] + p->zoff[i], p->zn[i]);
+    if ((s = dev_status(d))) return s;
     if ((s = shard_comm_allreduce(p->world, &ss, 1, SHARD_DT_F64, SHARD_OP_SUM))) return s;
     *sumsq = ss;
     return SHARD_OK;
@@ -249,32 +284,44 @@ shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
 
 shard_status par_update(par_ctx *p, model *m, optim *o, double norm, float lr)
 {
+    dev *d = p->dev;
+    const float coef = optim_clip_coef(norm, o->h.clip);
     if (p->size == 1) {
-        optim_clip(m->grads, m->nparams, norm, o->h.clip);
+        if (coef < 1.0f) d->ops->scale(d, m->grads, coef, m->nparams);
         optim_step(o, m, lr);
-        return SHARD_OK;
+        return dev_status(d);
     }
     for (size_t i = 0; i < m->ntensors; i++)
-        if (p->zn[i]) optim_clip(m->grads + m->offset[i] + p->zoff[i], p->zn[i], norm, o->h.clip);
+        if (p->zn[i] && coef < 1.0f) d->ops->scale(d, m->grads + m->offset[i] + p->zoff[i], coef, p->zn[i]);
     optim_step_blocks(o, m, lr, p->zoff, p->zn);
-    if (p->ndp > 1) {
+    if (p->ndp > 1) { /* the updated blocks, in the compute dtype, to every replica */
         for (size_t i = 0; i < m->ntensors; i++) {
             size_t pad = p->blkrows[i] * p->rowsz[i];
-            memcpy(p->send + p->zbase[i], m->params + m->offset[i] + p->zoff[i], p->zn[i] * sizeof(float));
-            memset(p->send + p->zbase[i] + p->zn[i], 0, (pad - p->zn[i]) * sizeof(float));
+            d->ops->copy(d, dev_at(d, p->send, p->zbase[i]), dev_at(d, m->params, m->offset[i] + p->zoff[i]),
+                         p->zn[i] * d->es);
+            if (pad > p->zn[i]) d->ops->zero(d, dev_at(d, p->send, p->zbase[i] + p->zn[i]), (pad - p->zn[i]) * d->es);
         }
-        shard_status s = shard_comm_allgather(p->g.dpcp, p->send, p->recv, p->zpad, SHARD_DT_F32);
+        shard_status s = shard_comm_allgather(p->dg.dpcp, p->send, p->recv, p->zpad, d->dt);
         if (s) return s;
         for (int r = 0; r < p->ndp; r++) {
-            const float *src = p->recv + (size_t)r * p->zpad;
+            const void *src = dev_at(d, p->recv, (size_t)r * p->zpad);
             for (size_t i = 0; i < m->ntensors; i++) {
                 size_t off, n;
                 block_of(p, i, r, &off, &n);
-                memcpy(m->params + m->offset[i] + off, src + p->zbase[i], n * sizeof(float));
+                d->ops->copy(d, dev_at(d, m->params, m->offset[i] + off), dev_cat(d, src, p->zbase[i]), n * d->es);
             }
         }
     }
-    return SHARD_OK;
+    return dev_status(d);
+}
+
+void par_pack_blocks(const par_ctx *p, const model *m, const float *params, float *dst)
+{
+    size_t base = 0;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        memcpy(dst + base, params + m->offset[i] + p->zoff[i], p->zn[i] * sizeof(float));
+        base += p->zn[i];
+    }
 }
 
 void par_cp_select(const model *m, int rows, int32_t *in, int32_t *tg)
@@ -313,7 +360,7 @@ int par_any(par_ctx *p, int mine)
 static shard_status pp_recv_input(par_ctx *p, model *m, int mb)
 {
     model_use_slot(m, mb % p->nslots);
-    return shard_comm_recv(p->g.pp, model_stage_input(m), model_local_rows(m) * m->H, SHARD_DT_F32, p->stage - 1,
+    return shard_comm_recv(p->dg.pp, model_stage_input(m), model_local_rows(m) * m->H, m->dev->dt, p->stage - 1,
                            PP_TAG);
 }
 
@@ -324,7 +371,7 @@ static shard_status pp_fwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void 
     shard_status s = fill(ctx, mb, in, tg);
     if (s) return s;
     *lsum += model_forward(m, in, tg);
-    return m->comm_err;
+    return m->comm_err ? m->comm_err : dev_status(m->dev);
 }
 
 static shard_status pp_bwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
@@ -334,7 +381,7 @@ static shard_status pp_bwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void 
     shard_status s = fill(ctx, mb, in, tg);
     if (s) return s;
     model_backward(m, in, tg, loss_scale);
-    return m->comm_err;
+    return m->comm_err ? m->comm_err : dev_status(m->dev);
 }
 
 shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
@@ -348,40 +395,42 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
             *lsum += model_forward(m, in, tg);
             model_backward(m, in, tg, loss_scale);
             if (m->comm_err) return m->comm_err;
+            if ((s = dev_status(m->dev))) return s;
         }
         return SHARD_OK;
     }
     /* 1F1B (PipeDream-flush, as Megatron's non-interleaved schedule) */
     const int P = p->nstages, st = p->stage, first = st == 0, last = st == P - 1;
     const size_t n = model_local_rows(m) * m->H; /* sequence parallel: this rank's tokens */
-    shard_comm *c = p->g.pp;
+    shard_comm *c = p->dg.pp;
+    const shard_dtype adt = m->dev->dt; /* activations and their gradients */
     const int warm = P - st - 1 < M ? P - st - 1 : M, rem = M - warm;
     for (int i = 0; i < warm; i++) {
         if (!first && (s = pp_recv_input(p, m, i))) return s;
         if ((s = pp_fwd(p, m, i, fill, ctx, in, tg, lsum))) return s;
-        if (!last && (s = shard_comm_send(c, m->xL, n, SHARD_DT_F32, st + 1, PP_TAG))) return s;
+        if (!last && (s = shard_comm_send(c, m->xL, n, adt, st + 1, PP_TAG))) return s;
     }
     if (rem > 0 && !first && (s = pp_recv_input(p, m, warm))) return s;
     for (int i = 0; i < rem; i++) {
         const int f = warm + i;
         if ((s = pp_fwd(p, m, f, fill, ctx, in, tg, lsum))) return s;
         /* send this forward's output, receive the gradient of the oldest one's */
-        if (!last && (s = shard_comm_sendrecv(c, m->xL, st + 1, m->dx, st + 1, n, SHARD_DT_F32, PP_TAG))) return s;
+        if (!last && (s = shard_comm_sendrecv(c, m->xL, st + 1, m->dx, st + 1, n, adt, PP_TAG))) return s;
         if ((s = pp_bwd(p, m, i, fill, ctx, in, tg, loss_scale))) return s;
         if (first) continue;
         if (i == rem - 1) {
-            if ((s = shard_comm_send(c, m->dx, n, SHARD_DT_F32, st - 1, PP_TAG))) return s;
+            if ((s = shard_comm_send(c, m->dx, n, adt, st - 1, PP_TAG))) return s;
         } else {
             /* send the input gradient back, receive the next forward's input */
             model_use_slot(m, (f + 1) % p->nslots);
-            if ((s = shard_comm_sendrecv(c, m->dx, st - 1, model_stage_input(m), st - 1, n, SHARD_DT_F32, PP_TAG)))
+            if ((s = shard_comm_sendrecv(c, m->dx, st - 1, model_stage_input(m), st - 1, n, adt, PP_TAG)))
                 return s;
         }
     }
     for (int i = rem; i < M; i++) {
-        if (!last && (s = shard_comm_recv(c, m->dx, n, SHARD_DT_F32, st + 1, PP_TAG))) return s;
+        if (!last && (s = shard_comm_recv(c, m->dx, n, adt, st + 1, PP_TAG))) return s;
         if ((s = pp_bwd(p, m, i, fill, ctx, in, tg, loss_scale))) return s;
-        if (!first && (s = shard_comm_send(c, m->dx, n, SHARD_DT_F32, st - 1, PP_TAG))) return s;
+        if (!first && (s = shard_comm_send(c, m->dx, n, adt, st - 1, PP_TAG))) return s;
     }
     return SHARD_OK;
 }
@@ -392,11 +441,12 @@ shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t 
     const size_t n = model_local_rows(m) * m->H; /* sequence parallel: this rank's tokens */
     model_use_slot(m, 0);
     if (p->nstages > 1 && !m->first &&
-        (s = shard_comm_recv(p->g.pp, model_stage_input(m), n, SHARD_DT_F32, p->stage - 1, PP_TAG)))
+        (s = shard_comm_recv(p->dg.pp, model_stage_input(m), n, m->dev->dt, p->stage - 1, PP_TAG)))
         return s;
     *lsum = model_forward(m, in, tg);
     if (m->comm_err) return m->comm_err;
-    if (p->nstages > 1 && !m->last && (s = shard_comm_send(p->g.pp, m->xL, n, SHARD_DT_F32, p->stage + 1, PP_TAG)))
+    if ((s = dev_status(m->dev))) return s;
+    if (p->nstages > 1 && !m->last && (s = shard_comm_send(p->dg.pp, m->xL, n, m->dev->dt, p->stage + 1, PP_TAG)))
         return s;
     return SHARD_OK;
 }

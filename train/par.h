@@ -72,11 +72,17 @@ typedef struct {
     int rank, size;          /* in the world */
     shard_layout l;
     int stages[SHARD_MAX_PP];
-    shard_comm *world;
-    shard_groups g;
+    shard_comm *world;       /* MPI (or self): host values (losses, norms, flags) */
+    shard_groups g;          /* its layout groups */
+    /* the groups that move tensors in the backend's memory: g itself on the C
+     * backend, NCCL communicators over the same ranks on CUDA (dev comm_for) */
+    shard_comm *dworld;
+    shard_groups dg;
+    int dg_owned;            /* 1: dworld and dg are NCCL communicators of their own */
+    dev *dev;
     int ndp;                 /* dp * cp: the ZeRO-1 group's size */
     int kv_rep;              /* tp ranks sharing one kv head (1 when kv heads >= tp) */
-    shard_comm *kvc;         /* those ranks (a split of tp; NULL when kv_rep is 1) */
+    shard_comm *kvc;         /* those ranks (a split of dg.tp; NULL when kv_rep is 1) */
     int stage, nstages;      /* pipeline: this rank's stage (its rank in g.pp) of pp */
     int nslots;              /* activation slots: min(microbatches, pp - stage) */
     shard_comm *emb;         /* tied embeddings with pp > 1: the first and last stage */
@@ -90,7 +96,9 @@ typedef struct {
     size_t *zbase;           /* offset of tensor i's block in a packed block of zpad elements */
     size_t zpad;             /* sum over tensors of blkrows * rowsz */
     size_t zsum;             /* sum of zn: the optimizer state's length on this rank */
-    float *send, *recv;      /* packing buffers: ndp * zpad and zpad (or the other way) */
+    void *send, *recv;       /* backend packing buffers: ndp * zpad and zpad fp32 (or the other way) */
+    float *normbuf;          /* backend: the norm gradients packed (sequence parallelism) */
+    size_t normbuf_n;
 } par_ctx;
 
 /* 1 when the environment says mpirun started this process. */
@@ -98,16 +106,21 @@ int par_launched_by_mpirun(void);
 /* World communicator (MPI when mpi, else self). */
 shard_status par_init_world(par_ctx *p, int mpi);
 /* Groups of layout l (whose size must be the world's), the per-tensor tables of
- * model m (created with the global description), and m made this rank's model
- * (model_localize: its shard_partition pieces only; m->tp the tp group). */
+ * model m (created with the global description on its backend), and m made this
+ * rank's model (model_localize: its shard_partition pieces only; m->tp the tp
+ * group of dg). */
 shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int micro, model *m);
+/* What par_setup made in the backend (buffers, the NCCL groups): before the
+ * backend closes. par_free calls it too. */
+void par_release(par_ctx *p);
 void par_free(par_ctx *p);
 
-/* Read group ("params" or "optim/master") into m->params: every tensor's piece
- * (*present 0 when the group holds none of the tensors). */
+/* Read group ("params" or "optim/master") into model_params_host(m): every
+ * tensor's piece (*present 0 when the group holds none of the tensors); the caller
+ * then sends them to the backend (model_params_upload). */
 shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const char *group, int *present);
-/* Read this rank's optimizer blocks of group ("optim/exp_avg", "optim/exp_avg_sq")
- * into dst[zsum] (packed in tensor order). */
+/* Read this rank's optimizer blocks of group ("optim/exp_avg", "optim/exp_avg_sq",
+ * "optim/master") into host dst[zsum] (packed in tensor order). */
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
 
 /* After the backward passes: sum the k/v weight gradients over the tp ranks that
@@ -117,6 +130,9 @@ shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const cha
 shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq);
 /* Clip this rank's blocks by the global norm, AdamW them, all-gather the blocks. */
 shard_status par_update(par_ctx *p, model *m, optim *o, double norm, float lr);
+/* Pack this rank's optimizer blocks of the host parameters (model_params_host) into
+ * dst[zsum]: the fp32 master of a bf16 run that starts from parameters alone. */
+void par_pack_blocks(const par_ctx *p, const model *m, const float *params, float *dst);
 /* The data of microbatch mb of the step: inputs and targets [B*T]. */
 typedef shard_status (*par_fill_fn)(void *ctx, int mb, int32_t *in, int32_t *tg);
 /* The forward and backward passes of one optimizer step over M microbatches

@@ -56,14 +56,17 @@ int main(int argc, char **argv)
     }
     model m;
     memset(&m, 0, sizeof m);
+    dev D;
+    memset(&D, 0, sizeof D);
     shard_ckpt *ck = NULL;
     data_set ds;
     memset(&ds, 0, sizeof ds);
     int32_t *in = NULL, *tg = NULL;
     int rc = 0, have = 0;
 #define OUT(code) do { rc = (code); goto done; } while (0)
-    shard_status s = ckptio_open_model(ckpt, &ck, &m);
+    shard_status s = dev_open(&D, "cpu", SHARD_DT_F32, 0);
     if (s) OUT(cli_fail(s));
+    if ((s = ckptio_open_model(ckpt, &ck, &m, &D))) OUT(cli_fail(s));
     if ((s = ckptio_read_group(ck, &m, "params", m.params, &have))) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
@@ -94,6 +97,7 @@ done:
     free(tg);
     data_close(&ds);
     model_free(&m);
+    dev_close(&D);
     shard_ckpt_close(ck);
     return rc;
 }

@@ -1,5 +1,6 @@
-/* smp-train: train a Llama/Mistral model from an SMP checkpoint (one rank, C backend,
- * fp32 compute). See HELP below and DESIGN.md's command section for the contract. */
+/* smp-train: train a Llama/Mistral model from an SMP checkpoint, on one rank or many
+ * (mpirun), on the C backend or the CUDA one (dev.h). See HELP below and DESIGN.md's
+ * command section for the contract. */
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -26,7 +27,7 @@
 static const char HELP[] =
     "usage: smp-train --ckpt CKPT|RUN_DIR --data TOKENS --save-dir RUN_DIR [options]\n"
     "\n"
-    "Train a Llama/Mistral model from an SMP checkpoint (one rank, C backend, fp32).\n"
+    "Train a Llama/Mistral model from an SMP checkpoint, on CPUs (C backend) or GPUs.\n"
     "A run folder's `latest` names its newest checkpoint; a checkpoint with a training\n"
     "state resumes that run bit for bit (its settings are the defaults; flags given\n"
     "here override them).\n"
@@ -61,7 +62,15 @@ static const char HELP[] =
     "  --fp8 off|delayed|current FP8 recipe of the blocks' linear layers (default off)\n"
     "  --fp8-history N           delayed scaling: amax history length (default 1024)\n"
     "  --fp8-margin M            scale = fp8_max / amax / 2^M (default 0)\n"
-    "  --backend cpu             (cuda comes with the CUDA backend)\n"
+    "  --backend cpu|cuda        where the model runs (default cpu): cuda = one GPU per rank\n"
+    "                            (the local rank's), collectives over NCCL; loads\n"
+    "                            libshard's libsmp_cuda.so (SMP_CUDA_LIB overrides the path)\n"
+    "  --dtype fp32|bf16         compute dtype (default: fp32 on cpu, bf16 on cuda): bf16\n"
+    "                            keeps parameters and activations in bf16 and the fp32\n"
+    "                            master weights in the (ZeRO-1 sharded) optimizer state\n"
+    "  --recompute none|attention|full  activation recomputation (default none): attention\n"
+    "                            recomputes each layer's attention half in backward, full\n"
+    "                            the whole layer from its input (memory printed at start)\n"
     "  --save-every N            checkpoint every N steps (and always at the end)\n"
     "  --keep K                  keep the newest K checkpoints (default 0: all)\n"
     "  --compress none|zstd|zstd:N  shard file compression (default zstd, level 3)\n"
@@ -91,14 +100,14 @@ enum {
     O_CKPT, O_DATA, O_VAL_DATA, O_VAL_EVERY, O_VAL_BATCHES, O_SAVE_DIR, O_LAYOUT, O_STEPS, O_BATCH, O_MICRO, O_SEQ,
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
-    O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_COUNT
+    O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_COUNT
 };
 static const char *OPT_NAMES[O_COUNT] = {
     "--ckpt", "--data", "--val-data", "--val-every", "--val-batches", "--save-dir", "--layout", "--steps", "--batch",
     "--microbatches", "--seq", "--lr", "--warmup", "--lr-min", "--schedule", "--seed", "--clip", "--weight-decay",
     "--beta1", "--beta2", "--eps", "--max-bad", "--fp8", "--fp8-history", "--fp8-margin", "--backend",
     "--save-every", "--keep", "--compress", "--log", "--stop-at", "--dump-grads", "--inject-nan",
-    "--inject-fail", "--stages"};
+    "--inject-fail", "--stages", "--dtype", "--recompute"};
 
 typedef struct {
     const char *v[O_COUNT];
@@ -309,8 +318,16 @@ static shard_status dump_grads(const char *dir, const model *m, double loss)
     s = shard_st_writer_metadata(w, "loss", lbuf);
     for (size_t i = 0; i < m->ntensors && !s; i++)
         s = shard_st_writer_declare(w, m->spec[i].name, SHARD_DT_F32, m->spec[i].ndim, m->spec[i].shape);
+    float *g = m->grads, *host = NULL;
+    if (!s && m->dev->cuda) { /* to the host first */
+        host = malloc((m->nparams ? m->nparams : 1) * sizeof(float));
+        if (!host) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else m->dev->ops->download(m->dev, host, m->grads, m->nparams * sizeof(float));
+        g = host;
+    }
     for (size_t i = 0; i < m->ntensors && !s; i++)
-        s = shard_st_writer_write(w, m->grads + m->offset[i], m->numel[i] * sizeof(float));
+        s = shard_st_writer_write(w, g + m->offset[i], m->numel[i] * sizeof(float));
+    free(host);
     if (s) {
         shard_st_writer_abort(w);
         return s;
@@ -394,11 +411,24 @@ static int train_main(int argc, char **argv, par_ctx *P)
     }
     if (P->size > 1 && o.v[O_DUMP_GRADS]) return cli_usage("--dump-grads runs on one rank");
     const int me0 = P->rank == 0;
-    if (o.v[O_BACKEND] && strcmp(o.v[O_BACKEND], "cpu")) {
-        if (!strcmp(o.v[O_BACKEND], "cuda"))
-            return cli_usage("--backend cuda: the CUDA training backend comes with its own issue; this build trains on "
-                             "the C backend (--backend cpu)");
-        return cli_usage("--backend must be cpu or cuda, got \"%s\"", o.v[O_BACKEND]);
+    const char *backend = o.v[O_BACKEND] ? o.v[O_BACKEND] : "cpu";
+    if (strcmp(backend, "cpu") && strcmp(backend, "cuda"))
+        return cli_usage("--backend must be cpu or cuda, got \"%s\"", backend);
+    const int on_cuda = !strcmp(backend, "cuda");
+    shard_dtype cdt = on_cuda ? SHARD_DT_BF16 : SHARD_DT_F32;
+    if (o.v[O_DTYPE]) {
+        if (!strcmp(o.v[O_DTYPE], "fp32")) cdt = SHARD_DT_F32;
+        else if (!strcmp(o.v[O_DTYPE], "bf16")) cdt = SHARD_DT_BF16;
+        else return cli_usage("--dtype must be fp32 or bf16, got \"%s\"", o.v[O_DTYPE]);
+        if (cdt == SHARD_DT_BF16 && !on_cuda)
+            return cli_usage("--dtype bf16 needs --backend cuda (the C backend computes in fp32)");
+    }
+    recompute_mode rcm = RECOMPUTE_NONE;
+    if (o.v[O_RECOMPUTE]) {
+        if (!strcmp(o.v[O_RECOMPUTE], "none")) rcm = RECOMPUTE_NONE;
+        else if (!strcmp(o.v[O_RECOMPUTE], "attention")) rcm = RECOMPUTE_ATTENTION;
+        else if (!strcmp(o.v[O_RECOMPUTE], "full")) rcm = RECOMPUTE_FULL;
+        else return cli_usage("--recompute must be none, attention or full, got \"%s\"", o.v[O_RECOMPUTE]);
     }
     if (o.v[O_SCHEDULE] && strcmp(o.v[O_SCHEDULE], "cosine") && strcmp(o.v[O_SCHEDULE], "constant"))
         return cli_usage("--schedule must be cosine or constant");
@@ -412,6 +442,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
     int ninject = 0, rc, exit_code = 0;
     model m;
     memset(&m, 0, sizeof m);
+    dev D;
+    memset(&D, 0, sizeof D);
     shard_ckpt *ck = NULL;
     shard_dtype *pdt = NULL;
     optim opt;
@@ -429,8 +461,10 @@ static int train_main(int argc, char **argv, par_ctx *P)
         OUT(cli_usage("--inject-fail takes RANK:STEP (STEP >= 1)"));
 
     /* the model and, when the checkpoint has one, the run it continues */
-    shard_status s = ckptio_open_model(o.v[O_CKPT], &ck, &m);
+    shard_status s = dev_open(&D, backend, cdt, on_cuda ? shard_comm_local_rank() : 0);
     if (s) OUT(cli_fail(s));
+    if ((s = ckptio_open_model(o.v[O_CKPT], &ck, &m, &D))) OUT(cli_fail(s));
+    m.recompute = rcm;
     if ((s = shard_layout_check(&lay, &m.d))) OUT(cli_usage("--layout: %s", shard_errmsg()));
     run_cfg c = {.batch = 8, .micro = 1, .seq = 256, .lr = 3e-4f, .cosine = 1, .clip = 1.0f, .wd = 0.1f, .beta1 = 0.9f,
                  .beta2 = 0.95f, .eps = 1e-8f, .max_bad = 5, .fp8 = FP8_OFF, .fp8_hist = 1024, .val_batches = 8};
@@ -507,14 +541,18 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if ((s = par_read_params(P, ck, &m, "optim/master", &have_master))) OUT(cli_fail(s));
     if (!have_master && (s = par_read_params(P, ck, &m, "params", &have_p))) OUT(cli_fail(s));
     if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
+    model_params_upload(&m);
     pdt = calloc(m.ntensors, sizeof *pdt);
     if (!pdt) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
     ckptio_param_dtypes(ck, &m, pdt);
     optim_hparams h = {c.lr, c.lr_min, c.warmup, c.steps, c.cosine, c.beta1, c.beta2, c.eps, c.wd, c.clip};
-    if ((s = optim_create(&opt, &h, P->zsum))) OUT(cli_fail(s));
-    if ((s = par_read_optim(P, ck, &m, "optim/exp_avg", opt.m, &have_m)) ||
-        (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.v, &have_v)))
+    if ((s = optim_create(&opt, &h, P->zsum, &D)) || (s = optim_host(&opt))) OUT(cli_fail(s));
+    if ((s = par_read_optim(P, ck, &m, "optim/exp_avg", opt.hm, &have_m)) ||
+        (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.hv, &have_v)))
         OUT(cli_fail(s));
+    if (opt.hmaster) par_pack_blocks(P, &m, model_params_host(&m), opt.hmaster); /* bf16: the fp32 master */
+    optim_upload(&opt);
+    if ((s = dev_status(&D))) OUT(cli_fail(s));
     if (resumed && c.opt_step > 0 && !(have_master && have_m && have_v))
         OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: the training state is at optimizer step %lld but the optimizer "
                                                  "state (optim/master, exp_avg, exp_avg_sq) is missing",
@@ -526,7 +564,17 @@ static int train_main(int argc, char **argv, par_ctx *P)
         if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
     }
     m.sp = seqpar;
+    if (on_cuda && c.fp8 != FP8_OFF) { /* Hopper's FP8 GEMMs take dimensions that are multiples of 16 */
+        const long long dims[5] = {(long long)Bm * (S / lay.cp), m.H, m.F, (long long)m.nh * m.hd, (long long)m.nkv * m.hd};
+        for (int k = 0; k < 5; k++)
+            if (dims[k] % 16)
+                OUT(cli_usage("--fp8 on cuda: the FP8 GEMMs need every dimension (tokens per microbatch %lld, hidden "
+                              "%lld, intermediate %lld, local q %lld and kv %lld widths) to be a multiple of 16",
+                              dims[0], dims[1], dims[2], dims[3], dims[4]));
+    }
     if ((s = model_alloc_slots(&m, Bm, S / lay.cp, P->nslots))) OUT(cli_fail(s));
+    if (m.fp8) D.ops->fp8_scales_changed(&D, m.fp8);
+    if ((s = dev_status(&D))) OUT(cli_fail(s));
 
     if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
     data_set_order(&ds, c.shuffle, c.seed);
@@ -553,6 +601,16 @@ static int train_main(int argc, char **argv, par_ctx *P)
                 shard_ckpt_dir(ck), cli_count(cbuf, shard_model_param_count(&m.d)), (long long)c.step, (long long)c.steps, (long long)c.batch,
                 (long long)c.seq, (long long)c.micro, c.shuffle ? "shuffled" : "sequential",
                 c.fp8 ? (c.fp8 == FP8_DELAYED ? ", fp8 delayed" : ", fp8 current") : "");
+    if (!o.v[O_DUMP_GRADS] && me0) {
+        size_t bp, bg, ba, bo = 3 * P->zsum * sizeof(float) - (opt.master ? 0 : P->zsum * sizeof(float));
+        model_memory(&m, &bp, &bg, &ba);
+        const char *rn[] = {"none", "attention", "full"};
+        fprintf(stderr, "smp-train: backend %s (%s), %s compute; memory: %.1f MiB per rank (params %.1f, grads %.1f, "
+                        "optimizer %.1f, activations %.1f MiB with --recompute %s)\n",
+                backend, D.ops->describe(&D), cdt == SHARD_DT_BF16 ? "bf16" : "fp32",
+                (double)(bp + bg + bo + ba) / 1048576.0, (double)bp / 1048576.0, (double)bg / 1048576.0,
+                (double)bo / 1048576.0, (double)ba / 1048576.0, rn[rcm]);
+    }
     if (!o.v[O_DUMP_GRADS] && me0 && seqpar && lay.tp > 1)
         fprintf(stderr, "smp-train: sequence parallel over tp = %d: %d of a microbatch's %lld tokens per rank\n", lay.tp,
                 (int)((int64_t)Bm * (S / lay.cp) / lay.tp), (long long)Bm * (S / lay.cp));
@@ -571,7 +629,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
     while ((c.step < c.steps && !(c.stop_at && c.step >= c.stop_at)) || o.v[O_DUMP_GRADS]) {
         const double t0 = now_seconds();
         model_zero_grads(&m);
-        shard_comm *kinds[7] = {P->g.tp, P->g.cp, P->g.pp, P->g.dp, P->g.dpcp, P->kvc, P->emb};
+        shard_comm *kinds[7] = {P->dg.tp, P->dg.cp, P->dg.pp, P->dg.dp, P->dg.dpcp, P->kvc, P->emb};
         for (int k = 0; k < 7; k++)
             if (kinds[k]) shard_comm_reset_bytes(kinds[k]);
         double lsum = 0.0;
@@ -599,6 +657,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
         const int bad = !isfinite(loss) || !isfinite(norm);
         /* delayed scaling: every rank's amaxes of the step (the activations and
          * gradients of its sequences) reduced to the max over all, as one rank sees */
+        if (m.fp8) D.ops->fp8_collect(&D, m.fp8); /* the device's amaxes of the step, into step_amax */
         if (m.fp8 && P->size > 1 &&
             (s = shard_comm_allreduce(P->world, m.fp8->step_amax, (size_t)m.fp8->nlin * FP8_ROLES, SHARD_DT_F32,
                                       SHARD_OP_MAX)))
@@ -608,14 +667,20 @@ static int train_main(int argc, char **argv, par_ctx *P)
         c.tokens += (uint64_t)c.batch * (uint64_t)c.seq;
         if (bad) {
             bad_run++;
-            if (m.fp8) fp8_step_end(m.fp8, 1);
+            if (m.fp8) {
+                fp8_step_end(m.fp8, 1);
+                D.ops->fp8_scales_changed(&D, m.fp8);
+            }
             if (me0) fprintf(stderr, "%ssmp-train: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped (%lld in a row)\n",
                     tty ? "\r\033[K" : "", (long long)c.step, loss, norm, (long long)bad_run);
         } else {
             bad_run = 0;
             if ((s = par_update(P, &m, &opt, norm, lr))) OUT(cli_fail(s));
             c.opt_step = opt.t;
-            if (m.fp8) fp8_step_end(m.fp8, 0);
+            if (m.fp8) {
+                fp8_step_end(m.fp8, 0);
+                D.ops->fp8_scales_changed(&D, m.fp8);
+            }
         }
         const double t1 = now_seconds(), dt = t1 - t0;
         const double tps = (double)c.batch * c.seq / (dt > 0 ? dt : 1e-9);
@@ -633,6 +698,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
             if (m.fp8) m.fp8->frozen = 1; /* validation leaves the FP8 history alone */
             if (nb > 0 && lay.pp == 1 && lay.cp == 1) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
             if (m.comm_err) OUT(cli_fail(m.comm_err));
+            if ((s = dev_status(&D))) OUT(cli_fail(s));
             if (nb > 0 && (lay.pp > 1 || lay.cp > 1)) {
                 /* through the pipeline (the sum from the last stage), each cp rank on its tokens */
                 double vsum = 0.0, one;
@@ -694,6 +760,9 @@ static int train_main(int argc, char **argv, par_ctx *P)
             char *tj = state_json(&c, &ds, m.fp8, c.elapsed_before + (now_seconds() - t_start));
             if (!tj) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
             ckptio_save_args sa_ = {o.v[O_SAVE_DIR], c.step, shard_ckpt_config_json(ck), cfg_len, ck, pdt, comp, tj};
+            model_params_download(&m); /* the host copies that the checkpoint writes (CUDA) */
+            optim_download(&opt);
+            if ((s = dev_status(&D))) OUT(cli_fail(s));
             s = P->size > 1 ? ckptio_save_par(&sa_, &m, &opt, P) : ckptio_save(&sa_, &m, &opt);
             free(tj);
             if (s) {
@@ -724,6 +793,8 @@ done:
     data_close(&vs);
     optim_free(&opt);
     model_free(&m);
+    par_release(P);
+    dev_close(&D);
     shard_ckpt_close(ck);
     return exit_code;
 }

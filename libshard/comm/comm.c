@@ -157,3 +157,14 @@ void shard_groups_free(shard_groups *g)
     shard_comm_free(g->tp); shard_comm_free(g->cp); shard_comm_free(g->dp); shard_comm_free(g->dpcp); shard_comm_free(g->pp);
     memset(g, 0, sizeof *g);
 }
+
+/* the launcher's word for this process's rank on its host (one GPU each) */
+int shard_comm_local_rank(void)
+{
+    static const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK", NULL};
+    for (int i = 0; vars[i]; i++) {
+        const char *v = getenv(vars[i]);
+        if (v && *v) return atoi(v);
+    }
+    return 0;
+}

@@ -227,13 +227,3 @@ shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out
     if (r != ncclSuccess) return shard_fail(SHARD_E_IO, "NCCL initialization failed on rank %d: %s", shard_comm_rank(bootstrap), ncclGetErrorString(r));
     return wrap(comm, device, out);
 }
-
-int shard_comm_local_rank(void)
-{
-    static const char *vars[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID", "LOCAL_RANK", NULL};
-    for (int i = 0; vars[i]; i++) {
-        const char *v = getenv(vars[i]);
-        if (v && *v) return atoi(v);
-    }
-    return 0;
-}
