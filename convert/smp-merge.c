@@ -14,12 +14,16 @@
 
 static const char HELP[] =
     "usage: smp-merge --in CKPT --out HF_DIR [--dtype keep|bf16|fp16|fp32] [--max-shard-size 5GB]\n"
+    "                 [--no-fsync]\n"
     "\n"
     "Merge a checkpoint (any layout) into a Hugging Face model folder: config.json as it was\n"
     "given to hf2smp, the weights as safetensors (split into files of at most\n"
     "--max-shard-size, with model.safetensors.index.json, when larger), and the model\n"
     "folder's other files (tokenizer, generation config, ...). The folder appears only\n"
-    "when whole. Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
+    "when whole (written under a temporary name, every file and the folder fsynced, then\n"
+    "renamed). --no-fsync skips the fsyncs: the folder still appears only when whole, but\n"
+    "is not yet safe from a power loss or an OS crash (scratch disks, a later `sync`).\n"
+    "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
 
 static int parse_size(const char *s, uint64_t *out)
 {
@@ -39,12 +43,12 @@ static int parse_size(const char *s, uint64_t *out)
     return 0;
 }
 
-static shard_status write_file(const char *path, const char *data, size_t len)
+static shard_status write_file(const char *path, const char *data, size_t len, const shard_write_opts *o)
 {
     FILE *f = fopen(path, "wb");
     if (!f) return shard_fail(SHARD_E_IO, "%s: cannot create: %s", path, strerror(errno));
     int bad = fwrite(data, 1, len, f) != len;
-    bad |= fflush(f) != 0 || fsync(fileno(f)) != 0;
+    bad |= fflush(f) != 0 || (!o->no_fsync && fsync(fileno(f)) != 0);
     bad |= fclose(f) != 0;
     return bad ? shard_fail(SHARD_E_IO, "%s: write failed", path) : SHARD_OK;
 }
@@ -54,8 +58,10 @@ int main(int argc, char **argv)
     cli_init("smp-merge");
     if (cli_std_flags(argc, argv, HELP)) return 0;
     const char *in = NULL, *out = NULL, *dtype = "keep", *maxs = "5GB";
+    shard_write_opts wo = {0};
     for (int i = 1; i < argc; i++) {
         const char **slot = NULL;
+        if (!strcmp(argv[i], "--no-fsync")) { wo.no_fsync = 1; continue; }
         if (!strcmp(argv[i], "--in")) slot = &in;
         else if (!strcmp(argv[i], "--out")) slot = &out;
         else if (!strcmp(argv[i], "--dtype")) slot = &dtype;
@@ -115,7 +121,7 @@ int main(int argc, char **argv)
         else snprintf(fname, sizeof fname, "model-%05d-of-%05d.safetensors", f + 1, nfiles);
         snprintf(path, sizeof path, "%s/%s", stage, fname);
         shard_st_writer *w;
-        if ((s = shard_st_writer_create(path, &w))) break;
+        if ((s = shard_st_writer_create_opts(path, &wo, &w))) break;
         s = shard_st_writer_metadata(w, "format", "pt");
         for (size_t i = 0; i < nt && !s; i++) {
             if (file_of[i] != f) continue;
@@ -158,13 +164,13 @@ int main(int argc, char **argv)
         }
         k += (size_t)snprintf(j + k, cap2 - k, "  }\n}\n");
         snprintf(path, sizeof path, "%s/model.safetensors.index.json", stage);
-        s = write_file(path, j, k);
+        s = write_file(path, j, k, &wo);
         free(j);
     }
     if (!s) {
         const char *cfg = shard_ckpt_config_json(c);
         snprintf(path, sizeof path, "%s/config.json", stage);
-        s = write_file(path, cfg, strlen(cfg));
+        s = write_file(path, cfg, strlen(cfg), &wo);
     }
     for (size_t i = 0; i < shard_ckpt_extra_count(c) && !s; i++) {
         const char *n = shard_ckpt_extra_at(c, i);
@@ -172,9 +178,12 @@ int main(int argc, char **argv)
         snprintf(src, sizeof src, "%s/extra/%s", in, n);
         snprintf(path, sizeof path, "%s/%s", stage, n);
         struct stat est;
-        s = stat(src, &est) != 0 ? shard_fail(SHARD_E_CORRUPT, "%s: missing", src) : shard_copy_file(src, path);
+        s = stat(src, &est) != 0 ? shard_fail(SHARD_E_CORRUPT, "%s: missing", src) : shard_copy_file(src, path, &wo);
     }
+    /* durable: the folder's entries before the rename, the rename itself after */
+    if (!s && !wo.no_fsync) s = shard_fsync_dir(stage);
     if (!s && rename(stage, out) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", out, strerror(errno));
+    else if (!s && !wo.no_fsync) s = shard_fsync_dir_of(out); /* failing, it leaves a whole folder, its rename not durable */
     if (s) shard_remove_tree(stage);
     free(stage); free(file_of); free(idx); free(dts);
     shard_ckpt_close(c);

@@ -14,24 +14,29 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 void shard_h5_init(void);
-shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
 json_t *shard_model_to_json(const shard_model_desc *d);
 
 struct shard_ckpt_writer {
     char *final_dir, *staging;
     json_t *extras; /* array of relative names */
+    shard_write_opts opts;
 };
 
 const char *shard_ckpt_staging(const shard_ckpt_writer *w) { return w->staging; }
 
 shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out)
 {
+    return shard_ckpt_begin_opts(final_dir, NULL, out);
+}
+
+shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts *o, shard_ckpt_writer **out)
+{
     *out = NULL;
     shard_ckpt_writer *w = calloc(1, sizeof *w);
     if (!w) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (o) w->opts = *o;
     w->final_dir = strdup(final_dir);
     size_t n = strlen(final_dir);
     while (n > 1 && final_dir[n - 1] == '/') n--;
@@ -55,7 +60,7 @@ shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out)
     return SHARD_OK;
 }
 
-shard_status shard_copy_file(const char *src, const char *dst)
+shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *opts)
 {
     int in = open(src, O_RDONLY | O_CLOEXEC);
     if (in < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", src, strerror(errno));
@@ -76,7 +81,7 @@ shard_status shard_copy_file(const char *src, const char *dst)
         }
     }
 done:
-    if (!s && fsync(o) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", dst, strerror(errno));
+    if (!s && !(opts && opts->no_fsync) && fsync(o) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", dst, strerror(errno));
     close(in);
     close(o);
     return s;
@@ -89,7 +94,7 @@ shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, co
     mkdir(dir, 0755);
     char *dst = shard_path_join(dir, rel);
     free(dir);
-    shard_status s = shard_copy_file(src_path, dst);
+    shard_status s = shard_copy_file(src_path, dst, &w->opts);
     free(dst);
     if (!s) json_array_append_new(w->extras, json_string(rel));
     return s;
@@ -208,7 +213,9 @@ static void *hash_worker(void *arg)
         if (i >= j->n) break;
         char *p = shard_path_join(j->dir, j->names[i]);
         hash_result *r = &j->out[i];
-        r->s = p ? shard_file_xxh64(p, &r->hash, &r->bytes) : shard_fail(SHARD_E_NOMEM, "out of memory");
+        /* the writer's note when it still describes the file, else read the file */
+        if (!p) r->s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else if (!shard_file_hash_noted(p, &r->hash, &r->bytes)) r->s = shard_file_xxh64(p, &r->hash, &r->bytes);
         if (r->s) snprintf(r->msg, sizeof r->msg, "%s", shard_errmsg()); /* messages are per thread */
         free(p);
     }
@@ -217,8 +224,9 @@ static void *hash_worker(void *arg)
 
 static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-static shard_status fsync_path(const char *p, int dir)
+static shard_status fsync_path(const shard_ckpt_writer *w, const char *p, int dir)
 {
+    if (w->opts.no_fsync) return SHARD_OK;
     int fd = open(p, O_RDONLY | O_CLOEXEC | (dir ? O_DIRECTORY : 0));
     shard_status s = SHARD_OK;
     if (fd < 0 || fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", p, strerror(errno));
@@ -337,14 +345,14 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     char *mp = shard_path_join(w->staging, "smp.json");
     if (json_dump_file(m, mp, JSON_INDENT(1) | JSON_REAL_PRECISION(17)) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot write the manifest", mp);
     json_decref(m);
-    if (!s) s = fsync_path(mp, 0);
+    if (!s) s = fsync_path(w, mp, 0);
     free(mp);
     if (!s) {
         char *ex = shard_path_join(w->staging, "extra");
-        if (stat(ex, &st) == 0) s = fsync_path(ex, 1);
+        if (stat(ex, &st) == 0) s = fsync_path(w, ex, 1);
         free(ex);
     }
-    if (!s) s = fsync_path(w->staging, 1);
+    if (!s) s = fsync_path(w, w->staging, 1);
     char *old = NULL;
     if (!s && overwrite && stat(w->final_dir, &st) == 0) {
         /* replace: move the old one aside first, so a crash leaves one of the two whole */
@@ -355,7 +363,7 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     if (!s && rename(w->staging, w->final_dir) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", w->final_dir, strerror(errno));
     if (!s && old) shard_remove_tree(old);
     free(old);
-    if (!s) s = shard_fsync_dir_of(w->final_dir);
+    if (!s && !w->opts.no_fsync) s = shard_fsync_dir_of(w->final_dir);
     if (!s) { free(w->staging); w->staging = NULL; shard_ckpt_abort(w); }
     return s;
 }
@@ -386,30 +394,4 @@ void shard_ckpt_abort(shard_ckpt_writer *w)
     free(w->staging);
     free(w->final_dir);
     free(w);
-}
-
-shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes)
-{
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return shard_fail(errno == ENOENT ? SHARD_E_CORRUPT : SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    XXH64_state_t *h = XXH64_createState();
-    XXH64_reset(h, 0);
-    size_t cap = 4u << 20;
-    char *buf = malloc(cap);
-    uint64_t total = 0;
-    shard_status s = SHARD_OK;
-    for (;;) {
-        ssize_t r = read(fd, buf, cap);
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno)); break; }
-        if (r == 0) break;
-        XXH64_update(h, buf, (size_t)r);
-        total += (uint64_t)r;
-    }
-    *hash = XXH64_digest(h);
-    *bytes = total;
-    XXH64_freeState(h);
-    free(buf);
-    close(fd);
-    return s;
 }

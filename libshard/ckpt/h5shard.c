@@ -11,7 +11,6 @@
 #include <fcntl.h>
 #include <hdf5.h>
 #include <pthread.h>
-#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -66,6 +65,7 @@ void shard_h5_init(void) { pthread_once(&once, init_hdf5); }
 shard_status shard_compress_parse(const char *text, shard_compress *out)
 {
     out->threads = 1;
+    out->no_fsync = 0;
     if (!strcmp(text, "none")) { out->zstd_level = 0; return SHARD_OK; }
     if (!strcmp(text, "zstd")) { out->zstd_level = 3; return SHARD_OK; }
     if (!strncmp(text, "zstd:", 5)) {
@@ -105,11 +105,12 @@ struct shard_h5_writer {
 };
 
 /* Start writing dirty pages back every 64 MiB, without waiting: the fsync at close
- * then finds most of the file already on disk, and the disk works while we convert. */
+ * then finds most of the file already on disk, and the disk works while we convert.
+ * Not with no_fsync: the kernel's own writeback decides. */
 static void start_writeback(shard_h5_writer *w, size_t n)
 {
     w->unsynced += n;
-    if (w->fd < 0 || w->unsynced < (64u << 20)) return;
+    if (w->fd < 0 || w->c.no_fsync || w->unsynced < (64u << 20)) return;
     sync_file_range(w->fd, 0, 0, SYNC_FILE_RANGE_WRITE);
     w->unsynced = 0;
 }
@@ -181,78 +182,144 @@ typedef struct {
     shard_dtype sdt;
     const int64_t *gshape; /* NULL: src holds exactly the box */
     const shard_box *box;
-    size_t src_bytes;      /* size of the mapping, for madvise */
 } mem_source;
 
-/* fill from memory; for a mapped file, drop the pages read from this process's
- * resident set right away (they stay in the page cache), so converting a model
- * of any size keeps a small footprint. */
+/* fill from memory (the caller's: nothing is dropped or unmapped here) */
 static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
 {
     const mem_source *m = ctx;
-    shard_status s = gather(dst, dt, m->src, m->sdt, m->gshape, m->box, sub);
-    if (!s && m->gshape && m->src_bytes) {
-        const int nd = sub->ndim;
-        int64_t first = 0, last = 0;
-        for (int k = 0; k < nd; k++) {
-            first = first * m->gshape[k] + sub->off[k];
-            last = last * m->gshape[k] + sub->off[k] + sub->len[k] - 1;
-        }
-        const uintptr_t pg = 4096, a = (uintptr_t)m->src + (uintptr_t)first * shard_dtype_size(m->sdt);
-        const uintptr_t b = (uintptr_t)m->src + (uintptr_t)(last + 1) * shard_dtype_size(m->sdt);
-        uintptr_t lo = (a + pg - 1) & ~(pg - 1), hi = b & ~(pg - 1);
-        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
-    }
-    return s;
+    return gather(dst, dt, m->src, m->sdt, m->gshape, m->box, sub);
 }
 
 /* --------------------------------------------------------- the chunk pipeline */
 /* A piece is cut into chunks of whole rows (chunk shape [1, ..., 1, rows, rowlen]).
- * Worker threads each take the next chunk, fill it, byte-shuffle and compress it;
- * then, in chunk order, fold it into the piece's checksum and hand it to HDF5 with
- * H5Dwrite_chunk, which bypasses HDF5's filter pipeline (and its global lock for
- * the compression work). Memory: threads x (chunk + compressed chunk). */
+ * The chunks of a list of pieces (of one file or several) form one stream, numbered
+ * piece after piece. Worker threads each take the next chunk, fill it, byte-shuffle
+ * and compress it; then, in stream order, fold it into its piece's checksum, and, in
+ * stream order again, hand it to HDF5 with H5Dwrite_chunk, which bypasses HDF5's
+ * filter pipeline (and its global lock for the compression work). The holder of the
+ * write turn also creates a piece's dataset before its first chunk and gives it its
+ * attributes after its last, so each file's operations come in the same order as
+ * piece by piece, and the workers never wait for one piece to drain before filling
+ * the next. Two turns, each held by one thread at a time and neither under the
+ * pipeline's lock: while one thread writes chunk c, another hashes chunk c+1 and the
+ * others fill. Memory: threads x (chunk + compressed chunk). */
 typedef struct {
-    shard_h5_writer *w;
+    const shard_h5_piece *pc;
     hid_t ds;
-    const char *dpath;
-    shard_dtype dt;
-    const shard_box *box;
-    shard_fill_fn fill;
-    void *ctx;
     int64_t chunk_rows, rowlen, plane; /* plane: len of the second-last dim (1 for 1-D) */
-    uint64_t nchunks, next_take, next_commit;
+    hsize_t chunk[SHARD_MAX_DIMS];
+    size_t full;                       /* bytes of a whole chunk (HDF5 stores whole chunks) */
+    uint64_t first, nchunks;           /* its chunks in the stream */
     XXH64_state_t *hash;
+    char hex[17];
+} piece_run;
+
+typedef struct {
+    piece_run *runs;
+    size_t nruns, take_run;
+    uint64_t nchunks, next_take, next_hash, next_write;
+    size_t max_full;
+    void (*done)(void *arg, uint64_t bytes);
+    void *done_arg;
     pthread_mutex_t mu;
     pthread_cond_t cv;
-    shard_status s;
+    shard_status s;                    /* the first failure */
+    char msg[1024];                    /* its message (messages are per thread) */
 } pipeline;
 
-static void chunk_box(const pipeline *p, uint64_t c, shard_box *sub, hsize_t *hoff)
+static void chunk_box(const piece_run *p, uint64_t c, shard_box *sub, hsize_t *hoff)
 {
-    const int nd = p->box->ndim;
+    const shard_box *box = &p->pc->box;
+    const int nd = box->ndim;
     const uint64_t per_plane = (uint64_t)((p->plane + p->chunk_rows - 1) / p->chunk_rows);
     uint64_t plane_idx = c / per_plane, in_plane = c % per_plane;
-    *sub = *p->box;
+    *sub = *box;
     for (int k = nd - 1; k >= 0; k--) hoff[k] = 0;
     if (nd == 1) {
-        sub->off[0] = p->box->off[0] + (int64_t)in_plane * p->chunk_rows;
-        int64_t rest = p->box->len[0] - (int64_t)in_plane * p->chunk_rows;
+        sub->off[0] = box->off[0] + (int64_t)in_plane * p->chunk_rows;
+        int64_t rest = box->len[0] - (int64_t)in_plane * p->chunk_rows;
         sub->len[0] = rest < p->chunk_rows ? rest : p->chunk_rows;
         hoff[0] = (hsize_t)(in_plane * (uint64_t)p->chunk_rows);
         return;
     }
     for (int k = nd - 3; k >= 0; k--) {
-        int64_t i = (int64_t)(plane_idx % (uint64_t)p->box->len[k]);
-        plane_idx /= (uint64_t)p->box->len[k];
-        sub->off[k] = p->box->off[k] + i;
+        int64_t i = (int64_t)(plane_idx % (uint64_t)box->len[k]);
+        plane_idx /= (uint64_t)box->len[k];
+        sub->off[k] = box->off[k] + i;
         sub->len[k] = 1;
         hoff[k] = (hsize_t)i;
     }
     int64_t r0 = (int64_t)in_plane * p->chunk_rows, rest = p->plane - r0;
-    sub->off[nd - 2] = p->box->off[nd - 2] + r0;
+    sub->off[nd - 2] = box->off[nd - 2] + r0;
     sub->len[nd - 2] = rest < p->chunk_rows ? rest : p->chunk_rows;
     hoff[nd - 2] = (hsize_t)r0;
+}
+
+/* A piece's chunking: whole rows, about CHUNK_TARGET bytes. */
+static void plan_run(piece_run *r, const shard_h5_piece *pc)
+{
+    const int nd = pc->ndim;
+    const size_t es = shard_dtype_size(pc->dt);
+    r->pc = pc;
+    r->ds = -1;
+    r->rowlen = pc->box.len[nd - 1];
+    for (int k = 0; k < nd; k++) r->chunk[k] = 1;
+    if (nd == 1) {
+        r->rowlen = 1;
+        r->plane = pc->box.len[0];
+        r->chunk_rows = (int64_t)(CHUNK_TARGET / es);
+        if (r->chunk_rows > r->plane) r->chunk_rows = r->plane;
+        r->chunk[0] = (hsize_t)r->chunk_rows;
+    } else {
+        r->plane = pc->box.len[nd - 2];
+        r->chunk_rows = (int64_t)(CHUNK_TARGET / ((uint64_t)r->rowlen * es));
+        if (r->chunk_rows < 1) r->chunk_rows = 1;
+        if (r->chunk_rows > r->plane) r->chunk_rows = r->plane;
+        r->chunk[nd - 2] = (hsize_t)r->chunk_rows;
+        r->chunk[nd - 1] = (hsize_t)r->rowlen;
+    }
+    uint64_t planes = shard_box_numel(&pc->box) / (uint64_t)(r->plane * r->rowlen);
+    r->nchunks = planes * (uint64_t)((r->plane + r->chunk_rows - 1) / r->chunk_rows);
+    r->full = (size_t)(r->chunk_rows * r->rowlen) * es;
+}
+
+static shard_status create_dataset(piece_run *r)
+{
+    const shard_h5_piece *pc = r->pc;
+    char dpath[1024];
+    snprintf(dpath, sizeof dpath, "/%s/%s", pc->group, pc->name);
+    hsize_t dims[SHARD_MAX_DIMS];
+    for (int k = 0; k < pc->ndim; k++) dims[k] = (hsize_t)pc->box.len[k];
+    hid_t lcpl = H5Pcreate(H5P_LINK_CREATE), dcpl = H5Pcreate(H5P_DATASET_CREATE);
+    H5Pset_create_intermediate_group(lcpl, 1);
+    H5Pset_chunk(dcpl, pc->ndim, r->chunk);
+    H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
+    if (pc->w->c.zstd_level > 0) {
+        unsigned lvl = (unsigned)pc->w->c.zstd_level;
+        H5Pset_shuffle(dcpl);
+        H5Pset_filter(dcpl, ZSTD_FILTER_ID, H5Z_FLAG_MANDATORY, 1, &lvl);
+    }
+    hid_t space = H5Screate_simple(pc->ndim, dims, NULL);
+    r->ds = H5Dcreate2(pc->w->file, dpath, shard_h5_type(pc->dt), space, lcpl, dcpl, H5P_DEFAULT);
+    H5Pclose(lcpl); H5Pclose(dcpl); H5Sclose(space);
+    return r->ds < 0 ? shard_fail(SHARD_E_IO, "%s: cannot create dataset %s", pc->w->path, dpath) : SHARD_OK;
+}
+
+/* After the last chunk: the attributes that make the piece self-describing. */
+static shard_status finish_dataset(piece_run *r)
+{
+    const shard_h5_piece *pc = r->pc;
+    int64_t off[SHARD_MAX_DIMS];
+    for (int k = 0; k < pc->ndim; k++) off[k] = pc->box.off[k];
+    shard_status s = SHARD_OK;
+    if (set_attr_str(r->ds, "tensor", pc->name) || set_attr_str(r->ds, "dtype", shard_dtype_name(pc->dt)) ||
+        set_attr_i64(r->ds, "offset", pc->ndim, off) || set_attr_i64(r->ds, "global_shape", pc->ndim, pc->gshape) ||
+        set_attr_str(r->ds, "xxh64", r->hex))
+        s = shard_fail(SHARD_E_IO, "%s: writing the attributes of /%s/%s failed", pc->w->path, pc->group, pc->name);
+    H5Dclose(r->ds);
+    r->ds = -1;
+    return s;
 }
 
 static void shuffle_bytes(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
@@ -261,20 +328,47 @@ static void shuffle_bytes(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
         for (size_t i = 0; i < n; i++) dst[b * n + i] = src[i * es + b];
 }
 
+/* Record a failure (p->mu held; the first one wins, with its thread's message) and
+ * wake every waiting worker, so that all of them stop. */
+static void fail_locked(pipeline *p, shard_status s)
+{
+    if (s && !p->s) {
+        p->s = s;
+        snprintf(p->msg, sizeof p->msg, "%s", shard_errmsg());
+    }
+    if (s) pthread_cond_broadcast(&p->cv);
+}
+
+/* Wait (p->mu held) until *turn reaches c; 0 when it did, 1 when the stream failed. */
+static int wait_turn(pipeline *p, const uint64_t *turn, uint64_t c)
+{
+    while (*turn != c && !p->s) pthread_cond_wait(&p->cv, &p->mu);
+    return p->s != SHARD_OK;
+}
+
+/* End a turn (p->mu held): record a failure, pass the turn on, wake the others. */
+static void end_turn(pipeline *p, uint64_t *turn, shard_status s)
+{
+    fail_locked(p, s);
+    (*turn)++;
+    pthread_cond_broadcast(&p->cv);
+}
+
 static void *pipeline_worker(void *arg)
 {
     pipeline *p = arg;
-    const size_t es = shard_dtype_size(p->dt);
-    const size_t full = (size_t)(p->chunk_rows * p->rowlen) * es; /* HDF5 stores whole chunks */
-    const int level = p->w->c.zstd_level;
-    uint8_t *raw = calloc(1, full), *shuf = level ? malloc(full) : NULL;
-    size_t zcap = level ? ZSTD_compressBound(full) : 0;
-    uint8_t *z = level ? malloc(zcap) : NULL;
-    ZSTD_CCtx *cctx = level ? ZSTD_createCCtx() : NULL;
-    if (!raw || (level && (!shuf || !z || !cctx))) {
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL); /* per thread in a thread-safe HDF5: no prints */
+    const size_t cap = p->max_full;
+    int zstd = 0;
+    for (size_t i = 0; i < p->nruns; i++) zstd |= p->runs[i].pc->w->c.zstd_level > 0;
+    uint8_t *raw = calloc(1, cap), *shuf = zstd ? malloc(cap) : NULL;
+    size_t zcap = zstd ? ZSTD_compressBound(cap) : 0;
+    uint8_t *z = zstd ? malloc(zcap) : NULL;
+    ZSTD_CCtx *cctx = zstd ? ZSTD_createCCtx() : NULL;
+    if (!raw || (zstd && (!shuf || !z || !cctx))) {
+        shard_status s = shard_fail(SHARD_E_NOMEM, "%s: out of memory", p->runs[0].pc->w->path);
         pthread_mutex_lock(&p->mu);
-        if (!p->s) p->s = shard_fail(SHARD_E_NOMEM, "%s: out of memory", p->w->path);
-        pthread_cond_broadcast(&p->cv);
+        fail_locked(p, s);
         pthread_mutex_unlock(&p->mu);
         goto out;
     }
@@ -282,129 +376,122 @@ static void *pipeline_worker(void *arg)
         pthread_mutex_lock(&p->mu);
         uint64_t c = p->next_take++;
         int stop = c >= p->nchunks || p->s;
+        if (!stop)
+            while (c >= p->runs[p->take_run].first + p->runs[p->take_run].nchunks) p->take_run++;
+        piece_run *run = stop ? NULL : &p->runs[p->take_run];
         pthread_mutex_unlock(&p->mu);
         if (stop) break;
+        const shard_h5_piece *pc = run->pc;
+        const uint64_t k = c - run->first; /* the chunk within its piece */
+        const size_t es = shard_dtype_size(pc->dt), full = run->full;
+        const int level = pc->w->c.zstd_level;
         shard_box sub;
         hsize_t hoff[SHARD_MAX_DIMS];
-        chunk_box(p, c, &sub, hoff);
+        chunk_box(run, k, &sub, hoff);
         size_t valid = (size_t)shard_box_numel(&sub) * es;
         if (valid < full) memset(raw + valid, 0, full - valid);
-        shard_status s = p->fill(p->ctx, &sub, raw, p->dt);
+        shard_status s = pc->fill(pc->ctx, &sub, raw, pc->dt);
         const void *out = raw;
         size_t outn = full;
         if (!s && level) {
             shuffle_bytes(shuf, raw, full / es, es);
             size_t r = ZSTD_compressCCtx(cctx, z, zcap, es > 1 ? shuf : raw, full, level);
-            if (ZSTD_isError(r)) s = shard_fail(SHARD_E_INTERNAL, "%s: zstd: %s", p->w->path, ZSTD_getErrorName(r));
+            if (ZSTD_isError(r)) s = shard_fail(SHARD_E_INTERNAL, "%s: zstd: %s", pc->w->path, ZSTD_getErrorName(r));
             out = z;
             outn = r;
         }
+        /* the checksum, in stream order (the holder of the turn alone touches it) */
         pthread_mutex_lock(&p->mu);
-        while (p->next_commit != c && !p->s) pthread_cond_wait(&p->cv, &p->mu);
-        if (!p->s && s) p->s = s;
-        if (!p->s) {
-            XXH64_update(p->hash, raw, valid);
-            if (H5Dwrite_chunk(p->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
-                p->s = shard_fail(SHARD_E_IO, "%s: writing %s failed (disk full?)", p->w->path, p->dpath);
-            else
-                start_writeback(p->w, outn);
-        }
-        p->next_commit++;
-        pthread_cond_broadcast(&p->cv);
+        fail_locked(p, s);
+        int failed = wait_turn(p, &p->next_hash, c);
+        pthread_mutex_unlock(&p->mu);
+        if (failed) break;
+        if (k == 0) XXH64_reset(run->hash, 0);
+        XXH64_update(run->hash, raw, valid);
+        if (k + 1 == run->nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)XXH64_digest(run->hash));
+        /* the write, in stream order (the chunks' places in the file follow it) */
+        pthread_mutex_lock(&p->mu);
+        end_turn(p, &p->next_hash, SHARD_OK);
+        failed = wait_turn(p, &p->next_write, c);
+        pthread_mutex_unlock(&p->mu);
+        if (failed) break;
+        if (k == 0) s = create_dataset(run);
+        if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
+            s = shard_fail(SHARD_E_IO, "%s: writing /%s/%s failed (disk full?)", pc->w->path, pc->group, pc->name);
+        if (!s) start_writeback(pc->w, outn);
+        if (!s && k + 1 == run->nchunks) s = finish_dataset(run);
+        if (!s && p->done) p->done(p->done_arg, valid);
+        pthread_mutex_lock(&p->mu);
+        end_turn(p, &p->next_write, s);
         pthread_mutex_unlock(&p->mu);
     }
 out:
     free(raw); free(shuf); free(z);
     ZSTD_freeCCtx(cctx);
+    H5Eclear2(H5E_DEFAULT); /* this thread's error stack, before the thread ends */
     return NULL;
+}
+
+shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void (*done)(void *arg, uint64_t bytes), void *arg)
+{
+    for (size_t i = 0; i < n; i++) {
+        const shard_h5_piece *pc = &pieces[i];
+        if (pc->ndim < 1 || pc->ndim > SHARD_MAX_DIMS || pc->box.ndim != pc->ndim)
+            return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": bad rank", pc->w->path, pc->name);
+        if (shard_h5_type(pc->dt) < 0) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": dtype cannot be stored", pc->w->path, pc->name);
+    }
+    pipeline p = {.done = done, .done_arg = arg};
+    p.runs = calloc(n + 1, sizeof *p.runs);
+    if (!p.runs) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        if (shard_box_numel(&pieces[i].box) == 0) continue; /* empty pieces are not stored */
+        piece_run *r = &p.runs[p.nruns++];
+        plan_run(r, &pieces[i]);
+        r->first = p.nchunks;
+        p.nchunks += r->nchunks;
+        if (r->full > p.max_full) p.max_full = r->full;
+        if (!(r->hash = XXH64_createState())) p.s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    }
+    if (p.nchunks && !p.s) {
+        pthread_mutex_init(&p.mu, NULL);
+        pthread_cond_init(&p.cv, NULL);
+        int nt = p.runs[0].pc->w->threads;
+        if ((uint64_t)nt > p.nchunks) nt = (int)p.nchunks;
+        pthread_t th[64];
+        int started = 0;
+        for (int i = 1; i < nt; i++) if (pthread_create(&th[started], NULL, pipeline_worker, &p) == 0) started++;
+        pipeline_worker(&p);
+        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+        pthread_mutex_destroy(&p.mu);
+        pthread_cond_destroy(&p.cv);
+    }
+    for (size_t i = 0; i < p.nruns; i++) {
+        if (p.runs[i].ds >= 0) H5Dclose(p.runs[i].ds); /* a piece left unfinished by a failure */
+        XXH64_freeState(p.runs[i].hash);
+    }
+    free(p.runs);
+    if (p.s && p.msg[0]) return shard_fail(p.s, "%s", p.msg); /* the failing worker's message, here */
+    return p.s;
 }
 
 shard_status shard_h5_write_stream(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
                                    const int64_t *gshape, const shard_box *box, shard_fill_fn fill, void *ctx)
 {
-    if (ndim < 1 || ndim > SHARD_MAX_DIMS || box->ndim != ndim) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": bad rank", w->path, name);
-    if (shard_box_numel(box) == 0) return SHARD_OK; /* empty pieces are not stored */
-    const size_t es = shard_dtype_size(dt);
-    hid_t h5t = shard_h5_type(dt);
-    if (h5t < 0) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": dtype cannot be stored", w->path, name);
-    pipeline p = {.w = w, .dt = dt, .box = box, .fill = fill, .ctx = ctx};
-    p.rowlen = box->len[ndim - 1];
-    hsize_t dims[SHARD_MAX_DIMS], chunk[SHARD_MAX_DIMS];
-    for (int k = 0; k < ndim; k++) { dims[k] = (hsize_t)box->len[k]; chunk[k] = 1; }
-    if (ndim == 1) {
-        p.rowlen = 1;
-        p.plane = box->len[0];
-        p.chunk_rows = (int64_t)(CHUNK_TARGET / es);
-        if (p.chunk_rows > p.plane) p.chunk_rows = p.plane;
-        chunk[0] = (hsize_t)p.chunk_rows;
-    } else {
-        p.plane = box->len[ndim - 2];
-        p.chunk_rows = (int64_t)(CHUNK_TARGET / ((uint64_t)p.rowlen * es));
-        if (p.chunk_rows < 1) p.chunk_rows = 1;
-        if (p.chunk_rows > p.plane) p.chunk_rows = p.plane;
-        chunk[ndim - 2] = (hsize_t)p.chunk_rows;
-        chunk[ndim - 1] = (hsize_t)p.rowlen;
-    }
-    uint64_t planes = shard_box_numel(box) / (uint64_t)(p.plane * p.rowlen);
-    p.nchunks = planes * (uint64_t)((p.plane + p.chunk_rows - 1) / p.chunk_rows);
-
-    char dpath[1024];
-    snprintf(dpath, sizeof dpath, "/%s/%s", group, name);
-    p.dpath = dpath;
-    hid_t lcpl = H5Pcreate(H5P_LINK_CREATE), dcpl = H5Pcreate(H5P_DATASET_CREATE);
-    H5Pset_create_intermediate_group(lcpl, 1);
-    H5Pset_chunk(dcpl, ndim, chunk);
-    H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
-    if (w->c.zstd_level > 0) {
-        unsigned lvl = (unsigned)w->c.zstd_level;
-        H5Pset_shuffle(dcpl);
-        H5Pset_filter(dcpl, ZSTD_FILTER_ID, H5Z_FLAG_MANDATORY, 1, &lvl);
-    }
-    hid_t space = H5Screate_simple(ndim, dims, NULL);
-    p.ds = H5Dcreate2(w->file, dpath, h5t, space, lcpl, dcpl, H5P_DEFAULT);
-    H5Pclose(lcpl); H5Pclose(dcpl); H5Sclose(space);
-    if (p.ds < 0) return shard_fail(SHARD_E_IO, "%s: cannot create dataset %s", w->path, dpath);
-    p.hash = XXH64_createState();
-    XXH64_reset(p.hash, 0);
-    pthread_mutex_init(&p.mu, NULL);
-    pthread_cond_init(&p.cv, NULL);
-    int nt = w->threads;
-    if ((uint64_t)nt > p.nchunks) nt = (int)p.nchunks;
-    pthread_t th[64];
-    int started = 0;
-    for (int i = 1; i < nt; i++) if (pthread_create(&th[started], NULL, pipeline_worker, &p) == 0) started++;
-    pipeline_worker(&p);
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-    shard_status s = p.s;
-    if (!s) {
-        char hex[17];
-        snprintf(hex, sizeof hex, "%016llx", (unsigned long long)XXH64_digest(p.hash));
-        int64_t off[SHARD_MAX_DIMS];
-        for (int k = 0; k < ndim; k++) off[k] = box->off[k];
-        if (set_attr_str(p.ds, "tensor", name) || set_attr_str(p.ds, "dtype", shard_dtype_name(dt)) ||
-            set_attr_i64(p.ds, "offset", ndim, off) || set_attr_i64(p.ds, "global_shape", ndim, gshape) || set_attr_str(p.ds, "xxh64", hex))
-            s = shard_fail(SHARD_E_IO, "%s: writing the attributes of %s failed", w->path, dpath);
-    }
-    XXH64_freeState(p.hash);
-    pthread_mutex_destroy(&p.mu);
-    pthread_cond_destroy(&p.cv);
-    H5Dclose(p.ds);
-    return s;
+    shard_h5_piece pc = {w, group, name, dt, ndim, gshape, *box, fill, ctx};
+    return shard_h5_write_pieces(&pc, 1, NULL, NULL);
 }
 
 shard_status shard_h5_write_piece(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
                                   const int64_t *gshape, const shard_box *box, const void *src, shard_dtype src_dt)
 {
-    uint64_t n = 1;
-    for (int k = 0; k < ndim; k++) n *= (uint64_t)gshape[k];
-    mem_source m = {src, src_dt, gshape, box, (size_t)n * shard_dtype_size(src_dt)};
+    mem_source m = {src, src_dt, gshape, box};
     return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
 }
 
 shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
                                   const int64_t *gshape, const shard_box *box, const void *local, shard_dtype src_dt)
 {
-    mem_source m = {local, src_dt, NULL, box, 0};
+    mem_source m = {local, src_dt, NULL, box};
     return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
 }
 
@@ -412,11 +499,17 @@ shard_status shard_h5_close(shard_h5_writer *w)
 {
     shard_status s = SHARD_OK;
     if (H5Fflush(w->file, H5F_SCOPE_GLOBAL) < 0 || H5Fclose(w->file) < 0) s = shard_fail(SHARD_E_IO, "%s: closing the HDF5 file failed", w->path);
+    int fd = s ? -1 : open(w->path, O_RDONLY | O_CLOEXEC);
+    if (!s && fd < 0) s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", w->path, strerror(errno));
     if (!s) {
-        int fd = open(w->path, O_RDONLY | O_CLOEXEC);
-        if (fd < 0 || fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
-        if (fd >= 0) close(fd);
+        /* the file's checksum for the commit, while the disk writes the rest back */
+        uint64_t hash, bytes;
+        if (!w->c.no_fsync) sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+        s = shard_fd_xxh64(fd, w->path, &hash, &bytes);
+        if (!s && !w->c.no_fsync && fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
+        if (!s) (void)shard_file_hash_note(w->path, fd, hash, bytes); /* without a note, the commit reads the file */
     }
+    if (fd >= 0) close(fd);
     free(w->path);
     free(w);
     return s;

@@ -12,7 +12,6 @@
 
 void shard_h5_init(void);
 hid_t shard_h5_type(shard_dtype dt);
-shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
 
 #define MANIFEST_MAX (256u << 20)
 

@@ -14,8 +14,16 @@ shard_status shard_json_parse(const char *text, size_t len, const char *path, js
 char *shard_path_join(const char *dir, const char *name);
 /* 1 when name is a plain relative path that stays inside its folder. */
 int shard_path_is_contained(const char *name);
-/* fsync the folder that holds path (makes a rename durable). */
-shard_status shard_fsync_dir_of(const char *path);
+/* XXH64 (seed 0) of a whole file and its size (fd: an open descriptor of path). */
+shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
+shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);
+/* A shard file's whole-file checksum, computed by its writer at close, kept beside it
+ * in "<path>.xxh64" with the file's identity (inode, size, mtime) so that the
+ * commit need not read the file again. note: write it (fd: the file, open); noted: 1
+ * and the checksum when a note exists and still describes the file, else 0; the note
+ * is removed either way. */
+shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes);
+int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes);
 /* Overflow-checked arithmetic: false on overflow. */
 static inline bool shard_mul_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline bool shard_add_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }

@@ -50,10 +50,28 @@ shard_status shard_fail(shard_status s, const char *fmt, ...)
     ;
 
 /* ------------------------------------------------------------------- files */
+/* How durable the files that libshard writes are. All zero (or a NULL pointer where
+ * one is taken) is the default: every file is fsynced before it is renamed into place
+ * or committed, and the folders after, so a whole-looking output survives a power
+ * loss or an OS crash. no_fsync = 1 skips every fsync, fdatasync and early writeback
+ * (sync_file_range) and leaves the data to the kernel's writeback, but keeps the rest
+ * of the protocol: outputs are written under temporary names and renamed only when
+ * whole, so a killed process still never leaves a whole-looking output; after a crash
+ * of the machine one may hold lost data. For scratch disks, outputs that a later
+ * `sync` makes durable, and benchmarks that compare with a plain copy. */
+typedef struct {
+    int no_fsync;
+} shard_write_opts;
+
 /* Read a whole file (at most max_bytes) into a fresh NUL-terminated buffer. */
 shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
-/* Copy src to a new file dst (refused if it exists) and fsync it. */
-shard_status shard_copy_file(const char *src, const char *dst);
+/* Copy src to a new file dst (refused if it exists) and fsync it (o: NULL for the
+ * default; no_fsync skips the fsync). */
+shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *o);
+/* fsync a folder (makes the creation, renaming or removal of its entries durable);
+ * _of: the folder that holds path. */
+shard_status shard_fsync_dir(const char *dir);
+shard_status shard_fsync_dir_of(const char *path);
 /* Remove a folder and everything under it (best effort; for staging folders). */
 void shard_remove_tree(const char *path);
 
@@ -151,6 +169,8 @@ uint64_t shard_st_file_size(const shard_st_file *f);
  * succeeds (written to a temporary name, fsynced, renamed); abort removes it. */
 typedef struct shard_st_writer shard_st_writer;
 shard_status shard_st_writer_create(const char *path, shard_st_writer **out);
+/* Same, with the durability of finish given (o: NULL for the default). */
+shard_status shard_st_writer_create_opts(const char *path, const shard_write_opts *o, shard_st_writer **out);
 shard_status shard_st_writer_metadata(shard_st_writer *w, const char *key, const char *value);
 shard_status shard_st_writer_declare(shard_st_writer *w, const char *name, shard_dtype dt,
                                      int ndim, const int64_t *shape);
@@ -318,16 +338,17 @@ shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout
  *                          global_shape, xxh64)
  *   CKPT/extra/...         the model folder's other files (tokenizer, ...), verbatim
  * A checkpoint is written into <parent>/.tmp-<name>-<nonce>/ and renamed into place
- * once every file and the manifest are fsynced. */
+ * once every file and the manifest are fsynced (unless no_fsync: shard_write_opts). */
 #define SHARD_FORMAT_NAME "smp"
 #define SHARD_FORMAT_VERSION 1
 
-/* Compression of shard files: level 0 = none, else zstd level 1..19. */
+/* Options of a shard file writer. Compression: level 0 = none, else zstd level 1..19. */
 typedef struct {
     int zstd_level;
-    int threads; /* worker threads that fill, shuffle and compress chunks (>= 1) */
+    int threads;  /* worker threads that fill, shuffle and compress chunks (>= 1) */
+    int no_fsync; /* as shard_write_opts: close neither fsyncs nor starts writeback */
 } shard_compress;
-/* "none", "zstd" (level 3) or "zstd:N"; sets threads to 1. */
+/* "none", "zstd" (level 3) or "zstd:N"; sets threads to 1 and no_fsync to 0. */
 shard_status shard_compress_parse(const char *text, shard_compress *out);
 
 /* One shard file being written (by one rank). */
@@ -349,7 +370,27 @@ typedef shard_status (*shard_fill_fn)(void *ctx, const shard_box *sub, void *dst
 shard_status shard_h5_write_stream(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
                                    int ndim, const int64_t *gshape, const shard_box *box,
                                    shard_fill_fn fill, void *ctx);
-shard_status shard_h5_close(shard_h5_writer *w); /* flushes and fsyncs; frees w */
+/* Several pieces, to one writer or several, as one stream of chunks: the workers fill
+ * the next piece's first chunks while the last ones of the previous are written (no
+ * draining between pieces). Each file receives its pieces in the order listed: the
+ * same file as one shard_h5_write_stream call each. done (may be NULL) is called once
+ * per chunk written, one call at a time, with the chunk's bytes (dtype dt). The first
+ * piece's writer sets the threads. */
+typedef struct {
+    shard_h5_writer *w;
+    const char *group, *name;
+    shard_dtype dt;
+    int ndim;
+    const int64_t *gshape;
+    shard_box box;
+    shard_fill_fn fill;
+    void *ctx;
+} shard_h5_piece;
+shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void (*done)(void *arg, uint64_t bytes),
+                                   void *arg);
+/* Flushes, computes the file's XXH64 (kept beside it for shard_ckpt_commit, which
+ * would otherwise read the file again) and fsyncs (unless no_fsync); frees w. */
+shard_status shard_h5_close(shard_h5_writer *w);
 void shard_h5_abort(shard_h5_writer *w);
 
 /* A checkpoint opened for reading: the manifest is parsed and validated (format
@@ -394,9 +435,12 @@ const void *shard_ckpt_manifest_json(const shard_ckpt *c); /* a json_t* */
  * folder, where shard files are written by any number of processes); commit: scan
  * the shard files' attributes into smp.json (with checksums of every piece and
  * file), fsync everything, rename the folder to `final_dir`, fsync the parent.
- * A final_dir that already exists is refused (SHARD_E_USAGE) unless overwrite. */
+ * A final_dir that already exists is refused (SHARD_E_USAGE) unless overwrite.
+ * begin_opts: o->no_fsync skips the fsyncs of the extra files, the manifest and the
+ * folders (the shard files' writers have their own no_fsync, shard_compress). */
 typedef struct shard_ckpt_writer shard_ckpt_writer;
 shard_status shard_ckpt_begin(const char *final_dir, shard_ckpt_writer **out);
+shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts *o, shard_ckpt_writer **out);
 const char *shard_ckpt_staging(const shard_ckpt_writer *w);
 /* Copy a file of the model folder into extra/ (checksummed at commit). */
 shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel_name);
@@ -430,7 +474,8 @@ int shard_comm_size(const shard_comm *c);
 /* Processes with the same color form a new communicator, ordered by key. */
 shard_status shard_comm_split(shard_comm *c, int color, int key, shard_comm **out);
 
-/* In place: buf[n] of dt reduced over all ranks (F32, F64, I32, I64, U64). */
+/* In place: buf[n] of dt reduced over all ranks (F32, F64, I32, I64, U64; BF16 and
+ * F16 too, which MPI reduces element by element in fp32). */
 shard_status shard_comm_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op);
 /* send[n * size] -> recv[n]: rank r receives the reduction of block r. */
 shard_status shard_comm_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op);

@@ -222,14 +222,21 @@ struct shard_st_writer {
     int started;
     char *buf;
     size_t blen;
+    shard_write_opts opts;
 };
 #define WBUF (4u << 20)
 
 shard_status shard_st_writer_create(const char *path, shard_st_writer **out)
 {
+    return shard_st_writer_create_opts(path, NULL, out);
+}
+
+shard_status shard_st_writer_create_opts(const char *path, const shard_write_opts *o, shard_st_writer **out)
+{
     *out = NULL;
     shard_st_writer *w = calloc(1, sizeof *w);
     if (!w) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
+    if (o) w->opts = *o;
     w->fd = -1;
     w->path = strdup(path);
     w->tmp = malloc(strlen(path) + 16);
@@ -340,13 +347,13 @@ shard_status shard_st_writer_finish(shard_st_writer *w)
     if (!s && w->written != w->total)
         s = shard_fail(SHARD_E_USAGE, "%s: %llu of %llu declared bytes written", w->path, (unsigned long long)w->written, (unsigned long long)w->total);
     if (!s) s = flush_buf(w);
-    if (!s && fsync(w->fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
+    if (!s && !w->opts.no_fsync && fsync(w->fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
     if (!s && fchmod(w->fd, 0644) != 0) s = shard_fail(SHARD_E_IO, "%s: chmod failed: %s", w->path, strerror(errno));
     if (!s && close(w->fd) != 0) s = shard_fail(SHARD_E_IO, "%s: close failed: %s", w->path, strerror(errno));
     if (!s) w->fd = -1;
     if (!s && rename(w->tmp, w->path) != 0) s = shard_fail(SHARD_E_IO, "%s: rename failed: %s", w->path, strerror(errno));
     if (s) { shard_st_writer_abort(w); return s; }
-    s = shard_fsync_dir_of(w->path);
+    if (!w->opts.no_fsync) s = shard_fsync_dir_of(w->path);
     free(w->tmp); w->tmp = NULL;
     shard_st_writer_abort(w);
     return s;

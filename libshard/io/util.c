@@ -86,6 +86,15 @@ int shard_path_is_contained(const char *name)
     return 1;
 }
 
+shard_status shard_fsync_dir(const char *dir)
+{
+    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    shard_status s = SHARD_OK;
+    if (fd < 0 || fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync of the folder failed: %s", dir, strerror(errno));
+    if (fd >= 0) close(fd);
+    return s;
+}
+
 shard_status shard_fsync_dir_of(const char *path)
 {
     char *d = strdup(path);
@@ -94,10 +103,7 @@ shard_status shard_fsync_dir_of(const char *path)
     if (slash == d) slash[1] = 0;
     else if (slash) *slash = 0;
     else strcpy(d, ".");
-    int fd = open(d, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    shard_status s = SHARD_OK;
-    if (fd < 0 || fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync of the folder failed: %s", d, strerror(errno));
-    if (fd >= 0) close(fd);
+    shard_status s = shard_fsync_dir(d);
     free(d);
     return s;
 }

@@ -11,6 +11,8 @@ exist, or it is whole:
 - merge: the folder loads with safetensors and holds tensors equal to the reference.
 After the trials, the leftovers of the killed runs (staging folders) are still there, and
 one more uninterrupted run into the name of a run killed in staging must succeed.
+hf2smp and merge are also tried with --no-fsync: without the fsyncs, a killed process
+must still never leave a whole-looking output (only a crash of the machine may).
 
 SMP_CRASH_SEED=N replays the instants of a failing run (the seed is in every message).
 """
@@ -28,7 +30,7 @@ from safetensors.numpy import load_file
 from conftest import BUILD, run
 
 SEED = int(os.environ.get("SMP_CRASH_SEED", random.SystemRandom().randrange(1 << 30)))
-TRIALS = {"hf2smp": 6, "reshard": 6, "merge": 10}
+TRIALS = {"hf2smp": 6, "reshard": 6, "merge": 10, "hf2smp --no-fsync": 4, "merge --no-fsync": 4}
 LAYOUT, RESHARD_LAYOUT = "pp=2,tp=2", "tp=4"
 
 
@@ -49,14 +51,16 @@ def setup(tmp_path_factory):
 
 
 def cmd_line(what, root, out, compress="zstd:19"):
+    """what: the command, then any flags ("hf2smp --no-fsync")."""
     exe = lambda c: str(BUILD / "bin" / c)  # noqa: E731
+    what, *flags = what.split()
     if what == "hf2smp":
         return [exe("smp-convert"), "hf2smp", "--in", str(root / "hf"), "--out", str(out), "--layout", LAYOUT,
-                "--compress", compress]
+                "--compress", compress, *flags]
     if what == "reshard":
         return [exe("smp-convert"), "reshard", "--in", str(root / "ck-ref"), "--out", str(out), "--layout",
-                RESHARD_LAYOUT, "--compress", compress]
-    return [exe("smp-merge"), "--in", str(root / "ck-ref"), "--out", str(out)]
+                RESHARD_LAYOUT, "--compress", compress, *flags]
+    return [exe("smp-merge"), "--in", str(root / "ck-ref"), "--out", str(out), *flags]
 
 
 def timed(argv):
@@ -84,7 +88,7 @@ def check_whole(what, out, expect, why):
     """The output of a trial is absent or whole; a list of problems."""
     if not os.path.lexists(out):
         return []
-    if what in ("hf2smp", "reshard"):
+    if what.split()[0] in ("hf2smp", "reshard"):
         p = run("smp-verify", out)
         if p.returncode != 0:
             return [f"{why}: {out.name} exists but smp-verify says: exit {p.returncode} {p.stderr.strip()}"]
@@ -105,12 +109,13 @@ def check_whole(what, out, expect, why):
 @pytest.mark.parametrize("what", list(TRIALS))
 def test_kill_at_random_instants(setup, what):
     root, ref = setup
-    work = root / f"trials-{what}"
+    work = root / f"trials-{what.replace(' --', '-')}"
     work.mkdir()
+    merge = what.startswith("merge")
     # the uninterrupted run: its duration and the reference output
     duration = timed(cmd_line(what, root, work / "uninterrupted"))
-    expect = pieces(work / "uninterrupted") if what != "merge" else ref
-    if what != "merge":
+    expect = pieces(work / "uninterrupted") if not merge else ref
+    if not merge:
         assert run("smp-verify", work / "uninterrupted").returncode == 0
     else:
         assert not check_whole("merge", work / "uninterrupted", ref, "the uninterrupted run")
@@ -155,6 +160,6 @@ def test_kill_at_random_instants(setup, what):
     assert os.path.isdir(out)
     assert not check_whole(what, out, expect, "the run after the trials")
     # and the checkpoint that the killed readers were reading is untouched
-    if what != "hf2smp":
+    if not what.startswith("hf2smp"):
         p = run("smp-verify", root / "ck-ref")
         assert p.returncode == 0, p.stderr

@@ -130,6 +130,102 @@ def test_h5py_and_an_independent_reader(tmp_path, case):
         assert np.array_equal(np.asarray(got[k], dtype=np.float32), np.asarray(v, dtype=np.float32)), k
 
 
+def pieces_of(ck):
+    """Every piece of a checkpoint: (group, name, dtype, shape, offset, piece shape, xxh64)."""
+    m = json.loads((ck / "smp.json").read_text())
+    return sorted((t["group"], t["name"], t["dtype"], tuple(t["shape"]), tuple(p["offset"]), tuple(p["shape"]), p["xxh64"])
+                  for t in m["tensors"] for p in t["pieces"])
+
+
+def leftovers(folder):
+    """Staging folders and checksum notes left anywhere under folder."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if ".tmp-" in p.name or p.name.endswith(".xxh64"))
+
+
+def test_no_fsync_writes_the_same_checkpoint(tmp_path):
+    """--no-fsync leaves out the fsyncs and nothing else: hf2smp, reshard and init give the
+    pieces (and checksums) of the durable default, files that verify, nothing left behind
+    (staging folders, the writers' notes of file checksums), and smp-merge --no-fsync gives
+    the model back bit for bit."""
+    hf = tmp_path / "hf"
+    models.make("llama-sharded", hf)
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    ref = tensors_of(hf)
+    cfg = hf / "config.json"
+    for what, args in [("hf2smp", ["--in", hf, "--layout", "pp=2,tp=2"]),
+                       ("init", ["--config", cfg, "--layout", "tp=2,dp=2", "--seed", "3"])]:
+        for compress in ["none", "zstd"]:
+            durable, fast = tmp_path / f"{what}-{compress}", tmp_path / f"{what}-{compress}-nofsync"
+            run("smp-convert", what, *args, "--compress", compress, "--out", durable, check=0)
+            run("smp-convert", what, *args, "--compress", compress, "--out", fast, "--no-fsync", check=0)
+            run("smp-verify", fast, check=0)
+            assert pieces_of(fast) == pieces_of(durable), (what, compress)
+            a, b = json.loads((durable / "smp.json").read_text()), json.loads((fast / "smp.json").read_text())
+            assert [f["name"] for f in a["files"]] == [f["name"] for f in b["files"]]
+    rs = tmp_path / "reshard-nofsync"
+    run("smp-convert", "reshard", "--in", tmp_path / "hf2smp-zstd-nofsync", "--out", rs, "--layout", "tp=4", "--no-fsync", check=0)
+    run("smp-verify", rs, check=0)
+    run("smp-convert", "reshard", "--in", tmp_path / "hf2smp-zstd", "--out", tmp_path / "reshard", "--layout", "tp=4", check=0)
+    assert pieces_of(rs) == pieces_of(tmp_path / "reshard")
+    for flags in [[], ["--no-fsync"]]:
+        out = tmp_path / f"merged{len(flags)}"
+        run("smp-merge", "--in", rs, "--out", out, "--max-shard-size", "60KB", *flags, check=0)
+        got = tensors_of(out)
+        assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+        assert (out / "tokenizer_config.json").read_bytes() == (hf / "tokenizer_config.json").read_bytes()
+    assert leftovers(tmp_path) == []
+    p = run("smp-convert", "--help")
+    assert "--no-fsync" in p.stdout + p.stderr
+    p = run("smp-merge", "--help")
+    assert "--no-fsync" in p.stdout + p.stderr
+
+
+BIG = dict(vocab_size=3001, hidden_size=512, intermediate_size=3072, num_hidden_layers=2, num_attention_heads=8,
+           num_key_value_heads=4)
+
+
+def test_chunked_pieces_hold_the_source(tmp_path):
+    """Pieces of several ~1 MiB chunks, written by 1 to 4 threads taking turns (hash in
+    chunk order, write in chunk order): h5py reads every dataset equal to its box of the
+    source, for whole-row pieces, row-split ones (o_proj, down_proj at tp=2), partial last
+    chunks (an odd vocabulary), with and without dtype conversion and compression; and the
+    pieces' checksums do not depend on threads, compression or --no-fsync."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from safetensors.numpy import load_file
+    torch.manual_seed(0)
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(LlamaConfig(**BIG)).save_pretrained(str(hf), safe_serialization=True)
+    src = load_file(str(hf / "model.safetensors"))
+    assert src["model.embed_tokens.weight"].nbytes > 4 << 20 and src["model.embed_tokens.weight"].dtype == np.float32
+    seen = {}
+    for dtype, compress, threads, extra in [("keep", "none", "4", ["--no-fsync"]), ("keep", "zstd", "1", []),
+                                            ("keep", "none", "1", []), ("bf16", "none", "3", []),
+                                            ("bf16", "zstd:1", "2", ["--no-fsync"])]:
+        ck = tmp_path / f"ck-{dtype}-{compress}-{threads}"
+        run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=2,tp=2", "--dtype", dtype, "--compress",
+            compress, "--threads", threads, *extra, check=0)
+        run("smp-verify", ck, check=0)
+        m = json.loads((ck / "smp.json").read_text())
+        multi = set()  # the tensors with pieces of several chunks: the test is about them
+        for t in m["tensors"]:
+            want = torch.from_numpy(src[t["name"]])
+            if dtype == "bf16":
+                want = want.to(torch.bfloat16).view(torch.int16)
+            want = want.numpy().view(np.uint16) if dtype == "bf16" else want.numpy()
+            for p in t["pieces"]:
+                with h5py.File(ck / p["file"], "r") as f:
+                    d = f[p["dataset"]]
+                    if d.id.get_num_chunks() > 1:
+                        multi.add(t["name"].split(".")[-2])
+                    got = d[()]
+                sl = tuple(slice(o, o + n) for o, n in zip(p["offset"], p["shape"]))
+                assert got.dtype == want.dtype and np.array_equal(got, want[sl]), (ck.name, t["name"], p["offset"])
+        assert {"embed_tokens", "down_proj", "gate_proj"} <= multi, multi
+        seen.setdefault(dtype, []).append(pieces_of(ck))
+    for dtype, runs in seen.items():
+        assert all(r == runs[0] for r in runs), dtype
+
+
 def test_corruption_is_caught_and_named(tmp_path):
     hf = tmp_path / "hf"
     models.make("llama-gqa-f32", hf)

@@ -9,7 +9,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
+#include <sys/stat.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 #include "../../libshard/core/internal.h"
 
@@ -81,15 +84,16 @@ static void test_paths(void **st)
     free(p);
 }
 
-static void test_writer_contract(void **st)
+/* The writer's contract, durable (o NULL) or not (no_fsync changes nothing but the
+ * fsyncs: the file appears at finish, whole); and shard_copy_file's. */
+static void writer_contract(const shard_write_opts *o)
 {
-    (void)st;
     char dir[] = "/tmp/smp-unit-XXXXXX";
     assert_non_null(mkdtemp(dir));
     char path[256];
     snprintf(path, sizeof path, "%s/t.safetensors", dir);
     shard_st_writer *w;
-    assert_int_equal(shard_st_writer_create(path, &w), SHARD_OK);
+    assert_int_equal(shard_st_writer_create_opts(path, o, &w), SHARD_OK);
     int64_t shape[2] = {2, 3};
     assert_int_equal(shard_st_writer_declare(w, "a", SHARD_DT_F32, 2, shape), SHARD_OK);
     assert_int_equal(shard_st_writer_declare(w, "a", SHARD_DT_F32, 2, shape), SHARD_E_USAGE);
@@ -107,8 +111,75 @@ static void test_writer_contract(void **st)
     assert_memory_equal(t->data, v, sizeof v);
     assert_int_equal(t->file_offset % 8, 0);
     shard_st_close(f);
+    char copy[300];
+    snprintf(copy, sizeof copy, "%s/copy", dir);
+    assert_int_equal(shard_copy_file(path, copy, o), SHARD_OK);
+    assert_int_equal(shard_copy_file(path, copy, o), SHARD_E_IO); /* exists: refused */
+    unlink(copy);
     unlink(path);
     rmdir(dir);
+}
+
+static void test_writer_contract(void **st)
+{
+    (void)st;
+    writer_contract(NULL);
+    shard_write_opts no_fsync = {.no_fsync = 1};
+    writer_contract(&no_fsync);
+}
+
+/* A file's XXH64 (read in pieces: a size over many of them, not a multiple of one) and
+ * the note a shard writer leaves for the commit: used once, and only while it still
+ * describes the file. */
+static void test_file_hash_and_note(void **st)
+{
+    (void)st;
+    char dir[] = "/tmp/smp-unit-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[256];
+    snprintf(path, sizeof path, "%s/shard-00000.h5", dir);
+    const size_t n = (3u << 20) + 123;
+    unsigned char *buf = malloc(n);
+    for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)(i * 2654435761u >> 13);
+    FILE *fp = fopen(path, "wb");
+    assert_int_equal(fwrite(buf, 1, n, fp), n);
+    fclose(fp);
+    uint64_t h, bytes;
+    assert_int_equal(shard_file_xxh64(path, &h, &bytes), SHARD_OK);
+    assert_true(h == XXH64(buf, n, 0) && bytes == n);
+    char empty[300];
+    snprintf(empty, sizeof empty, "%s/empty", dir);
+    fclose(fopen(empty, "wb"));
+    assert_int_equal(shard_file_xxh64(empty, &h, &bytes), SHARD_OK);
+    assert_true(h == XXH64("", 0, 0) && bytes == 0);
+    unlink(empty);
+    assert_int_equal(shard_file_xxh64("/nonexistent/x", &h, &bytes), SHARD_E_CORRUPT);
+
+    int fd = open(path, O_RDONLY);
+    assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n), SHARD_OK);
+    close(fd);
+    char note[300];
+    snprintf(note, sizeof note, "%s.xxh64", path);
+    assert_int_equal(access(note, F_OK), 0);
+    assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 1); /* the note is trusted as written */
+    assert_true(h == 0x1234 && bytes == n);
+    assert_int_equal(access(note, F_OK), -1); /* and used once */
+    assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 0);
+    /* a file changed after its note: the note no longer describes it */
+    fd = open(path, O_RDONLY);
+    assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n), SHARD_OK);
+    close(fd);
+    fp = fopen(path, "r+b");
+    fseek(fp, 5, SEEK_SET);
+    fputc(0, fp);
+    fclose(fp);
+    struct timespec later[2] = {{0, UTIME_OMIT}, {1, 0}}; /* a new mtime, whatever the clock's grain */
+    utimensat(AT_FDCWD, path, later, 0);
+    assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 0);
+    assert_int_equal(access(note, F_OK), -1);
+    unlink(path);
+    rmdir(dir);
+    free(buf);
 }
 
 int main(void)
@@ -116,6 +187,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract),
+        cmocka_unit_test(test_file_hash_and_note),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }

@@ -8,16 +8,20 @@
 # by the safetensors library: hidden 2048, intermediate 5632, 14 layers, vocab 32000,
 # 16 heads, 4 kv heads: 762 M parameters, 1.52 GB), and reused by later runs.
 # Page caches cannot be dropped here, so every command runs warm, after one warm-up
-# read of the model. Side by side:
-#   (a) cp -r of the folder (and cp -r + sync: smp-convert fsyncs what it writes)
-#   (b) smp-convert hf2smp --compress none --layout tp=2     target: <= 1.5 x cp
+# read of the model. Side by side, like with like:
+#   (a)  cp -r of the folder
+#   (b)  smp-convert hf2smp --compress none --no-fsync --layout tp=2   target: <= 1.5 x (a)
+#   (a') cp -r && sync: a durable copy
+#   (b') smp-convert hf2smp --compress none --layout tp=2 (durable: fsyncs what it
+#        writes, the default)                                          target: <= 1.5 x (a')
 #   (c) smp-convert hf2smp (default zstd)  --layout tp=2
 #   (d) a Python converter written the obvious way: safetensors.torch.load_file of the
 #       whole model, slices for tp=2 as smp cuts them, h5py writes one file per rank
 #   (e) peak RSS (/usr/bin/time -v) of every command             target: <= 256 MiB for smp
 #   (f) zstd on these bf16 weights: checkpoint bytes / model bytes, and MB/s of (c)
-# Environment: SMP_BENCH_REPEAT=N runs each command N times and keeps the fastest
-# (default 1; more on a shared machine, where other processes skew single runs),
+# Environment: SMP_BENCH_REPEAT=N runs every command N times, in N rounds of all the
+# commands one after another (so that a busy moment of a shared machine hits all of
+# them), and keeps each command's fastest run (default 3),
 # SMP_PY (python with torch, transformers, safetensors, h5py; default the oracle venv
 # under ~/.cache/smp), SMP_BIN (default build/bin; built if missing).
 set -euo pipefail
@@ -126,28 +130,30 @@ calc() { awk "BEGIN { print $* }"; }
 TMPT=$(mktemp)
 trap 'rm -f "$TMPT"' EXIT
 declare -A T RSS BYTES
-# measure KEY OUTPATH CMD...: wall seconds, peak RSS (KiB) and bytes written; with
-# SMP_BENCH_REPEAT=N (default 1) the command runs N times and the fastest run counts
-# (for a shared, noisy machine), the output removed between runs.
-REPEAT=${SMP_BENCH_REPEAT:-1}
+# measure KEY OUTPATH CMD...: wall seconds, peak RSS (KiB) and bytes written of one run;
+# the fastest run of a key counts, and the largest RSS. The output is removed after
+# each run (and everything synced before the next), so that runs do not see each
+# other's dirty pages.
+REPEAT=${SMP_BENCH_REPEAT:-3}
 measure() {
     local key=$1 outp=$2; shift 2
-    local t0 t1 dt rss k
-    T[$key]=""
-    for ((k = 0; k < REPEAT; k++)); do
-        rm -rf "$outp"; sync
-        t0=$(date +%s.%N)
-        if ! /usr/bin/time -v -o "$TMPT" "$@" >/dev/null 2>"$OUT/$key.log"; then
-            echo "FAILED: $*"; cat "$OUT/$key.log"; exit 1
-        fi
-        t1=$(date +%s.%N)
-        dt=$(calc "$t1 - $t0")
-        rss=$(awk -F': ' '/Maximum resident set size/ {print $2}' "$TMPT")
-        if [ -z "${T[$key]}" ] || [ "$(calc "($dt < ${T[$key]})")" = 1 ]; then T[$key]=$dt; fi
-        if [ -z "${RSS[$key]:-}" ] || [ "$rss" -gt "${RSS[$key]}" ]; then RSS[$key]=$rss; fi
-        printf "  %-10s %7.2f s   peak RSS %8.1f MiB\n" "$key" "$dt" "$(calc "$rss / 1024")"
-    done
+    local t0 t1 dt rss
+    rm -rf "$outp"; sync
+    t0=$(date +%s.%N)
+    if ! /usr/bin/time -v -o "$TMPT" "$@" >/dev/null 2>"$OUT/$key.log"; then
+        echo "FAILED: $*"; cat "$OUT/$key.log"; exit 1
+    fi
+    t1=$(date +%s.%N)
+    dt=$(calc "$t1 - $t0")
+    rss=$(awk -F': ' '/Maximum resident set size/ {print $2}' "$TMPT")
+    if [ -z "${T[$key]:-}" ] || [ "$(calc "($dt < ${T[$key]})")" = 1 ]; then T[$key]=$dt; fi
+    if [ -z "${RSS[$key]:-}" ] || [ "$rss" -gt "${RSS[$key]}" ]; then RSS[$key]=$rss; fi
     BYTES[$key]=$(du -sb "$outp" | cut -f1)
+    if [ "$round" = 1 ]; then  # the outputs are whole checkpoints (once: verifying takes a while)
+        case $key in none|durable|zstd) "$BIN/smp-verify" "$outp" >/dev/null || { echo "FAILED: smp-verify $outp"; exit 1; } ;; esac
+    fi
+    rm -rf "$outp"; sync
+    printf "  %-8s %7.2f s   peak RSS %8.1f MiB\n" "$key" "$dt" "$(calc "$rss / 1024")"
 }
 
 echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg), $(df -h "$CACHE" | awk 'NR==2 {print $1}')"
@@ -156,23 +162,20 @@ echo "warm-up read ..."
 cat "$HF"/* >/dev/null
 sync
 
-echo "runs (warm; each $REPEAT time(s), the fastest counts):"
-measure cp "$OUT/cp" cp -r "$HF" "$OUT/cp"
-rm -rf "$OUT/cp"; sync
-measure cp+sync "$OUT/cps" bash -c "cp -r '$HF' '$OUT/cps' && sync"
-rm -rf "$OUT/cps"; sync
-measure none "$OUT/none" "$BIN/smp-convert" hf2smp --in "$HF" --out "$OUT/none" --layout tp=2 --compress none
-"$BIN/smp-verify" "$OUT/none" >/dev/null
-rm -rf "$OUT/none"; sync
-measure zstd "$OUT/zstd" "$BIN/smp-convert" hf2smp --in "$HF" --out "$OUT/zstd" --layout tp=2
-"$BIN/smp-verify" "$OUT/zstd" >/dev/null
-rm -rf "$OUT/zstd"; sync
-measure python "$OUT/py" "$PY" "$NAIVE" "$HF" "$OUT/py"
-rm -rf "$OUT/py"; sync
+SMP=("$BIN/smp-convert" hf2smp --in "$HF" --layout tp=2)
+for ((round = 1; round <= REPEAT; round++)); do
+    echo "round $round of $REPEAT (warm):"
+    measure cp "$OUT/cp" cp -r "$HF" "$OUT/cp"
+    measure none "$OUT/none" "${SMP[@]}" --out "$OUT/none" --compress none --no-fsync
+    measure cp+sync "$OUT/cps" bash -c "cp -r '$HF' '$OUT/cps' && sync"
+    measure durable "$OUT/durable" "${SMP[@]}" --out "$OUT/durable" --compress none
+    measure zstd "$OUT/zstd" "${SMP[@]}" --out "$OUT/zstd"
+    measure python "$OUT/py" "$PY" "$NAIVE" "$HF" "$OUT/py"
+done
 
 # ------------------------------------------------------------------- the table
 mib() { calc "${RSS[$1]} / 1024"; }
-ratio() { calc "${T[$1]} / ${T[cp]}"; }
+ratio() { calc "${T[$1]} / ${T[${2:-cp}]}"; }
 mbs() { calc "$IN_BYTES / ${T[$1]} / 1000000"; }
 verdict() { if [ "$(calc "($1 <= $2)")" = 1 ]; then echo "ok"; else echo "MISSED"; fi; }
 echo
@@ -182,18 +185,23 @@ row() {  # key label
     printf "%-44s %9.2f %9.2f %9.0f %7.0f MiB %9.3f\n" "$2" "${T[$1]}" "$(ratio "$1")" "$(mbs "$1")" "$(mib "$1")" \
         "$(calc "${BYTES[$1]} / $IN_BYTES")"
 }
-row cp "(a) cp -r"
+row cp "(a)  cp -r"
+row none "(b)  smp-convert --compress none --no-fsync"
 row cp+sync "(a') cp -r && sync"
-row none "(b) smp-convert --compress none"
-row zstd "(c) smp-convert (zstd, default level)"
-row python "(d) python: load_file + slice + h5py"
+row durable "(b') smp-convert --compress none (durable)"
+row zstd "(c)  smp-convert (zstd, default level)"
+row python "(d)  python: load_file + slice + h5py"
 echo
-echo "targets:"
-printf "  (b) smp-convert --compress none <= 1.5 x cp:        %.2f x cp -r, %.2f x cp -r && sync   %s\n" \
-    "$(ratio none)" "$(calc "${T[none]} / ${T[cp+sync]}")" "$(verdict "$(ratio none)" 1.5)"
-printf "  (e) smp-convert peak RSS <= 256 MiB:                none %.0f MiB, zstd %.0f MiB   %s\n" \
-    "$(mib none)" "$(mib zstd)" "$(verdict "$(calc "($(mib none) > $(mib zstd) ? $(mib none) : $(mib zstd))")" 256)"
-printf "  (d) python converter: %.2f s (%.2f x smp none), peak RSS %.0f MiB\n" "${T[python]}" \
+echo "targets (like with like; fastest of $REPEAT runs each):"
+printf "  (b)  --compress none --no-fsync <= 1.5 x cp -r:             %.2f x   %s\n" \
+    "$(ratio none)" "$(verdict "$(ratio none)" 1.5)"
+printf "  (b') --compress none, durable   <= 1.5 x cp -r && sync:     %.2f x   %s\n" \
+    "$(ratio durable cp+sync)" "$(verdict "$(ratio durable cp+sync)" 1.5)"
+big=$(calc "($(mib none) > $(mib durable) ? $(mib none) : $(mib durable))")
+big=$(calc "($big > $(mib zstd) ? $big : $(mib zstd))")
+printf "  (e)  smp-convert peak RSS <= 256 MiB:  none %.0f MiB, durable %.0f MiB, zstd %.0f MiB   %s\n" \
+    "$(mib none)" "$(mib durable)" "$(mib zstd)" "$(verdict "$big" 256)"
+printf "  (d)  python converter: %.2f s (%.2f x smp --compress none --no-fsync), peak RSS %.0f MiB\n" "${T[python]}" \
     "$(calc "${T[python]} / ${T[none]}")" "$(mib python)"
-printf "  (f) zstd on bf16 weights: checkpoint/model = %.3f (%s of %s), %.0f MB/s of model converted\n" \
+printf "  (f)  zstd on bf16 weights: checkpoint/model = %.3f (%s of %s), %.0f MB/s of model converted\n" \
     "$(calc "${BYTES[zstd]} / $IN_BYTES")" "$(numfmt --to=iec "${BYTES[zstd]}")" "$(numfmt --to=iec "$IN_BYTES")" "$(mbs zstd)"
