@@ -2,6 +2,7 @@
  *
  * - error reporting for the launchers (smp_cuda_fail, SMP_ARG, smp_cuda_launched)
  * - storage types: float or bf16 in memory, float in registers (ld_f / st_f, Pack)
+ * - element-wise maps of two tensors (map2_launch)
  * - warp and block reductions
  * - the tensor-core and async-copy instructions the attention kernels use
  *   (mma.sync m16n8k16 bf16, ldmatrix, cp.async), each in one small function.
@@ -98,6 +99,47 @@ template <typename T> __device__ __forceinline__ Pack<T> ld_pack(const T *p)
 template <typename T> __device__ __forceinline__ void st_pack(T *p, const Pack<T> &r)
 {
     *reinterpret_cast<int4 *>(p) = *reinterpret_cast<const int4 *>(&r);
+}
+
+/* ---------------------------------------------------------- element-wise maps */
+/* y[i] = f(a[i], b[i]) over n elements of T, arithmetic in fp32: a grid-stride loop,
+ * in 16-byte packs when VEC (the three pointers aligned), the tail that does not fill
+ * a pack in block 0. y may be a or b: each thread reads its elements before writing
+ * them. F: a functor with `__device__ float operator()(float, float) const`. */
+template <typename T, bool VEC, typename F>
+__global__ void map2_kernel(T *y, const T *a, const T *b, size_t n, F f)
+{
+    constexpr int V = VEC ? Pack<T>::N : 1;
+    const size_t nv = n / V;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nv; i += (size_t)gridDim.x * blockDim.x) {
+        if (VEC) {
+            Pack<T> p = ld_pack(a + i * V), q = ld_pack(b + i * V);
+            for (int e = 0; e < V; e++) p.v[e] = from_f<T>(f(to_f(p.v[e]), to_f(q.v[e])));
+            st_pack(y + i * V, p);
+        } else {
+            st_f(y + i, f(ld_f(a + i), ld_f(b + i)));
+        }
+    }
+    if (VEC && blockIdx.x == 0)
+        for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) st_f(y + i, f(ld_f(a + i), ld_f(b + i)));
+}
+/* map2_kernel on `stream`: blocks of 256 threads, at most 8 per multiprocessor;
+ * fn names the op in the error message. */
+template <typename T, typename F>
+static inline cudaError_t map2_launch(void *y, const void *a, const void *b, size_t n, F f, cudaStream_t stream,
+                                      const char *fn)
+{
+    const int sms = smp_cuda_sm_count();
+    const unsigned cap = (unsigned)(sms > 0 ? sms * 8 : 1024);
+    if (smp_aligned16(y) && smp_aligned16(a) && smp_aligned16(b)) {
+        auto k = map2_kernel<T, true, F>;
+        SMP_LAUNCH(k, smp_blocks((n + Pack<T>::N - 1) / Pack<T>::N, 256, cap), 256, 0, stream, (T *)y, (const T *)a,
+                   (const T *)b, n, f);
+    } else {
+        auto k = map2_kernel<T, false, F>;
+        SMP_LAUNCH(k, smp_blocks(n, 256, cap), 256, 0, stream, (T *)y, (const T *)a, (const T *)b, n, f);
+    }
+    return smp_cuda_launched(fn);
 }
 
 /* --------------------------------------------------------------- reductions */

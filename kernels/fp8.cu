@@ -1,4 +1,5 @@
-/* kernels/fp8.cu: FP8 quantize (with amax), dequantize and byte transpose (CUDA).
+/* kernels/fp8.cu: FP8 quantize (with amax), dequantize, byte transpose, and the
+ * recipe's amax and scale updates on the device (CUDA).
  *
  * Bit-exact with libshard's shard_fp8_quantize: the product x * scale is one fp32
  * multiply (no contraction), then the hardware conversion with saturation to the
@@ -158,4 +159,50 @@ extern "C" cudaError_t cuda_op_fp8_transpose(uint8_t *dst, const uint8_t *src, i
     dim3 grid((cols + TR_TILE - 1) / TR_TILE, (rows + TR_TILE - 1) / TR_TILE);
     SMP_LAUNCH(fp8_transpose_kernel, grid, dim3(TR_TILE, 4), 0, stream, dst, src, rows, cols);
     return smp_cuda_launched("cuda_op_fp8_transpose");
+}
+
+/* ---- the recipe's scalars: a few dozen floats, one thread each */
+__global__ void fp8_amax_fold_kernel(float *acc, const float *amax, int n)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float a = amax[i], s = acc[i];
+    if (a > s || isnan(a)) acc[i] = isnan(s) ? s : a; /* as train/fp8.c's use_scale */
+}
+
+__global__ void fp8_scale_update_kernel(float *scale, float *sinv, const float *amax, int n, float fmt_max,
+                                        float margin)
+{
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    const float a = amax[i];
+    float sc = scale[i];
+    if (a > 0.0f && isfinite(a)) { /* as train/fp8.c's scale_from */
+        const float s = (float)((double)fmt_max / a / pow(2.0, (double)margin));
+        if (isfinite(s) && s > 0.0f) sc = s;
+    }
+    scale[i] = sc;
+    if (sinv) sinv[i] = 1.0f / sc;
+}
+
+extern "C" cudaError_t cuda_op_fp8_amax_fold(float *acc, const float *amax, int n, cudaStream_t stream)
+{
+    SMP_ARG(n >= 0, "n=%d", n);
+    if (n == 0) return cudaSuccess;
+    SMP_ARG(acc && amax, "NULL pointer");
+    SMP_LAUNCH(fp8_amax_fold_kernel, (unsigned)((n + 127) / 128), 128, 0, stream, acc, amax, n);
+    return smp_cuda_launched("cuda_op_fp8_amax_fold");
+}
+
+extern "C" cudaError_t cuda_op_fp8_scale_update(float *scale, float *sinv, const float *amax, int n, int fmt,
+                                                float margin, cudaStream_t stream)
+{
+    SMP_ARG(n >= 0, "n=%d", n);
+    SMP_ARG(fmt == OP_FP8_E4M3 || fmt == OP_FP8_E5M2, "fmt=%d is not OP_FP8_E4M3 or OP_FP8_E5M2", fmt);
+    if (n == 0) return cudaSuccess;
+    SMP_ARG(scale && amax, "NULL pointer");
+    const float fmt_max = fmt == OP_FP8_E5M2 ? 57344.0f : 448.0f;
+    SMP_LAUNCH(fp8_scale_update_kernel, (unsigned)((n + 127) / 128), 128, 0, stream, scale, sinv, amax, n, fmt_max,
+               margin);
+    return smp_cuda_launched("cuda_op_fp8_scale_update");
 }

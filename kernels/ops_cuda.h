@@ -146,6 +146,9 @@ cudaError_t cuda_op_sumsq(double *out, const void *x, size_t n, cudaDataType_t d
 cudaError_t cuda_op_amax(float *out, const void *x, size_t n, cudaDataType_t dt,
                          cudaStream_t stream);
 cudaError_t cuda_op_scale(void *x, float s, size_t n, cudaDataType_t dt, cudaStream_t stream);
+/* y = a + b (all three in dt, fp32 arithmetic); y may be a or b. */
+cudaError_t cuda_op_add(void *y, const void *a, const void *b, size_t n, cudaDataType_t dt,
+                        cudaStream_t stream);
 
 /* ---- FP8 ----------------------------------------------------------------------------------
  * q[i] = fp8(clamp(x[i] * scale, -max, max)), RNE, NaN kept NaN with its sign: bit
@@ -157,6 +160,14 @@ cudaError_t cuda_op_fp8_quantize(uint8_t *q, float *amax, const void *x, size_t 
                                  cudaStream_t stream);
 cudaError_t cuda_op_fp8_dequantize(void *x, const uint8_t *q, size_t n, const float *scale,
                                    int fmt, cudaDataType_t dt, cudaStream_t stream);
+/* The recipe's bookkeeping on the device (train/fp8.h), on n scalars at once.
+ * amax_fold: acc[i] = max(acc[i], amax[i]), where a NaN amax wins and a NaN acc
+ * stays (the step is then skipped). scale_update (current scaling): scale[i] =
+ * fmt_max / amax[i] / 2^margin (computed in double), kept as it is when amax[i] is
+ * 0 or not finite; sinv[i] (may be NULL) = 1 / scale[i]. */
+cudaError_t cuda_op_fp8_amax_fold(float *acc, const float *amax, int n, cudaStream_t stream);
+cudaError_t cuda_op_fp8_scale_update(float *scale, float *sinv, const float *amax, int n, int fmt,
+                                     float margin, cudaStream_t stream);
 /* dst [cols, rows] = src [rows, cols]^T, bytes (the layout FP8 GEMMs need). */
 cudaError_t cuda_op_fp8_transpose(uint8_t *dst, const uint8_t *src, int rows, int cols,
                                   cudaStream_t stream);

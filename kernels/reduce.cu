@@ -1,4 +1,4 @@
-/* kernels/reduce.cu: sum of squares, max |x| and scaling (CUDA).
+/* kernels/reduce.cu: sum of squares, max |x|, scaling and addition (CUDA).
  * The reductions zero their device scalar, then a grid of a few blocks per
  * multiprocessor reduces in registers and shared memory and adds each block's
  * result atomically: a double add for sumsq, an integer max on the float bits for
@@ -77,6 +77,10 @@ __global__ void scale_kernel(T *x, float s, size_t n)
         for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) st_f(x + i, ld_f(x + i) * s);
 }
 
+struct AddOp {
+    __device__ float operator()(float a, float b) const { return a + b; }
+};
+
 static unsigned red_grid(size_t n, int V)
 {
     int sms = smp_cuda_sm_count();
@@ -148,4 +152,14 @@ extern "C" cudaError_t cuda_op_scale(void *x, float s, size_t n, cudaDataType_t 
     if (n == 0) return cudaSuccess;
     SMP_ARG(x, "NULL pointer");
     return dt == CUDA_R_32F ? scale_run<float>(x, s, n, stream) : scale_run<bf16>(x, s, n, stream);
+}
+
+extern "C" cudaError_t cuda_op_add(void *y, const void *a, const void *b, size_t n, cudaDataType_t dt,
+                                   cudaStream_t stream)
+{
+    SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)dt);
+    if (n == 0) return cudaSuccess;
+    SMP_ARG(y && a && b, "NULL pointer");
+    return dt == CUDA_R_32F ? map2_launch<float>(y, a, b, n, AddOp(), stream, "cuda_op_add")
+                            : map2_launch<bf16>(y, a, b, n, AddOp(), stream, "cuda_op_add");
 }

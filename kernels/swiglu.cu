@@ -4,31 +4,9 @@
 
 __device__ __forceinline__ float sigmoidf_(float g) { return 1.0f / (1.0f + expf(-g)); }
 
-template <typename T, bool VEC>
-__global__ void swiglu_forward_kernel(T *out, const T *gate, const T *up, size_t n)
-{
-    constexpr int V = VEC ? Pack<T>::N : 1;
-    const size_t nv = n / V;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nv; i += (size_t)gridDim.x * blockDim.x) {
-        if (VEC) {
-            Pack<T> g = ld_pack(gate + i * V), u = ld_pack(up + i * V), o;
-            for (int e = 0; e < V; e++) {
-                float gv = to_f(g.v[e]);
-                o.v[e] = from_f<T>(gv * sigmoidf_(gv) * to_f(u.v[e]));
-            }
-            st_pack(out + i * V, o);
-        } else {
-            float gv = ld_f(gate + i);
-            st_f(out + i, gv * sigmoidf_(gv) * ld_f(up + i));
-        }
-    }
-    /* the tail that does not fill a vector */
-    if (VEC && blockIdx.x == 0)
-        for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) {
-            float gv = ld_f(gate + i);
-            st_f(out + i, gv * sigmoidf_(gv) * ld_f(up + i));
-        }
-}
+struct SwiGLU {
+    __device__ float operator()(float g, float u) const { return g * sigmoidf_(g) * u; }
+};
 
 template <typename T>
 __device__ __forceinline__ void swiglu_bwd1(T *dgate, T *dup, const T *dout, const T *gate, const T *up, size_t i)
@@ -71,20 +49,6 @@ static unsigned ew_grid(size_t n, int V)
 }
 
 template <typename T>
-static cudaError_t swiglu_forward(void *out, const void *gate, const void *up, size_t n, cudaStream_t stream)
-{
-    const bool vec = smp_aligned16(out) && smp_aligned16(gate) && smp_aligned16(up);
-    if (vec) {
-        auto k = swiglu_forward_kernel<T, true>;
-        SMP_LAUNCH(k, ew_grid(n, Pack<T>::N), 256, 0, stream, (T *)out, (const T *)gate, (const T *)up, n);
-    } else {
-        auto k = swiglu_forward_kernel<T, false>;
-        SMP_LAUNCH(k, ew_grid(n, 1), 256, 0, stream, (T *)out, (const T *)gate, (const T *)up, n);
-    }
-    return smp_cuda_launched("cuda_op_swiglu_forward");
-}
-
-template <typename T>
 static cudaError_t swiglu_backward(void *dgate, void *dup, const void *dout, const void *gate, const void *up,
                                    size_t n, cudaStream_t stream)
 {
@@ -108,8 +72,8 @@ extern "C" cudaError_t cuda_op_swiglu_forward(void *out, const void *gate, const
     SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)dt);
     if (n == 0) return cudaSuccess;
     SMP_ARG(out && gate && up, "NULL pointer");
-    return dt == CUDA_R_32F ? swiglu_forward<float>(out, gate, up, n, stream)
-                            : swiglu_forward<bf16>(out, gate, up, n, stream);
+    return dt == CUDA_R_32F ? map2_launch<float>(out, gate, up, n, SwiGLU(), stream, "cuda_op_swiglu_forward")
+                            : map2_launch<bf16>(out, gate, up, n, SwiGLU(), stream, "cuda_op_swiglu_forward");
 }
 
 extern "C" cudaError_t cuda_op_swiglu_backward(void *dgate, void *dup, const void *dout, const void *gate,

@@ -2,8 +2,9 @@
 # The whole test suite, from a fresh clone: installs what it needs (tools/bootstrap.sh),
 # builds every variant, runs the C unit tests (optimized and sanitized), the oracle
 # tests against torch/transformers/safetensors/ml_dtypes/h5py, the hostile corpus
-# under ASan+UBSan, replays the fuzz corpora and fuzzes each parser briefly, and runs
-# the GPU parity program (which skips cleanly where there is no GPU).
+# under ASan+UBSan, replays the fuzz corpora and fuzzes each parser briefly, runs the
+# GPU programs (which skip cleanly where there is no GPU), and checks the CUDA backend
+# on the CPU emulator against the C backend (cuda-emu-dev).
 #   FUZZ_SECONDS=N   seconds of fresh fuzzing per harness (default 20)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -80,6 +81,18 @@ gpu_program() {  # a program that prints SKIP and exits 0 where there is no GPU
 }
 gpu_program build/bin/smp-gpu-parity
 gpu_program build/bin/smp-nccl-test
+gpu_program build/bin/smp-dev-check
+
+step "cuda-emu-dev: the CUDA backend (train/dev_cuda*.c) on the CPU emulator against the C backend"
+if tools/cuda-emu-lib build/emu-lib >"$LOG/cuda-emu-lib.log" 2>&1; then
+    if build/emu-lib/dev-check build/emu-lib/libsmp_cuda.so >"$LOG/cuda-emu-dev.log" 2>&1; then
+        ok "cuda-emu-dev ($(tail -1 "$LOG/cuda-emu-dev.log"))"
+    else
+        grep -E "^FAIL" "$LOG/cuda-emu-dev.log"; tail -3 "$LOG/cuda-emu-dev.log"; bad "cuda-emu-dev"
+    fi
+else
+    tail -30 "$LOG/cuda-emu-lib.log"; bad "cuda-emu-dev (tools/cuda-emu-lib failed)"
+fi
 
 echo
 for f in "${failures[@]}"; do echo "failed: $f"; done

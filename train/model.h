@@ -1,9 +1,11 @@
-/* train/model.h: the Llama/Mistral model of one rank, assembled from kernels/ops.h.
+/* train/model.h: the Llama/Mistral model of one rank, assembled from the ops of a
+ * backend (dev.h: the C ops of kernels/ops.h, or the CUDA ones).
  *
  * Parameters are held per tensor, in shard_model_tensor order (embedding, then each
  * layer's q, k, v, o, gate, up, down, input_layernorm, post_attention_layernorm, then
- * the final norm and the head), all in one fp32 array (so the optimizer and the
- * gradient norm see one flat vector), with a gradient array of the same shape.
+ * the final norm and the head), all in one array in the backend's compute dtype (so
+ * the optimizer and the gradient norm see one flat vector), with an fp32 gradient
+ * array of the same shape. Every buffer lives in the backend's memory.
  * With tied embeddings there is no head tensor: the head reads the embedding, and
  * both uses accumulate into the embedding's gradient (backward ops accumulate).
  *
@@ -16,8 +18,8 @@
  * so that the split is a matter of filling them differently and adding the
  * communication between the ops.
  *
- * Compute is fp32. Activations of every layer are kept for backward (no
- * recomputation). A forward/backward runs on one microbatch of B sequences of T
+ * Compute is in dev->dt (fp32, or bf16 on CUDA). Activations are kept for backward
+ * or recomputed (recompute_mode). A forward/backward runs on one microbatch of B sequences of T
  * tokens; the caller zeroes the gradients at the start of an optimizer step and the
  * backward passes accumulate into them.
  */

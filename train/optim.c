@@ -43,10 +43,10 @@ shard_status optim_host(optim *o)
         o->hm = o->m, o->hv = o->v, o->hmaster = o->master;
         return SHARD_OK;
     }
-    const size_t bytes = (o->n ? o->n : 1) * sizeof(float);
-    if (!o->hm) o->hm = malloc(bytes);
-    if (!o->hv) o->hv = malloc(bytes);
-    if (o->master && !o->hmaster) o->hmaster = malloc(bytes);
+    const size_t n = o->n ? o->n : 1; /* zeros: a run without saved moments starts from them */
+    if (!o->hm) o->hm = calloc(n, sizeof(float));
+    if (!o->hv) o->hv = calloc(n, sizeof(float));
+    if (o->master && !o->hmaster) o->hmaster = calloc(n, sizeof(float));
     if (!o->hm || !o->hv || (o->master && !o->hmaster))
         return shard_fail(SHARD_E_NOMEM, "out of host memory for the optimizer state");
     return SHARD_OK;

@@ -5,10 +5,11 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int reducible(const shard_comm *c, shard_dtype dt)
+/* bf16/f16: NCCL natively, MPI through user operations in fp32 (mpi.c), self trivially */
+static int reducible(shard_dtype dt)
 {
-    if ((dt == SHARD_DT_BF16 || dt == SHARD_DT_F16) && !strcmp(c->ops->name, "nccl")) return 1; /* on GPUs */
-    return dt == SHARD_DT_F32 || dt == SHARD_DT_F64 || dt == SHARD_DT_I32 || dt == SHARD_DT_I64 || dt == SHARD_DT_U64;
+    return dt == SHARD_DT_F32 || dt == SHARD_DT_F64 || dt == SHARD_DT_I32 || dt == SHARD_DT_I64 || dt == SHARD_DT_U64 ||
+           dt == SHARD_DT_BF16 || dt == SHARD_DT_F16;
 }
 
 int shard_comm_rank(const shard_comm *c) { return c->rank; }
@@ -31,7 +32,7 @@ shard_status shard_comm_split(shard_comm *c, int color, int key, shard_comm **ou
 
 shard_status shard_comm_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op)
 {
-    if (!reducible(c, dt)) return shard_fail(SHARD_E_USAGE, "allreduce: dtype %s cannot be reduced", shard_dtype_name(dt));
+    if (!reducible(dt)) return shard_fail(SHARD_E_USAGE, "allreduce: dtype %s cannot be reduced", shard_dtype_name(dt));
     /* a ring all-reduce sends 2 (size-1)/size of the buffer from each rank */
     c->bytes += c->size > 1 ? 2 * (uint64_t)(c->size - 1) * n * shard_dtype_size(dt) / (uint64_t)c->size : 0;
     return c->ops->allreduce(c, buf, n, dt, op);
@@ -39,7 +40,7 @@ shard_status shard_comm_allreduce(shard_comm *c, void *buf, size_t n, shard_dtyp
 
 shard_status shard_comm_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op)
 {
-    if (!reducible(c, dt)) return shard_fail(SHARD_E_USAGE, "reduce_scatter: dtype %s cannot be reduced", shard_dtype_name(dt));
+    if (!reducible(dt)) return shard_fail(SHARD_E_USAGE, "reduce_scatter: dtype %s cannot be reduced", shard_dtype_name(dt));
     c->bytes += (uint64_t)(c->size - 1) * n * shard_dtype_size(dt);
     return c->ops->reduce_scatter(c, send, recv, n, dt, op);
 }

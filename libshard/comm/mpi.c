@@ -3,6 +3,7 @@
  * Open MPI's runtime then ends the others. */
 #include "comm.h"
 
+#include <math.h>
 #include <mpi.h>
 #include <stdlib.h>
 
@@ -35,15 +36,59 @@ static shard_status check(int rc, const char *what)
     return shard_fail(SHARD_E_IO, "MPI %s failed: %.*s", what, len, msg);
 }
 
+/* bf16 and f16 reductions: MPI has no 16-bit float types, so they travel as
+ * MPI_UINT16_T and reduce through user operations that work element by element in
+ * fp32 and round back to nearest even (a sum over ranks is thus rounded at each
+ * step, as NCCL's is). Max propagates NaN. Created on first use (MPI is then
+ * initialized), kept until MPI_Finalize. */
+#define HALF_REDUCE(name, to_f32, from_f32, expr)                              \
+    static void name(void *in, void *inout, int *len, MPI_Datatype *type)     \
+    {                                                                          \
+        (void)type;                                                            \
+        const uint16_t *x = in;                                                \
+        uint16_t *y = inout;                                                   \
+        for (int i = 0; i < *len; i++) {                                       \
+            const float a = to_f32(x[i]), b = to_f32(y[i]);                    \
+            y[i] = from_f32(expr);                                             \
+        }                                                                      \
+    }
+#define MAX_NAN(a, b) (isnan(a) || (a) > (b) ? (a) : (b))
+HALF_REDUCE(bf16_sum, shard_bf16_to_f32, shard_f32_to_bf16, a + b)
+HALF_REDUCE(bf16_max, shard_bf16_to_f32, shard_f32_to_bf16, MAX_NAN(a, b))
+HALF_REDUCE(f16_sum, shard_f16_to_f32, shard_f32_to_f16, a + b)
+HALF_REDUCE(f16_max, shard_f16_to_f32, shard_f32_to_f16, MAX_NAN(a, b))
+
+static shard_status mop(shard_dtype dt, shard_op op, MPI_Op *out)
+{
+    static MPI_Op half[2][2]; /* [bf16, f16][sum, max] */
+    static MPI_User_function *const fn[2][2] = {{bf16_sum, bf16_max}, {f16_sum, f16_max}};
+    if (dt != SHARD_DT_BF16 && dt != SHARD_DT_F16) {
+        *out = op == SHARD_OP_SUM ? MPI_SUM : MPI_MAX;
+        return SHARD_OK;
+    }
+    const int t = dt == SHARD_DT_F16, o = op != SHARD_OP_SUM;
+    if (!half[t][o]) {
+        MPI_Op h;
+        int rc = MPI_Op_create(fn[t][o], 1, &h);
+        if (rc != MPI_SUCCESS) return shard_fail(SHARD_E_IO, "MPI_Op_create for %s reductions failed", shard_dtype_name(dt));
+        half[t][o] = h;
+    }
+    *out = half[t][o];
+    return SHARD_OK;
+}
+
 /* MPI counts are int: move large buffers in pieces */
 #define MAXC ((size_t)1 << 30)
 
 static shard_status m_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op)
 {
+    MPI_Op mo;
+    shard_status s = mop(dt, op, &mo);
+    if (s) return s;
     for (size_t o = 0; o < n; o += MAXC) {
         size_t k = n - o < MAXC ? n - o : MAXC;
-        shard_status s = check(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + o * shard_dtype_size(dt), (int)k, mtype(dt),
-                                             op == SHARD_OP_SUM ? MPI_SUM : MPI_MAX, C_(c)), "all-reduce");
+        s = check(MPI_Allreduce(MPI_IN_PLACE, (char *)buf + o * shard_dtype_size(dt), (int)k, mtype(dt), mo, C_(c)),
+                  "all-reduce");
         if (s) return s;
     }
     return SHARD_OK;
@@ -52,7 +97,10 @@ static shard_status m_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype 
 static shard_status m_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op)
 {
     if (n > MAXC) return shard_fail(SHARD_E_USAGE, "reduce-scatter of more than 2^30 elements per rank");
-    return check(MPI_Reduce_scatter_block(send, recv, (int)n, mtype(dt), op == SHARD_OP_SUM ? MPI_SUM : MPI_MAX, C_(c)), "reduce-scatter");
+    MPI_Op mo;
+    shard_status s = mop(dt, op, &mo);
+    if (s) return s;
+    return check(MPI_Reduce_scatter_block(send, recv, (int)n, mtype(dt), mo, C_(c)), "reduce-scatter");
 }
 
 static shard_status m_allgather(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt)

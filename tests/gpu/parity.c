@@ -486,7 +486,7 @@ static void test_attention_merge(cudaDataType_t dt, int B, int T, int nh, int hd
 /* ============================================================ swiglu */
 static void test_swiglu(cudaDataType_t dt, size_t n, int offset)
 {
-    TEST_BEGIN("swiglu %s n=%zu%s", dtname(dt), n, offset ? " unaligned" : "");
+    TEST_BEGIN("swiglu+add %s n=%zu%s", dtname(dt), n, offset ? " unaligned" : "");
     float *gt = hfloats(n), *up = hfloats(n), *out = hfloats(n);
     fill_normal(gt, n, 2.0f);
     fill_normal(up, n, 1.0f);
@@ -518,6 +518,19 @@ static void test_swiglu(cudaDataType_t dt, size_t n, int offset)
     SYNC();
     compare_dev("bwd dgate", d_dg, dt, dg, n, tol_of(dt));
     compare_dev("bwd dup", d_du, dt, du, n, tol_of(dt));
+    /* add (the residual connections) on the same tensors: y = a + b, then in place
+     * through either operand */
+    float *y = hfloats(n), *y2 = hfloats(n);
+    op_add(y, gt, up, n);
+    round_to(y, n, dt);
+    op_add(y2, y, up, n);
+    CK(cuda_op_add(d_out, d_gt, d_up, n, dt, 0));
+    CK(cuda_op_add(d_gt, d_gt, d_up, n, dt, 0));
+    CK(cuda_op_add(d_up, d_out, d_up, n, dt, 0));
+    SYNC();
+    compare_dev("add y = a + b", d_out, dt, y, n, dt == F32 ? 0.0 : 1e-2);
+    compare_dev("add a += b", d_gt, dt, y, n, dt == F32 ? 0.0 : 1e-2);
+    compare_dev("add b = y + b", d_up, dt, y2, n, dt == F32 ? 0.0 : 1e-2);
     TEST_END();
 }
 
@@ -735,6 +748,39 @@ static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
     TEST_END();
 }
 
+/* the recipe's scalars: amax folding and current scaling against train/fp8.c's rules */
+static float ref_scale_from(float amax, float prev, int fmt, float margin)
+{
+    if (!(amax > 0.0f) || !isfinite(amax)) return prev;
+    float sc = (float)((double)(fmt == OP_FP8_E5M2 ? 57344.0f : 448.0f) / amax / pow(2.0, margin));
+    return isfinite(sc) && sc > 0.0f ? sc : prev;
+}
+static void test_fp8_recipe(int fmt, float margin)
+{
+    TEST_BEGIN("fp8 recipe %s margin=%g", fmt == OP_FP8_E5M2 ? "e5m2" : "e4m3", margin);
+    enum { K = 12 };
+    /* amaxes: ordinary, 0, inf, NaN, tiny (scale overflows), huge; accumulators likewise */
+    static const float am[K] = {1.5f, 0.0f, INFINITY, NAN, 1e-40f, 3e38f, 0.25f, 7.0f, NAN, 2.0f, 0.0f, 100.0f};
+    static const float ac[K] = {1.0f, 2.0f, 3.0f, 4.0f, 0.0f, 1.0f, NAN, 7.5f, NAN, 2.0f, 0.0f, INFINITY};
+    float *sc = hfloats(K), *si = hfloats(K), *acc = copy_of(ac, K);
+    for (int i = 0; i < K; i++) sc[i] = 0.5f + (float)i;
+    float *d_am = (float *)to_dev(am, K, F32), *d_acc = (float *)to_dev(ac, K, F32), *d_sc = (float *)to_dev(sc, K, F32);
+    float *d_si = (float *)dmalloc(K * 4);
+    CK(cuda_op_fp8_amax_fold(d_acc, d_am, K, 0));
+    CK(cuda_op_fp8_scale_update(d_sc, d_si, d_am, K, fmt, margin, 0));
+    SYNC();
+    for (int i = 0; i < K; i++) {
+        if (am[i] > acc[i] || isnan(am[i])) acc[i] = isnan(acc[i]) ? acc[i] : am[i];
+        sc[i] = ref_scale_from(am[i], sc[i], fmt, margin);
+        si[i] = 1.0f / sc[i];
+    }
+    float *g_acc = from_dev(d_acc, K, F32), *g_sc = from_dev(d_sc, K, F32), *g_si = from_dev(d_si, K, F32);
+    report("amax fold (bits)", memcmp(g_acc, acc, K * 4) ? INFINITY : 0.0, 0.0);
+    report("scale (bits)", memcmp(g_sc, sc, K * 4) ? INFINITY : 0.0, 0.0);
+    report("1/scale (bits)", memcmp(g_si, si, K * 4) ? INFINITY : 0.0, 0.0);
+    TEST_END();
+}
+
 static void test_fp8_transpose(int rows, int cols)
 {
     TEST_BEGIN("fp8 transpose %dx%d", rows, cols);
@@ -896,7 +942,7 @@ int main(int argc, char **argv)
             test_rope(dt, 1, 9, 2, 128, 1);
             if (!quick) test_rope(dt, 2, 1024, 8, 128, 1);
         }
-        if (selected("swiglu")) {
+        if (selected("swiglu") || selected("add")) {
             test_swiglu(dt, 4096, 0);
             test_swiglu(dt, quick ? 5003 : 1000003, 0);
             test_swiglu(dt, 1001, 1);
@@ -918,6 +964,10 @@ int main(int argc, char **argv)
             test_fp8(dt, OP_FP8_E5M2, n, 1024.0f);
         }
         if (selected("attention merge")) test_attention_merge(dt, 2, 37, 3, 64);
+    }
+    if (selected("fp8 recipe")) {
+        test_fp8_recipe(OP_FP8_E4M3, 0.0f);
+        test_fp8_recipe(OP_FP8_E5M2, 1.0f);
     }
     if (selected("fp8 transpose")) {
         test_fp8_transpose(64, 96);

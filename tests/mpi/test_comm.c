@@ -53,7 +53,7 @@ static void collectives(shard_comm *c, const char *what)
         if (r == n - 1) { p = 0; OK(shard_comm_recv(c, &p, 1, SHARD_DT_F32, 0, 9)); CHECK(p == 3.25f, "%s send/recv", what); }
     }
     OK(shard_comm_barrier(c));
-    CHECK(shard_comm_allreduce(c, a, 1, SHARD_DT_BF16, SHARD_OP_SUM) == SHARD_E_USAGE, "%s bf16 reduction must be refused", what);
+    CHECK(shard_comm_allreduce(c, a, 1, SHARD_DT_U8, SHARD_OP_SUM) == SHARD_E_USAGE, "%s u8 reduction must be refused", what);
 }
 
 int main(int argc, char **argv)

@@ -19,3 +19,15 @@ def test_collectives_and_groups(np_, layout):
     line = [l for l in p.stdout.splitlines() if l.startswith("comm:")][-1]
     passed, failed = int(line.split()[1]), int(line.split()[3])
     assert failed == 0 and passed > 100, line
+
+
+@pytest.mark.parametrize("np_", [1, 2, 3, 4])
+def test_half_precision_reductions(np_):
+    """bf16/f16 sums and maxima through MPI's user operations (fp32 per element)."""
+    exe = BUILD / "release" / "tests" / "mpi_test_comm_half" if (BUILD / "release").exists() else BUILD / "tests" / "mpi_test_comm_half"
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), str(exe)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [l for l in p.stdout.splitlines() if l.startswith("comm_half:")][-1]
+    passed, failed = int(line.split()[1]), int(line.split()[3])
+    assert failed == 0 and passed > 1000, line

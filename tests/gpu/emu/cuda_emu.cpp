@@ -395,7 +395,8 @@ extern "C" {
 
 cudaError_t cudaGetDeviceCount(int *n)
 {
-    *n = getenv("SMP_EMU_NO_DEVICE") ? 0 : 1;
+    const char *d = getenv("SMP_EMU_DEVICES"); /* one per MPI rank of a test on one host */
+    *n = getenv("SMP_EMU_NO_DEVICE") ? 0 : d && atoi(d) > 0 ? atoi(d) : 1;
     return cudaSuccess;
 }
 cudaError_t cudaGetDevice(int *d) { *d = 0; return cudaSuccess; }
@@ -489,8 +490,29 @@ cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t)
 cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
 cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaStreamCreate(cudaStream_t *s) { *s = (cudaStream_t)0; return cudaSuccess; }
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { *s = (cudaStream_t)0; return cudaSuccess; }
+cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total)
+{
+    size_t used = 0;
+    for (const auto &a : allocations) used += a.second;
+    *total = (size_t)1 << 34;
+    *free_b = *total - (used < *total ? used : *total);
+    return cudaSuccess;
+}
+/* "pinned" host memory is plain host memory here */
+cudaError_t cudaMallocHost(void **p, size_t n)
+{
+    *p = malloc(n ? n : 1);
+    return *p ? cudaSuccess : ret(cudaErrorMemoryAllocation);
+}
+cudaError_t cudaFreeHost(void *p)
+{
+    free(p);
+    return cudaSuccess;
+}
 cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
 cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = (cudaEvent_t) new EmuEvent(); return cudaSuccess; }
+cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { return cudaEventCreate(e); }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete (EmuEvent *)e; return cudaSuccess; }
 cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t)
 {

@@ -24,7 +24,8 @@
  *
  * Environment: SMP_EMU_SHUFFLE=seed runs the threads of a block in a random order
  * at every round (races show as failures); SMP_EMU_SMS=n sets the multiprocessor
- * count (3); SMP_EMU_NO_DEVICE=1 reports no device; SMP_EMU_LT_AMAX_FP8_ONLY=1
+ * count (3); SMP_EMU_NO_DEVICE=1 reports no device; SMP_EMU_DEVICES=n reports n
+ * devices (all the same host memory; for several MPI ranks on one machine); SMP_EMU_LT_AMAX_FP8_ONLY=1
  * makes the emulated cuBLASLt refuse AMAX_D for non-FP8 outputs;
  * SMP_EMU_CPASYNC=eager|barrier performs cp.async copies at issue, or at the
  * first __syncthreads after the covering wait, instead of at the wait (run all

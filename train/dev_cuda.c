@@ -1,0 +1,321 @@
+/* train/dev_cuda.c: the CUDA backend of dev.h: device memory, one stream, the ops
+ * of kernels/ops_cuda.h with activations and compute parameters in d->dt (fp32 or
+ * bf16) and parameter gradients, statistics and optimizer state in fp32. Built
+ * into libsmp_cuda.so (see dev_cuda.h), which smp-train loads for --backend cuda;
+ * with -DSMP_CUDA_EMU the same file builds against the CPU emulator
+ * (tools/cuda-emu-lib). FP8 is in dev_cuda_fp8.c, communicators in
+ * dev_cuda_comm.c. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "dev_cuda.h"
+
+/* ------------------------------------------------------------------ failures */
+void cu_fail(dev *d, shard_status s, const char *fmt, ...)
+{
+    if (d->err) return; /* the first failure is the one to report */
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(d->errmsg, sizeof d->errmsg, fmt, ap);
+    va_end(ap);
+    d->err = s ? s : SHARD_E_INTERNAL;
+}
+
+static shard_status code_of(cudaError_t e)
+{
+    return e == cudaErrorMemoryAllocation ? SHARD_E_NOMEM : e == cudaErrorInvalidValue ? SHARD_E_USAGE : SHARD_E_IO;
+}
+
+void cu_op(dev *d, cudaError_t e)
+{
+    if (e != cudaSuccess) cu_fail(d, code_of(e), "%s", cuda_op_errmsg());
+}
+
+void cu_rt(dev *d, cudaError_t e, const char *what)
+{
+    if (e != cudaSuccess) cu_fail(d, code_of(e), "%s: %s", what, cudaGetErrorString(e));
+}
+
+shard_status cu_status(dev *d)
+{
+    return d->err ? shard_fail(d->err, "%s", d->errmsg) : SHARD_OK;
+}
+
+#define ST (cu_of(d)->st)
+#define DT (cu_dt(d))
+
+/* ------------------------------------------------------------------ device */
+static void cu_fini(dev *d)
+{
+    cu_impl *c = cu_of(d);
+    if (!c) return;
+    if (c->st) cudaStreamSynchronize(c->st);
+    cu_fp8_free(d);
+    cuda_gemm_free(c->gemm);
+    cudaFree(c->d_sum);
+    for (int i = 0; i < CU_STAGE_SLOTS; i++)
+        if (c->stage_ev[i]) cudaEventDestroy(c->stage_ev[i]);
+    if (c->stage) cudaFreeHost(c->stage);
+    if (c->st) cudaStreamDestroy(c->st);
+    free(c);
+    d->impl = NULL;
+}
+
+static shard_status cu_init(dev *d, int device)
+{
+    int n = 0;
+    cudaError_t e = cudaGetDeviceCount(&n);
+    if (e != cudaSuccess || n == 0)
+        return shard_fail(SHARD_E_UNSUPPORTED, "no CUDA device%s%s", e != cudaSuccess ? ": " : "",
+                          e != cudaSuccess ? cudaGetErrorString(e) : "");
+    if (device < 0 || device >= n)
+        return shard_fail(SHARD_E_USAGE, "CUDA device %d: this machine has %d (0..%d)", device, n, n - 1);
+    if (d->dt != SHARD_DT_F32 && d->dt != SHARD_DT_BF16)
+        return shard_fail(SHARD_E_USAGE, "the CUDA backend computes in fp32 or bf16, not %s", shard_dtype_name(d->dt));
+    if ((e = cudaSetDevice(device)) != cudaSuccess)
+        return shard_fail(SHARD_E_IO, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
+    cu_impl *c = calloc(1, sizeof *c);
+    if (!c) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    d->impl = c;
+    d->cuda = 1;
+    d->device = device;
+    cu_rt(d, cudaStreamCreateWithFlags(&c->st, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+    if (!d->err) cu_op(d, cuda_gemm_create(&c->gemm, 0, 0)); /* FP8 scratch: fp8_reserve */
+    if (!d->err) cu_rt(d, cudaMalloc((void **)&c->d_sum, sizeof(double)), "cudaMalloc");
+    if (!d->err) cu_rt(d, cudaMallocHost((void **)&c->stage, (size_t)CU_STAGE_SLOTS * CU_STAGE_BYTES), "cudaMallocHost");
+    for (int i = 0; i < CU_STAGE_SLOTS && !d->err; i++)
+        cu_rt(d, cudaEventCreateWithFlags(&c->stage_ev[i], cudaEventDisableTiming), "cudaEventCreateWithFlags");
+    if (d->err) {
+        shard_status s = cu_status(d);
+        cu_fini(d);
+        return s;
+    }
+    struct cudaDeviceProp p;
+    if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
+        snprintf(c->desc, sizeof c->desc, "%.200s, %.1f GiB (device %d)", p.name, (double)p.totalGlobalMem / (1 << 30),
+                 device);
+    else
+        snprintf(c->desc, sizeof c->desc, "CUDA device %d", device);
+    return SHARD_OK;
+}
+
+static const char *cu_describe(dev *d) { return cu_of(d)->desc; }
+
+static size_t cu_mem_used(dev *d)
+{
+    (void)d;
+    size_t free_b = 0, total = 0;
+    if (cudaMemGetInfo(&free_b, &total) != cudaSuccess) return 0;
+    return total - free_b;
+}
+
+/* ------------------------------------------------------------------ memory */
+static void *cu_alloc(dev *d, size_t bytes)
+{
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, bytes ? bytes : 16);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError(); /* not sticky: the device stays usable */
+        cu_fail(d, SHARD_E_NOMEM, "out of device memory: cudaMalloc of %zu bytes: %s", bytes, cudaGetErrorString(e));
+        return NULL;
+    }
+    cu_rt(d, cudaMemsetAsync(p, 0, bytes, ST), "cudaMemsetAsync");
+    return p;
+}
+
+static void cu_release(dev *d, void *p)
+{
+    if (p) cu_rt(d, cudaFree(p), "cudaFree");
+}
+
+static void cu_zero(dev *d, void *p, size_t bytes)
+{
+    if (bytes) cu_rt(d, cudaMemsetAsync(p, 0, bytes, ST), "cudaMemsetAsync");
+}
+
+static void cu_copy(dev *d, void *dst, const void *src, size_t bytes)
+{
+    if (bytes && dst != src) cu_rt(d, cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, ST), "cudaMemcpyAsync");
+}
+
+/* The caller may reuse `host` as soon as this returns. Small uploads (tokens,
+ * positions) go through a ring of pinned slots, so that they do not wait for the
+ * work queued before them, only for the upload that last used the slot; larger
+ * ones (initial weights) are copied and waited for. */
+static void cu_upload(dev *d, void *dst, const void *host, size_t bytes)
+{
+    cu_impl *c = cu_of(d);
+    if (!bytes) return;
+    if (bytes <= CU_STAGE_BYTES) {
+        const int i = c->stage_next;
+        c->stage_next = (i + 1) % CU_STAGE_SLOTS;
+        unsigned char *slot = c->stage + (size_t)i * CU_STAGE_BYTES;
+        cu_rt(d, cudaEventSynchronize(c->stage_ev[i]), "cudaEventSynchronize");
+        memcpy(slot, host, bytes);
+        cu_rt(d, cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, c->st), "cudaMemcpyAsync");
+        cu_rt(d, cudaEventRecord(c->stage_ev[i], c->st), "cudaEventRecord");
+        return;
+    }
+    cu_rt(d, cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, c->st), "cudaMemcpyAsync");
+    cu_rt(d, cudaStreamSynchronize(c->st), "cudaStreamSynchronize");
+}
+
+static void cu_download(dev *d, void *host, const void *src, size_t bytes)
+{
+    if (!bytes) return;
+    cu_rt(d, cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, ST), "cudaMemcpyAsync");
+    cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize");
+}
+
+static shard_status cu_sync(dev *d)
+{
+    cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize");
+    cu_rt(d, cudaGetLastError(), "a kernel");
+    return d->err;
+}
+
+/* ------------------------------------------------------------------ the model's ops */
+static void cu_embedding_forward(dev *d, void *out, const int32_t *tokens, const void *wte, int N, int H, int vs, int vl)
+{
+    cu_op(d, cuda_op_embedding_forward(out, tokens, wte, N, H, vs, vl, DT, ST));
+}
+static void cu_embedding_backward(dev *d, float *dwte, const void *dout, const int32_t *tokens, int N, int H, int vs,
+                                  int vl)
+{
+    cu_op(d, cuda_op_embedding_backward(dwte, dout, tokens, N, H, vs, vl, DT, ST));
+}
+static void cu_linear_forward(dev *d, void *out, const void *inp, const void *w, int N, int IN, int OUT)
+{
+    cu_op(d, cuda_op_linear_forward(cu_of(d)->gemm, out, DT, inp, w, DT, N, IN, OUT, ST));
+}
+static void cu_linear_backward(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w, int N,
+                               int IN, int OUT)
+{
+    /* the weight gradient accumulates in fp32 whatever the compute dtype */
+    cu_op(d, cuda_op_linear_backward(cu_of(d)->gemm, dinp, dw, CUDA_R_32F, dout, inp, w, DT, N, IN, OUT, ST));
+}
+static void cu_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
+{
+    cu_op(d, cuda_op_rmsnorm_forward(out, rstd, inp, w, N, H, eps, DT, ST));
+}
+static void cu_rmsnorm_backward(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
+                                const float *rstd, int N, int H)
+{
+    cu_op(d, cuda_op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, H, DT, ST));
+}
+static void cu_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int hd)
+{
+    cu_op(d, cuda_op_rope_table(cos_t, sin_t, pos, T, inv_freq, hd, ST));
+}
+static void cu_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
+{
+    cu_op(d, cuda_op_rope_forward(x, cos_t, sin_t, B, T, nh, hd, DT, ST));
+}
+static void cu_rope_backward(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
+{
+    cu_op(d, cuda_op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd, DT, ST));
+}
+static void cu_attention_forward(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
+                                 const int32_t *qpos, const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv,
+                                 int hd, int window)
+{
+    cu_op(d, cuda_op_attention_forward(out, lse, q, k, v, qpos, kpos, B, Tq, Tk, nh, nkv, hd, window, DT, ST));
+}
+static void cu_attention_backward(dev *d, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
+                                  const void *v, const void *out, const float *lse, const int32_t *qpos,
+                                  const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
+{
+    cu_op(d, cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, B, Tq, Tk, nh, nkv, hd,
+                                        window, DT, ST));
+}
+static void cu_attention_merge(dev *d, void *out, float *lse, const void *out2, const float *lse2, int B, int T,
+                               int nh, int hd)
+{
+    cu_op(d, cuda_op_attention_merge(out, lse, out2, lse2, B, T, nh, hd, DT, ST));
+}
+static void cu_swiglu_forward(dev *d, void *out, const void *gate, const void *up, size_t n)
+{
+    cu_op(d, cuda_op_swiglu_forward(out, gate, up, n, DT, ST));
+}
+static void cu_swiglu_backward(dev *d, void *dgate, void *dup, const void *dout, const void *gate, const void *up,
+                               size_t n)
+{
+    cu_op(d, cuda_op_swiglu_backward(dgate, dup, dout, gate, up, n, DT, ST));
+}
+static void cu_add(dev *d, void *y, const void *a, const void *b, size_t n)
+{
+    cu_op(d, cuda_op_add(y, a, b, n, DT, ST));
+}
+static void cu_xent_rowmax(dev *d, float *rowmax, float *target_logit, const void *logits, const int32_t *targets,
+                           int N, int Vl, int vs)
+{
+    cu_op(d, cuda_op_xent_rowmax(rowmax, target_logit, logits, targets, N, Vl, vs, DT, ST));
+}
+static void cu_xent_sumexp(dev *d, float *sumexp, const void *logits, const float *rowmax, int N, int Vl)
+{
+    cu_op(d, cuda_op_xent_sumexp(sumexp, logits, rowmax, N, Vl, DT, ST));
+}
+/* a device double written by the work before it, read back (waits) */
+static double read_sum(dev *d)
+{
+    double v = 0.0;
+    cu_download(d, &v, cu_of(d)->d_sum, sizeof v);
+    return d->err ? 0.0 : v;
+}
+static double cu_xent_loss(dev *d, float *losses, const float *rowmax, const float *sumexp, const float *target_logit,
+                           const int32_t *targets, int N)
+{
+    cu_op(d, cuda_op_xent_loss(losses, cu_of(d)->d_sum, rowmax, sumexp, target_logit, targets, N, ST));
+    return read_sum(d);
+}
+static void cu_xent_backward(dev *d, void *dlogits, const void *logits, const float *rowmax, const float *sumexp,
+                             const int32_t *targets, int N, int Vl, int vs, float scale)
+{
+    cu_op(d, cuda_op_xent_backward(dlogits, logits, rowmax, sumexp, targets, N, Vl, vs, scale, DT, ST));
+}
+
+/* ------------------------------------------------------------------ optimizer */
+static double cu_sumsq(dev *d, const float *x, size_t n)
+{
+    cu_op(d, cuda_op_sumsq(cu_of(d)->d_sum, x, n, CUDA_R_32F, ST));
+    return read_sum(d);
+}
+static void cu_scale(dev *d, float *x, float s, size_t n)
+{
+    cu_op(d, cuda_op_scale(x, s, n, CUDA_R_32F, ST));
+}
+static void cu_adamw(dev *d, float *master, const float *grad, float *m, float *v, void *param, size_t n, float lr,
+                     float beta1, float beta2, float eps, float wd, int step)
+{
+    /* bf16: the kernel writes the compute copy as it goes; fp32: a copy after */
+    void *pb = d->dt == SHARD_DT_BF16 ? param : NULL;
+    cu_op(d, cuda_op_adamw(master, grad, m, v, pb, n, lr, beta1, beta2, eps, wd, step, ST));
+    if (!pb && param && param != master) cu_copy(d, param, master, n * sizeof(float));
+}
+
+static const dev_ops CU_OPS = {
+    .abi = DEV_ABI, .name = "cuda", .init = cu_init, .fini = cu_fini, .describe = cu_describe,
+    .mem_used = cu_mem_used, .comm_for = cu_comm_for, .alloc = cu_alloc, .release = cu_release, .zero = cu_zero,
+    .copy = cu_copy, .upload = cu_upload, .download = cu_download, .sync = cu_sync,
+    .embedding_forward = cu_embedding_forward, .embedding_backward = cu_embedding_backward,
+    .linear_forward = cu_linear_forward, .linear_backward = cu_linear_backward,
+    .rmsnorm_forward = cu_rmsnorm_forward, .rmsnorm_backward = cu_rmsnorm_backward,
+    .rope_table = cu_rope_table, .rope_forward = cu_rope_forward, .rope_backward = cu_rope_backward,
+    .attention_forward = cu_attention_forward, .attention_backward = cu_attention_backward,
+    .attention_merge = cu_attention_merge, .swiglu_forward = cu_swiglu_forward,
+    .swiglu_backward = cu_swiglu_backward, .add = cu_add, .xent_rowmax = cu_xent_rowmax,
+    .xent_sumexp = cu_xent_sumexp, .xent_loss = cu_xent_loss, .xent_backward = cu_xent_backward,
+    .sumsq = cu_sumsq, .scale = cu_scale, .adamw = cu_adamw,
+    .fp8_reserve = cu_fp8_reserve, .fp8_linear_forward = cu_fp8_linear_forward,
+    .fp8_linear_backward = cu_fp8_linear_backward, .fp8_collect = cu_fp8_collect,
+    .fp8_scales_changed = cu_fp8_scales_changed,
+};
+
+/* The library's one exported symbol (DEV_CUDA_ENTRY; the rest is hidden). */
+__attribute__((visibility("default"))) const dev_ops *smp_dev_cuda_ops(void);
+const dev_ops *smp_dev_cuda_ops(void)
+{
+    return &CU_OPS;
+}

@@ -1,0 +1,63 @@
+/* train/dev_cuda.h: internal to the CUDA backend (dev_cuda.c, dev_cuda_fp8.c,
+ * dev_cuda_comm.c), which is built into libsmp_cuda.so alone: nothing else
+ * includes this header.
+ *
+ * libsmp_cuda.so is self-contained: it is linked with -z defs (every symbol it
+ * uses resolved by the libraries it names) and exports one symbol, DEV_CUDA_ENTRY;
+ * so it loads with RTLD_NOW into any program, whether or not that program exports
+ * its own symbols. That is why failures are recorded by cu_fail below and not by
+ * dev.c's dev_fail, which lives in the program (dev.c also holds dev_open, which
+ * needs the C backend): the rule is the same, the first failure wins and is kept
+ * in d->err and d->errmsg. */
+#ifndef SMP_TRAIN_DEV_CUDA_H
+#define SMP_TRAIN_DEV_CUDA_H
+
+#include <cuda_runtime_api.h>
+
+#include "dev.h"
+#include "ops_cuda.h"
+
+enum { CU_STAGE_SLOTS = 4, CU_STAGE_BYTES = 1 << 20 }; /* pinned staging for small uploads */
+
+typedef struct cu_fp8 cu_fp8;
+
+typedef struct {
+    cudaStream_t st;          /* every op of the backend runs on it */
+    cuda_gemm *gemm;
+    size_t gemm_fp8_bytes;    /* the gemm's FP8 backward scratch */
+    double *d_sum;            /* device scalar for sumsq and the loss sum */
+    unsigned char *stage;     /* [CU_STAGE_SLOTS][CU_STAGE_BYTES] pinned host memory */
+    cudaEvent_t stage_ev[CU_STAGE_SLOTS];
+    int stage_next;
+    cu_fp8 *fp8;              /* dev_cuda_fp8.c */
+    char desc[256];
+} cu_impl;
+
+static inline cu_impl *cu_of(dev *d) { return (cu_impl *)d->impl; }
+static inline cudaDataType_t cu_dt(const dev *d) { return d->dt == SHARD_DT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
+
+/* Record a failure in d (the first one wins). */
+void cu_fail(dev *d, shard_status s, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+/* The result of a cuda_op_* / cuda_gemm_* call: on failure, its cuda_op_errmsg(). */
+void cu_op(dev *d, cudaError_t e);
+/* The result of a CUDA runtime call `what`. */
+void cu_rt(dev *d, cudaError_t e, const char *what);
+/* A shard_status for a function that returns one: SHARD_OK, or d's failure as
+ * shard_fail's message. */
+shard_status cu_status(dev *d);
+
+/* FP8 (dev_cuda_fp8.c): the dev_ops members of the same names, and the release of
+ * the backend's FP8 buffers. */
+shard_status cu_fp8_reserve(dev *d, fp8_state *s, int N, int maxdim);
+void cu_fp8_linear_forward(dev *d, fp8_state *s, int idx, void *out, const void *inp, const void *w, int N, int IN,
+                           int OUT);
+void cu_fp8_linear_backward(dev *d, fp8_state *s, int idx, void *dinp, float *dw, const void *dout, const void *inp,
+                            const void *w, int N, int IN, int OUT);
+void cu_fp8_collect(dev *d, fp8_state *s);
+void cu_fp8_scales_changed(dev *d, fp8_state *s);
+void cu_fp8_free(dev *d);
+
+/* Communicators (dev_cuda_comm.c): the dev_ops member comm_for. */
+shard_status cu_comm_for(dev *d, shard_comm *host, shard_comm **out, int *owned);
+
+#endif

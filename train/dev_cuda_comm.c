@@ -1,0 +1,177 @@
+/* train/dev_cuda_comm.c: communicators for tensors in the CUDA backend's memory.
+ *
+ * comm_for returns a thin communicator of this file around the real one, for two
+ * reasons:
+ *   - ordering: the backend's kernels run on its own stream and NCCL's calls on the
+ *     NCCL communicator's stream, with nothing between them; so every collective
+ *     first waits for the backend's stream (the NCCL communicator then waits for
+ *     its own call before returning, see libshard/comm_nccl), and the work the
+ *     caller enqueues next sees the result;
+ *   - one rank: the self and MPI communicators copy buffers with memmove/memcpy
+ *     (reduce-scatter, all-gather), which cannot touch device memory; here the
+ *     copies of a one-rank group are device copies on the backend's stream, and
+ *     the in-place collectives do nothing.
+ * Under the CPU emulator (SMP_CUDA_EMU) device memory is host memory and there is
+ * no NCCL: groups of several ranks use the host (MPI) communicator itself.
+ *
+ * The wrapper holds the backend's stream: free the communicators before the
+ * backend (dev_close), as one frees any NCCL communicator before its device. It
+ * builds on libshard's internal communicator interface (libshard/comm/comm.h). */
+#include <stdlib.h>
+
+#include "../libshard/comm/comm.h"
+#include "dev_cuda.h"
+
+typedef struct {
+    cudaStream_t st;
+    shard_comm *inner; /* the NCCL communicator (owned); NULL for one rank */
+} wcomm;
+
+static wcomm *W(shard_comm *c) { return c->impl; }
+
+/* the backend's work so far, before a collective reads its buffers */
+static shard_status drain(shard_comm *c, const char *what)
+{
+    cudaError_t e = cudaStreamSynchronize(W(c)->st);
+    if (e != cudaSuccess) return shard_fail(SHARD_E_IO, "CUDA error before %s: %s", what, cudaGetErrorString(e));
+    return SHARD_OK;
+}
+
+static shard_status dcopy(shard_comm *c, void *dst, const void *src, size_t bytes)
+{
+    if (dst == src || !bytes) return SHARD_OK;
+    cudaError_t e = cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToDevice, W(c)->st);
+    if (e != cudaSuccess) return shard_fail(SHARD_E_IO, "cudaMemcpyAsync: %s", cudaGetErrorString(e));
+    return SHARD_OK;
+}
+
+static shard_status wrap(cudaStream_t st, shard_comm *inner, shard_comm **out);
+
+static shard_status w_split(shard_comm *c, int color, int key, shard_comm **out)
+{
+    shard_comm *in = NULL;
+    shard_status s = W(c)->inner ? W(c)->inner->ops->split(W(c)->inner, color, key, &in) : SHARD_OK;
+    return s ? s : wrap(W(c)->st, in, out);
+}
+
+static shard_status w_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return SHARD_OK;
+    shard_status s = drain(c, "all-reduce");
+    return s ? s : in->ops->allreduce(in, buf, n, dt, op);
+}
+
+static shard_status w_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt,
+                                     shard_op op)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return dcopy(c, recv, send, n * shard_dtype_size(dt));
+    shard_status s = drain(c, "reduce-scatter");
+    return s ? s : in->ops->reduce_scatter(in, send, recv, n, dt, op);
+}
+
+static shard_status w_allgather(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return dcopy(c, recv, send, n * shard_dtype_size(dt));
+    shard_status s = drain(c, "all-gather");
+    return s ? s : in->ops->allgather(in, send, recv, n, dt);
+}
+
+static shard_status w_broadcast(shard_comm *c, void *buf, size_t n, shard_dtype dt, int root)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return SHARD_OK;
+    shard_status s = drain(c, "broadcast");
+    return s ? s : in->ops->broadcast(in, buf, n, dt, root);
+}
+
+static shard_status one_rank_p2p(void)
+{
+    return shard_fail(SHARD_E_USAGE, "point-to-point transfer on a one-process communicator");
+}
+
+static shard_status w_send(shard_comm *c, const void *buf, size_t n, shard_dtype dt, int peer, int tag)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return one_rank_p2p();
+    shard_status s = drain(c, "send");
+    return s ? s : in->ops->send(in, buf, n, dt, peer, tag);
+}
+
+static shard_status w_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return one_rank_p2p();
+    shard_status s = drain(c, "receive");
+    return s ? s : in->ops->recv(in, buf, n, dt, peer, tag);
+}
+
+static shard_status w_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt,
+                               int tag)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return one_rank_p2p();
+    shard_status s = drain(c, "send-receive");
+    return s ? s : in->ops->sendrecv(in, send, to, recv, from, n, dt, tag);
+}
+
+static shard_status w_barrier(shard_comm *c)
+{
+    shard_comm *in = W(c)->inner;
+    if (!in) return SHARD_OK;
+    shard_status s = drain(c, "barrier");
+    return s ? s : in->ops->barrier(in);
+}
+
+static void w_free(shard_comm *c)
+{
+    wcomm *w = W(c);
+    if (!w) return;
+    shard_comm_free(w->inner);
+    free(w);
+}
+
+static const shard_comm_ops WRAP_OPS = {"cuda", w_split, w_allreduce, w_reduce_scatter, w_allgather, w_broadcast,
+                                        w_send, w_recv, w_sendrecv, w_barrier, w_free};
+
+/* inner: NULL for a one-rank communicator; owned by the result */
+static shard_status wrap(cudaStream_t st, shard_comm *inner, shard_comm **out)
+{
+    shard_comm *c = calloc(1, sizeof *c);
+    wcomm *w = calloc(1, sizeof *w);
+    if (!c || !w) {
+        free(c);
+        free(w);
+        shard_comm_free(inner);
+        return shard_fail(SHARD_E_NOMEM, "out of memory");
+    }
+    w->st = st;
+    w->inner = inner;
+    c->ops = &WRAP_OPS;
+    c->impl = w;
+    c->rank = inner ? inner->rank : 0;
+    c->size = inner ? inner->size : 1;
+    *out = c;
+    return SHARD_OK;
+}
+
+shard_status cu_comm_for(dev *d, shard_comm *host, shard_comm **out, int *owned)
+{
+    *out = NULL;
+    *owned = 0;
+    shard_comm *inner = NULL;
+    if (shard_comm_size(host) > 1) {
+#ifdef SMP_CUDA_EMU
+        *out = host; /* device memory is host memory: MPI moves it */
+        return SHARD_OK;
+#else
+        shard_status s = shard_comm_nccl(host, d->device, &inner);
+        if (s) return s;
+#endif
+    }
+    shard_status s = wrap(cu_of(d)->st, inner, out);
+    if (!s) *owned = 1;
+    return s;
+}
