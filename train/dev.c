@@ -52,8 +52,8 @@ static shard_status load_cuda(const dev_ops **out)
         h = dlopen(path, RTLD_NOW | RTLD_LOCAL);
         if (!h) h = dlopen("libsmp_cuda.so", RTLD_NOW | RTLD_LOCAL);
     }
-    if (!h)
-        return shard_fail(SHARD_E_UNSUPPORTED,
+    if (!h) /* what this machine or build lacks: a runtime failure (exit 1), not bad input */
+        return shard_fail(SHARD_E_IO,
                           "the CUDA backend could not be loaded (%s): %s; it is built with the CUDA toolkit "
                           "(scons with nvcc on the PATH)",
                           tried, dlerror());

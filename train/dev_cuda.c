@@ -68,7 +68,7 @@ static shard_status cu_init(dev *d, int device)
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess || n == 0)
-        return shard_fail(SHARD_E_UNSUPPORTED, "no CUDA device%s%s", e != cudaSuccess ? ": " : "",
+        return shard_fail(SHARD_E_IO, "no CUDA device%s%s", e != cudaSuccess ? ": " : "", /* the machine: exit 1 */
                           e != cudaSuccess ? cudaGetErrorString(e) : "");
     if (device < 0 || device >= n)
         return shard_fail(SHARD_E_USAGE, "CUDA device %d: this machine has %d (0..%d)", device, n, n - 1);

@@ -92,6 +92,24 @@ def test_cuda_tracks_c_backend(setup, dtype, fp8, tol):
     assert run("smp-verify", out / f"step-{STEPS:06d}").returncode == 0
 
 
+def test_no_device_or_no_library_is_a_clear_error(setup):
+    tmp, ck, data, refs, lib = setup
+    exe = str(BUILD / "bin" / "smp-train")
+    args = [exe, "--ckpt", str(ck), "--data", str(data), "--save-dir", str(tmp / "never"), "--steps", 1, "--backend",
+            "cuda"]
+    cases = [(dict(env_for(lib), SMP_EMU_NO_DEVICE="1"), "smp-train: error: no CUDA device"),
+             (dict(env_for(lib), SMP_CUDA_LIB=str(tmp / "missing.so")), "smp-train: error: the CUDA backend could not "
+              "be loaded (" + str(tmp / "missing.so") + ")")]
+    for env, msg in cases:
+        p = subprocess.run(list(map(str, args)), capture_output=True, text=True, env=env, timeout=120)
+        assert p.returncode == 1, p.stderr
+        assert p.stderr.startswith(msg) and len(p.stderr.splitlines()) == 1, p.stderr
+        assert not (tmp / "never").exists()
+    p = subprocess.run(list(map(str, args[:-2])) + ["--dtype", "bf16"], capture_output=True, text=True,
+                       env=env_for(lib), timeout=120)
+    assert p.returncode == 2 and "--dtype bf16 needs --backend cuda" in p.stderr
+
+
 def test_recompute_on_cuda_is_exact(setup):
     tmp, ck, data, refs, lib = setup
     logs = {}
