@@ -525,15 +525,15 @@ static void attention_backward(model *m, layer_acts *a)
  * recompute set for the others (model.h, recompute_mode). */
 static layer_acts *work(model *m, int l)
 {
-    static _Thread_local layer_acts w;
     if (m->recompute == RECOMPUTE_NONE) return &m->acts[l];
     const layer_acts *a = &m->acts[l];
-    w = m->rc;
-    w.x = a->x;
+    layer_acts *w = &m->wk;
+    *w = m->rc;
+    w->x = a->x;
     if (m->recompute == RECOMPUTE_ATTENTION) {
-        w.xmid = a->xmid; w.rstd2 = a->rstd2; w.xn2 = a->xn2; w.gate = a->gate; w.up = a->up; w.act = a->act;
+        w->xmid = a->xmid; w->rstd2 = a->rstd2; w->xn2 = a->xn2; w->gate = a->gate; w->up = a->up; w->act = a->act;
     }
-    return &w;
+    return w;
 }
 
 /* The four parts of a layer's forward, so that backward can recompute the first ones.

@@ -107,6 +107,7 @@ typedef struct {
     recompute_mode recompute; /* set before model_alloc_acts */
     size_t act_bytes;        /* backend bytes of the activations and scratch */
     layer_acts rc;           /* recompute: the shared set of the recomputed tensors */
+    layer_acts wk;           /* recompute: the layer in hand (its kept tensors + rc) */
     /* activations for a microbatch of B x T (allocated by model_alloc_acts), the
      * fields below pointing at slot `slot` of nslots */
     int B, T, nslots, slot;
