@@ -139,8 +139,9 @@ cudaError_t cuda_op_adamw(float *param, const float *grad, float *m, float *v,
                           float eps, float weight_decay, int step, cudaStream_t stream);
 
 /* ---- reductions (x in dt) ------------------------------------------------------------------
- * *out is a device scalar, WRITTEN. sumsq sums in double (the order of the partial
- * sums across blocks varies, at double precision). amax: NaN propagates. */
+ * *out is a device scalar, WRITTEN. sumsq sums in double, in a fixed order (the same
+ * bits run to run on one GPU); its calls must not run on two streams at once (the
+ * blocks' partial sums live in one device array). amax: NaN propagates. */
 cudaError_t cuda_op_sumsq(double *out, const void *x, size_t n, cudaDataType_t dt,
                           cudaStream_t stream);
 cudaError_t cuda_op_amax(float *out, const void *x, size_t n, cudaDataType_t dt,

@@ -1,14 +1,19 @@
 /* kernels/reduce.cu: sum of squares, max |x|, scaling and addition (CUDA).
- * The reductions zero their device scalar, then a grid of a few blocks per
- * multiprocessor reduces in registers and shared memory and adds each block's
- * result atomically: a double add for sumsq, an integer max on the float bits for
- * amax (exact, and NaN propagates, see atomic_amax). */
+ * A grid of a few blocks per multiprocessor reduces in registers and shared memory.
+ * sumsq: each block writes its partial sum, and one block adds the partials in a
+ * fixed order (no atomics), so the result is the same bits run to run on a given
+ * GPU (a resumed run's gradient norm, and so its clipping, repeat exactly). amax:
+ * each block's result goes in atomically, as an integer max on the float bits (exact,
+ * and NaN propagates, see atomic_amax). */
 #include "cuda_common.cuh"
 
-enum { RED_THREADS = 256 };
+enum { RED_THREADS = 256, SUMSQ_MAX_BLOCKS = 4096 };
+
+/* the blocks' partial sums of cuda_op_sumsq (one call at a time: ops_cuda.h) */
+__device__ double sumsq_partial[SUMSQ_MAX_BLOCKS];
 
 template <typename T, bool VEC>
-__global__ void __launch_bounds__(RED_THREADS) sumsq_kernel(double *out, const T *x, size_t n)
+__global__ void __launch_bounds__(RED_THREADS) sumsq_kernel(const T *x, size_t n)
 {
     __shared__ double red[32];
     constexpr int V = VEC ? Pack<T>::N : 1;
@@ -26,7 +31,18 @@ __global__ void __launch_bounds__(RED_THREADS) sumsq_kernel(double *out, const T
     if (VEC && blockIdx.x == 0)
         for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) { double a = ld_f(x + i); acc += a * a; }
     acc = block_sum_d(acc, red);
-    if (threadIdx.x == 0) atomicAdd(out, acc);
+    if (threadIdx.x == 0) sumsq_partial[blockIdx.x] = acc;
+}
+
+/* one block: the partials in a fixed order (each thread a fixed stride, then the
+ * block's fixed reduction tree) */
+__global__ void __launch_bounds__(RED_THREADS) sumsq_final_kernel(double *out, unsigned nblocks)
+{
+    __shared__ double red[32];
+    double acc = 0.0;
+    for (unsigned i = threadIdx.x; i < nblocks; i += blockDim.x) acc += sumsq_partial[i];
+    acc = block_sum_d(acc, red);
+    if (threadIdx.x == 0) *out = acc;
 }
 
 template <typename T, bool VEC>
@@ -90,16 +106,21 @@ static unsigned red_grid(size_t n, int V)
 template <typename T>
 static cudaError_t sumsq_run(double *out, const void *x, size_t n, cudaStream_t stream)
 {
-    cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), stream);
-    if (e != cudaSuccess) return smp_cuda_fail(e, "cuda_op_sumsq", "cudaMemsetAsync: %s", cudaGetErrorString(e));
-    if (n == 0) return cudaSuccess;
-    if (smp_aligned16(x)) {
+    if (n == 0) {
+        cudaError_t e = cudaMemsetAsync(out, 0, sizeof(double), stream);
+        return e == cudaSuccess ? e : smp_cuda_fail(e, "cuda_op_sumsq", "cudaMemsetAsync: %s", cudaGetErrorString(e));
+    }
+    const bool vec = smp_aligned16(x);
+    unsigned grid = red_grid(n, vec ? Pack<T>::N : 1);
+    if (grid > SUMSQ_MAX_BLOCKS) grid = SUMSQ_MAX_BLOCKS; /* the loops stride over the rest */
+    if (vec) {
         auto k = sumsq_kernel<T, true>;
-        SMP_LAUNCH(k, red_grid(n, Pack<T>::N), RED_THREADS, 0, stream, out, (const T *)x, n);
+        SMP_LAUNCH(k, grid, RED_THREADS, 0, stream, (const T *)x, n);
     } else {
         auto k = sumsq_kernel<T, false>;
-        SMP_LAUNCH(k, red_grid(n, 1), RED_THREADS, 0, stream, out, (const T *)x, n);
+        SMP_LAUNCH(k, grid, RED_THREADS, 0, stream, (const T *)x, n);
     }
+    SMP_LAUNCH(sumsq_final_kernel, 1, RED_THREADS, 0, stream, out, grid);
     return smp_cuda_launched("cuda_op_sumsq");
 }
 

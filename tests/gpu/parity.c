@@ -644,6 +644,15 @@ static void test_reduce(cudaDataType_t dt, size_t n, int offset)
     CK(cudaMemcpy(&am, d_am, 4, cudaMemcpyDeviceToHost));
     const double ss_ref = op_sumsq(x, n);
     report("sumsq", fabs(ss - ss_ref) / ss_ref, 1e-9);
+    /* the same bits every time (a resumed run's gradient norm must repeat) */
+    double ss2 = 0.0;
+    int same = 1;
+    for (int rep = 0; rep < 5 && same; rep++) {
+        CK(cuda_op_sumsq(d_ss, d_x, n, dt, 0));
+        CK(cudaMemcpy(&ss2, d_ss, 8, cudaMemcpyDeviceToHost));
+        same = memcmp(&ss2, &ss, sizeof ss) == 0;
+    }
+    report("sumsq repeats bit for bit", same ? 0.0 : INFINITY, 0.0);
     const float am_ref = op_amax(x, n);
     report("amax", am == am_ref ? 0.0 : INFINITY, 0.0);
     /* NaN must propagate */
