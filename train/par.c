@@ -158,7 +158,7 @@ static size_t group_found(shard_ckpt *c, const model *m, const char *group)
     return found;
 }
 
-shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const char *group, int *present)
+shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *group, int *present)
 {
     *present = group_found(c, m, group) > 0;
     if (!*present) return SHARD_OK;
@@ -168,7 +168,7 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const ch
         shard_status s = check_shape(c, &m->spec[i], group, k);
         if (s) return s;
         if (!p->pp[i].holds || !m->numel[i]) continue;
-        float *host = model_params_host((model *)m);
+        float *host = model_params_host(m);
         if (!host) return shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
         if ((s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, host + m->offset[i], SHARD_DT_F32))) return s;
     }
@@ -218,7 +218,6 @@ static shard_status sp_norm_grads(par_ctx *p, model *m)
     if (!p->normbuf) {
         p->normbuf = d->ops->alloc(d, n * sizeof(float));
         if (!p->normbuf) return dev_status(d);
-        p->normbuf_n = n;
     }
     float *buf = p->normbuf;
     size_t k = 0;

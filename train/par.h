@@ -98,7 +98,6 @@ typedef struct {
     size_t zsum;             /* sum of zn: the optimizer state's length on this rank */
     void *send, *recv;       /* backend packing buffers: ndp * zpad and zpad fp32 (or the other way) */
     float *normbuf;          /* backend: the norm gradients packed (sequence parallelism) */
-    size_t normbuf_n;
 } par_ctx;
 
 /* 1 when the environment says mpirun started this process. */
@@ -118,7 +117,7 @@ void par_free(par_ctx *p);
 /* Read group ("params" or "optim/master") into model_params_host(m): every
  * tensor's piece (*present 0 when the group holds none of the tensors); the caller
  * then sends them to the backend (model_params_upload). */
-shard_status par_read_params(par_ctx *p, shard_ckpt *c, const model *m, const char *group, int *present);
+shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *group, int *present);
 /* Read this rank's optimizer blocks of group ("optim/exp_avg", "optim/exp_avg_sq",
  * "optim/master") into host dst[zsum] (packed in tensor order). */
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
