@@ -458,8 +458,7 @@ static shard_status convert(const args *a, const source *src, const shard_model_
 static int parse_args(int argc, char **argv, args *a)
 {
     static char ncpu[16];
-    long n = sysconf(_SC_NPROCESSORS_ONLN);
-    snprintf(ncpu, sizeof ncpu, "%ld", n < 1 ? 1 : n > 16 ? 16 : n);
+    snprintf(ncpu, sizeof ncpu, "%d", cli_default_threads());
     *a = (args){NULL, NULL, NULL, "auto", "keep", "zstd", ncpu, NULL, 0};
     for (int i = 2; i < argc; i++) {
         const char **slot = NULL;
@@ -480,9 +479,7 @@ static int parse_args(int argc, char **argv, args *a)
     if (!a->in || !a->out || !a->layout)
         return cli_usage(!strcmp(argv[1], "init") ? "--config, --out and --layout are required" : "--in, --out and --layout are required");
     if (strcmp(a->dtype, "keep") && strcmp(a->dtype, "bf16") && strcmp(a->dtype, "fp32")) return cli_usage("--dtype must be keep, bf16 or fp32");
-    char *end;
-    long th = strtol(a->threads, &end, 10);
-    if (*end || th < 1 || th > 64) return cli_usage("--threads must be an integer in 1..64");
+    if (!cli_parse_threads(a->threads)) return cli_usage("--threads must be an integer in 1..64");
     return 0;
 }
 

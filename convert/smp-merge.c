@@ -14,7 +14,7 @@
 
 static const char HELP[] =
     "usage: smp-merge --in CKPT --out HF_DIR [--dtype keep|bf16|fp16|fp32] [--max-shard-size 5GB]\n"
-    "                 [--no-fsync]\n"
+    "                 [--threads N] [--no-fsync]\n"
     "\n"
     "Merge a checkpoint (any layout) into a Hugging Face model folder: config.json as it was\n"
     "given to hf2smp, the weights as safetensors (split into files of at most\n"
@@ -23,6 +23,8 @@ static const char HELP[] =
     "when whole (written under a temporary name, every file and the folder fsynced, then\n"
     "renamed). --no-fsync skips the fsyncs: the folder still appears only when whole, but\n"
     "is not yet safe from a power loss or an OS crash (scratch disks, a later `sync`).\n"
+    "--threads N: threads that read, decompress and check the checkpoint's chunks\n"
+    "(default: cores, <= 16).\n"
     "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
 
 static int parse_size(const char *s, uint64_t *out)
@@ -57,7 +59,7 @@ int main(int argc, char **argv)
 {
     cli_init("smp-merge");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    const char *in = NULL, *out = NULL, *dtype = "keep", *maxs = "5GB";
+    const char *in = NULL, *out = NULL, *dtype = "keep", *maxs = "5GB", *threads = NULL;
     shard_write_opts wo = {0};
     for (int i = 1; i < argc; i++) {
         const char **slot = NULL;
@@ -66,11 +68,14 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--out")) slot = &out;
         else if (!strcmp(argv[i], "--dtype")) slot = &dtype;
         else if (!strcmp(argv[i], "--max-shard-size")) slot = &maxs;
+        else if (!strcmp(argv[i], "--threads")) slot = &threads;
         else return cli_usage("unknown option %s", argv[i]);
         if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
         *slot = argv[++i];
     }
     if (!in || !out) return cli_usage("--in and --out are required");
+    int nthreads = threads ? cli_parse_threads(threads) : cli_default_threads();
+    if (!nthreads) return cli_usage("--threads must be an integer in 1..64");
     shard_dtype force = SHARD_DT_INVALID;
     if (!strcmp(dtype, "bf16")) force = SHARD_DT_BF16;
     else if (!strcmp(dtype, "fp16")) force = SHARD_DT_F16;
@@ -85,6 +90,7 @@ int main(int argc, char **argv)
     shard_ckpt *c;
     shard_status s = shard_ckpt_open(in, &c);
     if (s) return cli_fail(s);
+    shard_ckpt_set_threads(c, nthreads);
     const shard_model_desc *d = shard_ckpt_model(c);
     size_t nt = shard_model_tensor_count(d);
     /* plan the files: tensors in the model's order, a new file when the next would overflow */

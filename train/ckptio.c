@@ -1,6 +1,7 @@
 /* train/ckptio.c: checkpoints and run folders (ckptio.h). */
 #define _XOPEN_SOURCE 700
 #include "ckptio.h"
+#include "../tools/cli/cli.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -100,6 +101,28 @@ shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group,
         shard_status s = shard_ckpt_read(c, (size_t)k, &box, dst + m->offset[i], SHARD_DT_F32);
         if (s) return s;
     }
+    return SHARD_OK;
+}
+
+int ckptio_load_threads(int world_size)
+{
+    const char *ls = getenv("OMPI_COMM_WORLD_LOCAL_SIZE");
+    long local = ls ? strtol(ls, NULL, 10) : world_size, cores = sysconf(_SC_NPROCESSORS_ONLN);
+    long t = cores / (local > 0 ? local : 1);
+    return t < 1 ? 1 : t > 16 ? 16 : (int)t;
+}
+
+shard_status ckptio_print_load(shard_comm *world, const shard_ckpt *c, double seconds)
+{
+    uint64_t bytes = shard_ckpt_bytes_read(c);
+    shard_status s = SHARD_OK;
+    if (world && shard_comm_size(world) > 1 &&
+        ((s = shard_comm_allreduce(world, &seconds, 1, SHARD_DT_F64, SHARD_OP_MAX)) ||
+         (s = shard_comm_allreduce(world, &bytes, 1, SHARD_DT_U64, SHARD_OP_SUM))))
+        return s;
+    if (!world || shard_comm_rank(world) == 0)
+        fprintf(stderr, "%s: loaded %s: %llu bytes in %.3f s (%.2f GB/s)\n", cli_name(), shard_ckpt_dir(c),
+                (unsigned long long)bytes, seconds, seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0);
     return SHARD_OK;
 }
 

@@ -28,6 +28,13 @@ shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev
  * like m->params), converting to fp32; SHARD_E_INVALID names a missing tensor or a
  * wrong shape. *present: 0 when the group holds none of the tensors (nothing read). */
 shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
+/* Threads each rank reads its boxes with: the host's cores over the ranks that share
+ * the host (Open MPI says how many; else all world_size are assumed to), 1..16. */
+int ckptio_load_threads(int world_size);
+/* After the load: "<cmd>: loaded DIR: N bytes in T s (R GB/s)" on rank 0's stderr,
+ * with the bytes every rank read and the slowest rank's time (world: NULL or the
+ * world communicator). */
+shard_status ckptio_print_load(shard_comm *world, const shard_ckpt *c, double seconds);
 /* The stored dtype of each parameter (params group) into dts[m->ntensors]. */
 void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts);
 

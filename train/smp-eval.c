@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include "../tools/cli/cli.h"
+#include "../tools/cli/progress.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -67,8 +68,11 @@ int main(int argc, char **argv)
     shard_status s = dev_open(&D, "cpu", SHARD_DT_F32, 0);
     if (s) OUT(cli_fail(s));
     if ((s = ckptio_open_model(ckpt, &ck, &m, &D))) OUT(cli_fail(s));
+    const double t_load = now_seconds();
+    shard_ckpt_set_threads(ck, ckptio_load_threads(1));
     if ((s = ckptio_read_group(ck, &m, "params", m.params, &have))) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
+    if ((s = ckptio_print_load(NULL, ck, now_seconds() - t_load))) OUT(cli_fail(s));
     if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
     long long avail = (long long)(ds.nseq / (uint64_t)B);
     if (avail < 1)

@@ -538,6 +538,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
         OUT(cli_fail(s));
     }
     if ((s = par_setup(P, &lay, stages, (int)c.micro, &m))) OUT(cli_fail(s));
+    const double t_load = now_seconds();
+    shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
     if ((s = par_read_params(P, ck, &m, "optim/master", &have_master))) OUT(cli_fail(s));
     if (!have_master && (s = par_read_params(P, ck, &m, "params", &have_p))) OUT(cli_fail(s));
     if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
@@ -550,6 +552,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if ((s = par_read_optim(P, ck, &m, "optim/exp_avg", opt.hm, &have_m)) ||
         (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.hv, &have_v)))
         OUT(cli_fail(s));
+    if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
     if (opt.hmaster) par_pack_blocks(P, &m, model_params_host(&m), opt.hmaster); /* bf16: the fp32 master */
     optim_upload(&opt);
     if ((s = dev_status(&D))) OUT(cli_fail(s));

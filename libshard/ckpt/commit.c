@@ -1,7 +1,7 @@
 /* Writing a checkpoint: the staging folder, extra files, and the atomic commit.
  * The manifest is built from the shard files' own attributes, so any number of
  * processes can write shard files into the staging folder and one commits. */
-#include "../core/internal.h"
+#include "ckpt.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -15,7 +15,7 @@
 #include <time.h>
 #include <unistd.h>
 
-void shard_h5_init(void);
+
 json_t *shard_model_to_json(const shard_model_desc *d);
 
 struct shard_ckpt_writer {

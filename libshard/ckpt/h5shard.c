@@ -5,7 +5,7 @@
  * plugin on the system. Half-precision and fp8 pieces are stored as unsigned
  * integers of the same width with a "dtype" attribute naming the real type, because
  * HDF5 and h5py have no bfloat16 or fp8 types (docs/FORMAT.md). */
-#include "../core/internal.h"
+#include "ckpt.h"
 
 #include <errno.h>
 #include <fcntl.h>
@@ -18,9 +18,8 @@
 #include <xxhash.h>
 #include <zstd.h>
 
-#define ZSTD_FILTER_ID 32015
-#define CHUNK_TARGET (1u << 20)      /* bytes per chunk: ~1 MiB */
-#define ZSTD_MAX_CHUNK (256u << 20)  /* refuse frames that claim more */
+#define ZSTD_FILTER_ID SHARD_ZSTD_FILTER_ID
+#define ZSTD_MAX_CHUNK SHARD_CHUNK_BYTES_MAX /* refuse frames that claim more */
 
 /* ---------------------------------------------------------- the zstd filter */
 static size_t zstd_filter(unsigned flags, size_t cd_nelmts, const unsigned cd_values[], size_t nbytes,
@@ -154,6 +153,17 @@ static shard_status set_attr_i64(hid_t obj, const char *name, int n, const int64
     return e < 0 ? SHARD_E_IO : SHARD_OK;
 }
 
+static shard_status set_attr_u64(hid_t obj, const char *name, uint64_t n, const uint64_t *v)
+{
+    hsize_t dims[1] = {(hsize_t)n};
+    hid_t sp = H5Screate_simple(1, dims, NULL);
+    hid_t a = H5Acreate2(obj, name, H5T_STD_U64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
+    herr_t e = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_UINT64, v);
+    if (a >= 0) H5Aclose(a);
+    H5Sclose(sp);
+    return e < 0 ? SHARD_E_IO : SHARD_OK;
+}
+
 /* Copy the sub-box `sub` of the piece from a C-order source into dst (C order of
  * sub), converting dtype. The source is the whole tensor (shape gshape) or, when
  * gshape is NULL, a buffer holding exactly `box`. */
@@ -207,11 +217,10 @@ static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst,
 typedef struct {
     const shard_h5_piece *pc;
     hid_t ds;
-    int64_t chunk_rows, rowlen, plane; /* plane: len of the second-last dim (1 for 1-D) */
-    hsize_t chunk[SHARD_MAX_DIMS];
-    size_t full;                       /* bytes of a whole chunk (HDF5 stores whole chunks) */
-    uint64_t first, nchunks;           /* its chunks in the stream */
+    shard_chunking g;
+    uint64_t first;                    /* its first chunk in the stream */
     XXH64_state_t *hash;
+    uint64_t *chunk_xxh3;              /* g.nchunks: each chunk's own checksum */
     char hex[17];
 } piece_run;
 
@@ -228,60 +237,32 @@ typedef struct {
     char msg[1024];                    /* its message (messages are per thread) */
 } pipeline;
 
+/* chunk c of a piece: its box (global coordinates) and HDF5 chunk offset */
 static void chunk_box(const piece_run *p, uint64_t c, shard_box *sub, hsize_t *hoff)
 {
     const shard_box *box = &p->pc->box;
     const int nd = box->ndim;
-    const uint64_t per_plane = (uint64_t)((p->plane + p->chunk_rows - 1) / p->chunk_rows);
-    uint64_t plane_idx = c / per_plane, in_plane = c % per_plane;
+    uint64_t plane;
+    int64_t r0, nr;
+    shard_chunking_at(&p->g, c, &plane, &r0, &nr, hoff);
     *sub = *box;
-    for (int k = nd - 1; k >= 0; k--) hoff[k] = 0;
-    if (nd == 1) {
-        sub->off[0] = box->off[0] + (int64_t)in_plane * p->chunk_rows;
-        int64_t rest = box->len[0] - (int64_t)in_plane * p->chunk_rows;
-        sub->len[0] = rest < p->chunk_rows ? rest : p->chunk_rows;
-        hoff[0] = (hsize_t)(in_plane * (uint64_t)p->chunk_rows);
-        return;
-    }
-    for (int k = nd - 3; k >= 0; k--) {
-        int64_t i = (int64_t)(plane_idx % (uint64_t)box->len[k]);
-        plane_idx /= (uint64_t)box->len[k];
-        sub->off[k] = box->off[k] + i;
-        sub->len[k] = 1;
-        hoff[k] = (hsize_t)i;
-    }
-    int64_t r0 = (int64_t)in_plane * p->chunk_rows, rest = p->plane - r0;
-    sub->off[nd - 2] = box->off[nd - 2] + r0;
-    sub->len[nd - 2] = rest < p->chunk_rows ? rest : p->chunk_rows;
-    hoff[nd - 2] = (hsize_t)r0;
+    const int rdim = nd == 1 ? 0 : nd - 2;
+    for (int k = 0; k < rdim; k++) { sub->off[k] = box->off[k] + (int64_t)hoff[k]; sub->len[k] = 1; }
+    sub->off[rdim] = box->off[rdim] + r0;
+    sub->len[rdim] = nr;
 }
 
-/* A piece's chunking: whole rows, about CHUNK_TARGET bytes. */
-static void plan_run(piece_run *r, const shard_h5_piece *pc)
+/* A piece's chunking: whole rows, about SHARD_CHUNK_TARGET bytes. */
+static shard_status plan_run(piece_run *r, const shard_h5_piece *pc)
 {
-    const int nd = pc->ndim;
     const size_t es = shard_dtype_size(pc->dt);
     r->pc = pc;
     r->ds = -1;
-    r->rowlen = pc->box.len[nd - 1];
-    for (int k = 0; k < nd; k++) r->chunk[k] = 1;
-    if (nd == 1) {
-        r->rowlen = 1;
-        r->plane = pc->box.len[0];
-        r->chunk_rows = (int64_t)(CHUNK_TARGET / es);
-        if (r->chunk_rows > r->plane) r->chunk_rows = r->plane;
-        r->chunk[0] = (hsize_t)r->chunk_rows;
-    } else {
-        r->plane = pc->box.len[nd - 2];
-        r->chunk_rows = (int64_t)(CHUNK_TARGET / ((uint64_t)r->rowlen * es));
-        if (r->chunk_rows < 1) r->chunk_rows = 1;
-        if (r->chunk_rows > r->plane) r->chunk_rows = r->plane;
-        r->chunk[nd - 2] = (hsize_t)r->chunk_rows;
-        r->chunk[nd - 1] = (hsize_t)r->rowlen;
-    }
-    uint64_t planes = shard_box_numel(&pc->box) / (uint64_t)(r->plane * r->rowlen);
-    r->nchunks = planes * (uint64_t)((r->plane + r->chunk_rows - 1) / r->chunk_rows);
-    r->full = (size_t)(r->chunk_rows * r->rowlen) * es;
+    shard_chunking_init(&r->g, pc->ndim, pc->box.len, es, shard_chunking_rows_for(pc->ndim, pc->box.len, es));
+    if (r->g.full > SHARD_CHUNK_BYTES_MAX) return shard_fail(SHARD_E_UNSUPPORTED, "%s: tensor \"%s\": rows too long to chunk", pc->w->path, pc->name);
+    r->chunk_xxh3 = malloc(r->g.nchunks * sizeof *r->chunk_xxh3);
+    r->hash = XXH64_createState();
+    return r->chunk_xxh3 && r->hash ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
 }
 
 static shard_status create_dataset(piece_run *r)
@@ -293,7 +274,9 @@ static shard_status create_dataset(piece_run *r)
     for (int k = 0; k < pc->ndim; k++) dims[k] = (hsize_t)pc->box.len[k];
     hid_t lcpl = H5Pcreate(H5P_LINK_CREATE), dcpl = H5Pcreate(H5P_DATASET_CREATE);
     H5Pset_create_intermediate_group(lcpl, 1);
-    H5Pset_chunk(dcpl, pc->ndim, r->chunk);
+    hsize_t chunk[SHARD_MAX_DIMS];
+    shard_chunking_dims(&r->g, chunk);
+    H5Pset_chunk(dcpl, pc->ndim, chunk);
     H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
     if (pc->w->c.zstd_level > 0) {
         unsigned lvl = (unsigned)pc->w->c.zstd_level;
@@ -315,7 +298,7 @@ static shard_status finish_dataset(piece_run *r)
     shard_status s = SHARD_OK;
     if (set_attr_str(r->ds, "tensor", pc->name) || set_attr_str(r->ds, "dtype", shard_dtype_name(pc->dt)) ||
         set_attr_i64(r->ds, "offset", pc->ndim, off) || set_attr_i64(r->ds, "global_shape", pc->ndim, pc->gshape) ||
-        set_attr_str(r->ds, "xxh64", r->hex))
+        set_attr_str(r->ds, "xxh64", r->hex) || set_attr_u64(r->ds, "chunk_xxh3", r->g.nchunks, r->chunk_xxh3))
         s = shard_fail(SHARD_E_IO, "%s: writing the attributes of /%s/%s failed", pc->w->path, pc->group, pc->name);
     H5Dclose(r->ds);
     r->ds = -1;
@@ -377,13 +360,13 @@ static void *pipeline_worker(void *arg)
         uint64_t c = p->next_take++;
         int stop = c >= p->nchunks || p->s;
         if (!stop)
-            while (c >= p->runs[p->take_run].first + p->runs[p->take_run].nchunks) p->take_run++;
+            while (c >= p->runs[p->take_run].first + p->runs[p->take_run].g.nchunks) p->take_run++;
         piece_run *run = stop ? NULL : &p->runs[p->take_run];
         pthread_mutex_unlock(&p->mu);
         if (stop) break;
         const shard_h5_piece *pc = run->pc;
         const uint64_t k = c - run->first; /* the chunk within its piece */
-        const size_t es = shard_dtype_size(pc->dt), full = run->full;
+        const size_t es = run->g.es, full = run->g.full;
         const int level = pc->w->c.zstd_level;
         shard_box sub;
         hsize_t hoff[SHARD_MAX_DIMS];
@@ -391,6 +374,7 @@ static void *pipeline_worker(void *arg)
         size_t valid = (size_t)shard_box_numel(&sub) * es;
         if (valid < full) memset(raw + valid, 0, full - valid);
         shard_status s = pc->fill(pc->ctx, &sub, raw, pc->dt);
+        if (!s) run->chunk_xxh3[k] = XXH3_64bits(raw, valid); /* a chunk's own: readers of a slice check it alone */
         const void *out = raw;
         size_t outn = full;
         if (!s && level) {
@@ -408,7 +392,7 @@ static void *pipeline_worker(void *arg)
         if (failed) break;
         if (k == 0) XXH64_reset(run->hash, 0);
         XXH64_update(run->hash, raw, valid);
-        if (k + 1 == run->nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)XXH64_digest(run->hash));
+        if (k + 1 == run->g.nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)XXH64_digest(run->hash));
         /* the write, in stream order (the chunks' places in the file follow it) */
         pthread_mutex_lock(&p->mu);
         end_turn(p, &p->next_hash, SHARD_OK);
@@ -419,7 +403,7 @@ static void *pipeline_worker(void *arg)
         if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
             s = shard_fail(SHARD_E_IO, "%s: writing /%s/%s failed (disk full?)", pc->w->path, pc->group, pc->name);
         if (!s) start_writeback(pc->w, outn);
-        if (!s && k + 1 == run->nchunks) s = finish_dataset(run);
+        if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
         if (!s && p->done) p->done(p->done_arg, valid);
         pthread_mutex_lock(&p->mu);
         end_turn(p, &p->next_write, s);
@@ -446,11 +430,10 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
     for (size_t i = 0; i < n; i++) {
         if (shard_box_numel(&pieces[i].box) == 0) continue; /* empty pieces are not stored */
         piece_run *r = &p.runs[p.nruns++];
-        plan_run(r, &pieces[i]);
+        if (!p.s) p.s = plan_run(r, &pieces[i]);
         r->first = p.nchunks;
-        p.nchunks += r->nchunks;
-        if (r->full > p.max_full) p.max_full = r->full;
-        if (!(r->hash = XXH64_createState())) p.s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        p.nchunks += r->g.nchunks;
+        if (r->g.full > p.max_full) p.max_full = r->g.full;
     }
     if (p.nchunks && !p.s) {
         pthread_mutex_init(&p.mu, NULL);
@@ -468,6 +451,7 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
     for (size_t i = 0; i < p.nruns; i++) {
         if (p.runs[i].ds >= 0) H5Dclose(p.runs[i].ds); /* a piece left unfinished by a failure */
         XXH64_freeState(p.runs[i].hash);
+        free(p.runs[i].chunk_xxh3);
     }
     free(p.runs);
     if (p.s && p.msg[0]) return shard_fail(p.s, "%s", p.msg); /* the failing worker's message, here */

@@ -1,52 +1,14 @@
-/* Reading a checkpoint: the manifest's validation, the planner (stored pieces
- * intersected with the wanted box), and verification. */
-#include "../core/internal.h"
+/* Opening a checkpoint: the manifest's validation and the lookups. Reading pieces is
+ * chunkread.c's, verifying verify.c's. */
+#include "ckpt.h"
 
-#include <hdf5.h>
-#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <xxhash.h>
-
-void shard_h5_init(void);
-hid_t shard_h5_type(shard_dtype dt);
+#include <unistd.h>
 
 #define MANIFEST_MAX (256u << 20)
-
-typedef struct {
-    const char *file, *dataset;
-    shard_box box;
-    uint64_t xxh64;
-    size_t file_index;
-    int verified;
-} piece;
-
-typedef struct {
-    shard_ckpt_tensor t;
-    piece *p;
-} tensor;
-
-struct shard_ckpt {
-    char *dir;
-    json_t *m;
-    shard_model_desc model;
-    shard_layout layout;
-    int stages[SHARD_MAX_PP];
-    const char *config;
-    tensor *t;
-    size_t n;
-    const char **files;
-    uint64_t *file_bytes, *file_hash;
-    hid_t *h5; /* open shard files, lazily */
-    size_t nfiles;
-    const char **extras;
-    size_t nextras;
-    pthread_mutex_t mu;
-    char *training;
-    size_t *file_order, *tensor_order; /* sorted by name: lookups */
-};
 
 #define BAD(...) do { s = shard_fail(SHARD_E_INVALID, __VA_ARGS__); goto out; } while (0)
 
@@ -217,11 +179,13 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
     c->file_bytes = calloc(c->nfiles + 1, 8);
     c->file_hash = calloc(c->nfiles + 1, 8);
     c->h5 = malloc((c->nfiles + 1) * sizeof *c->h5);
+    c->fd = malloc((c->nfiles + 1) * sizeof *c->fd);
     c->extras = calloc(c->nfiles + 1, sizeof *c->extras);
     for (size_t i = 0; i < c->nfiles; i++) {
         json_t *e = json_array_get(files, i);
         json_t *nm = json_object_get(e, "name"), *by = json_object_get(e, "bytes");
         c->h5[i] = -1;
+        c->fd[i] = -1;
         if (!json_is_string(nm) || !shard_path_is_contained(json_string_value(nm))) BAD("%s: files[%zu]: name missing or leaves the checkpoint folder", mpath, i);
         c->files[i] = json_string_value(nm);
         if (!json_is_integer(by) || json_integer_value(by) < 0) BAD("%s: files[%zu]: bytes missing", mpath, i);
@@ -300,10 +264,19 @@ void shard_ckpt_close(shard_ckpt *c)
 {
     if (!c) return;
     for (size_t i = 0; i < c->nfiles && c->h5; i++) if (c->h5[i] >= 0) H5Fclose(c->h5[i]);
-    for (size_t i = 0; i < c->n; i++) free(c->t[i].p);
-    free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->extras);
+    for (size_t i = 0; i < c->nfiles && c->fd; i++) if (c->fd[i] >= 0) close(c->fd[i]);
+    for (size_t i = 0; i < c->n; i++) {
+        for (size_t j = 0; j < c->t[i].t.npieces && c->t[i].p; j++) {
+            piece_index *ix = c->t[i].p[j].ix;
+            if (ix) { free(ix->loc); free(ix->xxh3); free(ix); }
+        }
+        free(c->t[i].p);
+    }
+    free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->fd); free(c->extras);
     json_decref(c->m);
+    ckpt_scratch_free_all(c);
     pthread_mutex_destroy(&c->mu);
+    pthread_mutex_destroy(&c->smu);
     free(c->training);
     free(c->file_order);
     free(c->tensor_order);
@@ -317,6 +290,8 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     *out = NULL;
     shard_ckpt *c = calloc(1, sizeof *c);
     pthread_mutex_init(&c->mu, NULL);
+    pthread_mutex_init(&c->smu, NULL);
+    c->threads = 1;
     c->dir = strdup(dir);
     char *mp = shard_path_join(dir, "smp.json");
     struct stat st;
@@ -362,193 +337,3 @@ long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name)
     return -1;
 }
 
-static shard_status open_h5(shard_ckpt *c, size_t fi, char *path, size_t cap)
-{
-    snprintf(path, cap, "%s/%s", c->dir, c->files[fi]);
-    if (c->h5[fi] >= 0) return SHARD_OK;
-    struct stat st;
-    if (stat(path, &st) != 0) return shard_fail(SHARD_E_CORRUPT, "%s: missing", path);
-    if ((uint64_t)st.st_size != c->file_bytes[fi])
-        return shard_fail(SHARD_E_CORRUPT, "%s: %lld bytes, the manifest says %llu (truncated or replaced)", path, (long long)st.st_size, (unsigned long long)c->file_bytes[fi]);
-    c->h5[fi] = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
-    if (c->h5[fi] < 0) return shard_fail(SHARD_E_CORRUPT, "%s: not a readable HDF5 file", path);
-    return SHARD_OK;
-}
-
-/* Select the flattened rows [r0, r0+nr) of a piece (all dims but the last are
- * rows): a union of hyperslabs, one per run inside a plane of the last two dims. */
-static void select_rows(hid_t space, const shard_box *b, int64_t r0, int64_t nr)
-{
-    const int nd = b->ndim;
-    H5Sselect_none(space);
-    for (int64_t done = 0; done < nr;) {
-        int64_t rem = r0 + done, take = nr - done;
-        hsize_t start[SHARD_MAX_DIMS], count[SHARD_MAX_DIMS];
-        if (nd >= 2) {
-            int64_t plane = b->len[nd - 2], in_plane = rem % plane;
-            if (plane - in_plane < take) take = plane - in_plane;
-            rem /= plane;
-            for (int k = nd - 3; k >= 0; k--) { start[k] = (hsize_t)(rem % b->len[k]); rem /= b->len[k]; count[k] = 1; }
-            start[nd - 2] = (hsize_t)in_plane;
-            count[nd - 2] = (hsize_t)take;
-        }
-        start[nd - 1] = 0;
-        count[nd - 1] = (hsize_t)b->len[nd - 1];
-        if (nd == 1) { start[0] = 0; count[0] = (hsize_t)b->len[0]; take = nr - done; }
-        H5Sselect_hyperslab(space, H5S_SELECT_OR, start, NULL, count, NULL);
-        done += take;
-    }
-}
-
-static shard_status open_dataset(shard_ckpt *c, const tensor *t, const piece *p, char *path, size_t cap, hid_t *ds_out, hid_t *space_out)
-{
-    shard_status s = open_h5(c, p->file_index, path, cap);
-    if (s) return s;
-    const int nd = t->t.ndim;
-    hid_t ds = H5Dopen2(c->h5[p->file_index], p->dataset, H5P_DEFAULT);
-    if (ds < 0) return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, p->dataset);
-    hid_t space = H5Dget_space(ds);
-    hsize_t dims[SHARD_MAX_DIMS];
-    int ok = H5Sget_simple_extent_ndims(space) == nd;
-    if (ok) H5Sget_simple_extent_dims(space, dims, NULL);
-    for (int k = 0; ok && k < nd; k++) ok = dims[k] == (hsize_t)p->box.len[k];
-    hid_t ft = H5Dget_type(ds);
-    ok = ok && H5Tequal(ft, shard_h5_type(t->t.dtype)) > 0;
-    H5Tclose(ft);
-    if (!ok) {
-        H5Sclose(space);
-        H5Dclose(ds);
-        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s has another shape or type than the manifest says", path, p->dataset);
-    }
-    *ds_out = ds;
-    *space_out = space;
-    return SHARD_OK;
-}
-
-/* Stream one whole piece through xxh64 (4 MiB at a time) and compare. */
-static shard_status verify_piece(shard_ckpt *c, const tensor *t, const piece *p)
-{
-    char path[4200];
-    hid_t ds, space;
-    shard_status s = open_dataset(c, t, p, path, sizeof path, &ds, &space);
-    if (s) return s;
-    const int nd = t->t.ndim;
-    const size_t es = shard_dtype_size(t->t.dtype);
-    const int64_t rowlen = nd == 1 ? 1 : p->box.len[nd - 1];
-    const int64_t nrows = (int64_t)(shard_box_numel(&p->box) / (uint64_t)rowlen);
-    int64_t block = (int64_t)((4u << 20) / ((uint64_t)rowlen * es));
-    if (block < 1) block = 1;
-    char *buf = malloc((size_t)(block * rowlen) * es);
-    XXH64_state_t *h = XXH64_createState();
-    if (!buf || !h) s = shard_fail(SHARD_E_NOMEM, "%s: out of memory reading dataset %s", path, p->dataset);
-    else XXH64_reset(h, 0);
-    for (int64_t r0 = 0; r0 < nrows && !s; r0 += block) {
-        int64_t nr = nrows - r0 < block ? nrows - r0 : block;
-        if (nd == 1) {
-            hsize_t st = (hsize_t)r0, cnt = (hsize_t)nr;
-            H5Sselect_hyperslab(space, H5S_SELECT_SET, &st, NULL, &cnt, NULL);
-        } else {
-            select_rows(space, &p->box, r0, nr);
-        }
-        hsize_t mdim = (hsize_t)(nr * rowlen);
-        hid_t ms = H5Screate_simple(1, &mdim, NULL);
-        herr_t e = H5Dread(ds, shard_h5_type(t->t.dtype), ms, space, H5P_DEFAULT, buf);
-        H5Sclose(ms);
-        if (e < 0) s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset);
-        else XXH64_update(h, buf, (size_t)(nr * rowlen) * es);
-    }
-    uint64_t got = h ? XXH64_digest(h) : 0;
-    if (h) XXH64_freeState(h);
-    free(buf);
-    H5Sclose(space);
-    H5Dclose(ds);
-    if (!s && got != p->xxh64)
-        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: checksum mismatch (stored %016llx, read %016llx)", path, p->dataset,
-                       (unsigned long long)p->xxh64, (unsigned long long)got);
-    return s;
-}
-
-/* Copy the intersection x of piece p with `want` into dst (C order of want). */
-static shard_status read_intersection(shard_ckpt *c, const tensor *t, const piece *p, const shard_box *x,
-                                      const shard_box *want, void *dst, shard_dtype dst_dt)
-{
-    char path[4200];
-    hid_t ds, space;
-    shard_status s = open_dataset(c, t, p, path, sizeof path, &ds, &space);
-    if (s) return s;
-    const int nd = t->t.ndim;
-    const size_t es = shard_dtype_size(t->t.dtype), des = shard_dtype_size(dst_dt);
-    hsize_t start[SHARD_MAX_DIMS], count[SHARD_MAX_DIMS];
-    for (int k = 0; k < nd; k++) { start[k] = (hsize_t)(x->off[k] - p->box.off[k]); count[k] = (hsize_t)x->len[k]; }
-    H5Sselect_hyperslab(space, H5S_SELECT_SET, start, NULL, count, NULL);
-    uint64_t n = shard_box_numel(x);
-    hsize_t mdim = (hsize_t)n;
-    hid_t ms = H5Screate_simple(1, &mdim, NULL);
-    char *tmp = malloc((size_t)n * es);
-    if (!tmp) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-    else if (H5Dread(ds, shard_h5_type(t->t.dtype), ms, space, H5P_DEFAULT, tmp) < 0)
-        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s cannot be read (damaged data)", path, p->dataset);
-    H5Sclose(ms);
-    H5Sclose(space);
-    H5Dclose(ds);
-    /* scatter rows of x into dst */
-    const int64_t rowlen = x->len[nd - 1];
-    const uint64_t nrows = n / (uint64_t)rowlen;
-    int64_t idx[SHARD_MAX_DIMS];
-    for (uint64_t r = 0; r < nrows && !s; r++) {
-        uint64_t rem = r;
-        for (int k = nd - 2; k >= 0; k--) { idx[k] = x->off[k] + (int64_t)(rem % (uint64_t)x->len[k]); rem /= (uint64_t)x->len[k]; }
-        idx[nd - 1] = x->off[nd - 1];
-        int64_t doff = 0;
-        for (int k = 0; k < nd; k++) doff = doff * want->len[k] + (idx[k] - want->off[k]);
-        s = shard_convert((char *)dst + (size_t)doff * des, dst_dt, tmp + (size_t)r * (size_t)rowlen * es, t->t.dtype, (size_t)rowlen);
-    }
-    free(tmp);
-    return s;
-}
-
-shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, void *dst, shard_dtype dst_dt)
-{
-    if (i >= c->n) return shard_fail(SHARD_E_USAGE, "%s: no tensor %zu", c->dir, i);
-    tensor *t = &c->t[i];
-    if (want->ndim != t->t.ndim) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": box rank %d, tensor rank %d", c->dir, t->t.name, want->ndim, t->t.ndim);
-    for (int k = 0; k < t->t.ndim; k++)
-        if (want->off[k] < 0 || want->len[k] < 0 || want->off[k] + want->len[k] > t->t.shape[k])
-            return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": wanted box outside the tensor", c->dir, t->t.name);
-    if (!shard_dtype_is_float(dst_dt) && dst_dt != t->t.dtype)
-        return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": cannot convert %s to %s", c->dir, t->t.name, shard_dtype_name(t->t.dtype), shard_dtype_name(dst_dt));
-    shard_box x;
-    shard_status s = SHARD_OK;
-    pthread_mutex_lock(&c->mu); /* callers may read from several threads */
-    for (size_t j = 0; j < t->t.npieces && !s; j++) {
-        piece *p = &t->p[j];
-        if (!shard_box_intersect(&p->box, want, &x)) continue;
-        if (!p->verified && !(s = verify_piece(c, t, p))) p->verified = 1; /* each piece checked once */
-        if (!s) s = read_intersection(c, t, p, &x, want, dst, dst_dt);
-    }
-    pthread_mutex_unlock(&c->mu);
-    return s;
-}
-
-shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked)
-{
-    uint64_t total = 0;
-    for (size_t i = 0; i < c->nfiles; i++) {
-        char *p = shard_path_join(c->dir, c->files[i]);
-        uint64_t h, n;
-        shard_status s = shard_file_xxh64(p, &h, &n);
-        if (!s && n != c->file_bytes[i]) s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu", p, (unsigned long long)n, (unsigned long long)c->file_bytes[i]);
-        if (!s && h != c->file_hash[i]) s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", p);
-        free(p);
-        if (s) return s;
-        total += n;
-    }
-    for (size_t i = 0; i < c->n; i++)
-        for (size_t j = 0; j < c->t[i].t.npieces; j++) {
-            shard_status s = verify_piece(c, &c->t[i], &c->t[i].p[j]);
-            if (s) return s;
-            c->t[i].p[j].verified = 1;
-        }
-    if (bytes_checked) *bytes_checked = total;
-    return SHARD_OK;
-}

@@ -418,10 +418,19 @@ const shard_ckpt_tensor *shard_ckpt_tensor_at(const shard_ckpt *c, size_t i);
 /* index or -1; group NULL means "params" */
 long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name);
 /* Read the box `want` of tensor i into dst (C order of the box, dtype dst_dt):
- * the planner intersects the stored pieces with the box; every piece touched is
- * read whole once and its xxh64 checked. */
+ * the planner intersects the stored pieces with the box and reads only the chunks
+ * that the box touches, each checked against its own XXH3 (a piece written before
+ * chunk checksums is read whole once, the first time it is touched, and its xxh64
+ * checked). Safe to call from several threads at once on one c; memory: a chunk or
+ * two per thread. */
 shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, void *dst, shard_dtype dst_dt);
-/* Every whole-file checksum, every piece's checksum, and coverage. */
+/* Threads that each shard_ckpt_read (the chunks of one call) and shard_ckpt_verify
+ * (the files) use: 1 (the default) reads in the calling thread. */
+void shard_ckpt_set_threads(shard_ckpt *c, int threads);
+/* Bytes of shard files read so far (as stored: compressed where compressed). */
+uint64_t shard_ckpt_bytes_read(const shard_ckpt *c);
+/* Every whole-file checksum, every chunk's and piece's checksum, and coverage; each
+ * file read once, front to back. */
 shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked);
 /* Files kept beside the weights (tokenizer, ...): relative names under extra/. */
 size_t shard_ckpt_extra_count(const shard_ckpt *c);

@@ -2,7 +2,9 @@
 
 #include <stdarg.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 static const char *g_cmd = "smp";
 
@@ -65,4 +67,17 @@ const char *cli_count(char buf[32], unsigned long long n)
     }
     buf[o] = 0;
     return buf;
+}
+
+int cli_default_threads(void)
+{
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : n > 16 ? 16 : (int)n;
+}
+
+int cli_parse_threads(const char *text)
+{
+    char *end;
+    long th = strtol(text, &end, 10);
+    return *end || end == text || th < 1 || th > 64 ? 0 : (int)th;
 }

@@ -1,0 +1,545 @@
+/* Reading boxes of tensors: the planner intersects the stored pieces with the wanted
+ * box, and the chunks that the intersection touches are read with pread, decompressed,
+ * unshuffled, checked against their own XXH3 and scattered into the box, by as many
+ * threads as the checkpoint is given. HDF5 is asked once per piece where its chunks
+ * lie (under the checkpoint's lock); the data never passes through HDF5's selections. */
+#include "ckpt.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include <xxhash.h>
+#include <zstd.h>
+
+struct scratch {
+    scratch *next;
+    uint8_t *stored, *tmp, *raw; /* the stored bytes; decompressed; unshuffled */
+    size_t cap_stored, cap_raw;
+    ZSTD_DCtx *dctx;
+    const piece *last_p;         /* the chunk that raw holds (a reader often wants it again) */
+    uint64_t last_k;
+};
+
+void ckpt_file_path(const shard_ckpt *c, size_t fi, char *buf, size_t cap)
+{
+    snprintf(buf, cap, "%s/%s", c->dir, c->files[fi]);
+}
+
+/* ------------------------------------------------------------------ scratch */
+scratch *ckpt_scratch_get(shard_ckpt *c)
+{
+    pthread_mutex_lock(&c->smu);
+    scratch *s = c->free_scratch;
+    if (s) c->free_scratch = s->next;
+    pthread_mutex_unlock(&c->smu);
+    return s ? s : calloc(1, sizeof *s);
+}
+
+void ckpt_scratch_put(shard_ckpt *c, scratch *s)
+{
+    if (!s) return;
+    pthread_mutex_lock(&c->smu);
+    s->next = c->free_scratch;
+    c->free_scratch = s;
+    pthread_mutex_unlock(&c->smu);
+}
+
+void ckpt_scratch_free_all(shard_ckpt *c)
+{
+    for (scratch *s = c->free_scratch, *n; s; s = n) {
+        n = s->next;
+        free(s->stored); free(s->tmp); free(s->raw);
+        ZSTD_freeDCtx(s->dctx);
+        free(s);
+    }
+    c->free_scratch = NULL;
+}
+
+static int grow(uint8_t **b, size_t *cap, size_t need)
+{
+    if (*cap >= need) return 0;
+    uint8_t *n = malloc(need);
+    if (!n) return -1;
+    free(*b);
+    *b = n;
+    *cap = need;
+    return 0;
+}
+
+static shard_status scratch_fit(scratch *s, size_t stored, size_t raw, int zstd)
+{
+    size_t cap_raw = s->cap_raw;
+    int bad = grow(&s->stored, &s->cap_stored, stored) || grow(&s->raw, &s->cap_raw, raw);
+    if (!bad && zstd) {
+        if (s->cap_raw != cap_raw || !s->tmp) { free(s->tmp); s->tmp = malloc(s->cap_raw); }
+        if (!s->dctx) s->dctx = ZSTD_createDCtx();
+        bad = !s->tmp || !s->dctx;
+    }
+    if (bad) return shard_fail(SHARD_E_NOMEM, "out of memory for a chunk of %zu bytes", raw);
+    return SHARD_OK;
+}
+
+/* ------------------------------------------------------------- the index */
+/* Open shard file fi for HDF5 and for pread (c->mu held): a regular file of the size
+ * the manifest says. */
+static shard_status open_file(shard_ckpt *c, size_t fi)
+{
+    char path[4200];
+    ckpt_file_path(c, fi, path, sizeof path);
+    if (c->fd[fi] >= 0) return SHARD_OK;
+    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO does not block the open */
+    if (fd < 0) return shard_fail(errno == ENOENT ? SHARD_E_CORRUPT : SHARD_E_IO, "%s: %s", path, errno == ENOENT ? "missing" : strerror(errno));
+    struct stat st;
+    shard_status s = SHARD_OK;
+    if (fstat(fd, &st) != 0) s = shard_fail(SHARD_E_IO, "%s: %s", path, strerror(errno));
+    else if (!S_ISREG(st.st_mode)) s = shard_fail(SHARD_E_CORRUPT, "%s: not a regular file", path);
+    else if ((uint64_t)st.st_size != c->file_bytes[fi])
+        s = shard_fail(SHARD_E_CORRUPT, "%s: %lld bytes, the manifest says %llu (truncated or replaced)", path, (long long)st.st_size,
+                       (unsigned long long)c->file_bytes[fi]);
+    else if ((c->h5[fi] = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT)) < 0)
+        s = shard_fail(SHARD_E_CORRUPT, "%s: not a readable HDF5 file", path);
+    if (s) { close(fd); return s; }
+    c->fd[fi] = fd;
+    return SHARD_OK;
+}
+
+shard_status ckpt_open_file(shard_ckpt *c, size_t fi)
+{
+    pthread_mutex_lock(&c->mu);
+    shard_status s = open_file(c, fi);
+    pthread_mutex_unlock(&c->mu);
+    return s;
+}
+
+static int attr_u64s(hid_t ds, const char *name, uint64_t n, uint64_t **out)
+{
+    *out = NULL;
+    if (H5Aexists(ds, name) <= 0) return 0;
+    hid_t a = H5Aopen(ds, name, H5P_DEFAULT), sp = a < 0 ? -1 : H5Aget_space(a);
+    hssize_t np = sp < 0 ? -1 : H5Sget_simple_extent_npoints(sp);
+    int bad = np < 0 || (uint64_t)np != n || H5Sget_simple_extent_ndims(sp) != 1;
+    if (!bad) bad = !(*out = malloc(n * sizeof **out)) || H5Aread(a, H5T_NATIVE_UINT64, *out) < 0;
+    if (sp >= 0) H5Sclose(sp);
+    if (a >= 0) H5Aclose(a);
+    if (bad) { free(*out); *out = NULL; return -1; }
+    return 0;
+}
+
+static int attr_str_is(hid_t ds, const char *name, const char *want)
+{
+    char buf[64] = {0};
+    hid_t a = H5Aopen(ds, name, H5P_DEFAULT);
+    if (a < 0) return 0;
+    hid_t t = H5Aget_type(a), mt = H5Tcopy(H5T_C_S1);
+    H5Tset_size(mt, sizeof buf - 1);
+    int ok = H5Tget_class(t) == H5T_STRING && H5Aread(a, mt, buf) >= 0 && !strcmp(buf, want);
+    H5Tclose(mt); H5Tclose(t); H5Aclose(a);
+    return ok;
+}
+
+/* The dataset's shape, type, chunking and filters as smp writes them. */
+static shard_status check_layout(hid_t ds, const tensor *t, const piece *p, const char *path, piece_index *ix)
+{
+    const int nd = t->t.ndim;
+    hid_t space = H5Dget_space(ds), ft = H5Dget_type(ds), dcpl = H5Dget_create_plist(ds);
+    hsize_t dims[SHARD_MAX_DIMS], chunk[SHARD_MAX_DIMS];
+    int ok = space >= 0 && H5Sget_simple_extent_ndims(space) == nd;
+    if (ok) H5Sget_simple_extent_dims(space, dims, NULL);
+    for (int k = 0; ok && k < nd; k++) ok = dims[k] == (hsize_t)p->box.len[k];
+    ok = ok && ft >= 0 && H5Tequal(ft, shard_h5_type(t->t.dtype)) > 0;
+    shard_status s = ok ? SHARD_OK : shard_fail(SHARD_E_CORRUPT, "%s: dataset %s has another shape or type than the manifest says", path, p->dataset);
+    const H5D_layout_t layout = s ? H5D_LAYOUT_ERROR : H5Pget_layout(dcpl);
+    if (layout == H5D_CONTIGUOUS) { /* not smp's, but what h5py writes: read in the writer's chunks */
+        const size_t es = shard_dtype_size(t->t.dtype);
+        shard_chunking_init(&ix->g, nd, p->box.len, es, shard_chunking_rows_for(nd, p->box.len, es));
+        ix->contiguous = 1;
+    } else if (!s && (layout != H5D_CHUNKED || H5Pget_chunk(dcpl, nd, chunk) != nd)) {
+        s = shard_fail(SHARD_E_UNSUPPORTED, "%s: dataset %s is neither chunked as smp writes it nor contiguous", path, p->dataset);
+    }
+    if (!s && !ix->contiguous) {
+        const size_t es = shard_dtype_size(t->t.dtype);
+        const int rdim = nd == 1 ? 0 : nd - 2;
+        shard_chunking_init(&ix->g, nd, p->box.len, es, (int64_t)chunk[rdim] ? (int64_t)chunk[rdim] : 1);
+        hsize_t want[SHARD_MAX_DIMS];
+        shard_chunking_dims(&ix->g, want);
+        int rows_ok = chunk[rdim] >= 1 && chunk[rdim] <= (hsize_t)ix->g.rows;
+        for (int k = 0; rows_ok && k < nd; k++) rows_ok = chunk[k] == want[k];
+        if (!rows_ok || ix->g.full > SHARD_CHUNK_BYTES_MAX)
+            s = shard_fail(SHARD_E_UNSUPPORTED, "%s: dataset %s: chunks are not whole rows of at most 256 MiB (not written by smp)", path, p->dataset);
+    }
+    int nf = s ? 0 : H5Pget_nfilters(dcpl);
+    if (!s && nf == 2) {
+        unsigned flags, cd[8];
+        size_t ncd = 8;
+        H5Z_filter_t f0 = H5Pget_filter2(dcpl, 0, &flags, &ncd, cd, 0, NULL, NULL);
+        ncd = 8;
+        H5Z_filter_t f1 = H5Pget_filter2(dcpl, 1, &flags, &ncd, cd, 0, NULL, NULL);
+        ix->zstd = f0 == H5Z_FILTER_SHUFFLE && f1 == SHARD_ZSTD_FILTER_ID;
+    }
+    if (!s && nf != 0 && !ix->zstd)
+        s = shard_fail(SHARD_E_UNSUPPORTED, "%s: dataset %s: filters other than smp's (none, or shuffle + zstd)", path, p->dataset);
+    if (dcpl >= 0) H5Pclose(dcpl);
+    if (ft >= 0) H5Tclose(ft);
+    if (space >= 0) H5Sclose(space);
+    return s;
+}
+
+/* Where every chunk lies: inside the file, whole, never skipping a filter. */
+/* A contiguous dataset: the chunks are where the C order puts them. */
+static shard_status locate_contiguous(hid_t ds, const piece *p, uint64_t file_bytes, const char *path, piece_index *ix)
+{
+    const shard_chunking *g = &ix->g;
+    const haddr_t base = H5Dget_offset(ds);
+    const uint64_t bytes = shard_box_numel(&p->box) * g->es;
+    if (base == HADDR_UNDEF || base > file_bytes || bytes > file_bytes - base)
+        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s was never written whole", path, p->dataset);
+    if (!(ix->loc = malloc(g->nchunks * sizeof *ix->loc))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (uint64_t k = 0; k < g->nchunks; k++) {
+        uint64_t plane;
+        int64_t r0, nr;
+        hsize_t hoff[SHARD_MAX_DIMS];
+        shard_chunking_at(g, k, &plane, &r0, &nr, hoff);
+        ix->loc[k] = (chunk_loc){base + (plane * (uint64_t)g->rows + (uint64_t)r0) * (uint64_t)g->cols * g->es, ckpt_chunk_valid(g, k)};
+    }
+    return SHARD_OK;
+}
+
+static shard_status locate_chunks(hid_t ds, const piece *p, uint64_t file_bytes, const char *path, piece_index *ix)
+{
+    if (ix->contiguous) return locate_contiguous(ds, p, file_bytes, path, ix);
+    const shard_chunking *g = &ix->g;
+    hsize_t n = 0;
+    hid_t space = H5Dget_space(ds);
+    herr_t e = space < 0 ? -1 : H5Dget_num_chunks(ds, space, &n);
+    if (space >= 0) H5Sclose(space);
+    if (e < 0 || n != g->nchunks)
+        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s holds %llu of its %llu chunks (never written whole)", path, p->dataset,
+                          (unsigned long long)n, (unsigned long long)g->nchunks);
+    if (!(ix->loc = malloc(g->nchunks * sizeof *ix->loc))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    const uint64_t most = ix->zstd ? ZSTD_compressBound(g->full) : g->full;
+    for (uint64_t k = 0; k < g->nchunks; k++) {
+        uint64_t plane;
+        int64_t r0, nr;
+        hsize_t hoff[SHARD_MAX_DIMS], size = 0;
+        haddr_t addr = HADDR_UNDEF;
+        unsigned mask = 0;
+        shard_chunking_at(g, k, &plane, &r0, &nr, hoff);
+        if (H5Dget_chunk_info_by_coord(ds, hoff, &mask, &addr, &size) < 0 || addr == HADDR_UNDEF)
+            return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu was never written", path, p->dataset, (unsigned long long)k);
+        if (mask || size == 0 || size > most || (!ix->zstd && size != g->full) || addr > file_bytes || size > file_bytes - addr)
+            return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu has an impossible place or size", path, p->dataset, (unsigned long long)k);
+        ix->loc[k] = (chunk_loc){addr, size};
+    }
+    return SHARD_OK;
+}
+
+static shard_status load_index(shard_ckpt *c, const tensor *t, piece *p)
+{
+    char path[4200];
+    shard_status s = open_file(c, p->file_index);
+    if (s) return s;
+    ckpt_file_path(c, p->file_index, path, sizeof path);
+    hid_t ds = H5Dopen2(c->h5[p->file_index], p->dataset, H5P_DEFAULT);
+    if (ds < 0) return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, p->dataset);
+    piece_index *ix = calloc(1, sizeof *ix);
+    if (!ix) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!s) s = check_layout(ds, t, p, path, ix);
+    if (!s) s = locate_chunks(ds, p, c->file_bytes[p->file_index], path, ix);
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)p->xxh64);
+    if (!s && !attr_str_is(ds, "xxh64", hex)) /* the dataset is the one the manifest describes */
+        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: its xxh64 attribute is not the manifest's (file replaced?)", path, p->dataset);
+    if (!s && attr_u64s(ds, "chunk_xxh3", ix->g.nchunks, &ix->xxh3))
+        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: attribute chunk_xxh3 is not one checksum per chunk", path, p->dataset);
+    H5Dclose(ds);
+    if (s) {
+        if (ix) { free(ix->loc); free(ix->xxh3); free(ix); }
+        return s;
+    }
+    ix->fd = c->fd[p->file_index];
+    __atomic_store_n(&p->ix, ix, __ATOMIC_RELEASE); /* ckpt_prepare reads it without the lock */
+    return SHARD_OK;
+}
+
+/* ---------------------------------------------------------------- chunks */
+static shard_status read_stored(shard_ckpt *c, const piece *p, uint64_t k, uint8_t *buf)
+{
+    const chunk_loc *l = &p->ix->loc[k];
+    for (uint64_t done = 0; done < l->size;) {
+        ssize_t r = pread(p->ix->fd, buf + done, l->size - done, (off_t)(l->addr + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) {
+            char path[4200];
+            ckpt_file_path(c, p->file_index, path, sizeof path);
+            return r < 0 ? shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno))
+                         : shard_fail(SHARD_E_CORRUPT, "%s: shorter than its chunk index says (truncated)", path);
+        }
+        done += (uint64_t)r;
+    }
+    __atomic_add_fetch(&c->bytes_read, l->size, __ATOMIC_RELAXED);
+    return SHARD_OK;
+}
+
+static void unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
+{
+    if (es == 2) { /* the common case (bf16), spelled out so that it vectorizes */
+        for (size_t i = 0; i < n; i++) { dst[2 * i] = src[i]; dst[2 * i + 1] = src[n + i]; }
+        return;
+    }
+    for (size_t b = 0; b < es; b++)
+        for (size_t i = 0; i < n; i++) dst[i * es + b] = src[b * n + i];
+}
+
+size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k)
+{
+    uint64_t plane;
+    int64_t r0, nr;
+    hsize_t hoff[SHARD_MAX_DIMS];
+    shard_chunking_at(g, k, &plane, &r0, &nr, hoff);
+    return (size_t)(nr * g->cols) * g->es;
+}
+
+shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
+                               const uint8_t **out)
+{
+    const piece_index *ix = p->ix;
+    const size_t full = ix->g.full, es = ix->g.es;
+    if (s->last_p == p && s->last_k == k && !stored_out) { *out = s->raw; return SHARD_OK; }
+    s->last_p = NULL;
+    shard_status st = scratch_fit(s, ix->loc[k].size, full, ix->zstd);
+    if (!st) st = read_stored(c, p, k, s->stored);
+    if (st) return st;
+    const uint8_t *stored = s->stored;
+    if (stored_out) *stored_out = stored;
+    char path[4200];
+    if (ix->zstd) {
+        size_t r = ZSTD_getFrameContentSize(stored, ix->loc[k].size) == full
+                       ? ZSTD_decompressDCtx(s->dctx, es > 1 ? s->tmp : s->raw, full, stored, ix->loc[k].size)
+                       : 0;
+        if (ZSTD_isError(r) || r != full) {
+            ckpt_file_path(c, p->file_index, path, sizeof path);
+            return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu cannot be decompressed (damaged data)", path, p->dataset,
+                              (unsigned long long)k);
+        }
+        if (es > 1) unshuffle(s->raw, s->tmp, full / es, es);
+    } else {
+        memcpy(s->raw, stored, ix->loc[k].size); /* all of it (chunked), or its valid part (contiguous) */
+    }
+    if (ix->xxh3 && XXH3_64bits(s->raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k]) {
+        ckpt_file_path(c, p->file_index, path, sizeof path);
+        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
+                          (unsigned long long)k);
+    }
+    s->last_p = p;
+    s->last_k = k;
+    *out = s->raw;
+    return SHARD_OK;
+}
+
+shard_status ckpt_verify_piece(shard_ckpt *c, piece *p)
+{
+    scratch *s = ckpt_scratch_get(c);
+    XXH64_state_t *h = XXH64_createState();
+    shard_status st = s && h ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (h) XXH64_reset(h, 0);
+    for (uint64_t k = 0; k < p->ix->g.nchunks && !st; k++) {
+        const uint8_t *raw;
+        if (!(st = ckpt_chunk_decode(c, p, k, s, NULL, &raw))) XXH64_update(h, raw, ckpt_chunk_valid(&p->ix->g, k));
+    }
+    if (!st && XXH64_digest(h) != p->xxh64) {
+        char path[4200];
+        ckpt_file_path(c, p->file_index, path, sizeof path);
+        st = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: checksum mismatch (damaged data)", path, p->dataset);
+    }
+    if (h) XXH64_freeState(h);
+    ckpt_scratch_put(c, s);
+    if (!st) __atomic_store_n(&p->verified, 1, __ATOMIC_RELEASE);
+    return st;
+}
+
+shard_status ckpt_prepare(shard_ckpt *c, tensor *t, piece *p, int skip_legacy)
+{
+    if (__atomic_load_n(&p->ix, __ATOMIC_ACQUIRE) && (p->ix->xxh3 || skip_legacy || __atomic_load_n(&p->verified, __ATOMIC_ACQUIRE)))
+        return SHARD_OK;
+    pthread_mutex_lock(&c->mu);
+    shard_status s = p->ix ? SHARD_OK : load_index(c, t, p);
+    if (!s && !p->ix->xxh3 && !skip_legacy && !p->verified) s = ckpt_verify_piece(c, p);
+    pthread_mutex_unlock(&c->mu);
+    return s;
+}
+
+/* ---------------------------------------------------------- reading boxes */
+/* One chunk to scatter: chunk k of piece p, for the intersection x (global coords). */
+typedef struct {
+    const piece *p;
+    uint64_t k;
+    shard_box x;
+} task;
+
+typedef struct {
+    shard_ckpt *c;
+    const tensor *t;
+    const shard_box *want;
+    void *dst;
+    shard_dtype dt;
+    task *tasks;
+    size_t ntasks, next; /* next: atomic */
+} read_job;
+
+/* Rows of chunk k that x wants, converted into their places in dst. */
+static shard_status scatter(const read_job *j, const task *tk, const uint8_t *raw)
+{
+    const shard_chunking *g = &tk->p->ix->g;
+    const shard_box *pb = &tk->p->box, *x = &tk->x, *w = j->want;
+    const int nd = g->ndim, rdim = nd == 1 ? 0 : nd - 2;
+    const size_t des = shard_dtype_size(j->dt);
+    uint64_t plane;
+    int64_t r0, nr;
+    hsize_t hoff[SHARD_MAX_DIMS];
+    shard_chunking_at(g, tk->k, &plane, &r0, &nr, hoff);
+    int64_t lo = x->off[rdim] - pb->off[rdim], hi = lo + x->len[rdim];
+    if (lo < r0) lo = r0;
+    if (hi > r0 + nr) hi = r0 + nr;
+    const int64_t c0 = nd == 1 ? 0 : x->off[nd - 1] - pb->off[nd - 1], nc = nd == 1 ? 1 : x->len[nd - 1];
+    /* the element of dst at (plane, row lo, column c0), and the step between rows */
+    int64_t doff = 0, gidx[SHARD_MAX_DIMS];
+    for (int d = 0; d < rdim; d++) gidx[d] = pb->off[d] + (int64_t)hoff[d];
+    gidx[rdim] = pb->off[rdim] + lo;
+    if (nd > 1) gidx[nd - 1] = pb->off[nd - 1] + c0;
+    for (int d = 0; d < nd; d++) doff = doff * w->len[d] + (gidx[d] - w->off[d]);
+    const int64_t dstep = nd == 1 ? 1 : w->len[nd - 1];
+    const uint8_t *src = raw + (size_t)((lo - r0) * g->cols + c0) * g->es;
+    char *dst = (char *)j->dst + (size_t)doff * des;
+    if (nc == g->cols && dstep == g->cols) /* whole rows, adjacent in dst too: one run */
+        return shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)((hi - lo) * nc));
+    for (int64_t r = lo; r < hi; r++, src += (size_t)g->cols * g->es, dst += (size_t)dstep * des) {
+        shard_status s = shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)nc);
+        if (s) return s;
+    }
+    return SHARD_OK;
+}
+
+static shard_status read_worker(void *arg, int worker)
+{
+    (void)worker;
+    read_job *j = arg;
+    scratch *s = ckpt_scratch_get(j->c);
+    shard_status st = s ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (;;) {
+        size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
+        if (st || i >= j->ntasks) break;
+        const uint8_t *raw;
+        st = ckpt_chunk_decode(j->c, j->tasks[i].p, j->tasks[i].k, s, NULL, &raw);
+        if (!st) st = scatter(j, &j->tasks[i], raw);
+        if (st) __atomic_store_n(&j->next, j->ntasks, __ATOMIC_RELAXED); /* the others stop too */
+    }
+    ckpt_scratch_put(j->c, s);
+    return st;
+}
+
+/* The chunks of p that x touches, appended to the job's tasks. */
+static shard_status add_tasks(read_job *j, const piece *p, const shard_box *x, size_t *cap)
+{
+    const shard_chunking *g = &p->ix->g;
+    const int nd = g->ndim, rdim = nd == 1 ? 0 : nd - 2;
+    int64_t rel[SHARD_MAX_DIMS];
+    for (int d = 0; d < nd; d++) rel[d] = x->off[d] - p->box.off[d];
+    const uint64_t b0 = (uint64_t)(rel[rdim] / g->chunk_rows), b1 = (uint64_t)((rel[rdim] + x->len[rdim] - 1) / g->chunk_rows);
+    uint64_t nplanes = 1;
+    for (int d = 0; d < rdim; d++) nplanes *= (uint64_t)x->len[d];
+    for (uint64_t q = 0; q < nplanes; q++) {
+        uint64_t rem = q, plane = 0;
+        int64_t idx[SHARD_MAX_DIMS];
+        for (int d = rdim - 1; d >= 0; d--) { idx[d] = rel[d] + (int64_t)(rem % (uint64_t)x->len[d]); rem /= (uint64_t)x->len[d]; }
+        for (int d = 0; d < rdim; d++) plane = plane * (uint64_t)g->len[d] + (uint64_t)idx[d];
+        for (uint64_t b = b0; b <= b1; b++) {
+            if (j->ntasks == *cap) {
+                size_t nc = *cap ? 2 * *cap : 16;
+                task *n = realloc(j->tasks, nc * sizeof *n);
+                if (!n) return shard_fail(SHARD_E_NOMEM, "out of memory");
+                j->tasks = n;
+                *cap = nc;
+            }
+            task *tk = &j->tasks[j->ntasks++];
+            tk->p = p;
+            tk->k = plane * g->per_plane + b;
+            tk->x = *x;
+            for (int d = 0; d < rdim; d++) { tk->x.off[d] = p->box.off[d] + idx[d]; tk->x.len[d] = 1; }
+        }
+    }
+    return SHARD_OK;
+}
+
+shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, void *dst, shard_dtype dst_dt)
+{
+    if (i >= c->n) return shard_fail(SHARD_E_USAGE, "%s: no tensor %zu", c->dir, i);
+    tensor *t = &c->t[i];
+    if (want->ndim != t->t.ndim) return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": box rank %d, tensor rank %d", c->dir, t->t.name, want->ndim, t->t.ndim);
+    for (int k = 0; k < t->t.ndim; k++)
+        if (want->off[k] < 0 || want->len[k] < 0 || want->len[k] > t->t.shape[k] || want->off[k] > t->t.shape[k] - want->len[k])
+            return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": wanted box outside the tensor", c->dir, t->t.name);
+    if (!shard_dtype_is_float(dst_dt) && dst_dt != t->t.dtype)
+        return shard_fail(SHARD_E_USAGE, "%s: tensor \"%s\": cannot convert %s to %s", c->dir, t->t.name, shard_dtype_name(t->t.dtype), shard_dtype_name(dst_dt));
+    read_job j = {c, t, want, dst, dst_dt, NULL, 0, 0};
+    size_t cap = 0;
+    shard_status s = SHARD_OK;
+    shard_box x;
+    for (size_t q = 0; q < t->t.npieces && !s; q++) {
+        piece *p = &t->p[q];
+        if (!shard_box_intersect(&p->box, want, &x)) continue;
+        if (!(s = ckpt_prepare(c, t, p, 0))) s = add_tasks(&j, p, &x, &cap);
+    }
+    if (!s && j.ntasks) {
+        int th = c->threads < (int)j.ntasks ? c->threads : (int)j.ntasks;
+        s = ckpt_parallel(th, read_worker, &j);
+    }
+    free(j.tasks);
+    return s;
+}
+
+/* ----------------------------------------------------------------- threads */
+typedef struct {
+    shard_status (*fn)(void *, int);
+    void *arg;
+    int worker;
+    shard_status s;
+    char msg[1024];
+} thread_arg;
+
+static void *thread_main(void *p)
+{
+    thread_arg *a = p;
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+    a->s = a->fn(a->arg, a->worker);
+    if (a->s) snprintf(a->msg, sizeof a->msg, "%s", shard_errmsg());
+    H5Eclear2(H5E_DEFAULT);
+    return NULL;
+}
+
+shard_status ckpt_parallel(int threads, shard_status (*fn)(void *arg, int worker), void *arg)
+{
+    if (threads > 64) threads = 64;
+    if (threads <= 1) return fn(arg, 0);
+    pthread_t th[64];
+    thread_arg a[64];
+    int started = 0;
+    for (int w = 1; w < threads; w++) {
+        a[started] = (thread_arg){fn, arg, w, SHARD_OK, ""};
+        if (pthread_create(&th[started], NULL, thread_main, &a[started]) == 0) started++;
+    }
+    shard_status s = fn(arg, 0);
+    char msg[1024] = "";
+    if (s) snprintf(msg, sizeof msg, "%s", shard_errmsg());
+    for (int w = 0; w < started; w++) {
+        pthread_join(th[w], NULL);
+        if (!s && a[w].s) { s = a[w].s; snprintf(msg, sizeof msg, "%s", a[w].msg); }
+    }
+    return s ? shard_fail(s, "%s", msg) : SHARD_OK;
+}
+
+void shard_ckpt_set_threads(shard_ckpt *c, int threads) { c->threads = threads < 1 ? 1 : threads > 64 ? 64 : threads; }
+uint64_t shard_ckpt_bytes_read(const shard_ckpt *c) { return __atomic_load_n(&c->bytes_read, __ATOMIC_RELAXED); }
