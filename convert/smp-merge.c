@@ -6,6 +6,7 @@
 #include "shard.h"
 
 #include <errno.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -43,6 +44,62 @@ static int parse_size(const char *s, uint64_t *out)
     else return -1;
     *out = (uint64_t)(v * (double)mul);
     return 0;
+}
+
+/* The weights are written by a thread of their own, one block behind the reads: while
+ * it writes block i, the reader threads fill block i+1 (two buffers, one hand-off). */
+typedef struct {
+    pthread_t th;
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    shard_st_writer *w;
+    const void *buf;
+    size_t n;
+    int busy, quit;
+    shard_status s;
+    char msg[1024];
+} behind;
+
+static void *behind_main(void *arg)
+{
+    behind *b = arg;
+    pthread_mutex_lock(&b->mu);
+    for (;;) {
+        while (!b->busy && !b->quit) pthread_cond_wait(&b->cv, &b->mu);
+        if (!b->busy) break;
+        pthread_mutex_unlock(&b->mu);
+        shard_status s = b->s ? b->s : shard_st_writer_write(b->w, b->buf, b->n);
+        pthread_mutex_lock(&b->mu);
+        if (s && !b->s) { b->s = s; snprintf(b->msg, sizeof b->msg, "%s", shard_errmsg()); }
+        b->busy = 0;
+        pthread_cond_broadcast(&b->cv);
+    }
+    pthread_mutex_unlock(&b->mu);
+    return NULL;
+}
+
+/* Wait until the last block handed over is written; its status. */
+static shard_status behind_wait(behind *b)
+{
+    pthread_mutex_lock(&b->mu);
+    while (b->busy) pthread_cond_wait(&b->cv, &b->mu);
+    shard_status s = b->s;
+    pthread_mutex_unlock(&b->mu);
+    return s ? shard_fail(s, "%s", b->msg) : SHARD_OK;
+}
+
+static shard_status behind_write(behind *b, shard_st_writer *w, const void *buf, size_t n)
+{
+    shard_status s = behind_wait(b);
+    if (s) return s;
+    pthread_mutex_lock(&b->mu);
+    b->w = w;
+    b->buf = buf;
+    b->n = n;
+    b->busy = 1;
+    pthread_cond_broadcast(&b->cv);
+    pthread_mutex_unlock(&b->mu);
+    return SHARD_OK;
 }
 
 static shard_status write_file(const char *path, const char *data, size_t len, const shard_write_opts *o)
@@ -119,8 +176,14 @@ int main(int argc, char **argv)
     if (!s && mkdir(stage, 0755) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot create: %s", stage, strerror(errno));
     progress pg;
     progress_start(&pg, "merging", total);
-    void *buf = NULL;
+    void *buf[2] = {NULL, NULL};
     size_t cap = 0;
+    int cur_buf = 0;
+    behind wb = {.s = SHARD_OK};
+    pthread_mutex_init(&wb.mu, NULL);
+    pthread_cond_init(&wb.cv, NULL);
+    int writer_started = !s && pthread_create(&wb.th, NULL, behind_main, &wb) == 0;
+    if (!s && !writer_started) s = shard_fail(SHARD_E_NOMEM, "cannot start the writer thread");
     char path[4096], fname[128];
     for (int f = 0; f < nfiles && !s; f++) {
         if (nfiles == 1) snprintf(fname, sizeof fname, "model.safetensors");
@@ -144,20 +207,37 @@ int main(int argc, char **argv)
             int64_t rows = row ? (int64_t)((8u << 20) / row) : 1;
             if (rows < 1) rows = 1;
             size_t need = (size_t)(rows * (int64_t)row);
-            if (need > cap) { free(buf); buf = malloc(need ? need : 1); cap = need; }
-            if (!buf) { s = shard_fail(SHARD_E_NOMEM, "out of memory for tensor \"%s\"", ct->name); break; }
+            if (need > cap) { /* both buffers free: the writer is done with them */
+                if ((s = behind_wait(&wb))) break;
+                for (int q = 0; q < 2; q++) { free(buf[q]); buf[q] = malloc(need ? need : 1); }
+                cap = need;
+            }
+            if (!buf[0] || !buf[1]) { s = shard_fail(SHARD_E_NOMEM, "out of memory for tensor \"%s\"", ct->name); break; }
             for (int64_t r0 = 0; r0 < ct->shape[0] && !s; r0 += rows) {
                 blk.off[0] = r0;
                 blk.len[0] = ct->shape[0] - r0 < rows ? ct->shape[0] - r0 : rows;
                 size_t nb = (size_t)blk.len[0] * (size_t)row;
-                if (!(s = shard_ckpt_read(c, (size_t)idx[i], &blk, buf, dts[i]))) s = shard_st_writer_write(w, buf, nb);
+                if (!(s = shard_ckpt_read(c, (size_t)idx[i], &blk, buf[cur_buf], dts[i]))) s = behind_write(&wb, w, buf[cur_buf], nb);
+                cur_buf ^= 1;
                 progress_add(&pg, nb);
             }
         }
+        shard_status ws = behind_wait(&wb);
+        if (!s) s = ws;
         if (s) shard_st_writer_abort(w);
         else s = shard_st_writer_finish(w);
     }
-    free(buf);
+    if (writer_started) {
+        pthread_mutex_lock(&wb.mu);
+        wb.quit = 1;
+        pthread_cond_broadcast(&wb.cv);
+        pthread_mutex_unlock(&wb.mu);
+        pthread_join(wb.th, NULL);
+    }
+    pthread_mutex_destroy(&wb.mu);
+    pthread_cond_destroy(&wb.cv);
+    free(buf[0]);
+    free(buf[1]);
     progress_end(&pg);
     if (!s && nfiles > 1) {
         /* the index, as transformers writes it */

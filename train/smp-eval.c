@@ -1,4 +1,5 @@
-/* smp-eval: mean loss and perplexity of a checkpoint over token files (one rank). */
+/* smp-eval: mean loss and perplexity of a checkpoint over token files, on one rank or
+ * (under mpirun, --layout) on the ranks of a parallel layout. */
 #include <errno.h>
 #include <math.h>
 #include <stdio.h>
@@ -11,9 +12,13 @@
 #include "data.h"
 #include "eval.h"
 #include "model.h"
+#include "par.h"
+
+#include <mpi.h>
 
 static const char HELP[] =
     "usage: smp-eval --ckpt CKPT|RUN_DIR --data TOKENS --batch B --seq S [--batches N] [--json]\n"
+    "       mpirun -np N smp-eval --layout pp=P,tp=T,cp=C,dp=D ...\n"
     "\n"
     "Mean cross-entropy loss and perplexity of the checkpoint's parameters (fp32 compute)\n"
     "over sequential batches laid out as llm.c does: batch i takes B*S+1 consecutive\n"
@@ -25,11 +30,56 @@ static const char HELP[] =
     "  --batches N   evaluate the first N batches (default: every whole batch)\n"
     "  --json        print {\"loss\", \"perplexity\", \"tokens\", \"batches\"} as one JSON object\n";
 
+/* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank
+ * takes its B/dp rows of every batch, each cp rank its tokens of them, the last
+ * pipeline stage sums; the total over dp and cp, from the last stage, on every rank. */
+static shard_status par_loss_sum(par_ctx *P, model *m, const data_set *ds, int B, long long NB, int32_t *in, int32_t *tg,
+                                 double *sum)
+{
+    const int dp = P->g.dp ? shard_comm_size(P->g.dp) : 1, Bm = B / dp;
+    double total = 0.0, one;
+    shard_status s;
+    for (long long i = 0; i < NB; i++) {
+        data_fill_sequential(ds, (uint64_t)i * (uint64_t)B + (uint64_t)P->g.me.dp * (uint64_t)Bm, Bm, in, tg);
+        par_cp_select(m, Bm, in, tg);
+        if ((s = par_forward(P, m, in, tg, &one))) return s;
+        total += one;
+    }
+    if ((s = par_allreduce_f64(P, P->g.dpcp, &total, 1, SHARD_OP_SUM))) return s;
+    if (P->nstages > 1 && (s = shard_comm_broadcast(P->g.pp, &total, 1, SHARD_DT_F64, P->nstages - 1))) return s;
+    *sum = total;
+    return SHARD_OK;
+}
+
+static int eval_main(int argc, char **argv, par_ctx *P);
+
 int main(int argc, char **argv)
 {
     cli_init("smp-eval");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    const char *ckpt = NULL, *data = NULL, *batch = NULL, *seq = NULL, *batches = NULL;
+    const int mpi = par_launched_by_mpirun();
+    if (mpi) MPI_Init(&argc, &argv);
+    par_ctx P;
+    shard_status s = par_init_world(&P, mpi);
+    if (s) {
+        int rc = cli_fail(s);
+        if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
+        return rc;
+    }
+    int rc = eval_main(argc, argv, &P);
+    if (P.size > 1 && rc != 0) { /* the others may wait in a collective */
+        fflush(stdout);
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, rc);
+    }
+    par_free(&P);
+    if (mpi) MPI_Finalize();
+    return rc;
+}
+
+static int eval_main(int argc, char **argv, par_ctx *P)
+{
+    const char *ckpt = NULL, *data = NULL, *batch = NULL, *seq = NULL, *batches = NULL, *layout = NULL;
     int json = 0;
     for (int i = 1; i < argc; i++) {
         const char **slot = NULL;
@@ -39,6 +89,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--batch")) slot = &batch;
         else if (!strcmp(argv[i], "--seq")) slot = &seq;
         else if (!strcmp(argv[i], "--batches")) slot = &batches;
+        else if (!strcmp(argv[i], "--layout")) slot = &layout;
         else return cli_usage("unknown option %s", argv[i]);
         if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
         *slot = argv[++i];
@@ -55,6 +106,16 @@ int main(int argc, char **argv)
         NB = strtoll(batches, &end, 10);
         if (*end || NB < 1) return cli_usage("--batches must be a positive integer");
     }
+    shard_layout lay = {1, 1, 1, P->size};
+    if (layout && shard_layout_parse(layout, &lay)) return cli_usage("--layout: %s", shard_errmsg());
+    char lb[64];
+    if (shard_layout_size(&lay) != P->size)
+        return cli_usage("--layout %s is a layout of %d ranks, but %d processes run (start them with mpirun -np %d)",
+                         shard_layout_format(&lay, lb, sizeof lb), shard_layout_size(&lay), P->size, shard_layout_size(&lay));
+    const int par = P->size > 1;
+    if (B % lay.dp) return cli_usage("--batch %ld is not divisible by dp = %d", B, lay.dp);
+    if (S % (2 * lay.cp) && lay.cp > 1) return cli_usage("--seq %ld is not divisible by 2 x cp = %d", S, 2 * lay.cp);
+    const int me0 = P->rank == 0;
     model m;
     memset(&m, 0, sizeof m);
     dev D;
@@ -68,11 +129,20 @@ int main(int argc, char **argv)
     shard_status s = dev_open(&D, "cpu", SHARD_DT_F32, 0);
     if (s) OUT(cli_fail(s));
     if ((s = ckptio_open_model(ckpt, &ck, &m, &D))) OUT(cli_fail(s));
+    if (par) {
+        int stages[SHARD_MAX_PP];
+        if ((s = shard_layout_check(&lay, &m.d))) OUT(cli_usage("--layout: %s", shard_errmsg()));
+        if (shard_ckpt_layout(ck)->pp == lay.pp) memcpy(stages, shard_ckpt_stages(ck), (size_t)lay.pp * sizeof *stages);
+        else if ((s = shard_stages_auto(&m.d, lay.pp, stages))) OUT(cli_fail(s));
+        if ((s = par_setup(P, &lay, stages, 1, &m))) OUT(cli_fail(s));
+    }
     const double t_load = now_seconds();
-    shard_ckpt_set_threads(ck, ckptio_load_threads(1));
-    if ((s = ckptio_read_group(ck, &m, "params", m.params, &have))) OUT(cli_fail(s));
+    shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
+    s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
+    if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
-    if ((s = ckptio_print_load(NULL, ck, now_seconds() - t_load))) OUT(cli_fail(s));
+    if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
+    if (par) model_params_upload(&m);
     if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
     long long avail = (long long)(ds.nseq / (uint64_t)B);
     if (avail < 1)
@@ -82,14 +152,22 @@ int main(int argc, char **argv)
     if (NB > avail)
         OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: --batches %lld asks for more than the %lld whole batches there are",
                                 data, NB, avail)));
-    if ((s = model_alloc_acts(&m, (int)B, (int)S))) OUT(cli_fail(s));
-    in = malloc((size_t)B * S * sizeof *in);
-    tg = malloc((size_t)B * S * sizeof *tg);
+    const int rows = (int)B / lay.dp;
+    if ((s = par ? model_alloc_slots(&m, rows, (int)S / lay.cp, P->nslots) : model_alloc_acts(&m, (int)B, (int)S))) OUT(cli_fail(s));
+    in = malloc((size_t)rows * S * sizeof *in);
+    tg = malloc((size_t)rows * S * sizeof *tg);
     if (!in || !tg) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
-    uint64_t ntok;
-    double loss = eval_loss_sum(&m, &ds, (int)B, NB, in, tg, &ntok) / (double)ntok;
+    uint64_t ntok = (uint64_t)NB * (uint64_t)B * (uint64_t)S;
+    double sum = 0.0;
+    if (par) {
+        if ((s = par_loss_sum(P, &m, &ds, (int)B, NB, in, tg, &sum))) OUT(cli_fail(s));
+    } else {
+        sum = eval_loss_sum(&m, &ds, (int)B, NB, in, tg, &ntok);
+    }
+    double loss = sum / (double)ntok;
     double ppl = exp(loss);
-    if (json)
+    if (!me0) {
+    } else if (json)
         printf("{\"loss\": %.17g, \"perplexity\": %.17g, \"tokens\": %llu, \"batches\": %lld}\n", loss, ppl,
                (unsigned long long)ntok, NB);
     else
@@ -101,6 +179,7 @@ done:
     free(tg);
     data_close(&ds);
     model_free(&m);
+    par_release(P); /* before the backend it lives in */
     dev_close(&D);
     shard_ckpt_close(ck);
     return rc;

@@ -18,10 +18,8 @@
 struct scratch {
     scratch *next;
     uint8_t *stored, *tmp, *raw; /* the stored bytes; decompressed; unshuffled */
-    size_t cap_stored, cap_raw;
+    size_t cap_stored, cap_tmp, cap_raw;
     ZSTD_DCtx *dctx;
-    const piece *last_p;         /* the chunk that raw holds (a reader often wants it again) */
-    uint64_t last_k;
 };
 
 void ckpt_file_path(const shard_ckpt *c, size_t fi, char *buf, size_t cap)
@@ -70,14 +68,14 @@ static int grow(uint8_t **b, size_t *cap, size_t need)
     return 0;
 }
 
+/* Room for a compressed chunk (stored bytes, and the decompressed ones before unshuffling). */
 static shard_status scratch_fit(scratch *s, size_t stored, size_t raw, int zstd)
 {
-    size_t cap_raw = s->cap_raw;
-    int bad = grow(&s->stored, &s->cap_stored, stored) || grow(&s->raw, &s->cap_raw, raw);
+    int bad = grow(&s->stored, &s->cap_stored, stored);
     if (!bad && zstd) {
-        if (s->cap_raw != cap_raw || !s->tmp) { free(s->tmp); s->tmp = malloc(s->cap_raw); }
+        bad = grow(&s->tmp, &s->cap_tmp, raw);
         if (!s->dctx) s->dctx = ZSTD_createDCtx();
-        bad = !s->tmp || !s->dctx;
+        bad |= !s->dctx;
     }
     if (bad) return shard_fail(SHARD_E_NOMEM, "out of memory for a chunk of %zu bytes", raw);
     return SHARD_OK;
@@ -284,16 +282,6 @@ static shard_status read_stored(shard_ckpt *c, const piece *p, uint64_t k, uint8
     return SHARD_OK;
 }
 
-static void unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
-{
-    if (es == 2) { /* the common case (bf16), spelled out so that it vectorizes */
-        for (size_t i = 0; i < n; i++) { dst[2 * i] = src[i]; dst[2 * i + 1] = src[n + i]; }
-        return;
-    }
-    for (size_t b = 0; b < es; b++)
-        for (size_t i = 0; i < n; i++) dst[i * es + b] = src[b * n + i];
-}
-
 size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k)
 {
     uint64_t plane;
@@ -303,41 +291,129 @@ size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k)
     return (size_t)(nr * g->cols) * g->es;
 }
 
-shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
-                               const uint8_t **out)
+/* Read chunk k into raw (g.full bytes): uncompressed chunks straight there, others
+ * through s's buffers; then its xxh3. *stored: where its stored bytes are. */
+static shard_status decode_into(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, uint8_t *raw, const uint8_t **stored)
 {
     const piece_index *ix = p->ix;
     const size_t full = ix->g.full, es = ix->g.es;
-    if (s->last_p == p && s->last_k == k && !stored_out) { *out = s->raw; return SHARD_OK; }
-    s->last_p = NULL;
-    shard_status st = scratch_fit(s, ix->loc[k].size, full, ix->zstd);
-    if (!st) st = read_stored(c, p, k, s->stored);
+    shard_status st = ix->zstd ? scratch_fit(s, ix->loc[k].size, full, 1) : SHARD_OK;
+    if (!st) st = read_stored(c, p, k, ix->zstd ? s->stored : raw);
     if (st) return st;
-    const uint8_t *stored = s->stored;
-    if (stored_out) *stored_out = stored;
+    *stored = ix->zstd ? s->stored : raw;
     char path[4200];
     if (ix->zstd) {
-        size_t r = ZSTD_getFrameContentSize(stored, ix->loc[k].size) == full
-                       ? ZSTD_decompressDCtx(s->dctx, es > 1 ? s->tmp : s->raw, full, stored, ix->loc[k].size)
+        size_t r = ZSTD_getFrameContentSize(s->stored, ix->loc[k].size) == full
+                       ? ZSTD_decompressDCtx(s->dctx, es > 1 ? s->tmp : raw, full, s->stored, ix->loc[k].size)
                        : 0;
         if (ZSTD_isError(r) || r != full) {
             ckpt_file_path(c, p->file_index, path, sizeof path);
             return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu cannot be decompressed (damaged data)", path, p->dataset,
                               (unsigned long long)k);
         }
-        if (es > 1) unshuffle(s->raw, s->tmp, full / es, es);
-    } else {
-        memcpy(s->raw, stored, ix->loc[k].size); /* all of it (chunked), or its valid part (contiguous) */
+        if (es > 1) shard_unshuffle(raw, s->tmp, full / es, es);
     }
-    if (ix->xxh3 && XXH3_64bits(s->raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k]) {
+    if (ix->xxh3 && XXH3_64bits(raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k]) {
         ckpt_file_path(c, p->file_index, path, sizeof path);
         return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
                           (unsigned long long)k);
     }
-    s->last_p = p;
-    s->last_k = k;
+    return SHARD_OK;
+}
+
+shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
+                               const uint8_t **out)
+{
+    const uint8_t *stored;
+    shard_status st = grow(&s->raw, &s->cap_raw, p->ix->g.full) ? shard_fail(SHARD_E_NOMEM, "out of memory") : SHARD_OK;
+    if (!st) st = decode_into(c, p, k, s, s->raw, &stored);
+    if (st) return st;
+    if (stored_out) *stored_out = stored;
     *out = s->raw;
     return SHARD_OK;
+}
+
+/* ----------------------------------------------------- the decoded chunks */
+/* The last CACHE_SLOTS chunks decoded, shared by the threads that read: a chunk that
+ * two wanted boxes share (boxes and chunks seldom align) is read and checked once.
+ * Memory: CACHE_SLOTS chunks. */
+typedef struct cache_slot {
+    const piece *p;
+    uint64_t k, tick;
+    uint8_t *raw;
+    size_t cap;
+    int refs, ready; /* ready 0 with refs > 0: being decoded */
+} cache_slot;
+
+#define CACHE_SLOTS 24
+
+shard_status ckpt_cache_init(shard_ckpt *c)
+{
+    c->cache = calloc(CACHE_SLOTS, sizeof *c->cache);
+    c->ncache = CACHE_SLOTS;
+    pthread_cond_init(&c->ccv, NULL);
+    return c->cache ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+}
+
+void ckpt_cache_free(shard_ckpt *c)
+{
+    for (size_t i = 0; i < c->ncache && c->cache; i++) free(c->cache[i].raw);
+    free(c->cache);
+    pthread_cond_destroy(&c->ccv);
+}
+
+/* Chunk k of p, decoded and checked: from the cache, or decoded into a free slot (or,
+ * when every slot is in use, into s's own buffer: *slot NULL). Release with cache_put. */
+static shard_status cache_get(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, cache_slot **slot, const uint8_t **raw)
+{
+    *slot = NULL;
+    pthread_mutex_lock(&c->smu);
+    for (;;) {
+        cache_slot *hit = NULL, *victim = NULL;
+        for (size_t i = 0; i < c->ncache; i++) {
+            cache_slot *e = &c->cache[i];
+            if (e->p == p && e->k == k && (e->ready || e->refs)) { hit = e; break; }
+            if (!e->refs && (!victim || e->tick < victim->tick)) victim = e;
+        }
+        if (hit && hit->ready) {
+            hit->refs++;
+            hit->tick = ++c->ctick;
+            pthread_mutex_unlock(&c->smu);
+            *slot = hit;
+            *raw = hit->raw;
+            return SHARD_OK;
+        }
+        if (hit) { pthread_cond_wait(&c->ccv, &c->smu); continue; } /* another thread decodes it */
+        if (!victim) break;
+        victim->p = p;
+        victim->k = k;
+        victim->ready = 0;
+        victim->refs = 1;
+        pthread_mutex_unlock(&c->smu);
+        const uint8_t *stored;
+        shard_status st = grow(&victim->raw, &victim->cap, p->ix->g.full) ? shard_fail(SHARD_E_NOMEM, "out of memory") : SHARD_OK;
+        if (!st) st = decode_into(c, p, k, s, victim->raw, &stored);
+        pthread_mutex_lock(&c->smu);
+        victim->ready = !st;
+        victim->tick = ++c->ctick;
+        if (st) { victim->p = NULL; victim->refs = 0; }
+        pthread_cond_broadcast(&c->ccv);
+        pthread_mutex_unlock(&c->smu);
+        if (st) return st;
+        *slot = victim;
+        *raw = victim->raw;
+        return SHARD_OK;
+    }
+    pthread_mutex_unlock(&c->smu);
+    return ckpt_chunk_decode(c, p, k, s, NULL, raw);
+}
+
+static void cache_put(shard_ckpt *c, cache_slot *slot)
+{
+    if (!slot) return;
+    pthread_mutex_lock(&c->smu);
+    slot->refs--;
+    pthread_mutex_unlock(&c->smu);
 }
 
 shard_status ckpt_verify_piece(shard_ckpt *c, piece *p)
@@ -433,8 +509,10 @@ static shard_status read_worker(void *arg, int worker)
         size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (st || i >= j->ntasks) break;
         const uint8_t *raw;
-        st = ckpt_chunk_decode(j->c, j->tasks[i].p, j->tasks[i].k, s, NULL, &raw);
+        cache_slot *slot;
+        st = cache_get(j->c, j->tasks[i].p, j->tasks[i].k, s, &slot, &raw);
         if (!st) st = scatter(j, &j->tasks[i], raw);
+        cache_put(j->c, slot);
         if (st) __atomic_store_n(&j->next, j->ntasks, __ATOMIC_RELAXED); /* the others stop too */
     }
     ckpt_scratch_put(j->c, s);

@@ -39,6 +39,10 @@ void shard_chunking_dims(const shard_chunking *g, hsize_t *dims);
  * relative to the piece). */
 void shard_chunking_at(const shard_chunking *g, uint64_t k, uint64_t *plane, int64_t *r0, int64_t *nr, hsize_t *hoff);
 
+/* HDF5's shuffle filter, both ways: n elements of es bytes <-> es planes of n bytes. */
+void shard_shuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es);
+void shard_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es);
+
 /* ------------------------------------------------------------- the reader */
 typedef struct {
     uint64_t addr, size; /* where the chunk's stored bytes are in the file */
@@ -70,6 +74,7 @@ typedef struct {
 } tensor;
 
 typedef struct scratch scratch;
+typedef struct cache_slot cache_slot;
 
 struct shard_ckpt {
     char *dir;
@@ -91,8 +96,12 @@ struct shard_ckpt {
     char *training;
     size_t *file_order, *tensor_order; /* sorted by name: lookups */
     int threads;                       /* per read call (shard_ckpt_set_threads) */
-    pthread_mutex_t smu;               /* the free scratch buffers */
+    pthread_mutex_t smu;               /* the free scratch buffers and the cache */
     scratch *free_scratch;
+    cache_slot *cache;                 /* recently decoded chunks (chunkread.c) */
+    size_t ncache;
+    uint64_t ctick;
+    pthread_cond_t ccv;
     uint64_t bytes_read;               /* stored bytes read (atomic) */
 };
 
@@ -103,6 +112,8 @@ shard_status ckpt_prepare(shard_ckpt *c, tensor *t, piece *p, int skip_legacy);
 scratch *ckpt_scratch_get(shard_ckpt *c);
 void ckpt_scratch_put(shard_ckpt *c, scratch *s);
 void ckpt_scratch_free_all(shard_ckpt *c);
+shard_status ckpt_cache_init(shard_ckpt *c);
+void ckpt_cache_free(shard_ckpt *c);
 /* Read chunk k of p, decode it and check its xxh3 when the piece has them; *out: the
  * chunk's elements (valid bytes first, C order). With stored_out, the chunk is read
  * afresh (not taken from s's last chunk) and *stored_out is its bytes as stored. */

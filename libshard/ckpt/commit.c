@@ -324,6 +324,7 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     json_t *m = json_object();
     json_object_set_new(m, "format", json_string(SHARD_FORMAT_NAME));
     json_object_set_new(m, "version", json_integer(SHARD_FORMAT_VERSION));
+    json_object_set_new(m, "minor", json_integer(SHARD_FORMAT_MINOR));
     json_object_set_new(m, "producer", json_string("smp " SHARD_VERSION_STRING));
     json_object_set_new(m, "config_json", json_stringn(config_json, config_len));
     json_object_set_new(m, "model", shard_model_to_json(d));

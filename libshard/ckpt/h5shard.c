@@ -305,12 +305,6 @@ static shard_status finish_dataset(piece_run *r)
     return s;
 }
 
-static void shuffle_bytes(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
-{
-    for (size_t b = 0; b < es; b++)
-        for (size_t i = 0; i < n; i++) dst[b * n + i] = src[i * es + b];
-}
-
 /* Record a failure (p->mu held; the first one wins, with its thread's message) and
  * wake every waiting worker, so that all of them stop. */
 static void fail_locked(pipeline *p, shard_status s)
@@ -378,7 +372,7 @@ static void *pipeline_worker(void *arg)
         const void *out = raw;
         size_t outn = full;
         if (!s && level) {
-            shuffle_bytes(shuf, raw, full / es, es);
+            shard_shuffle(shuf, raw, full / es, es);
             size_t r = ZSTD_compressCCtx(cctx, z, zcap, es > 1 ? shuf : raw, full, level);
             if (ZSTD_isError(r)) s = shard_fail(SHARD_E_INTERNAL, "%s: zstd: %s", pc->w->path, ZSTD_getErrorName(r));
             out = z;

@@ -275,6 +275,7 @@ void shard_ckpt_close(shard_ckpt *c)
     free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->fd); free(c->extras);
     json_decref(c->m);
     ckpt_scratch_free_all(c);
+    ckpt_cache_free(c);
     pthread_mutex_destroy(&c->mu);
     pthread_mutex_destroy(&c->smu);
     free(c->training);
@@ -293,6 +294,7 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     pthread_mutex_init(&c->smu, NULL);
     c->threads = 1;
     c->dir = strdup(dir);
+    if (!c->dir || ckpt_cache_init(c)) { shard_ckpt_close(c); return shard_fail(SHARD_E_NOMEM, "out of memory"); }
     char *mp = shard_path_join(dir, "smp.json");
     struct stat st;
     shard_status s;

@@ -335,12 +335,13 @@ shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout
  *                          piece under /params, /optim/master, /optim/exp_avg,
  *                          /optim/exp_avg_sq, /fp8; chunked, shuffle + zstd
  *                          (filter 32015); attributes: tensor, dtype, offset,
- *                          global_shape, xxh64)
+ *                          global_shape, xxh64, chunk_xxh3)
  *   CKPT/extra/...         the model folder's other files (tokenizer, ...), verbatim
  * A checkpoint is written into <parent>/.tmp-<name>-<nonce>/ and renamed into place
  * once every file and the manifest are fsynced (unless no_fsync: shard_write_opts). */
 #define SHARD_FORMAT_NAME "smp"
 #define SHARD_FORMAT_VERSION 1
+#define SHARD_FORMAT_MINOR 1 /* 1: per-chunk XXH3 (attribute chunk_xxh3); readers of 1.0 ignore it */
 
 /* Options of a shard file writer. Compression: level 0 = none, else zstd level 1..19. */
 typedef struct {

@@ -1,0 +1,101 @@
+"""smp-eval under mpirun (--layout): every layout gives the single rank's loss, from a
+checkpoint stored in any layout, and each rank reads only the chunks its pieces touch.
+
+The single rank's loss is transformers' (test_train.py checks that within 1e-5); here
+every layout must give it within 1e-8 relative. The bytes each run reads are printed
+on its "loaded" line: a model whose embedding spans several chunks shows that the
+ranks of a split layout read about the checkpoint once between them, not once each.
+"""
+import json
+import os
+import re
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from conftest import BUILD, run
+from test_train import make_ckpt, vocab_of, write_tokens
+
+CASE = "llama-gqa-f32"  # 3 layers, 6 heads, 2 kv heads, vocab 101
+LOADED = re.compile(r"smp-eval: loaded .*: (\d+) bytes in ([0-9.]+) s")
+
+
+def mpirun_eval(np_, *args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), str(BUILD / "bin" / "smp-eval"),
+           *map(str, args)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def eval_args(ck, data):
+    return ["--ckpt", ck, "--data", data, "--batch", 8, "--seq", 16, "--json"]
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("peval")
+    _, ck = make_ckpt(tmp, CASE, sharp=False)
+    toks = np.random.default_rng(7).integers(0, vocab_of(CASE), size=6000)
+    data = write_tokens(tmp / "d.bin", toks)
+    one = json.loads(run("smp-eval", *eval_args(ck, data), check=0).stdout)
+    return tmp, ck, data, one
+
+
+@pytest.mark.parametrize("layout,np_", [("dp=2", 2), ("tp=2", 2), ("pp=3", 3), ("cp=2", 2), ("tp=2,dp=2", 4),
+                                        ("pp=2,tp=2,cp=2", 8)])
+def test_every_layout_gives_the_single_rank_loss(setup, layout, np_):
+    _, ck, data, one = setup
+    p = mpirun_eval(np_, "--layout", layout, *eval_args(ck, data))
+    got = json.loads(p.stdout)  # rank 0 alone prints
+    assert got["tokens"] == one["tokens"] and got["batches"] == one["batches"]
+    assert abs(got["loss"] - one["loss"]) <= 1e-8 * abs(one["loss"]), (layout, got, one)
+    assert LOADED.search(p.stderr), p.stderr
+
+
+def test_a_checkpoint_of_another_layout(setup):
+    tmp, ck, data, one = setup
+    other = tmp / "ck-pp3-tp2"
+    run("smp-convert", "reshard", "--in", ck, "--out", other, "--layout", "pp=3,tp=2", check=0)
+    got = json.loads(mpirun_eval(8, "--layout", "tp=2,cp=2,dp=2", *eval_args(other, data)).stdout)
+    assert abs(got["loss"] - one["loss"]) <= 1e-8 * abs(one["loss"])
+
+
+def test_refusals(setup):
+    _, ck, data, _ = setup
+    p = run("smp-eval", "--layout", "tp=2", *eval_args(ck, data))
+    assert p.returncode == 2 and "mpirun -np 2" in p.stderr
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    p = subprocess.run(["mpirun", "--oversubscribe", "-np", "2", str(BUILD / "bin" / "smp-eval"), "--layout", "dp=2",
+                        "--ckpt", str(ck), "--data", str(data), "--batch", "3", "--seq", "16"], capture_output=True, text=True, env=env,
+                       timeout=120)
+    assert p.returncode != 0 and "not divisible by dp" in p.stderr
+
+
+def test_ranks_read_only_the_chunks_they_need(tmp_path):
+    """An embedding of 3 chunks (5000 x 128 f32, chunks of 2048 rows) and a head of 3:
+    under pp=2 each is read by one stage, under tp=2 each rank reads the chunks of its
+    half of the vocabulary (plus the one they share); whole-piece reads would read
+    every piece once per rank."""
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=5000, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    hf = tmp_path / "hf"
+    LlamaForCausalLM(cfg).save_pretrained(str(hf), safe_serialization=True)
+    ck = tmp_path / "ck"
+    run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=1", "--compress", "none", check=0)
+    stored = sum(f["bytes"] for f in json.loads((ck / "smp.json").read_text())["files"])
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(1).integers(0, 5000, size=300))
+    args = ["--ckpt", ck, "--data", data, "--batch", 2, "--seq", 16, "--batches", 1, "--json"]
+    one = run("smp-eval", *args, check=0)
+    read1 = int(LOADED.search(one.stderr).group(1))
+    assert 0.9 * stored < read1 <= stored  # everything once (the file's metadata is not read by the load)
+    for layout in ("pp=2", "tp=2"):
+        p = mpirun_eval(2, "--layout", layout, *args)
+        read = int(LOADED.search(p.stderr).group(1))
+        assert read < 1.6 * read1, (layout, read, read1)  # whole pieces per rank: 2x
+        assert abs(json.loads(p.stdout)["loss"] - json.loads(one.stdout)["loss"]) <= 1e-8 * json.loads(one.stdout)["loss"]
