@@ -1,5 +1,6 @@
 /* train/par.c: smp-train across processes (par.h). */
 #include "par.h"
+#include "../tools/cli/cli.h"
 
 #include <mpi.h>
 #include <stdio.h>
@@ -42,6 +43,28 @@ void par_release(par_ctx *p)
     p->send = p->recv = NULL;
     p->normbuf = NULL;
     p->dev = NULL;
+}
+
+int par_main(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx *p))
+{
+    const int mpi = par_launched_by_mpirun();
+    if (mpi) MPI_Init(&argc, &argv);
+    par_ctx P;
+    shard_status s = par_init_world(&P, mpi);
+    if (s) {
+        int rc = cli_fail(s);
+        if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
+        return rc;
+    }
+    int rc = fn(argc, argv, &P);
+    if (P.size > 1 && rc != 0) {
+        fflush(stdout);
+        fflush(stderr);
+        MPI_Abort(MPI_COMM_WORLD, rc);
+    }
+    par_free(&P);
+    if (mpi) MPI_Finalize();
+    return rc;
 }
 
 void par_free(par_ctx *p)

@@ -14,8 +14,6 @@
 #include "model.h"
 #include "par.h"
 
-#include <mpi.h>
-
 static const char HELP[] =
     "usage: smp-eval --ckpt CKPT|RUN_DIR --data TOKENS --batch B --seq S [--batches N] [--json]\n"
     "       mpirun -np N smp-eval --layout pp=P,tp=T,cp=C,dp=D ...\n"
@@ -57,24 +55,7 @@ int main(int argc, char **argv)
 {
     cli_init("smp-eval");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    const int mpi = par_launched_by_mpirun();
-    if (mpi) MPI_Init(&argc, &argv);
-    par_ctx P;
-    shard_status s = par_init_world(&P, mpi);
-    if (s) {
-        int rc = cli_fail(s);
-        if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
-        return rc;
-    }
-    int rc = eval_main(argc, argv, &P);
-    if (P.size > 1 && rc != 0) { /* the others may wait in a collective */
-        fflush(stdout);
-        fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, rc);
-    }
-    par_free(&P);
-    if (mpi) MPI_Finalize();
-    return rc;
+    return par_main(argc, argv, eval_main);
 }
 
 static int eval_main(int argc, char **argv, par_ctx *P)

@@ -22,7 +22,6 @@
 #include "par.h"
 #include "shard.h"
 
-#include <mpi.h>
 
 static const char HELP[] =
     "usage: smp-train --ckpt CKPT|RUN_DIR --data TOKENS --save-dir RUN_DIR [options]\n"
@@ -357,27 +356,7 @@ int main(int argc, char **argv)
 {
     cli_init("smp-train");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    const int mpi = par_launched_by_mpirun();
-    if (mpi) MPI_Init(&argc, &argv);
-    par_ctx P;
-    shard_status s = par_init_world(&P, mpi);
-    if (s) {
-        int rc = cli_fail(s);
-        if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
-        return rc;
-    }
-    int rc = train_main(argc, argv, &P);
-    /* an error on one rank may leave the others waiting in a collective: end them all
-     * (exit codes other than 0 come from errors, or from the agreed stop after too
-     * many bad steps, which every rank reaches together) */
-    if (P.size > 1 && rc != 0) {
-        fflush(stdout);
-        fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, rc);
-    }
-    par_free(&P);
-    if (mpi) MPI_Finalize();
-    return rc;
+    return par_main(argc, argv, train_main);
 }
 
 static int train_main(int argc, char **argv, par_ctx *P)

@@ -142,23 +142,13 @@ static shard_status set_attr_str(hid_t obj, const char *name, const char *v)
     return e < 0 ? SHARD_E_IO : SHARD_OK;
 }
 
-static shard_status set_attr_i64(hid_t obj, const char *name, int n, const int64_t *v)
+/* A 1-D array attribute of 64-bit integers (file type ft, memory type mt). */
+static shard_status set_attr_64(hid_t obj, const char *name, hid_t ft, hid_t mt, uint64_t n, const void *v)
 {
     hsize_t dims[1] = {(hsize_t)n};
     hid_t sp = H5Screate_simple(1, dims, NULL);
-    hid_t a = H5Acreate2(obj, name, H5T_STD_I64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-    herr_t e = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_INT64, v);
-    if (a >= 0) H5Aclose(a);
-    H5Sclose(sp);
-    return e < 0 ? SHARD_E_IO : SHARD_OK;
-}
-
-static shard_status set_attr_u64(hid_t obj, const char *name, uint64_t n, const uint64_t *v)
-{
-    hsize_t dims[1] = {(hsize_t)n};
-    hid_t sp = H5Screate_simple(1, dims, NULL);
-    hid_t a = H5Acreate2(obj, name, H5T_STD_U64LE, sp, H5P_DEFAULT, H5P_DEFAULT);
-    herr_t e = a < 0 ? -1 : H5Awrite(a, H5T_NATIVE_UINT64, v);
+    hid_t a = H5Acreate2(obj, name, ft, sp, H5P_DEFAULT, H5P_DEFAULT);
+    herr_t e = a < 0 ? -1 : H5Awrite(a, mt, v);
     if (a >= 0) H5Aclose(a);
     H5Sclose(sp);
     return e < 0 ? SHARD_E_IO : SHARD_OK;
@@ -297,8 +287,10 @@ static shard_status finish_dataset(piece_run *r)
     for (int k = 0; k < pc->ndim; k++) off[k] = pc->box.off[k];
     shard_status s = SHARD_OK;
     if (set_attr_str(r->ds, "tensor", pc->name) || set_attr_str(r->ds, "dtype", shard_dtype_name(pc->dt)) ||
-        set_attr_i64(r->ds, "offset", pc->ndim, off) || set_attr_i64(r->ds, "global_shape", pc->ndim, pc->gshape) ||
-        set_attr_str(r->ds, "xxh64", r->hex) || set_attr_u64(r->ds, "chunk_xxh3", r->g.nchunks, r->chunk_xxh3))
+        set_attr_64(r->ds, "offset", H5T_STD_I64LE, H5T_NATIVE_INT64, (uint64_t)pc->ndim, off) ||
+        set_attr_64(r->ds, "global_shape", H5T_STD_I64LE, H5T_NATIVE_INT64, (uint64_t)pc->ndim, pc->gshape) ||
+        set_attr_str(r->ds, "xxh64", r->hex) ||
+        set_attr_64(r->ds, "chunk_xxh3", H5T_STD_U64LE, H5T_NATIVE_UINT64, r->g.nchunks, r->chunk_xxh3))
         s = shard_fail(SHARD_E_IO, "%s: writing the attributes of /%s/%s failed", pc->w->path, pc->group, pc->name);
     H5Dclose(r->ds);
     r->ds = -1;

@@ -3,10 +3,10 @@
 #
 #   bash tools/bench/convert.sh [CACHE_DIR]      (default /tmp/smp-bench)
 #
-# The model is made once into CACHE_DIR/hf (config.json from transformers' LlamaConfig,
-# model.safetensors of random normal bf16 weights under transformers' names, written
-# by the safetensors library: hidden 2048, intermediate 5632, 14 layers, vocab 32000,
-# 16 heads, 4 kv heads: 762 M parameters, 1.52 GB), and reused by later runs.
+# The model is made once into CACHE_DIR/hf by tools/bench/make_model.py (size 1.5g:
+# random normal bf16 weights under transformers' names, hidden 2048, intermediate 5632,
+# 14 layers, vocab 32000, 16 heads, 4 kv heads: 762 M parameters, 1.52 GB), and reused
+# by later runs.
 # Page caches cannot be dropped here, so every command runs warm, after one warm-up
 # read of the model. Side by side, like with like:
 #   (a)  cp -r of the folder
@@ -45,42 +45,7 @@ mkdir -p "$OUT"
 if [ ! -f "$HF/.complete" ]; then
     echo "making the model in $HF (once) ..."
     rm -rf "$HF"
-    "$PY" - "$HF" <<'EOF'
-import os, sys, time
-import torch
-from safetensors.torch import save_file
-from transformers import LlamaConfig
-out = sys.argv[1]
-os.makedirs(out)
-cfg = LlamaConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=14,
-                  num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=4096,
-                  torch_dtype="bfloat16", architectures=["LlamaForCausalLM"])
-cfg.to_json_file(os.path.join(out, "config.json"))
-H, F, V, L, hd = 2048, 5632, 32000, 14, 128
-nq, nkv = 16, 4
-torch.manual_seed(0)
-t0 = time.time()
-def w(*shape):  # random normal (std 0.02, as transformers initializes), in bf16
-    return (torch.randn(*shape) * 0.02).to(torch.bfloat16)
-sd = {"model.embed_tokens.weight": w(V, H)}
-for i in range(L):
-    p = f"model.layers.{i}."
-    sd[p + "self_attn.q_proj.weight"] = w(nq * hd, H)
-    sd[p + "self_attn.k_proj.weight"] = w(nkv * hd, H)
-    sd[p + "self_attn.v_proj.weight"] = w(nkv * hd, H)
-    sd[p + "self_attn.o_proj.weight"] = w(H, nq * hd)
-    sd[p + "mlp.gate_proj.weight"] = w(F, H)
-    sd[p + "mlp.up_proj.weight"] = w(F, H)
-    sd[p + "mlp.down_proj.weight"] = w(H, F)
-    sd[p + "input_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
-    sd[p + "post_attention_layernorm.weight"] = torch.ones(H, dtype=torch.bfloat16)
-sd["model.norm.weight"] = torch.ones(H, dtype=torch.bfloat16)
-sd["lm_head.weight"] = w(V, H)
-save_file(sd, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-n = sum(t.numel() for t in sd.values())
-print(f"  {n/1e6:.0f} M parameters, {2*n/1e9:.2f} GB, made in {time.time()-t0:.0f}s")
-assert 2 * n >= 1.5e9
-EOF
+    "$PY" tools/bench/make_model.py "$HF" 1.5g
     touch "$HF/.complete"
 fi
 "$BIN/smp-inspect" "$HF" >/dev/null  # smp accepts the folder as a model

@@ -1,0 +1,78 @@
+"""make_model.py OUT SIZE: a Llama-shaped model folder for the benchmarks (not a test).
+
+SIZE: small (hidden 512, 4 layers, vocab 8000: ~21 M parameters, 42 MB), 1.5g (hidden
+2048, intermediate 5632, 14 layers, vocab 32000, 16 heads, 4 kv heads: 762 M
+parameters, 1.52 GB) or 8b (Llama-3-8B's shapes: hidden 4096, intermediate 14336, 32
+layers, vocab 128256, 32 heads, 8 kv heads: 8.03 G parameters, 16.1 GB). config.json
+comes from transformers' LlamaConfig; model.safetensors holds random normal weights
+(std 0.02, as transformers initializes; norms one) in bf16 under transformers' names.
+The safetensors file is written here, tensor by tensor and block of rows by block (the
+format is a JSON header and the raw bytes), so that making the 8B model needs little
+memory; hf2smp and transformers read it like any other.
+"""
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from transformers import LlamaConfig
+
+SIZES = {  # hidden, intermediate, vocab, layers, heads, kv heads
+    "small": (512, 1408, 8000, 4, 8, 4),
+    "1.5g": (2048, 5632, 32000, 14, 16, 4),
+    "8b": (4096, 14336, 128256, 32, 32, 8),
+}
+
+
+def shapes(H, F, V, L, nq, nkv):
+    hd = H // nq
+    out = {"model.embed_tokens.weight": (V, H)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (nq * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
+                    p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nq * hd),
+                    p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                    p + "mlp.down_proj.weight": (H, F), p + "input_layernorm.weight": (H,),
+                    p + "post_attention_layernorm.weight": (H,)})
+    out["model.norm.weight"] = (H,)
+    out["lm_head.weight"] = (V, H)
+    return out
+
+
+def bf16_bits(x):
+    """float32 -> bf16 bit patterns, rounded to nearest even (as torch and ml_dtypes do)."""
+    u = x.view("<u4")
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype("<u2")
+
+
+def main():
+    out, size = sys.argv[1], sys.argv[2]
+    H, F, V, L, nq, nkv = SIZES[size]
+    os.makedirs(out)
+    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=nq,
+                num_key_value_heads=nkv, max_position_embeddings=4096, torch_dtype="bfloat16",
+                architectures=["LlamaForCausalLM"]).to_json_file(os.path.join(out, "config.json"))
+    sh = shapes(H, F, V, L, nq, nkv)
+    header, off = {"__metadata__": {"format": "pt"}}, 0
+    for k, s in sh.items():
+        n = 2 * int(np.prod(s))
+        header[k] = {"dtype": "BF16", "shape": list(s), "data_offsets": [off, off + n]}
+        off += n
+    hj = json.dumps(header).encode()
+    hj += b" " * (-len(hj) % 8)
+    rng, t0 = np.random.default_rng(0), time.time()
+    with open(os.path.join(out, "model.safetensors"), "wb") as f:
+        f.write(len(hj).to_bytes(8, "little") + hj)
+        for k, s in sh.items():
+            if len(s) == 1:
+                f.write(np.full(s, 0x3F80, "<u2").tobytes())  # ones
+                continue
+            for r0 in range(0, s[0], 1024):
+                rows = min(1024, s[0] - r0)
+                f.write(bf16_bits(rng.standard_normal((rows, s[1]), dtype=np.float32) * np.float32(0.02)).tobytes())
+    print(f"  {off / 2 / 1e6:.0f} M parameters, {off / 1e9:.2f} GB, made in {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()
