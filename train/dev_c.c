@@ -1,5 +1,6 @@
 /* train/dev_c.c: the C backend of dev.h: host memory, fp32, kernels/ops.h. */
 #include <stdlib.h>
+#include <sys/mman.h>
 #include <string.h>
 
 #include "dev.h"
@@ -36,6 +37,14 @@ static shard_status c_comm_for(dev *d, shard_comm *host, shard_comm **out, int *
 static void *c_alloc(dev *d, size_t bytes)
 {
     void *p = calloc(1, bytes ? bytes : 1);
+    /* big buffers (the parameters, the optimizer state): transparent huge pages where
+     * the kernel offers them (THP "madvise"), so that their first touch, while a
+     * checkpoint loads, faults 2 MiB at a time instead of 4 KiB (calloc has not
+     * touched fresh mmap'd memory yet) */
+    if (p && bytes >= (64u << 20)) {
+        uintptr_t a = ((uintptr_t)p + (2u << 20) - 1) & ~(uintptr_t)((2u << 20) - 1), e = ((uintptr_t)p + bytes) & ~(uintptr_t)((2u << 20) - 1);
+        if (e > a) (void)madvise((void *)a, e - a, MADV_HUGEPAGE);
+    }
     if (!p) dev_fail(d, SHARD_E_NOMEM, "out of memory (%zu bytes)", bytes);
     return p;
 }

@@ -150,6 +150,8 @@ static shard_status check_layout(hid_t ds, const tensor *t, const piece *p, cons
     for (int k = 0; ok && k < nd; k++) ok = dims[k] == (hsize_t)p->box.len[k];
     ok = ok && ft >= 0 && H5Tequal(ft, shard_h5_type(t->t.dtype)) > 0;
     shard_status s = ok ? SHARD_OK : shard_fail(SHARD_E_CORRUPT, "%s: dataset %s has another shape or type than the manifest says", path, p->dataset);
+    if (!s && H5Pget_external_count(dcpl) != 0) /* raw data in other files: refused, wherever they are */
+        s = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s keeps its data in external files", path, p->dataset);
     const H5D_layout_t layout = s ? H5D_LAYOUT_ERROR : H5Pget_layout(dcpl);
     if (layout == H5D_CONTIGUOUS) { /* not smp's, but what h5py writes: read in the writer's chunks */
         const size_t es = shard_dtype_size(t->t.dtype);
@@ -235,14 +237,37 @@ static shard_status locate_chunks(hid_t ds, const piece *p, uint64_t file_bytes,
     return SHARD_OK;
 }
 
+/* The dataset at dpath, reached through hard links only: an external or soft link
+ * (to another file, anywhere on the machine) is refused before HDF5 follows it. */
+static shard_status open_own_dataset(hid_t file, const char *dpath, const char *path, hid_t *out)
+{
+    char prefix[1024];
+    size_t n = strlen(dpath);
+    if (n == 0 || n >= sizeof prefix || dpath[0] != '/')
+        return shard_fail(SHARD_E_INVALID, "%s: dataset name \"%.64s\" is not an absolute HDF5 path", path, dpath);
+    for (size_t i = 1; i <= n; i++) {
+        if (dpath[i] != '/' && dpath[i] != 0) continue;
+        memcpy(prefix, dpath, i);
+        prefix[i] = 0;
+        H5L_info_t li;
+        if (H5Lexists(file, prefix, H5P_DEFAULT) <= 0 || H5Lget_info(file, prefix, &li, H5P_DEFAULT) < 0)
+            return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, dpath);
+        if (li.type != H5L_TYPE_HARD)
+            return shard_fail(SHARD_E_CORRUPT, "%s: %s is a %s link, not an object of this file", path, prefix,
+                              li.type == H5L_TYPE_SOFT ? "soft" : "external");
+    }
+    *out = H5Dopen2(file, dpath, H5P_DEFAULT);
+    return *out < 0 ? shard_fail(SHARD_E_CORRUPT, "%s: %s is not a dataset", path, dpath) : SHARD_OK;
+}
+
 static shard_status load_index(shard_ckpt *c, const tensor *t, piece *p)
 {
     char path[4200];
     shard_status s = open_file(c, p->file_index);
     if (s) return s;
     ckpt_file_path(c, p->file_index, path, sizeof path);
-    hid_t ds = H5Dopen2(c->h5[p->file_index], p->dataset, H5P_DEFAULT);
-    if (ds < 0) return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, p->dataset);
+    hid_t ds = -1;
+    if ((s = open_own_dataset(c->h5[p->file_index], p->dataset, path, &ds))) return s;
     piece_index *ix = calloc(1, sizeof *ix);
     if (!ix) s = shard_fail(SHARD_E_NOMEM, "out of memory");
     if (!s) s = check_layout(ds, t, p, path, ix);

@@ -103,17 +103,6 @@ struct shard_h5_writer {
     uint64_t unsynced;     /* bytes handed to HDF5 since writeback was last started */
 };
 
-/* Start writing dirty pages back every 64 MiB, without waiting: the fsync at close
- * then finds most of the file already on disk, and the disk works while we convert.
- * Not with no_fsync: the kernel's own writeback decides. */
-static void start_writeback(shard_h5_writer *w, size_t n)
-{
-    w->unsynced += n;
-    if (w->fd < 0 || w->c.no_fsync || w->unsynced < (64u << 20)) return;
-    sync_file_range(w->fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-    w->unsynced = 0;
-}
-
 shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out)
 {
     shard_h5_init();
@@ -388,7 +377,7 @@ static void *pipeline_worker(void *arg)
         if (k == 0) s = create_dataset(run);
         if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
             s = shard_fail(SHARD_E_IO, "%s: writing /%s/%s failed (disk full?)", pc->w->path, pc->group, pc->name);
-        if (!s) start_writeback(pc->w, outn);
+        if (!s) shard_start_writeback(pc->w->fd, &pc->w->unsynced, outn, pc->w->c.no_fsync); /* the disk works while we convert */
         if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
         if (!s && p->done) p->done(p->done_arg, valid);
         pthread_mutex_lock(&p->mu);

@@ -127,6 +127,32 @@ static shard_status check_against_model(shard_ckpt *c, const char *mpath)
     return s;
 }
 
+static int cmp_piece_place(const void *a, const void *b)
+{
+    const piece *x = *(const piece *const *)a, *y = *(const piece *const *)b;
+    if (x->file_index != y->file_index) return x->file_index < y->file_index ? -1 : 1;
+    return strcmp(x->dataset, y->dataset);
+}
+
+/* Every piece its own dataset: two pieces (of one tensor or two) stored in one
+ * dataset would read the same bytes twice and pass every checksum. */
+static shard_status check_datasets_distinct(shard_ckpt *c, const char *mpath)
+{
+    size_t np = 0, k = 0;
+    for (size_t i = 0; i < c->n; i++) np += c->t[i].t.npieces;
+    const piece **all = malloc((np + 1) * sizeof *all);
+    if (!all) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < c->n; i++)
+        for (size_t j = 0; j < c->t[i].t.npieces; j++) all[k++] = &c->t[i].p[j];
+    qsort(all, np, sizeof *all, cmp_piece_place);
+    shard_status s = SHARD_OK;
+    for (size_t i = 1; i < np && !s; i++)
+        if (!cmp_piece_place(&all[i - 1], &all[i]))
+            s = shard_fail(SHARD_E_INVALID, "%s: dataset %s of %s holds two pieces", mpath, all[i]->dataset, all[i]->file);
+    free(all);
+    return s;
+}
+
 static const char *GROUPS[] = {"params", "optim/master", "optim/exp_avg", "optim/exp_avg_sq", "fp8", NULL};
 
 static shard_status validate(shard_ckpt *c, const char *mpath)
@@ -255,6 +281,7 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         const tensor *x = &c->t[c->tensor_order[i - 1]], *y = &c->t[c->tensor_order[i]];
         if (!strcmp(x->t.name, y->t.name) && !strcmp(x->t.group, y->t.group)) BAD("%s: tensor \"%s\" (%s) is listed twice", mpath, y->t.name, y->t.group);
     }
+    if ((s = check_datasets_distinct(c, mpath))) goto out;
     s = check_against_model(c, mpath);
 out:
     return s;

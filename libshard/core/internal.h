@@ -24,6 +24,10 @@ shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *
  * is removed either way. */
 shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes);
 int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes);
+/* Early writeback for durable writers: count n more bytes written to fd and, past
+ * 64 MiB since the last time, start the kernel's writeback of the file without
+ * waiting, so that the fsync at close finds most of it on disk (no_fsync: never). */
+void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync);
 /* Overflow-checked arithmetic: false on overflow. */
 static inline bool shard_mul_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline bool shard_add_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }

@@ -223,6 +223,7 @@ struct shard_st_writer {
     char *buf;
     size_t blen;
     shard_write_opts opts;
+    uint64_t unsynced; /* bytes written since writeback was last started */
 };
 #define WBUF (4u << 20)
 
@@ -294,6 +295,7 @@ static shard_status raw_write(shard_st_writer *w, const void *p, size_t n)
         if (r < 0) return shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(errno));
         c += r;
         n -= (size_t)r;
+        shard_start_writeback(w->fd, &w->unsynced, (size_t)r, w->opts.no_fsync);
     }
     return SHARD_OK;
 }

@@ -448,6 +448,93 @@ def _(ck, tmp_path):
     save(ck, m)
 
 
+# --- HDF5 objects that reach outside the checkpoint: refused before anything is read.
+# Each replaces the dataset of model.norm.weight (its one piece, in shard-00002.h5)
+# by an object whose data lives in a file outside the folder, holding exactly the
+# right bytes (so that every checksum would pass if it were followed).
+NORM = "/params/model.norm.weight"
+
+
+def outside_copy(ck, tmp_path):
+    """model.norm.weight's dataset copied, attributes and all, into an outside file."""
+    out = tmp_path / "outside.h5"
+    with h5py.File(ck / "shard-00002.h5", "r") as f, h5py.File(out, "w") as g:
+        f.copy(f[NORM], g, name="w")
+    return out
+
+
+def relink(ck, make):
+    with h5py.File(ck / "shard-00002.h5", "r+") as f:
+        attrs = dict(f[NORM].attrs)
+        data = f[NORM][()]
+        del f[NORM]
+        make(f, data, attrs)
+    m = load(ck)
+    refresh(ck, m, "shard-00002.h5")
+    save(ck, m)
+
+
+@case("hdf5-external-link", names=("shard-00002.h5",))
+def _(ck, tmp_path):
+    out = outside_copy(ck, tmp_path)
+    relink(ck, lambda f, data, attrs: f.__setitem__(NORM, h5py.ExternalLink(str(out), "/w")))
+
+
+@case("hdf5-external-link-group", names=("shard-00002.h5",))
+def _(ck, tmp_path):
+    # the group on the way to the dataset is the link
+    out = tmp_path / "outside-group.h5"
+    with h5py.File(ck / "shard-00002.h5", "r") as f, h5py.File(out, "w") as g:
+        f.copy(f["/params"], g, name="params")
+    with h5py.File(ck / "shard-00002.h5", "r+") as f:
+        del f["/params"]
+        f["/params"] = h5py.ExternalLink(str(out), "/params")
+    m = load(ck)
+    refresh(ck, m, "shard-00002.h5")
+    save(ck, m)
+
+
+@case("hdf5-soft-link", names=("shard-00002.h5",))
+def _(ck, tmp_path):
+    def make(f, data, attrs):
+        d = f.create_dataset("/elsewhere/w", data=data)
+        for k, v in attrs.items():
+            d.attrs[k] = v
+        f[NORM] = h5py.SoftLink("/elsewhere/w")
+    relink(ck, make)
+
+
+@case("hdf5-external-raw-storage", names=("shard-00002.h5",))
+def _(ck, tmp_path):
+    def make(f, data, attrs):
+        raw = tmp_path / "outside.raw"
+        raw.write_bytes(np.ascontiguousarray(data).tobytes())
+        d = f.create_dataset(NORM, shape=data.shape, dtype=data.dtype, external=[(str(raw), 0, data.nbytes)])
+        for k, v in attrs.items():
+            d.attrs[k] = v
+    relink(ck, make)
+
+
+@case("hdf5-virtual-dataset", names=("shard-00002.h5",))
+def _(ck, tmp_path):
+    out = outside_copy(ck, tmp_path)
+
+    def make(f, data, attrs):
+        lay = h5py.VirtualLayout(shape=data.shape, dtype=data.dtype)
+        lay[...] = h5py.VirtualSource(str(out), "w", shape=data.shape)
+        d = f.create_virtual_dataset(NORM, lay)
+        for k, v in attrs.items():
+            d.attrs[k] = v
+    relink(ck, make)
+
+
+@manifest_case("two-pieces-one-dataset")
+def _(m):
+    # lm_head's two pieces [0,51) and [51,101) both point at the first one's dataset
+    ps = tensor(m, "lm_head.weight")["pieces"]
+    ps[1]["file"], ps[1]["dataset"] = ps[0]["file"], ps[0]["dataset"]
+
+
 # --- the manifest as a document
 @case("manifest-deeply-nested")
 def _(ck, tmp_path):
