@@ -199,12 +199,12 @@ int main(int argc, char **argv)
         }
         for (size_t i = 0; i < nt && !s; i++) {
             if (file_of[i] != f) continue;
-            /* stream the tensor in blocks of whole rows of dim 0 (~8 MiB each) */
+            /* stream the tensor in blocks of whole rows of dim 0 (~32 MiB each) */
             const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)idx[i]);
             shard_box blk = {.ndim = ct->ndim};
             uint64_t row = shard_dtype_size(dts[i]);
             for (int k = 1; k < ct->ndim; k++) { blk.len[k] = ct->shape[k]; row *= (uint64_t)ct->shape[k]; }
-            int64_t rows = row ? (int64_t)((8u << 20) / row) : 1;
+            int64_t rows = row ? (int64_t)((32u << 20) / row) : 1;
             if (rows < 1) rows = 1;
             size_t need = (size_t)(rows * (int64_t)row);
             if (need > cap) { /* both buffers free: the writer is done with them */
