@@ -84,8 +84,8 @@ static shard_status cached_fd(file_cache *fc, const char *name, int *fd)
     if (fc->n == sizeof fc->fds / sizeof fc->fds[0]) return shard_fail(SHARD_E_UNSUPPORTED, "%s: more than 4096 weight files", fc->dir);
     char *p = malloc(strlen(fc->dir) + strlen(name) + 2);
     sprintf(p, "%s/%s", fc->dir, name);
-    *fd = open(p, O_RDONLY | O_CLOEXEC);
-    shard_status s = *fd < 0 ? shard_fail(SHARD_E_IO, "%s: cannot open: %s", p, strerror(errno)) : SHARD_OK;
+    uint64_t size;
+    shard_status s = shard_open_regular(p, 0, fd, &size);
     free(p);
     if (!s) { fc->names[fc->n] = name; fc->fds[fc->n++] = *fd; }
     return s;
@@ -441,13 +441,7 @@ static shard_status convert(const args *a, const source *src, const shard_model_
         if (dir) closedir(dir);
     }
     if (!s && src->c) {
-        for (size_t i = 0; i < shard_ckpt_extra_count(src->c) && !s; i++) {
-            const char *n = shard_ckpt_extra_at(src->c, i);
-            char *p = malloc(strlen(shard_ckpt_dir(src->c)) + strlen(n) + 16);
-            sprintf(p, "%s/extra/%s", shard_ckpt_dir(src->c), n);
-            s = shard_ckpt_add_extra(cw, p, n);
-            free(p);
-        }
+        for (size_t i = 0; i < shard_ckpt_extra_count(src->c) && !s; i++) s = shard_ckpt_carry_extra(cw, src->c, i);
     }
     const char *training = src->c ? shard_ckpt_training_json(src->c) : NULL; /* a training run moves with its state */
     if (!s && (s = shard_ckpt_commit(cw, config, config_len, d, &l, stages, training, 0)) == SHARD_OK) cw = NULL;

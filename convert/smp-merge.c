@@ -42,7 +42,9 @@ static int parse_size(const char *s, uint64_t *out)
     else if (!strcmp(end, "MiB")) mul = 1 << 20;
     else if (!strcmp(end, "GiB")) mul = 1 << 30;
     else return -1;
-    *out = (uint64_t)(v * (double)mul);
+    double b = v * (double)mul; /* nan, inf and sizes under one byte or over 2^62 are refused */
+    if (!(b >= 1.0 && b <= 4.6e18)) return -1;
+    *out = (uint64_t)b;
     return 0;
 }
 
@@ -131,6 +133,12 @@ int main(int argc, char **argv)
         *slot = argv[++i];
     }
     if (!in || !out) return cli_usage("--in and --out are required");
+    char out_buf[4096]; /* "export/" is the folder export */
+    size_t ol = strlen(out);
+    if (ol >= sizeof out_buf) return cli_usage("--out: path too long");
+    memcpy(out_buf, out, ol + 1);
+    while (ol > 1 && out_buf[ol - 1] == '/') out_buf[--ol] = 0;
+    out = out_buf;
     int nthreads = threads ? cli_parse_threads(threads) : cli_default_threads();
     if (!nthreads) return cli_usage("--threads must be an integer in 1..64");
     shard_dtype force = SHARD_DT_INVALID;
@@ -148,6 +156,13 @@ int main(int argc, char **argv)
     shard_status s = shard_ckpt_open(in, &c);
     if (s) return cli_fail(s);
     shard_ckpt_set_threads(c, nthreads);
+    for (size_t i = 0; i < shard_ckpt_extra_count(c) && !s; i++) { /* none may stand in for the export's own files */
+        const char *n = shard_ckpt_extra_at(c, i);
+        size_t l = strlen(n);
+        if (!strcmp(n, "config.json") || (l >= 12 && !strcmp(n + l - 12, ".safetensors")) || strstr(n, ".safetensors.index"))
+            s = shard_fail(SHARD_E_INVALID, "%s/extra/%s: an extra file with the name of the export's own config or weights", in, n);
+    }
+    if (s) { shard_ckpt_close(c); return cli_fail(s); }
     const shard_model_desc *d = shard_ckpt_model(c);
     size_t nt = shard_model_tensor_count(d);
     /* plan the files: tensors in the model's order, a new file when the next would overflow */
@@ -259,12 +274,8 @@ int main(int argc, char **argv)
         s = write_file(path, cfg, strlen(cfg), &wo);
     }
     for (size_t i = 0; i < shard_ckpt_extra_count(c) && !s; i++) {
-        const char *n = shard_ckpt_extra_at(c, i);
-        char src[4096];
-        snprintf(src, sizeof src, "%s/extra/%s", in, n);
-        snprintf(path, sizeof path, "%s/%s", stage, n);
-        struct stat est;
-        s = stat(src, &est) != 0 ? shard_fail(SHARD_E_CORRUPT, "%s: missing", src) : shard_copy_file(src, path, &wo);
+        snprintf(path, sizeof path, "%s/%s", stage, shard_ckpt_extra_at(c, i));
+        s = shard_ckpt_copy_extra(c, i, path, &wo); /* checked as it is copied */
     }
     /* durable: the folder's entries before the rename, the rename itself after */
     if (!s && !wo.no_fsync) s = shard_fsync_dir(stage);

@@ -182,6 +182,13 @@ static int inspect_hf(const char *dir, int as_json)
 }
 
 /* ---------------------------------------------------------- checkpoints */
+typedef struct {
+    const char *name;
+    size_t index;
+} named;
+
+static int by_name(const void *a, const void *b) { return strcmp(((const named *)a)->name, ((const named *)b)->name); }
+
 static int inspect_ckpt(const char *dir, int as_json)
 {
     shard_ckpt *c;
@@ -195,8 +202,12 @@ static int inspect_ckpt(const char *dir, int as_json)
     json_t *files = json_object_get(m, "files"), *tensors = json_object_get(m, "tensors");
     size_t nf = json_array_size(files);
     uint64_t *raw = calloc(nf + 1, 8), *npieces = calloc(nf + 1, 8), raw_total = 0, file_total = 0, extra_total = 0;
+    named *by = malloc((nf + 1) * sizeof *by); /* the files by name: a lookup per piece, not a scan */
+    if (!raw || !npieces || !by) { free(raw); free(npieces); free(by); shard_ckpt_close(c); return cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")); }
     size_t i, j;
     json_t *t, *p, *f;
+    json_array_foreach(files, i, f) by[i] = (named){json_string_value(json_object_get(f, "name")), i};
+    qsort(by, nf, sizeof *by, by_name);
     json_array_foreach(tensors, i, t) {
         size_t es = shard_dtype_size(shard_dtype_from_name(json_string_value(json_object_get(t, "dtype"))));
         json_array_foreach(json_object_get(t, "pieces"), j, p) {
@@ -204,9 +215,8 @@ static int inspect_ckpt(const char *dir, int as_json)
             size_t k;
             json_t *v;
             json_array_foreach(json_object_get(p, "shape"), k, v) n *= (uint64_t)json_integer_value(v);
-            const char *fn = json_string_value(json_object_get(p, "file"));
-            size_t q;
-            json_array_foreach(files, q, f) if (!strcmp(fn, json_string_value(json_object_get(f, "name")))) { raw[q] += n; npieces[q]++; }
+            named key = {json_string_value(json_object_get(p, "file")), 0}, *hit = bsearch(&key, by, nf, sizeof *by, by_name);
+            if (hit) { raw[hit->index] += n; npieces[hit->index]++; } /* shard_ckpt_open checked that it is listed */
             raw_total += n;
         }
     }
@@ -257,12 +267,12 @@ static int inspect_ckpt(const char *dir, int as_json)
         printf("  training     %s\n", tr ? tr : "none (weights only)");
         printf("  tensors\n    %-52s %-8s %-16s %s\n", "name", "dtype", "shape", "pieces");
         json_array_foreach(tensors, i, t) {
-            char shape[64] = "[";
+            char shape[256] = "["; /* SHARD_MAX_DIMS numbers of up to 20 digits fit */
             size_t k;
             json_t *v;
             json_array_foreach(json_object_get(t, "shape"), k, v)
                 snprintf(shape + strlen(shape), sizeof shape - strlen(shape), k ? ", %lld" : "%lld", (long long)json_integer_value(v));
-            strcat(shape, "]");
+            snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "]");
             const char *g = json_string_value(json_object_get(t, "group"));
             char name[300];
             snprintf(name, sizeof name, "%s%s%s", strcmp(g, "params") ? g : "", strcmp(g, "params") ? "/" : "", json_string_value(json_object_get(t, "name")));
@@ -281,6 +291,7 @@ static int inspect_ckpt(const char *dir, int as_json)
     }
     free(raw);
     free(npieces);
+    free(by);
     shard_ckpt_close(c);
     return 0;
 }

@@ -23,12 +23,6 @@ static char *join(const char *a, const char *b)
     return p;
 }
 
-static int is_file(const char *p)
-{
-    struct stat st;
-    return stat(p, &st) == 0 && S_ISREG(st.st_mode);
-}
-
 shard_status ckptio_resolve(const char *path, char **ckpt_dir)
 {
     *ckpt_dir = NULL;
@@ -38,22 +32,21 @@ shard_status ckptio_resolve(const char *path, char **ckpt_dir)
         return shard_fail(SHARD_E_NOMEM, "out of memory");
     }
     shard_status s = SHARD_OK;
-    if (is_file(man)) {
+    struct stat lst;
+    if (lstat(man, &lst) == 0) {
         *ckpt_dir = strdup(path);
-    } else if (is_file(lat)) {
-        FILE *f = fopen(lat, "r");
-        char name[256] = "";
-        if (!f) {
-            s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", lat, strerror(errno));
-        } else {
-            if (!fgets(name, sizeof name, f)) name[0] = 0;
-            fclose(f);
+    } else if (lstat(lat, &lst) == 0) {
+        char *name = NULL;
+        size_t len;
+        s = shard_read_file_in(lat, 4096, 1, &name, &len); /* a FIFO, link or directory: refused */
+        if (!s) {
             name[strcspn(name, "\r\n")] = 0;
-            if (!name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+            if (!name[0] || strlen(name) != strcspn(name, "/") || !strcmp(name, ".") || !strcmp(name, ".."))
                 s = shard_fail(SHARD_E_INVALID, "%s: does not hold the name of a checkpoint folder", lat);
             else
                 *ckpt_dir = join(path, name);
         }
+        free(name);
     } else {
         s = shard_fail(SHARD_E_USAGE, "%s: neither a checkpoint (no smp.json) nor a run folder (no latest)", path);
     }
@@ -273,17 +266,7 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
         else s = shard_h5_close(hw);
         hw = NULL;
     }
-    for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) {
-        const char *rel = shard_ckpt_extra_at(a->src, i);
-        char *p = malloc(strlen(shard_ckpt_dir(a->src)) + strlen(rel) + 16);
-        if (!p) {
-            s = shard_fail(SHARD_E_NOMEM, "out of memory");
-            break;
-        }
-        sprintf(p, "%s/extra/%s", shard_ckpt_dir(a->src), rel);
-        s = shard_ckpt_add_extra(cw, p, rel);
-        free(p);
-    }
+    for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) s = shard_ckpt_carry_extra(cw, a->src, i);
     if (!s) {
         shard_layout one = {1, 1, 1, 1};
         int stages[1] = {m->L};
@@ -369,17 +352,7 @@ shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const op
     if (!s) s = shard_comm_broadcast(p->world, staging, sizeof staging, SHARD_DT_U8, 0);
     if (!s) s = agree(p, write_rank_file(a, m, o, p, staging));
     if (p->rank == 0) {
-        for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) {
-            const char *rel = shard_ckpt_extra_at(a->src, i);
-            char *ep = malloc(strlen(shard_ckpt_dir(a->src)) + strlen(rel) + 16);
-            if (!ep) {
-                s = shard_fail(SHARD_E_NOMEM, "out of memory");
-                break;
-            }
-            sprintf(ep, "%s/extra/%s", shard_ckpt_dir(a->src), rel);
-            s = shard_ckpt_add_extra(cw, ep, rel);
-            free(ep);
-        }
+        for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) s = shard_ckpt_carry_extra(cw, a->src, i);
         if (!s) {
             s = shard_ckpt_commit(cw, a->config_json, a->config_len, &m->d, &p->l, p->stages, a->training_json, 1);
             if (!s) cw = NULL;
@@ -409,37 +382,57 @@ static int step_of(const char *name, long long *step)
     return 1;
 }
 
-static int cmp_ll(const void *a, const void *b)
+typedef struct {
+    long long step;
+    struct timespec committed; /* its smp.json's mtime: written last, by the commit */
+} step_dir;
+
+static int by_commit(const void *a, const void *b)
 {
-    long long x = *(const long long *)a, y = *(const long long *)b;
-    return x < y ? -1 : x > y;
+    const step_dir *x = a, *y = b;
+    if (x->committed.tv_sec != y->committed.tv_sec) return x->committed.tv_sec < y->committed.tv_sec ? -1 : 1;
+    if (x->committed.tv_nsec != y->committed.tv_nsec) return x->committed.tv_nsec < y->committed.tv_nsec ? -1 : 1;
+    return x->step < y->step ? -1 : x->step > y->step;
 }
 
+/* Keep the `keep` checkpoints committed last (a run resumed from an older step saves
+ * lower step numbers than the ones it abandoned), and always the one latest names. */
 void ckptio_prune(const char *run_dir, int keep)
 {
     if (keep <= 0) return;
+    char *lat = join(run_dir, "latest"), *latest = NULL;
+    size_t len;
+    if (!lat || shard_read_file_in(lat, 4096, 1, &latest, &len)) latest = NULL;
+    else latest[strcspn(latest, "\r\n")] = 0;
+    free(lat);
     DIR *d = opendir(run_dir);
-    if (!d) return;
-    long long *steps = NULL;
+    step_dir *steps = NULL;
     size_t n = 0, cap = 0;
     struct dirent *e;
-    while ((e = readdir(d))) {
+    while (d && (e = readdir(d))) {
         long long st;
         if (!step_of(e->d_name, &st)) continue;
+        char *m = join(run_dir, e->d_name), *man = m ? join(m, "smp.json") : NULL;
+        struct stat sb;
+        int whole = man && lstat(man, &sb) == 0;
+        free(m);
+        free(man);
+        if (!whole) continue; /* not a committed checkpoint: not ours to judge */
         if (n == cap) {
             cap = cap ? 2 * cap : 16;
-            long long *p = realloc(steps, cap * sizeof *p);
+            step_dir *p = realloc(steps, cap * sizeof *p);
             if (!p) break;
             steps = p;
         }
-        steps[n++] = st;
+        steps[n++] = (step_dir){st, sb.st_mtim};
     }
-    closedir(d);
+    if (d) closedir(d);
     if (n > (size_t)keep) {
-        qsort(steps, n, sizeof *steps, cmp_ll);
+        qsort(steps, n, sizeof *steps, by_commit);
         for (size_t i = 0; i + (size_t)keep < n; i++) {
             char name[64];
-            snprintf(name, sizeof name, "step-%06lld", steps[i]);
+            snprintf(name, sizeof name, "step-%06lld", steps[i].step);
+            if (latest && !strcmp(name, latest)) continue; /* what a resume needs */
             char *p = join(run_dir, name);
             if (p && nftw(p, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
                 fprintf(stderr, "smp-train: warning: %s: could not remove an old checkpoint: %s\n", p, strerror(errno));
@@ -447,4 +440,5 @@ void ckptio_prune(const char *run_dir, int keep)
         }
     }
     free(steps);
+    free(latest);
 }

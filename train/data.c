@@ -7,7 +7,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -54,9 +53,8 @@ static uint64_t rng_below(rng_state *r, uint64_t n)
     return (uint64_t)(m >> 64);
 }
 
-static uint32_t token_at(const data_file *f, uint64_t i)
+static uint32_t token_at(const data_file *f, const uint8_t *p)
 {
-    const uint8_t *p = f->tokens + i * (uint64_t)f->token_size;
     if (f->token_size == 2) return (uint32_t)p[0] | (uint32_t)p[1] << 8;
     return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
 }
@@ -66,35 +64,46 @@ static int32_t rd32(const uint8_t *p)
     return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
 }
 
+/* n bytes at off, all of them (a file that shrank since it was opened: an error) */
+static shard_status read_at(const data_file *f, void *buf, size_t n, uint64_t off)
+{
+    for (size_t done = 0; done < n;) {
+        ssize_t r = pread(f->fd, (char *)buf + done, n - done, (off_t)(off + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", f->path, strerror(errno));
+        if (r == 0) return shard_fail(SHARD_E_IO, "%s: shorter than when it was opened (changed while in use)", f->path);
+        done += (size_t)r;
+    }
+    return SHARD_OK;
+}
+
+/* Tokens [i0, i0 + n) decoded from raw, every one inside the vocabulary. */
+static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_t i0, size_t n)
+{
+    for (size_t k = 0; k < n; k++) {
+        uint32_t t = token_at(f, raw + k * (size_t)f->token_size);
+        if ((int64_t)t >= f->vocab)
+            return shard_fail(SHARD_E_INVALID, "%s: token %u at position %llu is outside the model's vocabulary (vocab_size %lld)",
+                              f->path, t, (unsigned long long)(i0 + k), (long long)f->vocab);
+    }
+    return SHARD_OK;
+}
+
 static shard_status open_file(data_file *f, const char *path, int S, int64_t vocab)
 {
     memset(f, 0, sizeof *f);
+    f->fd = -1;
+    f->vocab = vocab;
     f->path = strdup(path);
     if (!f->path) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0) {
-        close(fd);
-        return shard_fail(SHARD_E_IO, "%s: cannot stat: %s", path, strerror(errno));
-    }
-    if (!S_ISREG(st.st_mode)) {
-        close(fd);
-        return shard_fail(SHARD_E_INVALID, "%s: not a regular file", path);
-    }
-    if (st.st_size < 1024) {
-        close(fd);
-        return shard_fail(SHARD_E_INVALID, "%s: %lld bytes: too short for the 1024-byte header of an llm.c token file",
-                          path, (long long)st.st_size);
-    }
-    f->maplen = (size_t)st.st_size;
-    f->map = mmap(NULL, f->maplen, PROT_READ, MAP_PRIVATE, fd, 0);
-    close(fd);
-    if (f->map == MAP_FAILED) {
-        f->map = NULL;
-        return shard_fail(SHARD_E_IO, "%s: cannot map: %s", path, strerror(errno));
-    }
-    const uint8_t *h = f->map;
+    uint64_t size;
+    shard_status s = shard_open_regular(path, 0, &f->fd, &size); /* a FIFO or device: refused, not waited on */
+    if (s) return s;
+    if (size < 1024)
+        return shard_fail(SHARD_E_INVALID, "%s: %llu bytes: too short for the 1024-byte header of an llm.c token file",
+                          path, (unsigned long long)size);
+    uint8_t h[12];
+    if ((s = read_at(f, h, sizeof h, 0))) return s;
     int32_t magic = rd32(h), version = rd32(h + 4), count = rd32(h + 8);
     if (magic == DATA_MAGIC_U16 && version == 1) f->token_size = 2;
     else if (magic == DATA_MAGIC_U32 && version == 7) f->token_size = 4;
@@ -105,18 +114,20 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (count < 0) return shard_fail(SHARD_E_INVALID, "%s: negative token count %d", path, count);
     f->ntokens = (uint64_t)count;
     uint64_t want = 1024 + f->ntokens * (uint64_t)f->token_size;
-    if ((uint64_t)st.st_size != want)
-        return shard_fail(SHARD_E_INVALID, "%s: the header says %llu tokens (%llu bytes with the header) but the file has %lld bytes",
-                          path, (unsigned long long)f->ntokens, (unsigned long long)want, (long long)st.st_size);
-    f->tokens = h + 1024;
-    for (uint64_t i = 0; i < f->ntokens; i++) {
-        uint32_t t = token_at(f, i);
-        if ((int64_t)t >= vocab)
-            return shard_fail(SHARD_E_INVALID, "%s: token %u at position %llu is outside the model's vocabulary (vocab_size %lld)",
-                              path, t, (unsigned long long)i, (long long)vocab);
+    if (size != want)
+        return shard_fail(SHARD_E_INVALID, "%s: the header says %llu tokens (%llu bytes with the header) but the file has %llu bytes",
+                          path, (unsigned long long)f->ntokens, (unsigned long long)want, (unsigned long long)size);
+    /* every token against the vocabulary, a block at a time */
+    const size_t block = (1u << 20) / (size_t)f->token_size;
+    uint8_t *buf = malloc(block * (size_t)f->token_size);
+    if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (uint64_t i = 0; i < f->ntokens && !s; i += block) {
+        size_t n = f->ntokens - i < block ? (size_t)(f->ntokens - i) : block;
+        if (!(s = read_at(f, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size))) s = check_tokens(f, buf, i, n);
     }
+    free(buf);
     f->nseq = f->ntokens > 0 ? (f->ntokens - 1) / (uint64_t)S : 0;
-    return SHARD_OK;
+    return s;
 }
 
 static shard_status add_path(data_set *ds, const char *path, int S, int64_t vocab)
@@ -165,11 +176,12 @@ shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
 void data_close(data_set *ds)
 {
     for (int i = 0; i < ds->nfiles; i++) {
-        if (ds->files[i].map) munmap(ds->files[i].map, ds->files[i].maplen);
+        if (ds->files[i].fd >= 0) close(ds->files[i].fd);
         free(ds->files[i].path);
     }
     free(ds->files);
     free(ds->perm);
+    free(ds->buf);
     memset(ds, 0, sizeof *ds);
 }
 
@@ -180,7 +192,7 @@ void data_set_order(data_set *ds, int shuffle, uint64_t seed)
     ds->perm_epoch = -1;
 }
 
-static void fill_seq(const data_set *ds, uint64_t seq, int32_t *in, int32_t *tg)
+static shard_status fill_seq(data_set *ds, uint64_t seq, int32_t *in, int32_t *tg)
 {
     int lo = 0, hi = ds->nfiles - 1; /* the file holding seq: last with first_seq <= seq */
     while (lo < hi) {
@@ -190,11 +202,16 @@ static void fill_seq(const data_set *ds, uint64_t seq, int32_t *in, int32_t *tg)
     }
     while (ds->files[lo].nseq == 0 || seq - ds->files[lo].first_seq >= ds->files[lo].nseq) lo++; /* skip empty files */
     const data_file *f = &ds->files[lo];
-    uint64_t start = (seq - f->first_seq) * (uint64_t)ds->S;
-    for (int t = 0; t < ds->S; t++) {
-        in[t] = (int32_t)token_at(f, start + t);
-        tg[t] = (int32_t)token_at(f, start + t + 1);
+    const uint64_t start = (seq - f->first_seq) * (uint64_t)ds->S;
+    const size_t n = (size_t)ds->S + 1, ts = (size_t)f->token_size;
+    if (!ds->buf && !(ds->buf = malloc(n * 4))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_status s = read_at(f, ds->buf, n * ts, 1024 + start * ts);
+    if (!s) s = check_tokens(f, ds->buf, start, n); /* the file may have changed since it was opened */
+    for (int t = 0; t < ds->S && !s; t++) {
+        in[t] = (int32_t)token_at(f, ds->buf + (size_t)t * ts);
+        tg[t] = (int32_t)token_at(f, ds->buf + (size_t)(t + 1) * ts);
     }
+    return s;
 }
 
 shard_status data_fill(data_set *ds, uint64_t first, int count, int32_t *inputs, int32_t *targets)
@@ -221,13 +238,16 @@ shard_status data_fill(data_set *ds, uint64_t first, int count, int32_t *inputs,
             }
             seq = ds->perm[idx];
         }
-        fill_seq(ds, seq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
+        shard_status s = fill_seq(ds, seq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
+        if (s) return s;
     }
     return SHARD_OK;
 }
 
-void data_fill_sequential(const data_set *ds, uint64_t first_seq, int count, int32_t *inputs, int32_t *targets)
+shard_status data_fill_sequential(data_set *ds, uint64_t first_seq, int count, int32_t *inputs, int32_t *targets)
 {
-    for (int r = 0; r < count; r++)
-        fill_seq(ds, (first_seq + (uint64_t)r) % ds->nseq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
+    shard_status s = SHARD_OK;
+    for (int r = 0; r < count && !s; r++)
+        s = fill_seq(ds, (first_seq + (uint64_t)r) % ds->nseq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
+    return s;
 }

@@ -34,9 +34,8 @@ typedef struct {
     char *path;
     int token_size;       /* 2 or 4 */
     uint64_t ntokens;
-    const uint8_t *tokens;/* mapped */
-    void *map;
-    size_t maplen;
+    int fd;               /* read with pread: a file truncated while in use is an error, not SIGBUS */
+    int64_t vocab;
     uint64_t nseq, first_seq;
 } data_file;
 
@@ -49,6 +48,7 @@ typedef struct {
     uint64_t seed;
     uint64_t *perm;       /* the permutation of perm_epoch (shuffled only) */
     int64_t perm_epoch;
+    uint8_t *buf;         /* one sequence's bytes, as read */
 } data_set;
 
 /* Open the files of spec (a comma-separated list of paths or globs) and check every
@@ -59,10 +59,11 @@ void data_close(data_set *ds);
 /* The order: sequential (shuffle 0) or shuffled by seed. */
 void data_set_order(data_set *ds, int shuffle, uint64_t seed);
 /* Inputs and targets (count x S each) of positions [first, first + count) of the
- * global order. SHARD_E_NOMEM only (the permutation of a new epoch). */
+ * global order. Fails when a file changed under the run (shorter, or a token id
+ * outside the vocabulary) and when out of memory (the permutation of a new epoch). */
 shard_status data_fill(data_set *ds, uint64_t first, int count, int32_t *inputs, int32_t *targets);
 /* The same for sequence indices in file order (no permutation): smp-eval. */
-void data_fill_sequential(const data_set *ds, uint64_t first_seq, int count, int32_t *inputs, int32_t *targets);
+shard_status data_fill_sequential(data_set *ds, uint64_t first_seq, int count, int32_t *inputs, int32_t *targets);
 
 /* A small deterministic generator (xoshiro256**), for the shuffle. */
 typedef struct {

@@ -10,9 +10,10 @@
 #include "data.h"
 #include "model.h"
 
-/* m's activations must be allocated for rows x ds->S. Returns the sum of the
- * per-token losses (double, in order); *tokens receives the number of targets. */
-double eval_loss_sum(model *m, const data_set *ds, int rows, int64_t nbatches, int32_t *inputs, int32_t *targets,
-                     uint64_t *tokens);
+/* m's activations must be allocated for rows x ds->S. *sum: the sum of the per-token
+ * losses (double, in order); *tokens: the number of targets. Fails when the token
+ * files changed under the run (data_fill_sequential). */
+shard_status eval_loss_sum(model *m, data_set *ds, int rows, int64_t nbatches, int32_t *inputs, int32_t *targets,
+                           double *sum, uint64_t *tokens);
 
 #endif

@@ -56,6 +56,7 @@ int par_main(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx *p)
         if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
         return rc;
     }
+    cli_set_rank(P.rank);
     int rc = fn(argc, argv, &P);
     if (P.size > 1 && rc != 0) {
         fflush(stdout);

@@ -31,14 +31,14 @@ static const char HELP[] =
 /* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank
  * takes its B/dp rows of every batch, each cp rank its tokens of them, the last
  * pipeline stage sums; the total over dp and cp, from the last stage, on every rank. */
-static shard_status par_loss_sum(par_ctx *P, model *m, const data_set *ds, int B, long long NB, int32_t *in, int32_t *tg,
+static shard_status par_loss_sum(par_ctx *P, model *m, data_set *ds, int B, long long NB, int32_t *in, int32_t *tg,
                                  double *sum)
 {
     const int dp = P->g.dp ? shard_comm_size(P->g.dp) : 1, Bm = B / dp;
     double total = 0.0, one;
     shard_status s;
     for (long long i = 0; i < NB; i++) {
-        data_fill_sequential(ds, (uint64_t)i * (uint64_t)B + (uint64_t)P->g.me.dp * (uint64_t)Bm, Bm, in, tg);
+        if ((s = data_fill_sequential(ds, (uint64_t)i * (uint64_t)B + (uint64_t)P->g.me.dp * (uint64_t)Bm, Bm, in, tg))) return s;
         par_cp_select(m, Bm, in, tg);
         if ((s = par_forward(P, m, in, tg, &one))) return s;
         total += one;
@@ -143,7 +143,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (par) {
         if ((s = par_loss_sum(P, &m, &ds, (int)B, NB, in, tg, &sum))) OUT(cli_fail(s));
     } else {
-        sum = eval_loss_sum(&m, &ds, (int)B, NB, in, tg, &ntok);
+        if ((s = eval_loss_sum(&m, &ds, (int)B, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
     }
     double loss = sum / (double)ntok;
     double ppl = exp(loss);

@@ -13,6 +13,7 @@
 
 #include "../tools/cli/cli.h"
 #include "../tools/cli/progress.h"
+#include "state.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -138,83 +139,6 @@ static int opt_float(const options *o, int k, double lo, double hi, float *out)
 }
 
 /* ----------------------------------------------------------------- the run */
-typedef struct {
-    /* settings (resolved: flag, else the checkpoint's training state, else default) */
-    int64_t steps, batch, micro, seq, warmup, max_bad, fp8_hist, save_every, keep, val_every, val_batches, stop_at;
-    float lr, lr_min, clip, wd, beta1, beta2, eps, fp8_margin;
-    int cosine, shuffle, lr_min_set;
-    uint64_t seed;
-    fp8_mode fp8;
-    /* state */
-    int64_t step, opt_step, position;
-    uint64_t tokens;
-    double elapsed_before;
-} run_cfg;
-
-static const char *json_str(json_t *o, const char *k)
-{
-    json_t *v = json_object_get(o, k);
-    return json_is_string(v) ? json_string_value(v) : NULL;
-}
-
-static int json_i64(json_t *o, const char *k, int64_t *out)
-{
-    json_t *v = json_object_get(o, k);
-    if (!json_is_integer(v)) return 0;
-    *out = json_integer_value(v);
-    return 1;
-}
-
-static int json_f32(json_t *o, const char *k, float *out)
-{
-    json_t *v = json_object_get(o, k);
-    if (!json_is_number(v)) return 0;
-    *out = (float)json_number_value(v);
-    return 1;
-}
-
-/* the checkpoint's training state into cfg; SHARD_E_INVALID when malformed */
-static shard_status load_state(const char *ckdir, const char *text, run_cfg *c)
-{
-    json_error_t je;
-    json_t *t = json_loads(text, 0, &je);
-    shard_status s = SHARD_OK;
-    if (!json_is_object(t)) {
-        json_decref(t);
-        return shard_fail(SHARD_E_INVALID, "%s: the training state is not a JSON object", ckdir);
-    }
-    int ok = json_i64(t, "step", &c->step) && json_i64(t, "optimizer_step", &c->opt_step) &&
-             json_i64(t, "data_position", &c->position) && json_i64(t, "batch", &c->batch) &&
-             json_i64(t, "microbatches", &c->micro) && json_i64(t, "seq", &c->seq);
-    int64_t tok = 0;
-    ok = ok && json_i64(t, "tokens", &tok);
-    c->tokens = (uint64_t)tok;
-    json_t *sc = json_object_get(t, "schedule"), *op = json_object_get(t, "optimizer");
-    const char *kind = json_str(sc, "kind");
-    ok = ok && kind && json_f32(sc, "lr", &c->lr) && json_f32(sc, "lr_min", &c->lr_min) &&
-         json_i64(sc, "warmup", &c->warmup) && json_i64(sc, "steps", &c->steps);
-    c->cosine = kind && !strcmp(kind, "cosine");
-    c->lr_min_set = 1;
-    ok = ok && json_f32(op, "beta1", &c->beta1) && json_f32(op, "beta2", &c->beta2) && json_f32(op, "eps", &c->eps) &&
-         json_f32(op, "weight_decay", &c->wd) && json_f32(op, "clip", &c->clip);
-    json_t *da = json_object_get(t, "data");
-    json_t *seed = json_object_get(da, "seed");
-    c->shuffle = json_is_integer(seed);
-    c->seed = c->shuffle ? (uint64_t)json_integer_value(seed) : 0;
-    json_t *f8 = json_object_get(t, "fp8");
-    const char *mode = json_str(f8, "mode");
-    if (mode) c->fp8 = !strcmp(mode, "delayed") ? FP8_DELAYED : !strcmp(mode, "current") ? FP8_CURRENT : FP8_OFF;
-    json_i64(f8, "history", &c->fp8_hist);
-    json_f32(f8, "margin", &c->fp8_margin);
-    json_i64(t, "max_bad_steps", &c->max_bad);
-    json_t *el = json_object_get(t, "elapsed_s");
-    if (json_is_number(el)) c->elapsed_before = json_number_value(el);
-    if (!ok || c->step < 0 || c->opt_step < 0 || c->position < 0 || c->batch < 1 || c->micro < 1 || c->seq < 1)
-        s = shard_fail(SHARD_E_INVALID, "%s: the training state lacks or mangles step, optimizer_step, data_position, "
-                                        "tokens, batch, microbatches, seq, schedule or optimizer", ckdir);
-    json_decref(t);
-    return s;
-}
 
 static char *state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
 {
@@ -301,6 +225,7 @@ static shard_status load_fp8(shard_ckpt *c, fp8_state *f)
     shard_box bh = {.ndim = 2, .len = {rows, f->hist_len}}, bs = {.ndim = 1, .len = {rows}};
     shard_status s = shard_ckpt_read(c, (size_t)h, &bh, f->hist, SHARD_DT_F32);
     if (!s) s = shard_ckpt_read(c, (size_t)sc, &bs, f->scale, SHARD_DT_F32);
+    if (!s) s = state_check_fp8(shard_ckpt_dir(c), f->hist, (size_t)(rows * f->hist_len), f->scale, (size_t)rows);
     return s;
 }
 
@@ -451,32 +376,33 @@ static int train_main(int argc, char **argv, par_ctx *P)
     const char *tr = shard_ckpt_training_json(ck);
     int resumed = 0;
     if (tr) {
-        if ((s = load_state(shard_ckpt_dir(ck), tr, &c))) OUT(cli_fail(s));
+        if ((s = state_parse(shard_ckpt_dir(ck), tr, strlen(tr), &c))) OUT(cli_fail(s));
         resumed = 1;
     }
     /* flags override */
     int64_t v64;
-    if ((rc = opt_int(&o, O_STEPS, 1, INT32_MAX, &c.steps)) || (rc = opt_int(&o, O_BATCH, 1, 1 << 24, &c.batch)) ||
-        (rc = opt_int(&o, O_MICRO, 1, 1 << 24, &c.micro)) || (rc = opt_int(&o, O_SEQ, 1, 1 << 24, &c.seq)) ||
-        (rc = opt_int(&o, O_WARMUP, 0, INT32_MAX, &c.warmup)) || (rc = opt_int(&o, O_MAX_BAD, 1, 1 << 30, &c.max_bad)) ||
-        (rc = opt_int(&o, O_FP8_HIST, 1, 1 << 20, &c.fp8_hist)) ||
-        (rc = opt_int(&o, O_SAVE_EVERY, 0, INT32_MAX, &c.save_every)) || (rc = opt_int(&o, O_KEEP, 0, 1 << 20, &c.keep)) ||
-        (rc = opt_int(&o, O_VAL_EVERY, 0, INT32_MAX, &c.val_every)) ||
-        (rc = opt_int(&o, O_VAL_BATCHES, 1, 1 << 30, &c.val_batches)) ||
-        (rc = opt_int(&o, O_STOP_AT, 1, INT32_MAX, &c.stop_at)) || (rc = opt_float(&o, O_LR, 0, 1e3, &c.lr)) ||
-        (rc = opt_float(&o, O_CLIP, 0, 1e30, &c.clip)) || (rc = opt_float(&o, O_WD, 0, 1e3, &c.wd)) ||
-        (rc = opt_float(&o, O_BETA1, 0, 0.9999999, &c.beta1)) || (rc = opt_float(&o, O_BETA2, 0, 0.9999999, &c.beta2)) ||
-        (rc = opt_float(&o, O_EPS, 0, 1, &c.eps)) || (rc = opt_float(&o, O_FP8_MARGIN, 0, 64, &c.fp8_margin)))
+#define RANGE(r) STATE_RANGE[r].lo, STATE_RANGE[r].hi /* the flags and the training state: the same ranges */
+    if ((rc = opt_int(&o, O_STEPS, RANGE(R_STEPS), &c.steps)) || (rc = opt_int(&o, O_BATCH, RANGE(R_BATCH), &c.batch)) ||
+        (rc = opt_int(&o, O_MICRO, RANGE(R_MICRO), &c.micro)) || (rc = opt_int(&o, O_SEQ, RANGE(R_SEQ), &c.seq)) ||
+        (rc = opt_int(&o, O_WARMUP, RANGE(R_WARMUP), &c.warmup)) || (rc = opt_int(&o, O_MAX_BAD, RANGE(R_MAX_BAD), &c.max_bad)) ||
+        (rc = opt_int(&o, O_FP8_HIST, RANGE(R_FP8_HIST), &c.fp8_hist)) ||
+        (rc = opt_int(&o, O_SAVE_EVERY, RANGE(R_SAVE_EVERY), &c.save_every)) || (rc = opt_int(&o, O_KEEP, RANGE(R_KEEP), &c.keep)) ||
+        (rc = opt_int(&o, O_VAL_EVERY, RANGE(R_VAL_EVERY), &c.val_every)) ||
+        (rc = opt_int(&o, O_VAL_BATCHES, RANGE(R_VAL_BATCHES), &c.val_batches)) ||
+        (rc = opt_int(&o, O_STOP_AT, RANGE(R_STOP_AT), &c.stop_at)) || (rc = opt_float(&o, O_LR, RANGE(R_LR), &c.lr)) ||
+        (rc = opt_float(&o, O_CLIP, RANGE(R_CLIP), &c.clip)) || (rc = opt_float(&o, O_WD, RANGE(R_WD), &c.wd)) ||
+        (rc = opt_float(&o, O_BETA1, RANGE(R_BETA1), &c.beta1)) || (rc = opt_float(&o, O_BETA2, RANGE(R_BETA2), &c.beta2)) ||
+        (rc = opt_float(&o, O_EPS, RANGE(R_EPS), &c.eps)) || (rc = opt_float(&o, O_FP8_MARGIN, RANGE(R_FP8_MARGIN), &c.fp8_margin)))
         OUT(rc);
     if (o.v[O_LR_MIN]) {
-        if ((rc = opt_float(&o, O_LR_MIN, 0, 1e3, &c.lr_min))) OUT(rc);
+        if ((rc = opt_float(&o, O_LR_MIN, RANGE(R_LR_MIN), &c.lr_min))) OUT(rc);
         c.lr_min_set = 1;
     } else if (!c.lr_min_set || o.v[O_LR]) {
         c.lr_min = c.lr / 10.0f;
     }
     if (o.v[O_SCHEDULE]) c.cosine = !strcmp(o.v[O_SCHEDULE], "cosine");
     if (o.v[O_SEED]) {
-        if ((rc = opt_int(&o, O_SEED, 0, INT64_MAX, &v64))) OUT(rc);
+        if ((rc = opt_int(&o, O_SEED, 0, INT64_MAX, &v64))) OUT(rc); /* any seed: the table's double cannot say INT64_MAX */
         c.shuffle = 1;
         c.seed = (uint64_t)v64;
     }
@@ -522,6 +448,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if ((s = par_read_params(P, ck, &m, "optim/master", &have_master))) OUT(cli_fail(s));
     if (!have_master && (s = par_read_params(P, ck, &m, "params", &have_p))) OUT(cli_fail(s));
     if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
+    if ((s = state_check_weights(shard_ckpt_dir(ck), have_master ? "optim/master" : "params", model_params_host(&m), m.nparams)))
+        OUT(cli_fail(s));
     model_params_upload(&m);
     pdt = calloc(m.ntensors, sizeof *pdt);
     if (!pdt) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
@@ -529,7 +457,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
     optim_hparams h = {c.lr, c.lr_min, c.warmup, c.steps, c.cosine, c.beta1, c.beta2, c.eps, c.wd, c.clip};
     if ((s = optim_create(&opt, &h, P->zsum, &D)) || (s = optim_host(&opt))) OUT(cli_fail(s));
     if ((s = par_read_optim(P, ck, &m, "optim/exp_avg", opt.hm, &have_m)) ||
-        (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.hv, &have_v)))
+        (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.hv, &have_v)) ||
+        (s = state_check_moments(shard_ckpt_dir(ck), have_m ? opt.hm : NULL, have_v ? opt.hv : NULL, P->zsum)))
         OUT(cli_fail(s));
     if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
     if (opt.hmaster) par_pack_blocks(P, &m, model_params_host(&m), opt.hmaster); /* bf16: the fp32 master */
@@ -678,14 +607,18 @@ static int train_main(int argc, char **argv, par_ctx *P)
             int64_t nb = c.val_batches;
             if ((uint64_t)nb * Bm > vs.nseq) nb = (int64_t)(vs.nseq / (uint64_t)Bm);
             if (m.fp8) m.fp8->frozen = 1; /* validation leaves the FP8 history alone */
-            if (nb > 0 && lay.pp == 1 && lay.cp == 1) val = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &nt) / (double)nt;
+            if (nb > 0 && lay.pp == 1 && lay.cp == 1) {
+                double vsum;
+                if ((s = eval_loss_sum(&m, &vs, Bm, nb, in, tg, &vsum, &nt))) OUT(cli_fail(s));
+                val = vsum / (double)nt;
+            }
             if (m.comm_err) OUT(cli_fail(m.comm_err));
             if ((s = dev_status(&D))) OUT(cli_fail(s));
             if (nb > 0 && (lay.pp > 1 || lay.cp > 1)) {
                 /* through the pipeline (the sum from the last stage), each cp rank on its tokens */
                 double vsum = 0.0, one;
                 for (int64_t i = 0; i < nb; i++) {
-                    data_fill_sequential(&vs, (uint64_t)i * (uint64_t)Bm, Bm, in, tg);
+                    if ((s = data_fill_sequential(&vs, (uint64_t)i * (uint64_t)Bm, Bm, in, tg))) OUT(cli_fail(s));
                     par_cp_select(&m, Bm, in, tg);
                     if ((s = par_forward(P, &m, in, tg, &one))) OUT(cli_fail(s));
                     vsum += one;

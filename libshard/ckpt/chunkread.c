@@ -89,14 +89,12 @@ static shard_status open_file(shard_ckpt *c, size_t fi)
     char path[4200];
     ckpt_file_path(c, fi, path, sizeof path);
     if (c->fd[fi] >= 0) return SHARD_OK;
-    int fd = open(path, O_RDONLY | O_CLOEXEC | O_NONBLOCK); /* a FIFO does not block the open */
-    if (fd < 0) return shard_fail(errno == ENOENT ? SHARD_E_CORRUPT : SHARD_E_IO, "%s: %s", path, errno == ENOENT ? "missing" : strerror(errno));
-    struct stat st;
-    shard_status s = SHARD_OK;
-    if (fstat(fd, &st) != 0) s = shard_fail(SHARD_E_IO, "%s: %s", path, strerror(errno));
-    else if (!S_ISREG(st.st_mode)) s = shard_fail(SHARD_E_CORRUPT, "%s: not a regular file", path);
-    else if ((uint64_t)st.st_size != c->file_bytes[fi])
-        s = shard_fail(SHARD_E_CORRUPT, "%s: %lld bytes, the manifest says %llu (truncated or replaced)", path, (long long)st.st_size,
+    int fd;
+    uint64_t size;
+    shard_status s = shard_open_regular(path, 1, &fd, &size); /* inside the checkpoint: no links out of it */
+    if (s) return s;
+    if (size != c->file_bytes[fi])
+        s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu (truncated or replaced)", path, (unsigned long long)size,
                        (unsigned long long)c->file_bytes[fi]);
     else if ((c->h5[fi] = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT)) < 0)
         s = shard_fail(SHARD_E_CORRUPT, "%s: not a readable HDF5 file", path);
@@ -163,10 +161,11 @@ static shard_status check_layout(hid_t ds, const tensor *t, const piece *p, cons
     if (!s && !ix->contiguous) {
         const size_t es = shard_dtype_size(t->t.dtype);
         const int rdim = nd == 1 ? 0 : nd - 2;
-        shard_chunking_init(&ix->g, nd, p->box.len, es, (int64_t)chunk[rdim] ? (int64_t)chunk[rdim] : 1);
+        /* the rows per chunk are the file's, so checked before any arithmetic on them */
+        int rows_ok = chunk[rdim] >= 1 && chunk[rdim] <= (hsize_t)p->box.len[rdim];
+        shard_chunking_init(&ix->g, nd, p->box.len, es, rows_ok ? (int64_t)chunk[rdim] : 1);
         hsize_t want[SHARD_MAX_DIMS];
         shard_chunking_dims(&ix->g, want);
-        int rows_ok = chunk[rdim] >= 1 && chunk[rdim] <= (hsize_t)ix->g.rows;
         for (int k = 0; rows_ok && k < nd; k++) rows_ok = chunk[k] == want[k];
         if (!rows_ok || ix->g.full > SHARD_CHUNK_BYTES_MAX)
             s = shard_fail(SHARD_E_UNSUPPORTED, "%s: dataset %s: chunks are not whole rows of at most 256 MiB (not written by smp)", path, p->dataset);

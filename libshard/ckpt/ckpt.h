@@ -92,6 +92,7 @@ struct shard_ckpt {
     size_t nfiles;
     const char **extras;
     size_t nextras;
+    size_t *extra_file; /* extras[k] is files[extra_file[k]] */
     pthread_mutex_t mu; /* HDF5 calls and the lazy state above */
     char *training;
     size_t *file_order, *tensor_order; /* sorted by name: lookups */
@@ -123,6 +124,8 @@ shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratc
 size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k);
 /* The piece's xxh64, streaming its chunks in order (p->ix loaded); marks it verified. */
 shard_status ckpt_verify_piece(shard_ckpt *c, piece *p);
+/* Extra file fi: a regular file (no link) of the manifest's size and xxh64. */
+shard_status ckpt_check_extra(const shard_ckpt *c, size_t fi, const char *path);
 /* Open shard file fi for pread and HDF5 (takes c->mu). */
 shard_status ckpt_open_file(shard_ckpt *c, size_t fi);
 /* The path of file fi ("dir/name") into buf. */

@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include <xxhash.h>
 
 
 json_t *shard_model_to_json(const shard_model_desc *d);
@@ -60,44 +61,90 @@ shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts
     return SHARD_OK;
 }
 
-shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *opts)
+/* Copy src to a new file dst (refused if it exists; fsynced unless no_fsync). With
+ * want_hash (an extra file of a checkpoint) src must be a regular file, no link, of
+ * want_bytes whose XXH64 is *want_hash: checked as it is copied, and on a mismatch
+ * nothing is left at dst. */
+static shard_status copy_checked(const char *src, const char *dst, uint64_t want_bytes, const uint64_t *want_hash,
+                                 const shard_write_opts *opts)
 {
-    int in = open(src, O_RDONLY | O_CLOEXEC);
-    if (in < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", src, strerror(errno));
+    int in;
+    uint64_t size;
+    shard_status s = shard_open_regular(src, want_hash != NULL, &in, &size);
+    if (s) return s;
+    if (want_hash && size != want_bytes) {
+        close(in);
+        return shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu", src, (unsigned long long)size, (unsigned long long)want_bytes);
+    }
     int o = open(dst, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (o < 0) { close(in); return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dst, strerror(errno)); }
+    XXH64_state_t *h = XXH64_createState();
+    if (!h) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    else XXH64_reset(h, 0);
     char buf[1 << 16];
-    shard_status s = SHARD_OK;
-    for (;;) {
+    uint64_t total = 0;
+    while (!s) {
         ssize_t r = read(in, buf, sizeof buf);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", src, strerror(errno)); break; }
         if (r == 0) break;
-        for (ssize_t k = 0; k < r;) {
+        XXH64_update(h, buf, (size_t)r);
+        total += (uint64_t)r;
+        for (ssize_t k = 0; k < r && !s;) {
             ssize_t wr = write(o, buf + k, (size_t)(r - k));
             if (wr < 0 && errno == EINTR) continue;
-            if (wr < 0) { s = shard_fail(SHARD_E_IO, "%s: write failed: %s", dst, strerror(errno)); goto done; }
-            k += wr;
+            if (wr < 0) s = shard_fail(SHARD_E_IO, "%s: write failed: %s", dst, strerror(errno));
+            else k += wr;
         }
     }
-done:
+    if (!s && want_hash && (total != want_bytes || XXH64_digest(h) != *want_hash))
+        s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", src);
     if (!s && !(opts && opts->no_fsync) && fsync(o) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", dst, strerror(errno));
+    XXH64_freeState(h);
     close(in);
-    close(o);
+    if (close(o) != 0 && !s) s = shard_fail(SHARD_E_IO, "%s: write failed: %s", dst, strerror(errno));
+    if (s) unlink(dst);
     return s;
 }
 
-shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel)
+shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *opts)
+{
+    return copy_checked(src, dst, 0, NULL, opts);
+}
+
+shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *dst, const shard_write_opts *opts)
+{
+    if (i >= c->nextras) return shard_fail(SHARD_E_USAGE, "%s: no extra file %zu", c->dir, i);
+    size_t fi = c->extra_file[i];
+    char src[4200];
+    ckpt_file_path(c, fi, src, sizeof src);
+    return copy_checked(src, dst, c->file_bytes[fi], &c->file_hash[fi], opts);
+}
+
+/* Copy a file into the staging folder's extra/: from a model folder (src_path), or
+ * checked, from a checkpoint (src, extra i). */
+static shard_status add_extra(shard_ckpt_writer *w, const char *src_path, const shard_ckpt *src, size_t i, const char *rel)
 {
     if (!shard_path_is_contained(rel) || strchr(rel, '/')) return shard_fail(SHARD_E_USAGE, "extra file name \"%s\" is not a plain file name", rel);
     char *dir = shard_path_join(w->staging, "extra");
     mkdir(dir, 0755);
     char *dst = shard_path_join(dir, rel);
     free(dir);
-    shard_status s = shard_copy_file(src_path, dst, &w->opts);
+    shard_status s = src ? shard_ckpt_copy_extra(src, i, dst, &w->opts) : shard_copy_file(src_path, dst, &w->opts);
     free(dst);
     if (!s) json_array_append_new(w->extras, json_string(rel));
     return s;
+}
+
+shard_status shard_ckpt_carry_extra(shard_ckpt_writer *w, const shard_ckpt *src, size_t i)
+{
+    if (i >= src->nextras) return shard_fail(SHARD_E_USAGE, "%s: no extra file %zu", src->dir, i);
+    return add_extra(w, NULL, src, i, src->extras[i]);
+}
+
+shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel)
+{
+    return add_extra(w, src_path, NULL, 0, rel);
 }
 
 /* ------------------------------------------------- scanning the shard files */

@@ -39,9 +39,11 @@ shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *
 
 shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes)
 {
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return shard_fail(errno == ENOENT ? SHARD_E_CORRUPT : SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    shard_status s = shard_fd_xxh64(fd, path, hash, bytes);
+    int fd;
+    uint64_t size;
+    shard_status s = shard_open_regular(path, 1, &fd, &size); /* a file of a checkpoint: no links */
+    if (s) return s;
+    s = shard_fd_xxh64(fd, path, hash, bytes);
     close(fd);
     return s;
 }

@@ -56,6 +56,11 @@ static const H5Z_class2_t ZSTD_CLASS = {
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static void init_hdf5(void)
 {
+    /* No library shutdown at exit: a file whose flush failed (a full disk) cannot be
+     * closed, and HDF5's exit handler, closing it again, crashes (SIGSEGV after the
+     * right error line). libshard closes every file it keeps; at exit the rest is
+     * abandoned, as the process's memory is. The first HDF5 call, as it must be. */
+    H5dont_atexit();
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL); /* errors come back as statuses, not prints */
     if (H5Zfilter_avail(ZSTD_FILTER_ID) <= 0) H5Zregister(&ZSTD_CLASS);
 }

@@ -207,6 +207,7 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
     c->h5 = malloc((c->nfiles + 1) * sizeof *c->h5);
     c->fd = malloc((c->nfiles + 1) * sizeof *c->fd);
     c->extras = calloc(c->nfiles + 1, sizeof *c->extras);
+    c->extra_file = calloc(c->nfiles + 1, sizeof *c->extra_file);
     for (size_t i = 0; i < c->nfiles; i++) {
         json_t *e = json_array_get(files, i);
         json_t *nm = json_object_get(e, "name"), *by = json_object_get(e, "bytes");
@@ -217,7 +218,7 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         if (!json_is_integer(by) || json_integer_value(by) < 0) BAD("%s: files[%zu]: bytes missing", mpath, i);
         c->file_bytes[i] = (uint64_t)json_integer_value(by);
         if (parse_hex(json_string_value(json_object_get(e, "xxh64")), &c->file_hash[i])) BAD("%s: files[%zu]: xxh64 missing or malformed", mpath, i);
-        if (!strncmp(c->files[i], "extra/", 6)) c->extras[c->nextras++] = c->files[i] + 6;
+        if (!strncmp(c->files[i], "extra/", 6)) { c->extra_file[c->nextras] = i; c->extras[c->nextras++] = c->files[i] + 6; }
         else if (strchr(c->files[i], '/')) BAD("%s: files[%zu]: \"%s\" is neither a shard file nor under extra/", mpath, i, c->files[i]);
     }
 
@@ -251,6 +252,8 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         t->p = calloc(t->t.npieces + 1, sizeof *t->p);
         uint64_t total = 1, covered = 0;
         for (int k = 0; k < t->t.ndim; k++) if (!shard_mul_u64(total, (uint64_t)t->t.shape[k], &total)) BAD("%s: tensor \"%s\": shape overflows", mpath, t->t.name);
+        /* every size derived from a shape (bytes, rows x columns, offsets) then fits an int64 */
+        if (total > (UINT64_C(1) << 56)) BAD("%s: tensor \"%s\": more than 2^56 elements", mpath, t->t.name);
         for (size_t j = 0; j < t->t.npieces; j++) {
             json_t *pe = json_array_get(ps, j);
             piece *p = &t->p[j];
@@ -299,7 +302,7 @@ void shard_ckpt_close(shard_ckpt *c)
         }
         free(c->t[i].p);
     }
-    free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->fd); free(c->extras);
+    free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->fd); free(c->extras); free(c->extra_file);
     json_decref(c->m);
     ckpt_scratch_free_all(c);
     ckpt_cache_free(c);
@@ -329,7 +332,7 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     else {
         char *text;
         size_t len;
-        s = shard_read_file(mp, MANIFEST_MAX, &text, &len);
+        s = shard_read_file_in(mp, MANIFEST_MAX, 1, &text, &len);
         if (!s) { s = shard_json_parse(text, len, mp, &c->m); free(text); }
         if (!s) s = validate(c, mp);
     }

@@ -146,6 +146,20 @@ static shard_status verify_shard_file(verify_job *j, size_t fi, const char *path
     return s;
 }
 
+shard_status ckpt_check_extra(const shard_ckpt *c, size_t fi, const char *path)
+{
+    int fd;
+    uint64_t size, h, n;
+    shard_status s = shard_open_regular(path, 1, &fd, &size);
+    if (s) return s;
+    if (size != c->file_bytes[fi]) /* before reading: a huge or endless file is not read */
+        s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu", path, (unsigned long long)size, (unsigned long long)c->file_bytes[fi]);
+    if (!s) s = shard_fd_xxh64(fd, path, &h, &n);
+    close(fd);
+    if (!s && (n != c->file_bytes[fi] || h != c->file_hash[fi])) s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
+    return s;
+}
+
 static shard_status verify_worker(void *arg, int worker)
 {
     (void)worker;
@@ -158,11 +172,7 @@ static shard_status verify_worker(void *arg, int worker)
         ckpt_file_path(c, fi, path, sizeof path);
         shard_status s;
         if (!strncmp(c->files[fi], "extra/", 6)) {
-            uint64_t h, n;
-            s = shard_file_xxh64(path, &h, &n);
-            if (!s && n != c->file_bytes[fi])
-                s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu", path, (unsigned long long)n, (unsigned long long)c->file_bytes[fi]);
-            if (!s && h != c->file_hash[fi]) s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
+            s = ckpt_check_extra(c, fi, path);
         } else {
             s = verify_shard_file(j, fi, path);
         }

@@ -63,8 +63,16 @@ typedef struct {
     int no_fsync;
 } shard_write_opts;
 
-/* Read a whole file (at most max_bytes) into a fresh NUL-terminated buffer. */
+/* Open an input file for reading: what is not a regular file (a directory, FIFO,
+ * socket or device) is refused (SHARD_E_INVALID) without blocking on it; with nofollow,
+ * so is a symbolic link (a file inside a checkpoint must not point outside it); a
+ * missing file is SHARD_E_INVALID too. *size: its size. */
+shard_status shard_open_regular(const char *path, int nofollow, int *fd, uint64_t *size);
+/* Read a whole file (at most max_bytes) into a fresh NUL-terminated buffer; a regular
+ * file only (shard_open_regular); _in: with nofollow (a file of a checkpoint or run
+ * folder, which must not be a link). */
 shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
+shard_status shard_read_file_in(const char *path, size_t max_bytes, int nofollow, char **buf, size_t *len);
 /* Copy src to a new file dst (refused if it exists) and fsync it (o: NULL for the
  * default; no_fsync skips the fsync). */
 shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *o);
@@ -436,6 +444,9 @@ shard_status shard_ckpt_verify(shard_ckpt *c, uint64_t *bytes_checked);
 /* Files kept beside the weights (tokenizer, ...): relative names under extra/. */
 size_t shard_ckpt_extra_count(const shard_ckpt *c);
 const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i);
+/* Copy extra file i to a new file dst, checked as it is copied (a regular file, no
+ * link, of the manifest's size and XXH64: else SHARD_E_CORRUPT and nothing at dst). */
+shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *dst, const shard_write_opts *o);
 /* The "training" object as JSON text (NUL-terminated, owned by c), or NULL. */
 const char *shard_ckpt_training_json(const shard_ckpt *c);
 /* Raw manifest (for smp-inspect --json). */
@@ -454,6 +465,8 @@ shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts
 const char *shard_ckpt_staging(const shard_ckpt_writer *w);
 /* Copy a file of the model folder into extra/ (checksummed at commit). */
 shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel_name);
+/* Carry extra file i of checkpoint src into extra/, checked (shard_ckpt_copy_extra). */
+shard_status shard_ckpt_carry_extra(shard_ckpt_writer *w, const shard_ckpt *src, size_t i);
 /* training_json: the training state as a JSON object text (step, tokens, data
  * position, RNG, schedule, fp8 scaling, optimizer hyper-parameters ...), stored
  * under "training"; NULL for a checkpoint of weights only. */

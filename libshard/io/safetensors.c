@@ -161,11 +161,8 @@ shard_status shard_st_open(const char *path, shard_st_file **out)
     shard_st_file *f = calloc(1, sizeof *f);
     if (!f || !(f->path = strdup(path))) { free(f); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
     shard_status s;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) { s = shard_fail(errno == ENOENT ? SHARD_E_INVALID : SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno)); goto fail; }
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) { close(fd); s = shard_fail(SHARD_E_INVALID, "%s: not a regular file", path); goto fail; }
-    f->size = (uint64_t)st.st_size;
+    int fd;
+    if ((s = shard_open_regular(path, 0, &fd, &f->size))) goto fail; /* a FIFO or device: refused, not waited on */
     if (f->size < 8) { close(fd); s = shard_fail(SHARD_E_INVALID, "%s: %llu bytes is too small for a safetensors file", path, (unsigned long long)f->size); goto fail; }
     f->map = mmap(NULL, f->size, PROT_READ, MAP_PRIVATE, fd, 0);
     close(fd);

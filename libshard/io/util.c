@@ -9,28 +9,53 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+shard_status shard_open_regular(const char *path, int nofollow, int *fd, uint64_t *size)
+{
+    *fd = open(path, O_RDONLY | O_CLOEXEC | O_NOCTTY | O_NONBLOCK | (nofollow ? O_NOFOLLOW : 0)); /* a FIFO: no wait */
+    if (*fd < 0) {
+        int e = errno;
+        if (e == ELOOP && nofollow) return shard_fail(SHARD_E_INVALID, "%s: a symbolic link (refused: it may point outside the folder)", path);
+        if (e == ENOENT || e == ENOTDIR) return shard_fail(SHARD_E_INVALID, "%s: missing", path);
+        return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(e));
+    }
+    struct stat st;
+    const char *what = NULL;
+    if (fstat(*fd, &st) != 0) what = strerror(errno);
+    else if (S_ISDIR(st.st_mode)) what = "a directory, not a file";
+    else if (!S_ISREG(st.st_mode)) what = S_ISFIFO(st.st_mode) ? "a FIFO, not a regular file" : "not a regular file (a device or socket)";
+    if (what) {
+        close(*fd);
+        *fd = -1;
+        return shard_fail(SHARD_E_INVALID, "%s: %s", path, what);
+    }
+    fcntl(*fd, F_SETFL, fcntl(*fd, F_GETFL) & ~O_NONBLOCK);
+    *size = (uint64_t)st.st_size;
+    return SHARD_OK;
+}
+
 shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len)
+{
+    return shard_read_file_in(path, max_bytes, 0, buf, len);
+}
+
+shard_status shard_read_file_in(const char *path, size_t max_bytes, int nofollow, char **buf, size_t *len)
 {
     *buf = NULL;
     *len = 0;
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0)
-        return shard_fail(errno == ENOENT ? SHARD_E_INVALID : SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    struct stat st;
-    if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    int fd;
+    uint64_t size;
+    shard_status s = shard_open_regular(path, nofollow, &fd, &size);
+    if (s) return s;
+    if (size > max_bytes) {
         close(fd);
-        return shard_fail(SHARD_E_INVALID, "%s: not a regular file", path);
+        return shard_fail(SHARD_E_INVALID, "%s: too large (%llu bytes; at most %zu accepted)", path,
+                          (unsigned long long)size, max_bytes);
     }
-    if ((uint64_t)st.st_size > max_bytes) {
-        close(fd);
-        return shard_fail(SHARD_E_INVALID, "%s: too large (%lld bytes; at most %zu accepted)", path,
-                          (long long)st.st_size, max_bytes);
-    }
-    char *b = malloc((size_t)st.st_size + 1);
+    char *b = malloc((size_t)size + 1);
     if (!b) { close(fd); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
     size_t got = 0;
-    while (got < (size_t)st.st_size) {
-        ssize_t r = read(fd, b + got, (size_t)st.st_size - got);
+    while (got < (size_t)size) {
+        ssize_t r = read(fd, b + got, (size_t)size - got);
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) {
             free(b); close(fd);

@@ -72,7 +72,7 @@ static void test_sequences_and_files(void **st)
     assert_int_equal(ds.nfiles, 3);
     assert_int_equal(ds.nseq, 5);
     int32_t in[5 * 4], tg[5 * 4];
-    data_fill_sequential(&ds, 0, 5, in, tg);
+    assert_int_equal(data_fill_sequential(&ds, 0, 5, in, tg), SHARD_OK);
     /* sequence j of a file: tokens [j*S, j*S+S]; the third file is too short */
     int first[5] = {0, 4, 8, 100, 104};
     for (int r = 0; r < 5; r++)

@@ -37,6 +37,8 @@
 #   (h)  a Python merge written the obvious way (h5py + hdf5plugin + numpy: read every
 #        piece of every shard file, place it by its `offset`/`global_shape` attributes,
 #        bf16 kept as its U16 bits; safetensors.numpy.save_file), on CK_NONE and CK_ZSTD
+#   (h') what a user would do for (e)'s fp32 weights: torch loads the model's safetensors
+#        (safetensors.torch.load_file) and converts to float32; the load time it prints
 #   (i)  peak RSS (/usr/bin/time -v; under mpirun the largest process) of every command
 #                                           target: <= 256 MiB for reshard, merge, verify
 # Checked once (round 1, not timed): smp-verify of every reshard output; the tensors
@@ -155,6 +157,16 @@ for path in sorted(glob.glob(os.path.join(src, "shard-*.h5"))):
 os.makedirs(dst)
 save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
 EOF
+# what a user would do to get the same fp32 weights: torch loads the model's safetensors
+# and converts to float32 (the load time it prints, after importing torch)
+TORCHLOAD='
+import sys, time, torch
+from safetensors.torch import load_file
+t0 = time.time()
+sd = {k: v.float() for k, v in load_file(sys.argv[1]).items()}
+n = sum(v.numel() for v in sd.values())
+print(f"torch {torch.__version__}: loaded {sys.argv[1]}: {2 * n} bytes in {time.time() - t0:.3f} s", file=sys.stderr)
+'
 SAME=$OUT/same_tensors.py
 cat >"$SAME" <<'EOF'
 """same_tensors.py A B: the safetensors files of folders A and B hold the same tensors, byte for byte."""
@@ -257,6 +269,7 @@ for ((round = 1; round <= REPEAT; round++)); do
         measure ev-z - "$BIN/smp-eval" --ckpt "$CKZ" "${EVAL[@]}"
         measure py "$OUT/x" "$PY" "$NAIVE" "$CKN" "$OUT/x"
         measure py-z "$OUT/x" "$PY" "$NAIVE" "$CKZ" "$OUT/x"
+        measure tl - "$PY" -c "$TORCHLOAD" "$HF/model.safetensors"
     fi
     if [ "$round" = 1 ]; then
         rm -rf "$KEEP"; sync
@@ -306,6 +319,7 @@ row "(g)  CK_ZSTD smp-eval, load$(if [ -z "${LT[ev-z]:-}" ]; then echo " (no lin
     "$(like "$(load ev-z)" "$(load ev)" "(e) load")"
 row "(h)  python merge (h5py + numpy), CK_NONE" "${T[py]}" "$CKN_BYTES" py "$(like "${T[py]}" "${T[mg]}" "(c)")"
 row "(h)  python merge (h5py + numpy), CK_ZSTD" "${T[py-z]}" "$CKZ_BYTES" py-z "$(like "${T[py-z]}" "${T[mg-z]}" "(g) merge")"
+row "(h') torch: load_file + float() of the model, load" "$(load tl)" "$MODEL_BYTES" tl "$(like "$(load ev)" "$(load tl)" "smp-eval's load / torch's")"
 fi
 echo "  (MB/s: bytes of the checkpoint read, on disk, per second; x cp: seconds / (a); median of $REPEAT runs each)"
 echo
@@ -345,6 +359,8 @@ printf "  (i)  peak RSS <= 256 MiB (reshard, merge, verify): largest %.0f MiB   
 if [ "$BIG" = 1 ]; then exit 0; fi
 printf "       (eval %.0f MiB, eval zstd %.0f MiB%s)\n" "$(mib ev)" "$(mib ev-z)" \
     "$(if [ "$HAVE_LAYOUT" = 1 ]; then printf ", 8-rank eval %.0f per process" "$(mib evp)"; fi)"
+printf "  (h') smp-eval's load of CK_NONE into fp32: %.2f s; torch (%s) loading the same weights from the model's safetensors into fp32: %.2f s (%.2f x smp)\n" \
+    "$(load ev)" "$("$PY" -c 'import torch; print(torch.__version__)' 2>/dev/null)" "$(load tl)" "$(calc "$(load tl) / $(load ev)")"
 printf "  (h)  python merge: %.2f s on CK_NONE (%.2f x smp-merge), %.2f s on CK_ZSTD (%.2f x smp-merge), peak RSS %.0f / %.0f MiB\n" \
     "${T[py]}" "$(calc "${T[py]} / ${T[mg]}")" "${T[py-z]}" "$(calc "${T[py-z]} / ${T[mg-z]}")" "$(mib py)" "$(mib py-z)"
 if [ -n "${LT[ev]:-}" ]; then

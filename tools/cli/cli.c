@@ -11,21 +11,41 @@ static const char *g_cmd = "smp";
 void cli_init(const char *cmd) { g_cmd = cmd; }
 const char *cli_name(void) { return g_cmd; }
 
+static int g_rank = 0; /* under mpirun: this process's rank (cli_set_rank) */
+
+void cli_set_rank(int rank) { g_rank = rank; }
+
+/* One error line, in one write (ranks sharing a terminal do not interleave inside a
+ * line). Under mpirun, rank r > 0 waits r x 100 ms first: a rank that fails earlier in
+ * rank order (all of them, when the input is bad for all) prints and ends the run
+ * (MPI_Abort) before the others print theirs, so the run says it once. */
+static void error_line(const char *msg, const char *tail)
+{
+    char line[4096];
+    int n = snprintf(line, sizeof line, "%s: error: %s%s\n", g_cmd, msg, tail);
+    if (n < 0) return;
+    if (n >= (int)sizeof line) { n = (int)sizeof line - 1; line[n - 1] = '\n'; }
+    if (g_rank > 0) usleep((useconds_t)(g_rank < 64 ? g_rank : 64) * 100000u);
+    fflush(stderr);
+    (void)!write(2, line, (size_t)n);
+}
+
 int cli_fail(shard_status s)
 {
     const char *m = shard_errmsg();
-    fprintf(stderr, "%s: error: %s\n", g_cmd, m && m[0] ? m : shard_status_name(s));
+    error_line(m && m[0] ? m : shard_status_name(s), "");
     return shard_status_exit_code(s);
 }
 
 int cli_usage(const char *fmt, ...)
 {
+    char msg[3072], tail[128];
     va_list ap;
-    fprintf(stderr, "%s: error: ", g_cmd);
     va_start(ap, fmt);
-    vfprintf(stderr, fmt, ap);
+    vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
-    fprintf(stderr, " (see %s --help)\n", g_cmd);
+    snprintf(tail, sizeof tail, " (see %s --help)", g_cmd);
+    error_line(msg, tail);
     return 2;
 }
 

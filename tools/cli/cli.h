@@ -7,6 +7,9 @@
 /* Name the command ("smp-inspect") for messages. */
 void cli_init(const char *cmd);
 const char *cli_name(void);
+/* Under mpirun: this process's rank, so that a run's ranks print one error line
+ * between them (see cli.c). */
+void cli_set_rank(int rank);
 /* Print "smp-x: error: <libshard's message>" and return the status's exit code. */
 int cli_fail(shard_status s);
 /* Print "smp-x: error: <message>" plus a hint to --help; return 2. */
