@@ -43,14 +43,17 @@ shard_status ckptio_resolve(const char *path, char **ckpt_dir)
             name[strcspn(name, "\r\n")] = 0;
             if (!name[0] || strlen(name) != strcspn(name, "/") || !strcmp(name, ".") || !strcmp(name, ".."))
                 s = shard_fail(SHARD_E_INVALID, "%s: does not hold the name of a checkpoint folder", lat);
-            else
-                *ckpt_dir = join(path, name);
+            else if (!(*ckpt_dir = join(path, name)))
+                s = shard_fail(SHARD_E_NOMEM, "out of memory");
+            else if (lstat(*ckpt_dir, &lst) != 0 || !S_ISDIR(lst.st_mode)) /* a link would lead out of the run folder */
+                s = shard_fail(SHARD_E_INVALID, "%s: names %s, which is not a folder of this run", lat, name);
         }
         free(name);
     } else {
         s = shard_fail(SHARD_E_USAGE, "%s: neither a checkpoint (no smp.json) nor a run folder (no latest)", path);
     }
     if (!s && !*ckpt_dir) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (s) { free(*ckpt_dir); *ckpt_dir = NULL; }
     free(man);
     free(lat);
     return s;

@@ -117,6 +117,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
         else if ((s = shard_stages_auto(&m.d, lay.pp, stages))) OUT(cli_fail(s));
         if ((s = par_setup(P, &lay, stages, 1, &m))) OUT(cli_fail(s));
     }
+    if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s)); /* checked before the weights load */
     const double t_load = now_seconds();
     shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
@@ -124,7 +125,6 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
     if (par) model_params_upload(&m);
-    if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
     long long avail = (long long)(ds.nseq / (uint64_t)B);
     if (avail < 1)
         OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: %llu sequences of %ld+1 tokens: not one batch of %ld", data,

@@ -432,6 +432,14 @@ static int train_main(int argc, char **argv, par_ctx *P)
                       "sequences of --seq / cp = %d tokens), not divisible by tp = %d: sequence parallelism splits "
                       "them over the tp ranks", (long long)Bm * (S / lay.cp), Bm, S / lay.cp, lay.tp));
 
+    /* every input checked before the weights load: the token files, and the extra
+     * files a save will carry (a bad one fails now, not at the first save) */
+    if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
+    data_set_order(&ds, c.shuffle, c.seed);
+    if (o.v[O_VAL_DATA] && (s = data_open(&vs, o.v[O_VAL_DATA], S, m.d.vocab))) OUT(cli_fail(s));
+    for (size_t i = 0; i < shard_ckpt_extra_count(ck); i++)
+        if ((s = shard_ckpt_check_extra(ck, i))) OUT(cli_fail(s));
+
     /* weights: the fp32 master copy when saved, else the parameters */
     int have_master = 0, have_p = 0, have_m = 0, have_v = 0;
     int stages[SHARD_MAX_PP];
@@ -460,7 +468,6 @@ static int train_main(int argc, char **argv, par_ctx *P)
         (s = par_read_optim(P, ck, &m, "optim/exp_avg_sq", opt.hv, &have_v)) ||
         (s = state_check_moments(shard_ckpt_dir(ck), have_m ? opt.hm : NULL, have_v ? opt.hv : NULL, P->zsum)))
         OUT(cli_fail(s));
-    if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
     if (opt.hmaster) par_pack_blocks(P, &m, model_params_host(&m), opt.hmaster); /* bf16: the fp32 master */
     optim_upload(&opt);
     if ((s = dev_status(&D))) OUT(cli_fail(s));
@@ -474,6 +481,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
         if (!m.fp8) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
         if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
     }
+    if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s)); /* all of it read and checked */
     m.sp = seqpar;
     if (on_cuda && c.fp8 != FP8_OFF) { /* Hopper's FP8 GEMMs take dimensions that are multiples of 16 */
         const long long dims[5] = {(long long)Bm * (S / lay.cp), m.H, m.F, (long long)m.nh * m.hd, (long long)m.nkv * m.hd};
@@ -487,9 +495,6 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if (m.fp8) D.ops->fp8_scales_changed(&D, m.fp8);
     if ((s = dev_status(&D))) OUT(cli_fail(s));
 
-    if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
-    data_set_order(&ds, c.shuffle, c.seed);
-    if (o.v[O_VAL_DATA] && (s = data_open(&vs, o.v[O_VAL_DATA], S, m.d.vocab))) OUT(cli_fail(s));
     if (me0 && !o.v[O_DUMP_GRADS] && (s = ckptio_prepare(o.v[O_SAVE_DIR]))) OUT(cli_fail(s));
     in = malloc((size_t)Bm * S * sizeof *in);
     tg = malloc((size_t)Bm * S * sizeof *tg);

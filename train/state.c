@@ -83,8 +83,7 @@ static void read_optimizer(reader *r, json_t *op, run_cfg *c)
 
 static void read_fp8(reader *r, json_t *f8, run_cfg *c)
 {
-    if (!f8) return; /* written before FP8 existed: off */
-    if (!json_is_object(f8)) { bad(r, "fp8", "is not an object"); return; }
+    if (!json_is_object(f8)) { bad(r, "fp8", "is missing or not an object"); return; }
     json_t *mode = json_object_get(f8, "mode");
     const char *m = json_is_string(mode) ? json_string_value(mode) : "";
     if (!strcmp(m, "off")) c->fp8 = FP8_OFF;
@@ -95,14 +94,25 @@ static void read_fp8(reader *r, json_t *f8, run_cfg *c)
     get_num(r, f8, "margin", R_FP8_MARGIN, &c->fp8_margin);
 }
 
-static void read_data(reader *r, json_t *da, run_cfg *c)
+/* The data order: shuffled with a seed or sequential without one, and the generator's
+ * record (rng) agreeing with it: a state that contradicts itself is refused, not
+ * resumed one way or the other. */
+static void read_data(reader *r, json_t *da, json_t *rng, run_cfg *c)
 {
     if (!json_is_object(da)) { bad(r, "data", "is missing or not an object"); return; }
-    json_t *seed = json_object_get(da, "seed");
+    json_t *seed = json_object_get(da, "seed"), *order = json_object_get(da, "order");
     if (!json_is_integer(seed) && !json_is_null(seed)) { bad(r, "data.seed", "is neither an integer nor null"); return; }
     c->shuffle = json_is_integer(seed);
     if (c->shuffle && json_integer_value(seed) < 0) { bad(r, "data.seed", "is negative"); return; }
     c->seed = c->shuffle ? (uint64_t)json_integer_value(seed) : 0;
+    const char *o = json_is_string(order) ? json_string_value(order) : "";
+    if (strcmp(o, c->shuffle ? "shuffled" : "sequential")) { bad(r, "data.order", c->shuffle ? "is not \"shuffled\" although data.seed is set" : "is not \"sequential\" although data.seed is null"); return; }
+    if (!json_is_object(rng)) { bad(r, "rng", "is missing or not an object"); return; }
+    json_t *rs = json_object_get(rng, "seed");
+    if (!json_equal(rs, seed)) { bad(r, "rng.seed", "is not data.seed"); return; }
+    int64_t nseq = 0, epoch = 0;
+    if (!get_int(r, da, "sequences", 0, (double)COUNTER_MAX, &nseq) || !get_int(r, rng, "epoch", 0, (double)COUNTER_MAX, &epoch)) return;
+    if (nseq > 0 && epoch != c->position / nseq) bad(r, "rng.epoch", "is not data_position / data.sequences");
 }
 
 shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cfg *c)
@@ -125,13 +135,14 @@ shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cf
     c->tokens = (uint64_t)tok;
     read_schedule(&r, json_object_get(t, "schedule"), c);
     read_optimizer(&r, json_object_get(t, "optimizer"), c);
-    read_data(&r, json_object_get(t, "data"), c);
+    read_data(&r, json_object_get(t, "data"), json_object_get(t, "rng"), c);
     read_fp8(&r, json_object_get(t, "fp8"), c);
     if (json_object_get(t, "max_bad_steps")) get_range(&r, t, "max_bad_steps", R_MAX_BAD, &c->max_bad);
     json_t *el = json_object_get(t, "elapsed_s");
     if (el && (!json_is_number(el) || !isfinite(json_number_value(el)) || json_number_value(el) < 0)) bad(&r, "elapsed_s", "is not a time");
     else if (el) c->elapsed_before = json_number_value(el);
     if (!r.s && c->opt_step > c->step) bad(&r, "optimizer_step", "exceeds step");
+    if (!r.s && c->steps < c->step) bad(&r, "schedule.steps", "is below step");
     if (!r.s && c->batch % c->micro) bad(&r, "microbatches", "does not divide batch");
     json_decref(t);
     return r.s;

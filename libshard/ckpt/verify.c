@@ -160,6 +160,14 @@ shard_status ckpt_check_extra(const shard_ckpt *c, size_t fi, const char *path)
     return s;
 }
 
+shard_status shard_ckpt_check_extra(const shard_ckpt *c, size_t i)
+{
+    if (i >= c->nextras) return shard_fail(SHARD_E_USAGE, "%s: no extra file %zu", c->dir, i);
+    char path[4200];
+    ckpt_file_path(c, c->extra_file[i], path, sizeof path);
+    return ckpt_check_extra(c, c->extra_file[i], path);
+}
+
 static shard_status verify_worker(void *arg, int worker)
 {
     (void)worker;

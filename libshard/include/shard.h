@@ -447,6 +447,8 @@ const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i);
 /* Copy extra file i to a new file dst, checked as it is copied (a regular file, no
  * link, of the manifest's size and XXH64: else SHARD_E_CORRUPT and nothing at dst). */
 shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *dst, const shard_write_opts *o);
+/* Check extra file i the same way without copying it. */
+shard_status shard_ckpt_check_extra(const shard_ckpt *c, size_t i);
 /* The "training" object as JSON text (NUL-terminated, owned by c), or NULL. */
 const char *shard_ckpt_training_json(const shard_ckpt *c);
 /* Raw manifest (for smp-inspect --json). */

@@ -5,14 +5,18 @@ unmounted after each test, whatever happened). Each command is first run once in
 big tmpfs: the space its output really takes (statvfs, whole pages) sizes the faults:
 - early: a few KiB, so that only the staging folder fits;
 - middle: about half of the output;
+- close: all but the output's last few pages before its tail (manifest, extra files):
+  for the HDF5 writers, with one shard file (pp=1), the metadata that closing the shard
+  file flushes; for smp-merge, the last pages of the weights;
 - end: one page short of the whole output (the manifest or the last file fails);
-- read-only: the tmpfs remounted ro.
+- read-only: a tmpfs mounted (or remounted) ro.
 Every command (`smp-convert hf2smp`, `reshard`, `init`, `smp-merge`, and smp-train's
 save into --save-dir) must then fail as the project promises (README, "Every command
 shares one error convention"; docs/FORMAT.md, "The commit protocol"):
 - exit code 1 (an I/O fault): no crash, no hang (every command runs under a timeout);
-- exactly one stderr line `smp-<cmd>: error: ...` that names a path on the faulty disk;
-- no sanitizer report (the middle case also runs the ASan + UBSan build);
+- exactly one stderr line `smp-<cmd>: error: ...` that names a path on the faulty disk,
+  and no HDF5 error stack (HDF5-DIAG) besides it;
+- no sanitizer report (the middle and close cases also run the ASan + UBSan build);
 - nothing whole-looking left: no output folder, no smp.json or model.safetensors
   anywhere on the disk, no `.tmp-*` staging folder in the output's parent;
 - smp-train: the run folder already holds a good step checkpoint and `latest` (a
@@ -39,7 +43,7 @@ PAGE = 4096
 BIG = 256 << 20        # the tmpfs of the reference runs
 EARLY = 2 * PAGE       # room for the staging folder, not for the output
 COMMANDS = ["hf2smp", "reshard", "init", "merge", "train"]
-POINTS = ["early", "middle", "end"]
+POINTS = ["early", "middle", "close", "end"]
 TRAIN = ["--batch", 4, "--seq", 16, "--lr", 1e-3, "--warmup", 1, "--seed", 3]
 FIRST_STOP, STEPS = 2, 4  # the first run saves step 2; the resumed one would save step 4
 
@@ -93,8 +97,8 @@ class Mounts:
 def sh(cmd, *args, san=False):
     """One command of the build (or the ASan build), bounded by TIMEOUT."""
     exe = (BUILD_SAN if san else BUILD) / "bin" / cmd
-    if not exe.exists():
-        pytest.skip(f"{exe} is not built" + (" (scons variant=asan)" if san else ""))
+    if san and not exe.exists():
+        pytest.skip(f"{exe} is not built (scons variant=asan)")
     env = dict(os.environ)
     env.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
     env.setdefault("UBSAN_OPTIONS", "print_stacktrace=1:halt_on_error=1")
@@ -146,6 +150,9 @@ def expect_fault(p, cmd, disk, what):
     errs = [ln for ln in p.stderr.splitlines() if ln.startswith(f"{name}: error: ")]
     assert len(errs) == 1, f"expected exactly one '{name}: error: ' line, got {len(errs)} — {msg}"
     assert str(disk) in errs[0], f"the error line does not name a path on {disk} — {msg}"
+    # one line, not a library's own error stack besides it
+    assert "HDF5-DIAG" not in p.stderr, f"HDF5's error stack printed besides the error line — {msg}"
+    print(f"{what}: exit 1: {errs[0]}")
 
 
 def expect_nothing_whole(disk, parent, out, what):
@@ -170,7 +177,9 @@ def mountable(tmp_path_factory):
     try:
         d = m.mount("t", 16 * PAGE)
         (d / "x").write_bytes(b"x")
-        m.remount(d, ro=True)
+        r = _mount_cmd("-o", "remount,ro", d)
+        if r.returncode != 0:
+            pytest.skip(f"cannot remount a tmpfs read-only ({d}): {r.stderr.strip()}")
         try:
             (d / "y").write_bytes(b"y")
             pytest.skip("a tmpfs remounted ro still takes writes here (not a real ro mount)")
@@ -211,15 +220,18 @@ def inputs(tmp_path_factory, mountable):
     return root
 
 
-def argv(cmd, root, out):
-    """The command line (name, args) writing `out`."""
+LAYOUTS = {"hf2smp": "pp=2,tp=2", "reshard": "tp=2", "init": "pp=2"}
+
+
+def argv(cmd, root, out, single=False):
+    """The command line (name, args) writing `out`; single: one shard file (pp=1)."""
+    lay = "pp=1" if single else LAYOUTS.get(cmd)
     if cmd == "hf2smp":
-        return "smp-convert", ["hf2smp", "--in", root / "hf", "--out", out, "--layout", "pp=2,tp=2",
-                               "--compress", "none"]
+        return "smp-convert", ["hf2smp", "--in", root / "hf", "--out", out, "--layout", lay, "--compress", "none"]
     if cmd == "reshard":
-        return "smp-convert", ["reshard", "--in", root / "ck", "--out", out, "--layout", "tp=2", "--compress", "none"]
+        return "smp-convert", ["reshard", "--in", root / "ck", "--out", out, "--layout", lay, "--compress", "none"]
     if cmd == "init":
-        return "smp-convert", ["init", "--config", root / "hf" / "config.json", "--out", out, "--layout", "pp=2",
+        return "smp-convert", ["init", "--config", root / "hf" / "config.json", "--out", out, "--layout", lay,
                                "--seed", 1, "--compress", "none"]
     if cmd == "merge":
         return "smp-merge", ["--in", root / "ck", "--out", out]
@@ -235,57 +247,78 @@ def train_resume(root, run_dir, san=False):
     return sh("smp-train", "--ckpt", run_dir, "--data", root / "d.bin", "--save-dir", run_dir, san=san)
 
 
+def tail_pages(out):
+    """The pages of what is written after the weights: the manifest (or config.json),
+    the index, the extra files."""
+    if (out / "smp.json").is_file():  # a checkpoint
+        files = [out / "smp.json", *(out / "extra").glob("*")]
+    else:  # smp-merge's export: all but the weights
+        files = [f for f in out.iterdir() if f.is_file() and not f.name.endswith(".safetensors")]
+    return sum(_pages(f.stat().st_size) // PAGE for f in files if f.is_file())
+
+
 @pytest.fixture(scope="module")
 def sizes(inputs, tmp_path_factory):
-    """The space each command's output takes on tmpfs (bytes, whole pages), measured once."""
+    """(cmd, single) -> (the space the output takes on tmpfs, in bytes (whole pages);
+    the pages of its tail), each measured once by a run with room."""
     m = Mounts(tmp_path_factory.mktemp("ref"))
     out = {}
     try:
         for cmd in COMMANDS:
-            d = m.mount(cmd, BIG)
-            if cmd == "train":
-                train_first(inputs, d / "run")
-                first = _used(d)
-                p = train_resume(inputs, d / "run")
-                assert p.returncode == 0, p.stderr
-                assert (d / "run" / "latest").read_text() == f"step-{STEPS:06d}\n"
-                out[cmd] = (first, _used(d) - first)
-            else:
-                exe, args = argv(cmd, inputs, d / "out")
-                ok(exe, *args)
-                out[cmd] = (0, _used(d))
-            assert out[cmd][1] > 64 * PAGE, f"{cmd}: the output takes only {out[cmd][1]} bytes"
+            for single in ((False,) if cmd in ("merge", "train") else (False, True)):
+                d = m.mount(f"{cmd}{'-single' if single else ''}", BIG)
+                if cmd == "train":
+                    train_first(inputs, d / "run")
+                    first = _used(d)
+                    p = train_resume(inputs, d / "run")
+                    assert p.returncode == 0, p.stderr
+                    assert (d / "run" / "latest").read_text() == f"step-{STEPS:06d}\n"
+                    need, tail = _used(d) - first, tail_pages(d / "run" / f"step-{STEPS:06d}")
+                else:
+                    exe, args = argv(cmd, inputs, d / "out", single)
+                    ok(exe, *args)
+                    need, tail = _used(d), tail_pages(d / "out")
+                assert need > 64 * PAGE, f"{cmd}: the output takes only {need} bytes"
+                out[cmd, single] = (need, tail)
     finally:
         m.close()
     return out
 
 
-def room(cmd, point, need):
+def room(cmd, point, need, tail):
     """The free space a fault point leaves for an output that needs `need` bytes."""
     if point == "early":
         return EARLY
     if point == "middle":
         return _pages(need // 2)
-    # one page short: the converters write the same bytes every run; smp-train's manifest
-    # holds elapsed_s (a few bytes of jitter), so two pages short there
+    if point == "close":
+        # the weights written, not the last pages of the (last) shard file: for HDF5, the
+        # metadata that H5Fclose flushes (a window of ~5 pages after the tail)
+        return need - PAGE * (tail + 3)
+    # end: one page short: the converters write the same bytes every run; smp-train's
+    # manifest holds elapsed_s (a few bytes of jitter), so two pages short there
     return need - PAGE * (2 if cmd == "train" else 1)
 
 
 # ---------------------------------------------------------------- the cases
-CASES = [(c, pt, False) for c in COMMANDS for pt in POINTS] + [(c, "middle", True) for c in COMMANDS]
+CASES = [(c, pt, False) for c in COMMANDS for pt in POINTS] + [(c, "middle", True) for c in COMMANDS] + \
+    [(c, "close", True) for c in COMMANDS if c != "merge"]
 
 
 @pytest.mark.parametrize("cmd,point,san", CASES,
                          ids=[f"{c}-{pt}{'-asan' if s else ''}" for c, pt, s in CASES])
 def test_disk_full(inputs, sizes, disks, cmd, point, san):
-    need = sizes[cmd][1]
-    free = room(cmd, point, need)
-    what = f"{cmd} with {free} bytes free of the {need} its output takes ({point}{', asan' if san else ''})"
+    single = point == "close" and cmd in LAYOUTS
+    need, tail = sizes[cmd, single]
+    free = room(cmd, point, need, tail)
+    assert 0 < free < need, f"{cmd} ({point}): {free} bytes of room for an output of {need} ({tail} pages of tail)"
+    what = (f"{cmd}{' --layout pp=1' if single else ''} with {free} bytes free of the {need} its output takes "
+            f"({point}{', asan' if san else ''})")
     if cmd == "train":
         fault_train(inputs, disks, what, san, room_bytes=free)
         return
     disk = disks.mount("out", free)
-    exe, args = argv(cmd, inputs, disk / "out")
+    exe, args = argv(cmd, inputs, disk / "out", single)
     p = sh(exe, *args, san=san)
     expect_fault(p, cmd, disk, what)
     expect_nothing_whole(disk, disk, disk / "out", what)

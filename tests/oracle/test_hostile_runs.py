@@ -36,6 +36,7 @@ are capped at FSIZE_CAP (RLIMIT_FSIZE): a command that copies /dev/zero into an 
 is stopped by SIGXFSZ instead of filling the disk (it still fails its case).
 """
 import concurrent.futures
+import ctypes
 import json
 import os
 import resource
@@ -50,7 +51,7 @@ import pytest
 
 import models
 from conftest import run
-from test_ckpt_hostile import entries, load, refusal_problems, replace_dataset, run_san_together, save, xxh64
+from test_ckpt_hostile import entries, load, refresh, refusal_problems, replace_dataset, run_san_together, save, xxh64
 from test_train import write_tokens
 
 CASE_MODEL = "llama-gqa-f32"
@@ -121,17 +122,29 @@ def dig(obj, path):
     return obj, last
 
 
+_xxh3 = ctypes.CDLL("libxxhash.so.0").XXH3_64bits
+_xxh3.argtypes, _xxh3.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ulonglong
+
+
 def edit_tensor(ck, group, name, fn):
-    """Replace the values of tensor (group, name) by fn(values), through
-    test_ckpt_hostile.replace_dataset (which finds tensors by name only: it is handed a
-    view of the manifest holding just this group's entry and the real files list, so
-    its fixes of the piece's and the file's checksums land in the manifest)."""
+    """Replace the values of tensor (group, name) by fn(values), everything else kept
+    consistent: through test_ckpt_hostile.replace_dataset (which finds tensors by name
+    only: it is handed a view of the manifest holding just this group's entry and the
+    real files list, so its fixes of the piece's and the file's checksums land in the
+    manifest), then the dataset's chunk_xxh3 (replace_dataset keeps the old one). The
+    pieces edited here are under 1 MiB: one chunk (docs/FORMAT.md, "Chunks")."""
     m = load(ck)
     t = next(t for t in m["tensors"] if t["group"] == group and t["name"] == name)
     p = t["pieces"][0]
     with h5py.File(ck / p["file"], "r") as f:
         data = np.array(f[p["dataset"]][()])
-    replace_dataset(ck, {"tensors": [t], "files": m["files"]}, name, fn(data))
+    new = np.ascontiguousarray(fn(data.copy()), dtype=data.dtype)
+    assert new.shape == data.shape and new.nbytes <= 1 << 20
+    replace_dataset(ck, {"tensors": [t], "files": m["files"]}, name, new)
+    raw = new.astype(new.dtype.newbyteorder("<")).tobytes()
+    with h5py.File(ck / p["file"], "r+") as f:
+        f[p["dataset"]].attrs["chunk_xxh3"] = np.array([_xxh3(raw, len(raw))], dtype=np.uint64)
+    refresh(ck, m, p["file"])
     save(ck, m)
 
 
@@ -664,6 +677,19 @@ def _(ctx, d):
     return Plan([resume_cmd(ctx, rdir) + ("--stop-at", 3), ("smp-verify", rdir / STEP)], code=0)
 
 
+@control("resume-after-harmless-value-edits")
+def _(ctx, d):
+    # new values that are fine (a larger second moment, a smaller scale, a new amax): the
+    # edits themselves keep the checkpoint whole, so the refusals of the tensors cases
+    # are the values' doing
+    rdir = copy_run(ctx.run8, d)
+    edit_tensor(rdir / STEP, "optim/exp_avg_sq", NORM, lambda a: a * 2 + 1e-6)
+    edit_tensor(rdir / STEP, "optim/master", Q, lambda a: a * 0.5)
+    edit_tensor(rdir / STEP, "fp8", "fp8.scale", lambda a: a * 0.5)
+    edit_tensor(rdir / STEP, "fp8", "fp8.amax_history", at0(3.0))
+    return Plan([("smp-verify", rdir / STEP), resume_cmd(ctx, rdir) + ("--stop-at", 3)], code=0)
+
+
 @control("checkpoint-commands")
 def _(ctx, d):
     ck = d / "ck"
@@ -802,6 +828,7 @@ def results(ctx):
 @pytest.mark.parametrize("name", list(CASES))
 def test_hostile_run(results, name):
     r = results[name]
+    print(f"{name}:\n" + "\n".join(f"  {c}: {o}" for c, o in r["outcome"]))
     assert not r["problems"], f"{CASES[name][0]} case {name}:\n" + "\n".join(r["problems"]) + \
         "\noutcomes:\n" + "\n".join(f"  {c}: {o}" for c, o in r["outcome"])
 
