@@ -99,3 +99,20 @@ def test_ranks_read_only_the_chunks_they_need(tmp_path):
         read = int(LOADED.search(p.stderr).group(1))
         assert read < 1.6 * read1, (layout, read, read1)  # whole pieces per rank: 2x
         assert abs(json.loads(p.stdout)["loss"] - json.loads(one.stdout)["loss"]) <= 1e-8 * json.loads(one.stdout)["loss"]
+
+
+def test_one_error_line_for_the_run(setup, tmp_path):
+    """Every rank fails on the same bad input: the run says it once (the first rank in
+    rank order), not once per rank, and each line is whole."""
+    _, ck, data, _ = setup
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "smp.json").write_text("{}")
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    for cmd, extra in (("smp-eval", ["--batch", "8", "--seq", "16"]), ("smp-train", ["--save-dir", str(tmp_path / "run"), "--steps", "1"])):
+        p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "4", str(BUILD / "bin" / cmd),
+                            "--layout", "dp=4", "--ckpt", str(bad), "--data", str(data), *extra],
+                           capture_output=True, text=True, env=env, timeout=120)
+        lines = [ln for ln in (p.stdout + p.stderr).splitlines() if f"{cmd}: error:" in ln]
+        assert p.returncode != 0 and len(lines) == 1, (cmd, p.returncode, p.stderr)
+        assert lines[0].startswith(f"{cmd}: error: ") and "smp.json" in lines[0]
