@@ -466,6 +466,7 @@ shard_status ckpt_prepare(shard_ckpt *c, tensor *t, piece *p, int skip_legacy)
     if (__atomic_load_n(&p->ix, __ATOMIC_ACQUIRE) && (p->ix->xxh3 || skip_legacy || __atomic_load_n(&p->verified, __ATOMIC_ACQUIRE)))
         return SHARD_OK;
     pthread_mutex_lock(&c->mu);
+    shard_h5_quiet(); /* any thread may be the first to touch a piece */
     shard_status s = p->ix ? SHARD_OK : load_index(c, t, p);
     if (!s && !p->ix->xxh3 && !skip_legacy && !p->verified) s = ckpt_verify_piece(c, p);
     pthread_mutex_unlock(&c->mu);

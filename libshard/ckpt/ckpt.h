@@ -9,6 +9,7 @@
 #include <pthread.h>
 
 void shard_h5_init(void);
+void shard_h5_quiet(void); /* shard_h5_init, and no HDF5 error prints from this thread */
 hid_t shard_h5_type(shard_dtype dt);
 
 #define SHARD_ZSTD_FILTER_ID 32015

@@ -284,7 +284,7 @@ static shard_status fsync_path(const shard_ckpt_writer *w, const char *p, int di
 shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len, const shard_model_desc *d,
                                const shard_layout *l, const int *stages, const char *training_json, int overwrite)
 {
-    shard_h5_init();
+    shard_h5_quiet();
     shard_status s = SHARD_OK;
     struct stat st;
     if (!overwrite && stat(w->final_dir, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", w->final_dir);

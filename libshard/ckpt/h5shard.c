@@ -66,6 +66,15 @@ static void init_hdf5(void)
 }
 void shard_h5_init(void) { pthread_once(&once, init_hdf5); }
 
+/* HDF5's error printing is per thread (thread-safe build): off in every thread that
+ * calls it, before the call (a shard file may be closed on a thread of its own). */
+void shard_h5_quiet(void)
+{
+    shard_h5_init();
+    H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
+}
+
+
 shard_status shard_compress_parse(const char *text, shard_compress *out)
 {
     out->threads = 1;
@@ -110,7 +119,7 @@ struct shard_h5_writer {
 
 shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out)
 {
-    shard_h5_init();
+    shard_h5_quiet();
     *out = NULL;
     shard_h5_writer *w = calloc(1, sizeof *w);
     if (!w || !(w->path = strdup(path))) { free(w); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
@@ -459,10 +468,25 @@ shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const c
     return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
 }
 
+/* A shard file that will not be kept: emptied first, so that HDF5's close, which still
+ * writes the file's metadata, has the room it needs on a full disk (a close that fails
+ * leaves HDF5's file object behind), then closed. */
+static void discard_h5(shard_h5_writer *w)
+{
+    if (w->fd >= 0 && ftruncate(w->fd, 0) != 0) { /* nothing more to do: the close may fail */ }
+    H5Fclose(w->file);
+}
+
 shard_status shard_h5_close(shard_h5_writer *w)
 {
+    shard_h5_quiet();
     shard_status s = SHARD_OK;
-    if (H5Fflush(w->file, H5F_SCOPE_GLOBAL) < 0 || H5Fclose(w->file) < 0) s = shard_fail(SHARD_E_IO, "%s: closing the HDF5 file failed", w->path);
+    if (H5Fflush(w->file, H5F_SCOPE_GLOBAL) < 0) {
+        s = shard_fail(SHARD_E_IO, "%s: writing the HDF5 file's metadata failed (disk full?)", w->path);
+        discard_h5(w);
+    } else if (H5Fclose(w->file) < 0) {
+        s = shard_fail(SHARD_E_IO, "%s: closing the HDF5 file failed", w->path);
+    }
     int fd = s ? -1 : open(w->path, O_RDONLY | O_CLOEXEC);
     if (!s && fd < 0) s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", w->path, strerror(errno));
     if (!s) {
@@ -474,6 +498,7 @@ shard_status shard_h5_close(shard_h5_writer *w)
         if (!s) (void)shard_file_hash_note(w->path, fd, hash, bytes); /* without a note, the commit reads the file */
     }
     if (fd >= 0) close(fd);
+    H5Eclear2(H5E_DEFAULT); /* a failure's error stack: this may be a thread of its own, about to end */
     free(w->path);
     free(w);
     return s;
@@ -482,7 +507,8 @@ shard_status shard_h5_close(shard_h5_writer *w)
 void shard_h5_abort(shard_h5_writer *w)
 {
     if (!w) return;
-    H5Fclose(w->file);
+    shard_h5_quiet();
+    discard_h5(w);
     unlink(w->path);
     free(w->path);
     free(w);

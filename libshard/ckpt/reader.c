@@ -317,7 +317,7 @@ void shard_ckpt_close(shard_ckpt *c)
 
 shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
 {
-    shard_h5_init();
+    shard_h5_quiet();
     *out = NULL;
     shard_ckpt *c = calloc(1, sizeof *c);
     pthread_mutex_init(&c->mu, NULL);
