@@ -296,6 +296,7 @@ static shard_dtype job_dtype(const args *a, const job *jb)
  * process r mod size); process 0 makes the staging folder and commits. Without
  * mpirun there is no MPI at all (no singleton start-up cost). */
 static int g_me = 0, g_procs = 1;
+static int g_secondhand = 0; /* this process failed only because another one did */
 #define CONFIG_MAX (16u << 20) /* as libshard's config reader */
 
 static int launched_by_mpirun(void)
@@ -309,7 +310,10 @@ static shard_status agree(shard_status mine)
     if (g_procs == 1) return mine;
     int v = (int)mine, worst = 0;
     MPI_Allreduce(&v, &worst, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-    if (!mine && worst) return shard_fail((shard_status)worst, "another process failed (its error is printed above)");
+    if (!mine && worst) {
+        g_secondhand = 1;
+        return shard_fail((shard_status)worst, "another process failed");
+    }
     return mine;
 }
 
@@ -492,12 +496,17 @@ int main(int argc, char **argv)
         MPI_Comm_rank(MPI_COMM_WORLD, &g_me);
         MPI_Comm_size(MPI_COMM_WORLD, &g_procs);
     }
+    if (g_procs > 1) cli_defer(); /* one error line for the run, below */
     rc = run_command(argc, argv, &a);
-    if (g_procs > 1 || launched_by_mpirun()) {
-        /* the commit happened on process 0: everyone reports the same outcome */
-        if (g_procs > 1) MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD);
-        MPI_Finalize();
+    if (g_procs > 1) {
+        /* the lowest process that failed first-hand prints its line; everyone ends with its code */
+        int mine = rc && !g_secondhand ? g_me : g_procs, first = g_procs;
+        MPI_Allreduce(&mine, &first, 1, MPI_INT, MPI_MIN, MPI_COMM_WORLD);
+        cli_deferred(first == g_me);
+        if (first < g_procs) MPI_Bcast(&rc, 1, MPI_INT, first, MPI_COMM_WORLD);
+        else MPI_Bcast(&rc, 1, MPI_INT, 0, MPI_COMM_WORLD); /* the commit happened on process 0 */
     }
+    if (g_procs > 1 || launched_by_mpirun()) MPI_Finalize();
     return rc;
 }
 

@@ -116,3 +116,12 @@ def test_one_error_line_for_the_run(setup, tmp_path):
         lines = [ln for ln in (p.stdout + p.stderr).splitlines() if f"{cmd}: error:" in ln]
         assert p.returncode != 0 and len(lines) == 1, (cmd, p.returncode, p.stderr)
         assert lines[0].startswith(f"{cmd}: error: ") and "smp.json" in lines[0]
+    # smp-convert: every process fails on the same model folder
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{")
+    p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "3", str(BUILD / "bin" / "smp-convert"),
+                        "hf2smp", "--in", str(hf), "--out", str(tmp_path / "ck"), "--layout", "tp=3"],
+                       capture_output=True, text=True, env=env, timeout=120)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "smp-convert: error:" in ln]
+    assert p.returncode == 3 and len(lines) == 1 and "config.json" in lines[0], (p.returncode, p.stderr)

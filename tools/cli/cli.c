@@ -12,8 +12,18 @@ void cli_init(const char *cmd) { g_cmd = cmd; }
 const char *cli_name(void) { return g_cmd; }
 
 static int g_rank = 0; /* under mpirun: this process's rank (cli_set_rank) */
+static int g_defer = 0;  /* keep the error line until cli_deferred says whether to print it */
+static char g_deferred[4096];
 
 void cli_set_rank(int rank) { g_rank = rank; }
+void cli_defer(void) { g_defer = 1; }
+
+void cli_deferred(int print)
+{
+    if (print && g_deferred[0]) (void)!write(2, g_deferred, strlen(g_deferred));
+    g_deferred[0] = 0;
+    g_defer = 0;
+}
 
 /* One error line, in one write (ranks sharing a terminal do not interleave inside a
  * line). Under mpirun, rank r > 0 waits r x 100 ms first: a rank that fails earlier in
@@ -25,6 +35,7 @@ static void error_line(const char *msg, const char *tail)
     int n = snprintf(line, sizeof line, "%s: error: %s%s\n", g_cmd, msg, tail);
     if (n < 0) return;
     if (n >= (int)sizeof line) { n = (int)sizeof line - 1; line[n - 1] = '\n'; }
+    if (g_defer) { memcpy(g_deferred, line, (size_t)n + 1); return; }
     if (g_rank > 0) usleep((useconds_t)(g_rank < 64 ? g_rank : 64) * 100000u);
     fflush(stderr);
     (void)!write(2, line, (size_t)n);

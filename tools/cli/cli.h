@@ -10,6 +10,10 @@ const char *cli_name(void);
 /* Under mpirun: this process's rank, so that a run's ranks print one error line
  * between them (see cli.c). */
 void cli_set_rank(int rank);
+/* Hold the next error line instead of printing it; cli_deferred(1) prints it, (0)
+ * drops it (a process whose line another process prints for the run). */
+void cli_defer(void);
+void cli_deferred(int print);
 /* Print "smp-x: error: <libshard's message>" and return the status's exit code. */
 int cli_fail(shard_status s);
 /* Print "smp-x: error: <message>" plus a hint to --help; return 2. */

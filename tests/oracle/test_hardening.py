@@ -1,0 +1,108 @@
+"""Hardening that the hostile corpora do not reach with one broken file: pruning by
+commit order, paths with trailing slashes, special files in a model folder, a token
+file truncated under a running trainer, and smp-inspect on a tensor of many huge
+dimensions."""
+import json
+import os
+import shutil
+import subprocess
+import threading
+import time
+
+import numpy as np
+
+import models
+from conftest import BUILD, run
+from test_ckpt_hostile import refusal_problems, run_san
+from test_train import make_ckpt, vocab_of, write_tokens
+
+CASE = "llama-gqa-f32"
+
+
+def train(ck, data, run_dir, steps, *extra):
+    return run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", run_dir, "--steps", steps, "--batch", 2,
+               "--seq", 16, *extra)
+
+
+def test_keep_prunes_by_commit_order_and_keeps_latest(tmp_path):
+    """--keep 1 on a run resumed from an older step: the checkpoint latest names (the
+    newest commit, a lower step number than the abandoned ones) survives, and the
+    run resumes from it."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    r = tmp_path / "run"
+    assert train(ck, data, r, 4, "--save-every", 1).returncode == 0           # step-1 .. step-4, latest = 4
+    assert (r / "latest").read_text().strip() == "step-000004"
+    # resume from step 2 in the same folder, one more step: step-3 again, newer than step-4
+    assert train(r / "step-000002", data, r, 3, "--keep", 1).returncode == 0
+    assert (r / "latest").read_text().strip() == "step-000003"
+    assert (r / "step-000003" / "smp.json").exists(), sorted(os.listdir(r))
+    assert not (r / "step-000004").exists() and not (r / "step-000001").exists(), sorted(os.listdir(r))
+    assert run("smp-verify", r / "step-000003").returncode == 0
+    assert train(r, data, r, 4).returncode == 0                              # resumable
+
+
+def test_trailing_slashes(tmp_path):
+    hf = tmp_path / "hf"
+    models.make(CASE, hf)
+    ck, ex = tmp_path / "ck", tmp_path / "export"
+    assert run("smp-convert", "hf2smp", "--in", f"{hf}/", "--out", f"{ck}/", "--layout", "tp=2").returncode == 0
+    p = run("smp-merge", "--in", f"{ck}/", "--out", f"{ex}/")
+    assert p.returncode == 0, p.stderr
+    assert (ex / "model.safetensors").exists() and not [e for e in os.listdir(tmp_path) if e.startswith(".tmp")]
+
+
+def test_special_files_in_a_model_folder(tmp_path):
+    """config.json, a weight file or the index as a FIFO: refused at once (exit 3, one
+    line naming it), not waited on."""
+    src = tmp_path / "src"
+    models.make("llama-sharded", src)
+    for name in ("config.json", "model.safetensors.index.json", sorted(f for f in os.listdir(src) if f.endswith(".safetensors"))[0]):
+        hf = tmp_path / f"hf-{name}"
+        shutil.copytree(src, hf)
+        os.unlink(hf / name)
+        os.mkfifo(hf / name)
+        p = run_san("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / f"ck-{name}", "--layout", "tp=1", timeout=60)
+        assert not refusal_problems(p, "smp-convert", (name,)), refusal_problems(p, "smp-convert", (name,))
+        assert not (tmp_path / f"ck-{name}").exists()
+
+
+def test_token_file_truncated_under_a_run(tmp_path):
+    """The trainer reads token files with pread: a file cut short while it runs ends
+    the run with one error line naming it (exit 1), not SIGBUS, and the last whole
+    checkpoint stays."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=200000))
+    r = tmp_path / "run"
+    proc = subprocess.Popen([str(BUILD / "bin" / "smp-train"), "--ckpt", str(ck), "--data", str(data), "--save-dir", str(r),
+                             "--steps", "100000", "--batch", "2", "--seq", "16", "--save-every", "5"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while not (r / "latest").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    with open(data, "r+b") as f:
+        f.truncate(2048)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    assert proc.returncode == 1, (proc.returncode, err[-2000:])
+    lines = [ln for ln in err.splitlines() if ln.startswith("smp-train: error: ")]
+    assert len(lines) == 1 and "d.bin" in lines[0], err[-2000:]
+    latest = (r / "latest").read_text().strip()
+    assert run("smp-verify", r / latest).returncode == 0
+
+
+def test_inspect_many_huge_dimensions(tmp_path):
+    """A tensor of 8 dimensions of 19 digits (one of them 0, so it holds nothing and is
+    valid) is shown by smp-inspect without overflowing its buffers."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    m = json.loads((ck / "smp.json").read_text())
+    m["tensors"].append({"name": "fp8.huge", "group": "fp8", "dtype": "F32", "shape": [0] + [9223372036854775807] * 7,
+                         "pieces": []})
+    (ck / "smp.json").write_text(json.dumps(m))
+    p = run_san("smp-inspect", ck, timeout=60)
+    assert p is not None and "Sanitizer" not in p.stderr and "runtime error" not in p.stderr, p and p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr
+    assert "[0, " + ", ".join(["9223372036854775807"] * 7) + "]" in p.stdout
