@@ -456,7 +456,9 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if ((s = par_read_params(P, ck, &m, "optim/master", &have_master))) OUT(cli_fail(s));
     if (!have_master && (s = par_read_params(P, ck, &m, "params", &have_p))) OUT(cli_fail(s));
     if (!have_master && !have_p) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
-    if ((s = state_check_weights(shard_ckpt_dir(ck), have_master ? "optim/master" : "params", model_params_host(&m), m.nparams)))
+    /* the fp32 master of a saved run must be finite; a model's own NaN parameters are
+     * the run's business (its steps are skipped, and it stops: --max-bad) */
+    if (have_master && (s = state_check_weights(shard_ckpt_dir(ck), "optim/master", model_params_host(&m), m.nparams)))
         OUT(cli_fail(s));
     model_params_upload(&m);
     pdt = calloc(m.ntensors, sizeof *pdt);
