@@ -26,14 +26,8 @@
 # under ~/.cache/smp), SMP_BIN (default build/bin; built if missing).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$PWD
-CACHE=${1:-/tmp/smp-bench}
-BIN=${SMP_BIN:-$ROOT/build/bin}
-PY=${SMP_PY:-$(ls -d "$HOME"/.cache/smp/venv-*/bin/python 2>/dev/null | head -1 || true)}
-if [ -z "$PY" ] || [ ! -x "$PY" ]; then PY="$(tools/bootstrap.sh | tail -1)/bin/python"; fi
-if [ ! -x /usr/bin/time ]; then
-    echo "installing GNU time (for peak RSS)"; apt-get install -y time >/dev/null
-fi
+# shellcheck source=tools/bench/common.sh
+. tools/bench/common.sh "$@"
 if [ ! -x "$BIN/smp-convert" ]; then scons -Q -j"$(nproc)" >/dev/null; fi
 mkdir -p "$CACHE"
 HF=$CACHE/hf

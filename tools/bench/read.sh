@@ -60,14 +60,8 @@
 # (default build/bin; not built here: build it first).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
-ROOT=$PWD
-CACHE=${1:-/tmp/smp-bench}
-BIN=${SMP_BIN:-$ROOT/build/bin}
-PY=${SMP_PY:-$(ls -d "$HOME"/.cache/smp/venv-*/bin/python 2>/dev/null | head -1 || true)}
-if [ -z "$PY" ] || [ ! -x "$PY" ]; then PY="$(tools/bootstrap.sh | tail -1)/bin/python"; fi
-if [ ! -x /usr/bin/time ]; then
-    echo "installing GNU time (for peak RSS)"; apt-get install -y time >/dev/null
-fi
+# shellcheck source=tools/bench/common.sh
+. tools/bench/common.sh "$@"
 SMALL=${SMP_BENCH_SMALL:-0}
 BIG=${SMP_BENCH_8B:-0}
 EVAL_LAYOUT=${SMP_BENCH_EVAL_LAYOUT:-tp=4,dp=2}
