@@ -535,6 +535,16 @@ def _(m):
     ps[1]["file"], ps[1]["dataset"] = ps[0]["file"], ps[0]["dataset"]
 
 
+@case("extra-file-damaged-same-size", names=("extra/",))
+def _(ck, tmp_path):
+    # one byte of the extra file flipped, its size and the manifest unchanged: merge and
+    # reshard must not pass it on (they check it as they copy it), verify names it
+    name = next(f["name"] for f in load(ck)["files"] if f["name"].startswith("extra/"))
+    data = bytearray((ck / name).read_bytes())
+    data[len(data) // 2] ^= 0x20
+    (ck / name).write_bytes(bytes(data))
+
+
 # --- the manifest as a document
 @case("manifest-deeply-nested")
 def _(ck, tmp_path):
