@@ -41,7 +41,7 @@ shard_status ckptio_resolve(const char *path, char **ckpt_dir)
         s = shard_read_file_in(lat, 4096, 1, &name, &len); /* a FIFO, link or directory: refused */
         if (!s) {
             name[strcspn(name, "\r\n")] = 0;
-            if (!name[0] || strlen(name) != strcspn(name, "/") || !strcmp(name, ".") || !strcmp(name, ".."))
+            if (!name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
                 s = shard_fail(SHARD_E_INVALID, "%s: does not hold the name of a checkpoint folder", lat);
             else if (!(*ckpt_dir = join(path, name)))
                 s = shard_fail(SHARD_E_NOMEM, "out of memory");

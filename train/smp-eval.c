@@ -147,11 +147,10 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     }
     double loss = sum / (double)ntok;
     double ppl = exp(loss);
-    if (!me0) {
-    } else if (json)
+    if (me0 && json)
         printf("{\"loss\": %.17g, \"perplexity\": %.17g, \"tokens\": %llu, \"batches\": %lld}\n", loss, ppl,
                (unsigned long long)ntok, NB);
-    else
+    else if (me0)
         printf("loss %.6f  perplexity %.4f  (%llu tokens, %lld batches of %ld x %ld)\n", loss, ppl,
                (unsigned long long)ntok, NB, B, S);
     if (!isfinite(loss)) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: the loss is not finite", shard_ckpt_dir(ck))));

@@ -13,7 +13,6 @@
 
 #include "../tools/cli/cli.h"
 #include "../tools/cli/progress.h"
-#include "state.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -22,7 +21,7 @@
 #include "optim.h"
 #include "par.h"
 #include "shard.h"
-
+#include "state.h"
 
 static const char HELP[] =
     "usage: smp-train --ckpt CKPT|RUN_DIR --data TOKENS --save-dir RUN_DIR [options]\n"
@@ -402,7 +401,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
     }
     if (o.v[O_SCHEDULE]) c.cosine = !strcmp(o.v[O_SCHEDULE], "cosine");
     if (o.v[O_SEED]) {
-        if ((rc = opt_int(&o, O_SEED, 0, INT64_MAX, &v64))) OUT(rc); /* any seed: the table's double cannot say INT64_MAX */
+        if ((rc = opt_int(&o, O_SEED, 0, INT64_MAX, &v64))) OUT(rc); /* any seed */
         c.shuffle = 1;
         c.seed = (uint64_t)v64;
     }
@@ -437,7 +436,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
     if ((s = data_open(&ds, o.v[O_DATA], S, m.d.vocab))) OUT(cli_fail(s));
     data_set_order(&ds, c.shuffle, c.seed);
     if (o.v[O_VAL_DATA] && (s = data_open(&vs, o.v[O_VAL_DATA], S, m.d.vocab))) OUT(cli_fail(s));
-    for (size_t i = 0; i < shard_ckpt_extra_count(ck); i++)
+    for (size_t i = 0; me0 && i < shard_ckpt_extra_count(ck); i++) /* rank 0 carries them */
         if ((s = shard_ckpt_check_extra(ck, i))) OUT(cli_fail(s));
 
     /* weights: the fp32 master copy when saved, else the parameters */

@@ -12,7 +12,7 @@ const state_range STATE_RANGE[R_COUNT] = {
     [R_SEQ] = {1, 1 << 24},          [R_WARMUP] = {0, INT32_MAX},    [R_MAX_BAD] = {1, 1 << 30},
     [R_FP8_HIST] = {1, 1 << 20},     [R_SAVE_EVERY] = {0, INT32_MAX}, [R_KEEP] = {0, 1 << 20},
     [R_VAL_EVERY] = {0, INT32_MAX},  [R_VAL_BATCHES] = {1, 1 << 30}, [R_STOP_AT] = {1, INT32_MAX},
-    [R_SEED] = {0, 9.2e18},          [R_LR] = {0, 1e3},              [R_LR_MIN] = {0, 1e3},
+    [R_LR] = {0, 1e3},               [R_LR_MIN] = {0, 1e3},
     [R_CLIP] = {0, 1e30},            [R_WD] = {0, 1e3},              [R_BETA1] = {0, 0.9999999},
     [R_BETA2] = {0, 0.9999999},      [R_EPS] = {1e-30, 1},           [R_FP8_MARGIN] = {0, 64},
 };

@@ -26,7 +26,7 @@ typedef struct {
 
 typedef enum {
     R_STEPS, R_BATCH, R_MICRO, R_SEQ, R_WARMUP, R_MAX_BAD, R_FP8_HIST, R_SAVE_EVERY, R_KEEP, R_VAL_EVERY, R_VAL_BATCHES,
-    R_STOP_AT, R_SEED, R_LR, R_LR_MIN, R_CLIP, R_WD, R_BETA1, R_BETA2, R_EPS, R_FP8_MARGIN, R_COUNT
+    R_STOP_AT, R_LR, R_LR_MIN, R_CLIP, R_WD, R_BETA1, R_BETA2, R_EPS, R_FP8_MARGIN, R_COUNT
 } range_id;
 typedef struct {
     double lo, hi;

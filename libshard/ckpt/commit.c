@@ -16,7 +16,6 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-
 json_t *shard_model_to_json(const shard_model_desc *d);
 
 struct shard_ckpt_writer {

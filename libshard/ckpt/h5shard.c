@@ -18,16 +18,13 @@
 #include <xxhash.h>
 #include <zstd.h>
 
-#define ZSTD_FILTER_ID SHARD_ZSTD_FILTER_ID
-#define ZSTD_MAX_CHUNK SHARD_CHUNK_BYTES_MAX /* refuse frames that claim more */
-
 /* ---------------------------------------------------------- the zstd filter */
 static size_t zstd_filter(unsigned flags, size_t cd_nelmts, const unsigned cd_values[], size_t nbytes,
                           size_t *buf_size, void **buf)
 {
     if (flags & H5Z_FLAG_REVERSE) {
         unsigned long long n = ZSTD_getFrameContentSize(*buf, nbytes);
-        if (n == ZSTD_CONTENTSIZE_ERROR || n == ZSTD_CONTENTSIZE_UNKNOWN || n > ZSTD_MAX_CHUNK) return 0;
+        if (n == ZSTD_CONTENTSIZE_ERROR || n == ZSTD_CONTENTSIZE_UNKNOWN || n > SHARD_CHUNK_BYTES_MAX) return 0; /* refuse frames that claim more */
         void *out = H5allocate_memory(n ? n : 1, 0);
         if (!out) return 0;
         size_t r = ZSTD_decompress(out, n, *buf, nbytes);
@@ -50,7 +47,7 @@ static size_t zstd_filter(unsigned flags, size_t cd_nelmts, const unsigned cd_va
 }
 
 static const H5Z_class2_t ZSTD_CLASS = {
-    H5Z_CLASS_T_VERS, (H5Z_filter_t)ZSTD_FILTER_ID, 1, 1, "zstd (smp)", NULL, NULL, zstd_filter,
+    H5Z_CLASS_T_VERS, (H5Z_filter_t)SHARD_ZSTD_FILTER_ID, 1, 1, "zstd (smp)", NULL, NULL, zstd_filter,
 };
 
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -62,7 +59,7 @@ static void init_hdf5(void)
      * abandoned, as the process's memory is. The first HDF5 call, as it must be. */
     H5dont_atexit();
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL); /* errors come back as statuses, not prints */
-    if (H5Zfilter_avail(ZSTD_FILTER_ID) <= 0) H5Zregister(&ZSTD_CLASS);
+    if (H5Zfilter_avail(SHARD_ZSTD_FILTER_ID) <= 0) H5Zregister(&ZSTD_CLASS);
 }
 void shard_h5_init(void) { pthread_once(&once, init_hdf5); }
 
@@ -73,7 +70,6 @@ void shard_h5_quiet(void)
     shard_h5_init();
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
 }
-
 
 shard_status shard_compress_parse(const char *text, shard_compress *out)
 {
@@ -274,7 +270,7 @@ static shard_status create_dataset(piece_run *r)
     if (pc->w->c.zstd_level > 0) {
         unsigned lvl = (unsigned)pc->w->c.zstd_level;
         H5Pset_shuffle(dcpl);
-        H5Pset_filter(dcpl, ZSTD_FILTER_ID, H5Z_FLAG_MANDATORY, 1, &lvl);
+        H5Pset_filter(dcpl, SHARD_ZSTD_FILTER_ID, H5Z_FLAG_MANDATORY, 1, &lvl);
     }
     hid_t space = H5Screate_simple(pc->ndim, dims, NULL);
     r->ds = H5Dcreate2(pc->w->file, dpath, shard_h5_type(pc->dt), space, lcpl, dcpl, H5P_DEFAULT);

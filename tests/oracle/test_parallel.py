@@ -26,10 +26,10 @@ SEQ = 16
 COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
 
 
-def mpirun(np_, *args, timeout=300, check=True):
+def mpirun(np_, *args, timeout=300, check=True, exe="smp-train"):
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1",
                OMPI_MCA_rmaps_base_oversubscribe="1")
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), str(BUILD / "bin" / "smp-train"),
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), str(BUILD / "bin" / exe),
            *map(str, args)]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     if check and p.returncode != 0:

@@ -17,6 +17,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import BUILD, run
+from test_parallel import mpirun
 from test_train import make_ckpt, vocab_of, write_tokens
 
 CASE = "llama-gqa-f32"  # 3 layers, 6 heads, 2 kv heads, vocab 101
@@ -24,12 +25,7 @@ LOADED = re.compile(r"smp-eval: loaded .*: (\d+) bytes in ([0-9.]+) s")
 
 
 def mpirun_eval(np_, *args):
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), str(BUILD / "bin" / "smp-eval"),
-           *map(str, args)]
-    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert p.returncode == 0, f"{' '.join(cmd)} exited {p.returncode}\n{p.stdout}\n{p.stderr}"
-    return p
+    return mpirun(np_, *args, exe="smp-eval")
 
 
 def eval_args(ck, data):
