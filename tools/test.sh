@@ -4,7 +4,7 @@
 # tests against torch/transformers/safetensors/ml_dtypes/h5py, the hostile corpus
 # under ASan+UBSan, replays the fuzz corpora and fuzzes each parser briefly, runs the
 # GPU programs (which skip cleanly where there is no GPU), and checks the CUDA backend
-# on the CPU emulator against the C backend (cuda-emu-dev).
+# on the CPU emulator: each op and the backend's table against the C ones (tools/emu-check).
 #   FUZZ_SECONDS=N   seconds of fresh fuzzing per harness (default 20)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +22,7 @@ VENV=$(tools/bootstrap.sh | tail -1) || { echo "bootstrap failed"; exit 1; }
 PY="$VENV/bin/python"
 mkdir -p "$LOG"
 
-step "build (release, asan, fuzz)"
+step "build (release, asan, fuzz, emu)"
 build_variant() {  # name, scons args...
     local name=$1; shift
     if scons -Q -j"$JOBS" "$@" >"$LOG/build-$name.log" 2>&1; then
@@ -34,6 +34,7 @@ build_variant() {  # name, scons args...
 build_variant release
 build_variant asan variant=asan cuda=0
 build_variant fuzz variant=fuzz
+build_variant emu variant=emu
 
 step "C unit tests"
 export ASAN_OPTIONS=detect_leaks=1 UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1
@@ -83,15 +84,11 @@ gpu_program build/bin/smp-gpu-parity
 gpu_program build/bin/smp-nccl-test
 gpu_program build/bin/smp-dev-check
 
-step "cuda-emu-dev: the CUDA backend (train/dev_cuda*.c) on the CPU emulator against the C backend"
-if tools/cuda-emu-lib build/emu-lib >"$LOG/cuda-emu-lib.log" 2>&1; then
-    if build/emu-lib/dev-check build/emu-lib/libsmp_cuda.so >"$LOG/cuda-emu-dev.log" 2>&1; then
-        ok "cuda-emu-dev ($(tail -1 "$LOG/cuda-emu-dev.log"))"
-    else
-        grep -E "^FAIL" "$LOG/cuda-emu-dev.log"; tail -3 "$LOG/cuda-emu-dev.log"; bad "cuda-emu-dev"
-    fi
+step "the CUDA backend on the CPU emulator: every op against its C op, the backend against the C one"
+if tools/emu-check >"$LOG/emu-check.log" 2>&1; then
+    ok "emu-check ($(grep -E "^(parity|dev-check):" "$LOG/emu-check.log" | tr '\n' ' '))"
 else
-    tail -30 "$LOG/cuda-emu-lib.log"; bad "cuda-emu-dev (tools/cuda-emu-lib failed)"
+    cat "$LOG/emu-check.log"; bad "emu-check"
 fi
 
 echo

@@ -1,7 +1,6 @@
 /* train/ckptio.c: checkpoints and run folders (ckptio.h). */
 #define _XOPEN_SOURCE 700
 #include "ckptio.h"
-#include "../tools/cli/cli.h"
 
 #include <dirent.h>
 #include <errno.h>
@@ -108,7 +107,7 @@ int ckptio_load_threads(int world_size)
     return t < 1 ? 1 : t > 16 ? 16 : (int)t;
 }
 
-shard_status ckptio_print_load(shard_comm *world, const shard_ckpt *c, double seconds)
+shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_ckpt *c, double seconds)
 {
     uint64_t bytes = shard_ckpt_bytes_read(c);
     shard_status s = SHARD_OK;
@@ -117,7 +116,7 @@ shard_status ckptio_print_load(shard_comm *world, const shard_ckpt *c, double se
          (s = shard_comm_allreduce(world, &bytes, 1, SHARD_DT_U64, SHARD_OP_SUM))))
         return s;
     if (!world || shard_comm_rank(world) == 0)
-        fprintf(stderr, "%s: loaded %s: %llu bytes in %.3f s (%.2f GB/s)\n", cli_name(), shard_ckpt_dir(c),
+        fprintf(stderr, "%s: loaded %s: %llu bytes in %.3f s (%.2f GB/s)\n", cmd, shard_ckpt_dir(c),
                 (unsigned long long)bytes, seconds, seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0);
     return SHARD_OK;
 }

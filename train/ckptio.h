@@ -34,7 +34,7 @@ int ckptio_load_threads(int world_size);
 /* After the load: "<cmd>: loaded DIR: N bytes in T s (R GB/s)" on rank 0's stderr,
  * with the bytes every rank read and the slowest rank's time (world: NULL or the
  * world communicator). */
-shard_status ckptio_print_load(shard_comm *world, const shard_ckpt *c, double seconds);
+shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_ckpt *c, double seconds);
 /* The stored dtype of each parameter (params group) into dts[m->ntensors]. */
 void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts);
 

@@ -1,16 +1,10 @@
 /* train/par.c: smp-train across processes (par.h). */
 #include "par.h"
-#include "../tools/cli/cli.h"
 
 #include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-int par_launched_by_mpirun(void)
-{
-    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
-}
 
 shard_status par_init_world(par_ctx *p, int mpi)
 {
@@ -43,29 +37,6 @@ void par_release(par_ctx *p)
     p->send = p->recv = NULL;
     p->normbuf = NULL;
     p->dev = NULL;
-}
-
-int par_main(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx *p))
-{
-    const int mpi = par_launched_by_mpirun();
-    if (mpi) MPI_Init(&argc, &argv);
-    par_ctx P;
-    shard_status s = par_init_world(&P, mpi);
-    if (s) {
-        int rc = cli_fail(s);
-        if (mpi) MPI_Abort(MPI_COMM_WORLD, rc);
-        return rc;
-    }
-    cli_set_rank(P.rank);
-    int rc = fn(argc, argv, &P);
-    if (P.size > 1 && rc != 0) {
-        fflush(stdout);
-        fflush(stderr);
-        MPI_Abort(MPI_COMM_WORLD, rc);
-    }
-    par_free(&P);
-    if (mpi) MPI_Finalize();
-    return rc;
 }
 
 void par_free(par_ctx *p)

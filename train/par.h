@@ -100,12 +100,6 @@ typedef struct {
     float *normbuf;          /* backend: the norm gradients packed (sequence parallelism) */
 } par_ctx;
 
-/* 1 when the environment says mpirun started this process. */
-int par_launched_by_mpirun(void);
-/* The main() of a command that may run under mpirun: MPI (when mpirun started the
- * process), the world, fn; an error on one rank ends every rank (the others may be
- * waiting in a collective). Returns fn's exit code. */
-int par_main(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx *p));
 /* World communicator (MPI when mpi, else self). */
 shard_status par_init_world(par_ctx *p, int mpi);
 /* Groups of layout l (whose size must be the world's), the per-tensor tables of

@@ -17,6 +17,16 @@ int shard_comm_size(const shard_comm *c) { return c->size; }
 uint64_t shard_comm_bytes(const shard_comm *c) { return c->bytes; }
 void shard_comm_reset_bytes(shard_comm *c) { c->bytes = 0; }
 
+shard_status shard_comm_create(const shard_comm_ops *ops, int rank, int size, void *impl, shard_comm **out)
+{
+    *out = calloc(1, sizeof **out);
+    if (!*out) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    **out = (shard_comm){.ops = ops, .rank = rank, .size = size, .impl = impl};
+    return SHARD_OK;
+}
+
+void *shard_comm_impl(const shard_comm *c) { return c->impl; }
+
 void shard_comm_free(shard_comm *c)
 {
     if (!c) return;

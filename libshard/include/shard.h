@@ -481,7 +481,8 @@ void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder, free
 /* ------------------------------------------------------------ communicators */
 /* One interface for the collectives and point-to-point transfers that parallel
  * training needs, with backends: a single process ("self"), MPI (CPU buffers,
- * any number of hosts), and NCCL (GPU buffers; it lands with the CUDA backend).
+ * any number of hosts), and NCCL (GPU buffers; backends/cuda/nccl.c, built with the
+ * CUDA backend).
  * Every call counts the bytes it moves (what this rank sends), so a run can log
  * its communication volume per kind. Calls are collective over the communicator
  * unless they say otherwise; buffers are in host memory for self and MPI. */
@@ -518,7 +519,29 @@ shard_status shard_comm_barrier(shard_comm *c);
 uint64_t shard_comm_bytes(const shard_comm *c);
 void shard_comm_reset_bytes(shard_comm *c);
 
-/* NCCL (libshard_nccl.so, built with the CUDA backend): a communicator over the
+/* Communicator backends outside libshard (backends/cuda: NCCL, and the CUDA
+ * backend's stream-ordered wrapper) fill this table and wrap their state with
+ * shard_comm_create; the public calls above check arguments and count bytes, then
+ * call the table. */
+typedef struct shard_comm_ops {
+    const char *name;
+    shard_status (*split)(shard_comm *c, int color, int key, shard_comm **out);
+    shard_status (*allreduce)(shard_comm *c, void *buf, size_t n, shard_dtype dt, shard_op op);
+    shard_status (*reduce_scatter)(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt, shard_op op);
+    shard_status (*allgather)(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt);
+    shard_status (*broadcast)(shard_comm *c, void *buf, size_t n, shard_dtype dt, int root);
+    shard_status (*send)(shard_comm *c, const void *buf, size_t n, shard_dtype dt, int peer, int tag);
+    shard_status (*recv)(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag);
+    shard_status (*sendrecv)(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag);
+    shard_status (*barrier)(shard_comm *c);
+    void (*free)(shard_comm *c); /* the backend's state; the communicator itself is freed by libshard */
+} shard_comm_ops;
+/* A communicator of `size` ranks, this one `rank`, over ops with the backend's state
+ * impl (NULL out and SHARD_E_NOMEM when out of memory: impl is then the caller's). */
+shard_status shard_comm_create(const shard_comm_ops *ops, int rank, int size, void *impl, shard_comm **out);
+void *shard_comm_impl(const shard_comm *c);
+
+/* NCCL (libshard_nccl.so, built with the CUDA backend from backends/cuda/nccl.c): a communicator over the
  * same processes as `bootstrap` (MPI), one GPU per rank (`device`), buffers in GPU
  * memory; half-precision reductions allowed. Calls wait with a deadline
  * (SMP_NCCL_TIMEOUT seconds, default 300) and watch NCCL's asynchronous errors: a

@@ -1,6 +1,6 @@
 /* libFuzzer: the training state of a checkpoint (smp.json "training") on arbitrary
  * bytes, through smp-train's reader (train/state.c). */
-#include "../../train/state.h"
+#include "state.h"
 
 #include <math.h>
 #include <stdlib.h>

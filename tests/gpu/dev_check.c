@@ -19,8 +19,8 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../train/dev.h"
-#include "../../train/fp8.h"
+#include "dev.h"
+#include "fp8.h"
 #include "ops.h"
 
 static dev dc, dg; /* the C backend (fp32) and the CUDA backend (fp32 or bf16) */

@@ -1,8 +1,8 @@
 """smp-train --backend cuda, run on the CPU emulator of the CUDA features the kernels
-use (tests/gpu/emu, built by tools/cuda-emu-lib into a libsmp_cuda.so that smp-train
+use (tests/gpu/emu, built by `scons variant=emu` into a libsmp_cuda.so that smp-train
 loads through SMP_CUDA_LIB), against the C backend.
 
-What this shows without a GPU: the CUDA backend's table (train/dev_cuda*.c) drives the
+What this shows without a GPU: the CUDA backend's table (backends/cuda) drives the
 same model, optimizer, ZeRO-1, pipeline, tensor and context parallel code as the C
 backend, with the kernels' real index arithmetic, fragment layouts and barriers; and
 its checkpoints are the C backend's format. What it cannot show: speed, the real
@@ -43,11 +43,9 @@ STEPS = 6
 
 @pytest.fixture(scope="module")
 def emu_lib():
-    out = ROOT / "build" / "emu-lib"
-    p = subprocess.run(["bash", str(ROOT / "tools" / "cuda-emu-lib"), str(out)], capture_output=True, text=True,
-                       timeout=1500)
+    p = subprocess.run(["scons", "-Q", "variant=emu"], cwd=ROOT, capture_output=True, text=True, timeout=1500)
     assert p.returncode == 0, p.stdout + p.stderr
-    return out / "libsmp_cuda.so"
+    return ROOT / "build" / "emu" / "lib" / "libsmp_cuda.so"
 
 
 @pytest.fixture(scope="module")

@@ -1,7 +1,6 @@
 /* train/: the data order (files, sequences, shuffling by epoch, refusals), the
- * learning-rate schedule, the deterministic gradient norm and clipping.
- * The build links each unit test alone, so the train/ sources it covers are
- * included here. */
+ * learning-rate schedule, the deterministic gradient norm and clipping, through
+ * train/'s library (libsmptrain.a). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,8 +13,9 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "../../train/data.c"
-#include "../../train/optim.c"
+#include "data.h"
+#include "dev.h"
+#include "optim.h"
 
 static char tmpdir[256];
 

@@ -2,8 +2,9 @@
  * -> any other (reshard). Both are the same loop: for every rank of the target
  * layout and every tensor, the piece that rank writes is copied out of the source
  * (a mapped safetensors tensor, or the planner reading the stored pieces). */
-#include "../tools/cli/cli.h"
-#include "../tools/cli/progress.h"
+#include "cli.h"
+#include "launch.h"
+#include "progress.h"
 #include "shard.h"
 #include "init.h"
 
@@ -298,11 +299,6 @@ static shard_dtype job_dtype(const args *a, const job *jb)
 static int g_me = 0, g_procs = 1;
 static int g_secondhand = 0; /* this process failed only because another one did */
 #define CONFIG_MAX (16u << 20) /* as libshard's config reader */
-
-static int launched_by_mpirun(void)
-{
-    return getenv("OMPI_COMM_WORLD_SIZE") || getenv("PMI_SIZE") || getenv("PMIX_RANK");
-}
 
 /* Every process learns whether any failed; returns the first failure's status. */
 static shard_status agree(shard_status mine)

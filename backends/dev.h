@@ -1,10 +1,12 @@
-/* train/dev.h: where the model's tensors live and its ops run: the C backend
- * (host memory, kernels/ops.h, fp32) or the CUDA backend (device memory,
+/* backends/dev.h, internal (no API outside smp's own programs and tests): the
+ * interface every backend implements: where the model's tensors live and its ops
+ * run: the C backend (backends/c/)
+ * (host memory, kernels/ops.h, fp32) or the CUDA backend (backends/cuda/: device memory,
  * kernels/ops_cuda.h, fp32 or bf16 storage).
  *
  * model.c, par.c, optim.c and ckptio.c are written once over this table; each
  * backend fills it. The CUDA one lives in a shared library of its own
- * (build/lib/libsmp_cuda.so, train/dev_cuda.c) that smp-train loads only for
+ * (build/lib/libsmp_cuda.so, backends/cuda/) that smp-train loads only for
  * --backend cuda, so that a build with CUDA still trains on machines without a
  * GPU, and the same smp-train can load the CPU emulator's build of it
  * (tests/gpu/emu; SMP_CUDA_LIB=path) to test the CUDA backend without a GPU.

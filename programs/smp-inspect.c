@@ -1,5 +1,5 @@
 /* smp-inspect: what a model folder (or, later, an SMP checkpoint) holds. */
-#include "cli/cli.h"
+#include "cli.h"
 #include "shard.h"
 
 #include <dirent.h>

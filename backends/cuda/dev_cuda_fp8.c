@@ -1,4 +1,4 @@
-/* train/dev_cuda_fp8.c: the FP8 linear layers of the CUDA backend (train/fp8.h's
+/* backends/cuda/dev_cuda_fp8.c: the FP8 linear layers of the CUDA backend (train/fp8.h's
  * recipe, as train/fp8.c emulates it on the C backend), on cuBLASLt's FP8 GEMMs.
  *
  * The host fp8_state keeps the recipe (scales, amax history, mode); the device

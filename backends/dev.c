@@ -1,4 +1,4 @@
-/* train/dev.c: opening a backend (dev.h): the C one built in, the CUDA one loaded
+/* backends/dev.c: opening a backend (dev.h): the C one built in, the CUDA one loaded
  * from libsmp_cuda.so. */
 #include "dev.h"
 

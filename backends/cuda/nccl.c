@@ -7,7 +7,7 @@
  * on an error or past the deadline (SMP_NCCL_TIMEOUT seconds, default 300) the
  * NCCL communicator is aborted and the call returns an error, so a failing peer
  * surfaces as an error on every rank instead of a hang. */
-#include "../comm/comm.h"
+#include "shard.h"
 
 #include <cuda_runtime.h>
 #include <nccl.h>
@@ -22,7 +22,7 @@ typedef struct {
     int aborted;
 } nccl_impl;
 
-static nccl_impl *I(shard_comm *c) { return c->impl; }
+static nccl_impl *I(shard_comm *c) { return shard_comm_impl(c); }
 
 static double now(void)
 {
@@ -56,7 +56,7 @@ static int ntype(shard_dtype dt, ncclDataType_t *t)
 
 static shard_status fail_nccl(shard_comm *c, ncclResult_t r, const char *what)
 {
-    return shard_fail(SHARD_E_IO, "NCCL %s failed on rank %d: %s%s%s", what, c->rank, ncclGetErrorString(r),
+    return shard_fail(SHARD_E_IO, "NCCL %s failed on rank %d: %s%s%s", what, shard_comm_rank(c), ncclGetErrorString(r),
                       ncclGetLastError(I(c)->comm) ? ": " : "", ncclGetLastError(I(c)->comm) ? ncclGetLastError(I(c)->comm) : "");
 }
 
@@ -68,7 +68,7 @@ static shard_status wait(shard_comm *c, const char *what)
     for (;;) {
         cudaError_t q = cudaStreamQuery(m->stream);
         if (q == cudaSuccess) return SHARD_OK;
-        if (q != cudaErrorNotReady) return shard_fail(SHARD_E_IO, "CUDA error during NCCL %s on rank %d: %s", what, c->rank, cudaGetErrorString(q));
+        if (q != cudaErrorNotReady) return shard_fail(SHARD_E_IO, "CUDA error during NCCL %s on rank %d: %s", what, shard_comm_rank(c), cudaGetErrorString(q));
         ncclResult_t ae = ncclSuccess;
         ncclCommGetAsyncError(m->comm, &ae);
         if (ae != ncclSuccess && ae != ncclInProgress) {
@@ -80,7 +80,7 @@ static shard_status wait(shard_comm *c, const char *what)
             ncclCommAbort(m->comm);
             m->aborted = 1;
             return shard_fail(SHARD_E_IO, "NCCL %s on rank %d did not finish within %.0f s (a peer failed or hangs); communicator aborted",
-                              what, c->rank, timeout_s());
+                              what, shard_comm_rank(c), timeout_s());
         }
         struct timespec ts = {0, 100000};
         nanosleep(&ts, NULL);
@@ -88,7 +88,7 @@ static shard_status wait(shard_comm *c, const char *what)
 }
 
 #define CALL(what, expr) do { \
-        if (I(c)->aborted) return shard_fail(SHARD_E_IO, "NCCL %s on rank %d: the communicator was aborted", what, c->rank); \
+        if (I(c)->aborted) return shard_fail(SHARD_E_IO, "NCCL %s on rank %d: the communicator was aborted", what, shard_comm_rank(c)); \
         ncclResult_t r_ = (expr); \
         if (r_ != ncclSuccess) return fail_nccl(c, r_, what); \
         return wait(c, what); } while (0)
@@ -140,8 +140,8 @@ static shard_status n_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, i
 static ncclResult_t pair(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, ncclDataType_t t)
 {
     ncclResult_t r = ncclGroupStart();
-    if (r == ncclSuccess && to != c->rank) r = ncclSend(send, n, t, to, I(c)->comm, I(c)->stream);
-    if (r == ncclSuccess && from != c->rank) r = ncclRecv(recv, n, t, from, I(c)->comm, I(c)->stream);
+    if (r == ncclSuccess && to != shard_comm_rank(c)) r = ncclSend(send, n, t, to, I(c)->comm, I(c)->stream);
+    if (r == ncclSuccess && from != shard_comm_rank(c)) r = ncclRecv(recv, n, t, from, I(c)->comm, I(c)->stream);
     ncclResult_t e = ncclGroupEnd();
     return r != ncclSuccess ? r : e;
 }
@@ -189,22 +189,25 @@ static const shard_comm_ops NCCL_OPS = {"nccl", n_split, n_allreduce, n_reduce_s
 
 static shard_status wrap(ncclComm_t comm, int device, shard_comm **out)
 {
-    shard_comm *c = calloc(1, sizeof *c);
     nccl_impl *m = calloc(1, sizeof *m);
-    if (!c || !m) { free(c); free(m); ncclCommDestroy(comm); return shard_fail(SHARD_E_NOMEM, "out of memory"); }
+    if (!m) { ncclCommDestroy(comm); return shard_fail(SHARD_E_NOMEM, "out of memory"); }
     m->comm = comm;
     m->device = device;
     if (cudaStreamCreateWithFlags(&m->stream, cudaStreamNonBlocking) != cudaSuccess) {
         ncclCommDestroy(comm);
-        free(c); free(m);
+        free(m);
         return shard_fail(SHARD_E_IO, "NCCL: cannot create a CUDA stream");
     }
-    ncclCommUserRank(comm, &c->rank);
-    ncclCommCount(comm, &c->size);
-    c->ops = &NCCL_OPS;
-    c->impl = m;
-    *out = c;
-    return SHARD_OK;
+    int rank = 0, size = 1;
+    ncclCommUserRank(comm, &rank);
+    ncclCommCount(comm, &size);
+    shard_status s = shard_comm_create(&NCCL_OPS, rank, size, m, out);
+    if (s) {
+        cudaStreamDestroy(m->stream);
+        ncclCommDestroy(comm);
+        free(m);
+    }
+    return s;
 }
 
 shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out)

@@ -1,4 +1,4 @@
-/* train/dev_c.c: the C backend of dev.h: host memory, fp32, kernels/ops.h. */
+/* backends/c/dev_c.c: the C backend of dev.h: host memory, fp32, kernels/ops.h. */
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <string.h>

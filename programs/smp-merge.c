@@ -1,8 +1,8 @@
 /* smp-merge: an SMP checkpoint of any layout -> a Hugging Face model folder
  * (config.json, safetensors weights with an index when split, the extra files),
  * ready for transformers.from_pretrained. */
-#include "../tools/cli/cli.h"
-#include "../tools/cli/progress.h"
+#include "cli.h"
+#include "progress.h"
 #include "shard.h"
 
 #include <errno.h>

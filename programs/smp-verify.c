@@ -1,5 +1,5 @@
 /* smp-verify: every checksum (whole files and pieces) and coverage of a checkpoint. */
-#include "cli/cli.h"
+#include "cli.h"
 #include "shard.h"
 
 #include <stdio.h>

@@ -1,4 +1,4 @@
-/* train/dev_cuda.h: internal to the CUDA backend (dev_cuda.c, dev_cuda_fp8.c,
+/* backends/cuda/dev_cuda.h: internal to the CUDA backend (dev_cuda.c, dev_cuda_fp8.c,
  * dev_cuda_comm.c), which is built into libsmp_cuda.so alone: nothing else
  * includes this header.
  *

@@ -1,4 +1,4 @@
-/* train/dev_cuda.c: the CUDA backend of dev.h: device memory, one stream, the ops
+/* backends/cuda/dev_cuda.c: the CUDA backend of dev.h: device memory, one stream, the ops
  * of kernels/ops_cuda.h with activations and compute parameters in d->dt (fp32 or
  * bf16) and parameter gradients, statistics and optimizer state in fp32. Built
  * into libsmp_cuda.so (see dev_cuda.h), which smp-train loads for --backend cuda;

@@ -11,8 +11,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include "../tools/cli/cli.h"
-#include "../tools/cli/progress.h"
+#include "cli.h"
+#include "launch.h"
+#include "progress.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -280,7 +281,7 @@ int main(int argc, char **argv)
 {
     cli_init("smp-train");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    return par_main(argc, argv, train_main);
+    return launch_ranks(argc, argv, train_main);
 }
 
 static int train_main(int argc, char **argv, par_ctx *P)
@@ -482,7 +483,7 @@ static int train_main(int argc, char **argv, par_ctx *P)
         if (!m.fp8) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
         if ((s = load_fp8(ck, m.fp8))) OUT(cli_fail(s));
     }
-    if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s)); /* all of it read and checked */
+    if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s)); /* all of it read and checked */
     m.sp = seqpar;
     if (on_cuda && c.fp8 != FP8_OFF) { /* Hopper's FP8 GEMMs take dimensions that are multiples of 16 */
         const long long dims[5] = {(long long)Bm * (S / lay.cp), m.H, m.F, (long long)m.nh * m.hd, (long long)m.nkv * m.hd};

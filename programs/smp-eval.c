@@ -6,8 +6,9 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../tools/cli/cli.h"
-#include "../tools/cli/progress.h"
+#include "cli.h"
+#include "launch.h"
+#include "progress.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -55,7 +56,7 @@ int main(int argc, char **argv)
 {
     cli_init("smp-eval");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    return par_main(argc, argv, eval_main);
+    return launch_ranks(argc, argv, eval_main);
 }
 
 static int eval_main(int argc, char **argv, par_ctx *P)
@@ -123,7 +124,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
-    if ((s = ckptio_print_load(P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
+    if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
     if (par) model_params_upload(&m);
     long long avail = (long long)(ds.nseq / (uint64_t)B);
     if (avail < 1)

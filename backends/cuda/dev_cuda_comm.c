@@ -1,11 +1,11 @@
-/* train/dev_cuda_comm.c: communicators for tensors in the CUDA backend's memory.
+/* backends/cuda/dev_cuda_comm.c: communicators for tensors in the CUDA backend's memory.
  *
  * comm_for returns a thin communicator of this file around the real one, for two
  * reasons:
  *   - ordering: the backend's kernels run on its own stream and NCCL's calls on the
  *     NCCL communicator's stream, with nothing between them; so every collective
  *     first waits for the backend's stream (the NCCL communicator then waits for
- *     its own call before returning, see libshard/comm_nccl), and the work the
+ *     its own call before returning, see nccl.c), and the work the
  *     caller enqueues next sees the result;
  *   - one rank: the self and MPI communicators copy buffers with memmove/memcpy
  *     (reduce-scatter, all-gather), which cannot touch device memory; here the
@@ -16,10 +16,9 @@
  *
  * The wrapper holds the backend's stream: free the communicators before the
  * backend (dev_close), as one frees any NCCL communicator before its device. It
- * builds on libshard's internal communicator interface (libshard/comm/comm.h). */
+ * is a communicator backend of libshard's public table (shard_comm_ops). */
 #include <stdlib.h>
 
-#include "../libshard/comm/comm.h"
 #include "dev_cuda.h"
 
 typedef struct {
@@ -27,7 +26,7 @@ typedef struct {
     shard_comm *inner; /* the NCCL communicator (owned); NULL for one rank */
 } wcomm;
 
-static wcomm *W(shard_comm *c) { return c->impl; }
+static wcomm *W(shard_comm *c) { return shard_comm_impl(c); }
 
 /* the backend's work so far, before a collective reads its buffers */
 static shard_status drain(shard_comm *c, const char *what)
@@ -50,7 +49,7 @@ static shard_status wrap(cudaStream_t st, shard_comm *inner, shard_comm **out);
 static shard_status w_split(shard_comm *c, int color, int key, shard_comm **out)
 {
     shard_comm *in = NULL;
-    shard_status s = W(c)->inner ? W(c)->inner->ops->split(W(c)->inner, color, key, &in) : SHARD_OK;
+    shard_status s = W(c)->inner ? shard_comm_split(W(c)->inner, color, key, &in) : SHARD_OK;
     return s ? s : wrap(W(c)->st, in, out);
 }
 
@@ -59,7 +58,7 @@ static shard_status w_allreduce(shard_comm *c, void *buf, size_t n, shard_dtype 
     shard_comm *in = W(c)->inner;
     if (!in) return SHARD_OK;
     shard_status s = drain(c, "all-reduce");
-    return s ? s : in->ops->allreduce(in, buf, n, dt, op);
+    return s ? s : shard_comm_allreduce(in, buf, n, dt, op);
 }
 
 static shard_status w_reduce_scatter(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt,
@@ -68,7 +67,7 @@ static shard_status w_reduce_scatter(shard_comm *c, const void *send, void *recv
     shard_comm *in = W(c)->inner;
     if (!in) return dcopy(c, recv, send, n * shard_dtype_size(dt));
     shard_status s = drain(c, "reduce-scatter");
-    return s ? s : in->ops->reduce_scatter(in, send, recv, n, dt, op);
+    return s ? s : shard_comm_reduce_scatter(in, send, recv, n, dt, op);
 }
 
 static shard_status w_allgather(shard_comm *c, const void *send, void *recv, size_t n, shard_dtype dt)
@@ -76,7 +75,7 @@ static shard_status w_allgather(shard_comm *c, const void *send, void *recv, siz
     shard_comm *in = W(c)->inner;
     if (!in) return dcopy(c, recv, send, n * shard_dtype_size(dt));
     shard_status s = drain(c, "all-gather");
-    return s ? s : in->ops->allgather(in, send, recv, n, dt);
+    return s ? s : shard_comm_allgather(in, send, recv, n, dt);
 }
 
 static shard_status w_broadcast(shard_comm *c, void *buf, size_t n, shard_dtype dt, int root)
@@ -84,7 +83,7 @@ static shard_status w_broadcast(shard_comm *c, void *buf, size_t n, shard_dtype 
     shard_comm *in = W(c)->inner;
     if (!in) return SHARD_OK;
     shard_status s = drain(c, "broadcast");
-    return s ? s : in->ops->broadcast(in, buf, n, dt, root);
+    return s ? s : shard_comm_broadcast(in, buf, n, dt, root);
 }
 
 static shard_status one_rank_p2p(void)
@@ -97,7 +96,7 @@ static shard_status w_send(shard_comm *c, const void *buf, size_t n, shard_dtype
     shard_comm *in = W(c)->inner;
     if (!in) return one_rank_p2p();
     shard_status s = drain(c, "send");
-    return s ? s : in->ops->send(in, buf, n, dt, peer, tag);
+    return s ? s : shard_comm_send(in, buf, n, dt, peer, tag);
 }
 
 static shard_status w_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag)
@@ -105,7 +104,7 @@ static shard_status w_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt, i
     shard_comm *in = W(c)->inner;
     if (!in) return one_rank_p2p();
     shard_status s = drain(c, "receive");
-    return s ? s : in->ops->recv(in, buf, n, dt, peer, tag);
+    return s ? s : shard_comm_recv(in, buf, n, dt, peer, tag);
 }
 
 static shard_status w_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt,
@@ -114,7 +113,7 @@ static shard_status w_sendrecv(shard_comm *c, const void *send, int to, void *re
     shard_comm *in = W(c)->inner;
     if (!in) return one_rank_p2p();
     shard_status s = drain(c, "send-receive");
-    return s ? s : in->ops->sendrecv(in, send, to, recv, from, n, dt, tag);
+    return s ? s : shard_comm_sendrecv(in, send, to, recv, from, n, dt, tag);
 }
 
 static shard_status w_barrier(shard_comm *c)
@@ -122,7 +121,7 @@ static shard_status w_barrier(shard_comm *c)
     shard_comm *in = W(c)->inner;
     if (!in) return SHARD_OK;
     shard_status s = drain(c, "barrier");
-    return s ? s : in->ops->barrier(in);
+    return s ? s : shard_comm_barrier(in);
 }
 
 static void w_free(shard_comm *c)
@@ -139,21 +138,17 @@ static const shard_comm_ops WRAP_OPS = {"cuda", w_split, w_allreduce, w_reduce_s
 /* inner: NULL for a one-rank communicator; owned by the result */
 static shard_status wrap(cudaStream_t st, shard_comm *inner, shard_comm **out)
 {
-    shard_comm *c = calloc(1, sizeof *c);
     wcomm *w = calloc(1, sizeof *w);
-    if (!c || !w) {
-        free(c);
+    shard_status s = w ? shard_comm_create(&WRAP_OPS, inner ? shard_comm_rank(inner) : 0,
+                                           inner ? shard_comm_size(inner) : 1, w, out)
+                       : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (s) {
         free(w);
         shard_comm_free(inner);
-        return shard_fail(SHARD_E_NOMEM, "out of memory");
+        return s;
     }
     w->st = st;
     w->inner = inner;
-    c->ops = &WRAP_OPS;
-    c->impl = w;
-    c->rank = inner ? inner->rank : 0;
-    c->size = inner ? inner->size : 1;
-    *out = c;
     return SHARD_OK;
 }
 
