@@ -105,10 +105,3 @@ int cli_default_threads(void)
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 16 ? 16 : (int)n;
 }
-
-int cli_parse_threads(const char *text)
-{
-    char *end;
-    long th = strtol(text, &end, 10);
-    return *end || end == text || th < 1 || th > 64 ? 0 : (int)th;
-}

@@ -25,8 +25,7 @@ const char *cli_bytes(char buf[32], double bytes);
 /* Thousands separators: "1,234,567" (buf of 32 bytes). */
 const char *cli_count(char buf[32], unsigned long long n);
 
-/* Worker threads: the cores, at most 16; and "--threads N" parsed (1..64; 0 when bad). */
+/* Worker threads by default: the cores, at most 16 (--threads: cli_int, 1..64). */
 int cli_default_threads(void);
-int cli_parse_threads(const char *text);
 
 #endif

@@ -45,3 +45,7 @@ void progress_end(progress *p)
 {
     if (p->tty) { draw(p, now_seconds()); fputc('\n', stderr); }
 }
+
+void progress_cb_start(void *p, uint64_t total) { progress_start(p, ((progress *)p)->label, total); }
+void progress_cb_add(void *p, uint64_t bytes) { progress_add(p, bytes); }
+void progress_cb_end(void *p) { progress_end(p); }

@@ -13,4 +13,9 @@ void progress_start(progress *p, const char *label, uint64_t total_bytes);
 void progress_add(progress *p, uint64_t bytes);
 void progress_end(progress *p);
 double now_seconds(void);
+/* The same as callbacks (arg: a progress whose label is set), for libraries that report
+ * their progress that way (convert/: convert_progress). */
+void progress_cb_start(void *p, uint64_t total_bytes);
+void progress_cb_add(void *p, uint64_t bytes);
+void progress_cb_end(void *p);
 #endif

@@ -8,6 +8,7 @@
 
 #include "cli.h"
 #include "launch.h"
+#include "opts.h"
 #include "progress.h"
 #include "ckptio.h"
 #include "data.h"
@@ -59,35 +60,24 @@ int main(int argc, char **argv)
     return launch_ranks(argc, argv, eval_main);
 }
 
+enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_COUNT };
+static const cli_opt OPTS[O_COUNT] = {{"--ckpt", 0}, {"--data", 0}, {"--batch", 0}, {"--seq", 0}, {"--batches", 0}, {"--layout", 0}, {"--json", 1}};
+
 static int eval_main(int argc, char **argv, par_ctx *P)
 {
-    const char *ckpt = NULL, *data = NULL, *batch = NULL, *seq = NULL, *batches = NULL, *layout = NULL;
-    int json = 0;
-    for (int i = 1; i < argc; i++) {
-        const char **slot = NULL;
-        if (!strcmp(argv[i], "--json")) { json = 1; continue; }
-        if (!strcmp(argv[i], "--ckpt")) slot = &ckpt;
-        else if (!strcmp(argv[i], "--data")) slot = &data;
-        else if (!strcmp(argv[i], "--batch")) slot = &batch;
-        else if (!strcmp(argv[i], "--seq")) slot = &seq;
-        else if (!strcmp(argv[i], "--batches")) slot = &batches;
-        else if (!strcmp(argv[i], "--layout")) slot = &layout;
-        else return cli_usage("unknown option %s", argv[i]);
-        if (i + 1 >= argc) return cli_usage("%s needs a value", argv[i]);
-        *slot = argv[++i];
-    }
-    if (!ckpt || !data || !batch || !seq) return cli_usage("--ckpt, --data, --batch and --seq are required");
-    char *end;
-    long B = strtol(batch, &end, 10);
-    if (*end || B < 1 || B > (1 << 24)) return cli_usage("--batch must be a positive integer");
-    long S = strtol(seq, &end, 10);
-    if (*end || S < 1 || S > (1 << 24)) return cli_usage("--seq must be a positive integer");
+    const char *val[O_COUNT];
+    int rc = cli_parse(argc, argv, 1, OPTS, O_COUNT, val, NULL, 0, NULL);
+    if (rc) return rc;
+    const char *ckpt = val[O_CKPT], *data = val[O_DATA], *layout = val[O_LAYOUT];
+    const int json = val[O_JSON] != NULL;
+    if (!ckpt || !data || !val[O_BATCH] || !val[O_SEQ]) return cli_usage("--ckpt, --data, --batch and --seq are required");
+    int64_t b = 0, sq = 0, nb = -1; /* --batches: every whole batch by default */
+    if ((rc = cli_int("--batch", val[O_BATCH], 1, 1 << 24, &b)) || (rc = cli_int("--seq", val[O_SEQ], 1, 1 << 24, &sq)) ||
+        (rc = cli_int("--batches", val[O_BATCHES], 1, INT64_MAX, &nb)))
+        return rc;
+    const long B = (long)b, S = (long)sq;
+    long long NB = nb;
     if ((long long)B * S > INT32_MAX / 4) return cli_usage("--batch * --seq is too large");
-    long long NB = -1;
-    if (batches) {
-        NB = strtoll(batches, &end, 10);
-        if (*end || NB < 1) return cli_usage("--batches must be a positive integer");
-    }
     shard_layout lay = {1, 1, 1, P->size};
     if (layout && shard_layout_parse(layout, &lay)) return cli_usage("--layout: %s", shard_errmsg());
     char lb[64];
@@ -106,7 +96,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     data_set ds;
     memset(&ds, 0, sizeof ds);
     int32_t *in = NULL, *tg = NULL;
-    int rc = 0, have = 0;
+    int have = 0;
 #define OUT(code) do { rc = (code); goto done; } while (0)
     shard_status s = dev_open(&D, "cpu", SHARD_DT_F32, 0);
     if (s) OUT(cli_fail(s));

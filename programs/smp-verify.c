@@ -1,9 +1,9 @@
 /* smp-verify: every checksum (whole files and pieces) and coverage of a checkpoint. */
 #include "cli.h"
+#include "opts.h"
 #include "shard.h"
 
 #include <stdio.h>
-#include <string.h>
 
 static const char HELP[] =
     "usage: smp-verify [--threads N] CKPT\n"
@@ -19,17 +19,18 @@ int main(int argc, char **argv)
 {
     cli_init("smp-verify");
     if (cli_std_flags(argc, argv, HELP)) return 0;
-    int threads = cli_default_threads(), a = 1;
-    if (argc > 2 && !strcmp(argv[1], "--threads")) {
-        if (!(threads = cli_parse_threads(argv[2]))) return cli_usage("--threads must be an integer in 1..64");
-        a = 3;
-    }
-    if (argc != a + 1 || argv[a][0] == '-') return cli_usage("expected exactly one CKPT");
-    const char *dir = argv[a];
+    static const cli_opt opts[] = {{"--threads", 0}};
+    const char *threads_text, *pos[2];
+    int npos, rc = cli_parse(argc, argv, 1, opts, 1, &threads_text, pos, 2, &npos);
+    if (rc) return rc;
+    int64_t threads = cli_default_threads();
+    if ((rc = cli_int("--threads", threads_text, 1, 64, &threads))) return rc;
+    if (npos != 1) return cli_usage("expected exactly one CKPT");
+    const char *dir = pos[0];
     shard_ckpt *c;
     shard_status s = shard_ckpt_open(dir, &c);
     if (s) return cli_fail(s);
-    shard_ckpt_set_threads(c, threads);
+    shard_ckpt_set_threads(c, (int)threads);
     uint64_t bytes = 0;
     s = shard_ckpt_verify(c, &bytes);
     size_t pieces = 0;

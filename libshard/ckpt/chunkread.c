@@ -111,30 +111,22 @@ shard_status ckpt_open_file(shard_ckpt *c, size_t fi)
     return s;
 }
 
+/* attribute `name` of n uint64 into *out (malloc'd), or *out NULL when it is absent;
+ * -1 when it is there but not that */
 static int attr_u64s(hid_t ds, const char *name, uint64_t n, uint64_t **out)
 {
     *out = NULL;
     if (H5Aexists(ds, name) <= 0) return 0;
-    hid_t a = H5Aopen(ds, name, H5P_DEFAULT), sp = a < 0 ? -1 : H5Aget_space(a);
-    hssize_t np = sp < 0 ? -1 : H5Sget_simple_extent_npoints(sp);
-    int bad = np < 0 || (uint64_t)np != n || H5Sget_simple_extent_ndims(sp) != 1;
-    if (!bad) bad = !(*out = malloc(n * sizeof **out)) || H5Aread(a, H5T_NATIVE_UINT64, *out) < 0;
-    if (sp >= 0) H5Sclose(sp);
-    if (a >= 0) H5Aclose(a);
+    int bad = n > INT64_MAX || !(*out = malloc(n * sizeof **out)) ||
+              shard_h5_attr_ints(ds, name, H5T_NATIVE_UINT64, *out, (int64_t)n, (int64_t)n) < 0;
     if (bad) { free(*out); *out = NULL; return -1; }
     return 0;
 }
 
 static int attr_str_is(hid_t ds, const char *name, const char *want)
 {
-    char buf[64] = {0};
-    hid_t a = H5Aopen(ds, name, H5P_DEFAULT);
-    if (a < 0) return 0;
-    hid_t t = H5Aget_type(a), mt = H5Tcopy(H5T_C_S1);
-    H5Tset_size(mt, sizeof buf - 1);
-    int ok = H5Tget_class(t) == H5T_STRING && H5Aread(a, mt, buf) >= 0 && !strcmp(buf, want);
-    H5Tclose(mt); H5Tclose(t); H5Aclose(a);
-    return ok;
+    char buf[64];
+    return !shard_h5_attr_str(ds, name, buf, sizeof buf) && !strcmp(buf, want);
 }
 
 /* The dataset's shape, type, chunking and filters as smp writes them. */

@@ -11,6 +11,12 @@
 void shard_h5_init(void);
 void shard_h5_quiet(void); /* shard_h5_init, and no HDF5 error prints from this thread */
 hid_t shard_h5_type(shard_dtype dt);
+/* Attributes of an HDF5 object (h5shard.c). A string: into buf (cap bytes, with its
+ * terminating 0); 0, or -1 when missing, not a fixed-length string or too long. An
+ * array: 1-D of min_n..max_n elements, read as memory type mt into v (room for
+ * max_n); its element count, or -1. */
+int shard_h5_attr_str(hid_t obj, const char *name, char *buf, size_t cap);
+int shard_h5_attr_ints(hid_t obj, const char *name, hid_t mt, void *v, int64_t min_n, int64_t max_n);
 
 #define SHARD_ZSTD_FILTER_ID 32015
 #define SHARD_CHUNK_TARGET (1u << 20)     /* bytes per chunk the writer aims at */

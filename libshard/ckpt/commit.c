@@ -16,8 +16,6 @@
 #include <unistd.h>
 #include <xxhash.h>
 
-json_t *shard_model_to_json(const shard_model_desc *d);
-
 struct shard_ckpt_writer {
     char *final_dir, *staging;
     json_t *extras; /* array of relative names */
@@ -40,16 +38,21 @@ shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts
     w->final_dir = strdup(final_dir);
     size_t n = strlen(final_dir);
     while (n > 1 && final_dir[n - 1] == '/') n--;
-    char *parent = strndup(final_dir, n), *slash = strrchr(parent, '/'), *base;
+    char *parent = strndup(final_dir, n), *slash = parent ? strrchr(parent, '/') : NULL, *base = parent;
     if (slash) { *slash = 0; base = slash + 1; if (!parent[0]) strcpy(parent, "/"); }
-    else { base = parent; }
     char nonce[32];
     snprintf(nonce, sizeof nonce, "%ld-%ld", (long)getpid(), (long)time(NULL));
-    w->staging = malloc(strlen(final_dir) + strlen(base) + 64);
-    if (slash) sprintf(w->staging, "%s/.tmp-%s-%s", parent, base, nonce);
-    else sprintf(w->staging, ".tmp-%s-%s", base, nonce);
+    w->staging = parent ? malloc(strlen(final_dir) + strlen(base) + 64) : NULL;
+    if (w->staging && slash) sprintf(w->staging, "%s/.tmp-%s-%s", parent, base, nonce);
+    else if (w->staging) sprintf(w->staging, ".tmp-%s-%s", base, nonce);
     free(parent);
     w->extras = json_array();
+    if (!w->final_dir || !w->staging || !w->extras) {
+        free(w->staging); /* not made yet: nothing to remove */
+        w->staging = NULL;
+        shard_ckpt_abort(w);
+        return shard_fail(SHARD_E_NOMEM, "out of memory");
+    }
     if (mkdir(w->staging, 0755) != 0) {
         shard_status s = shard_fail(SHARD_E_IO, "%s: cannot create the staging folder: %s", w->staging, strerror(errno));
         free(w->staging); w->staging = NULL;
@@ -125,13 +128,14 @@ shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *ds
 static shard_status add_extra(shard_ckpt_writer *w, const char *src_path, const shard_ckpt *src, size_t i, const char *rel)
 {
     if (!shard_path_is_contained(rel) || strchr(rel, '/')) return shard_fail(SHARD_E_USAGE, "extra file name \"%s\" is not a plain file name", rel);
-    char *dir = shard_path_join(w->staging, "extra");
-    mkdir(dir, 0755);
-    char *dst = shard_path_join(dir, rel);
+    char *dir = shard_path_join(w->staging, "extra"), *dst = dir ? shard_path_join(dir, rel) : NULL;
+    shard_status s = SHARD_OK;
+    if (!dst) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    else mkdir(dir, 0755);
+    if (!s) s = src ? shard_ckpt_copy_extra(src, i, dst, &w->opts) : shard_copy_file(src_path, dst, &w->opts);
+    if (!s && json_array_append_new(w->extras, json_string(rel)) != 0) s = shard_fail(SHARD_E_NOMEM, "out of memory");
     free(dir);
-    shard_status s = src ? shard_ckpt_copy_extra(src, i, dst, &w->opts) : shard_copy_file(src_path, dst, &w->opts);
     free(dst);
-    if (!s) json_array_append_new(w->extras, json_string(rel));
     return s;
 }
 
@@ -147,43 +151,47 @@ shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, co
 }
 
 /* ------------------------------------------------- scanning the shard files */
+/* The other files of a Hugging Face model folder: all but hidden ones, config.json and
+ * the weights (*.safetensors and their index). */
+static int is_model_extra(const char *n)
+{
+    size_t len = strlen(n);
+    return n[0] != '.' && strcmp(n, "config.json") && strcmp(n, "model.safetensors.index.json") &&
+           !(len > 12 && !strcmp(n + len - 12, ".safetensors"));
+}
+
+shard_status shard_ckpt_add_folder_extras(shard_ckpt_writer *w, const char *model_dir)
+{
+    DIR *dir = opendir(model_dir);
+    if (!dir) return SHARD_OK; /* the weights were read from it: nothing else to carry */
+    shard_status s = SHARD_OK;
+    struct dirent *e;
+    while (!s && (e = readdir(dir))) {
+        if (!is_model_extra(e->d_name)) continue;
+        char *p = shard_path_join(model_dir, e->d_name);
+        struct stat st;
+        if (!p) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else if (stat(p, &st) == 0 && S_ISREG(st.st_mode)) s = shard_ckpt_add_extra(w, p, e->d_name);
+        free(p);
+    }
+    closedir(dir);
+    return s;
+}
+
+shard_status shard_ckpt_carry_extras(shard_ckpt_writer *w, const shard_ckpt *src)
+{
+    shard_status s = SHARD_OK;
+    for (size_t i = 0; i < src->nextras && !s; i++) s = shard_ckpt_carry_extra(w, src, i);
+    return s;
+}
+
+/* ------------------------------------------------- scanning the shard files */
 typedef struct {
     const char *file_name, *path;
     hid_t file;
     json_t *tensors; /* key "group\nname" -> tensor object */
     shard_status s;
 } scan_ctx;
-
-static int read_attr_str(hid_t ds, const char *name, char *buf, size_t cap)
-{
-    hid_t a = H5Aopen(ds, name, H5P_DEFAULT);
-    if (a < 0) return -1;
-    hid_t t = H5Aget_type(a);
-    size_t n = H5Tget_size(t);
-    int rc = -1;
-    if (H5Tget_class(t) == H5T_STRING && n < cap) {
-        hid_t mt = H5Tcopy(H5T_C_S1);
-        H5Tset_size(mt, n);
-        if (H5Aread(a, mt, buf) >= 0) { buf[n] = 0; rc = 0; }
-        H5Tclose(mt);
-    }
-    H5Tclose(t);
-    H5Aclose(a);
-    return rc;
-}
-
-static int read_attr_i64(hid_t ds, const char *name, int64_t *v, int maxn)
-{
-    hid_t a = H5Aopen(ds, name, H5P_DEFAULT);
-    if (a < 0) return -1;
-    hid_t sp = H5Aget_space(a);
-    hssize_t n = H5Sget_simple_extent_npoints(sp);
-    int rc = -1;
-    if (n >= 1 && n <= maxn && H5Aread(a, H5T_NATIVE_INT64, v) >= 0) rc = (int)n;
-    H5Sclose(sp);
-    H5Aclose(a);
-    return rc;
-}
 
 static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
 {
@@ -199,9 +207,10 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
     int nd = H5Sget_simple_extent_ndims(sp);
     if (nd >= 1 && nd <= SHARD_MAX_DIMS) H5Sget_simple_extent_dims(sp, dims, NULL);
     H5Sclose(sp);
-    int n1 = read_attr_i64(ds, "offset", off, SHARD_MAX_DIMS), n2 = read_attr_i64(ds, "global_shape", gsh, SHARD_MAX_DIMS);
-    int bad = ds < 0 || read_attr_str(ds, "tensor", tname, sizeof tname) || read_attr_str(ds, "dtype", dtn, sizeof dtn) ||
-              read_attr_str(ds, "xxh64", hex, sizeof hex) || n1 != nd || n2 != nd || nd < 1;
+    int n1 = shard_h5_attr_ints(ds, "offset", H5T_NATIVE_INT64, off, 1, SHARD_MAX_DIMS);
+    int n2 = shard_h5_attr_ints(ds, "global_shape", H5T_NATIVE_INT64, gsh, 1, SHARD_MAX_DIMS);
+    int bad = ds < 0 || shard_h5_attr_str(ds, "tensor", tname, sizeof tname) || shard_h5_attr_str(ds, "dtype", dtn, sizeof dtn) ||
+              shard_h5_attr_str(ds, "xxh64", hex, sizeof hex) || n1 != nd || n2 != nd || nd < 1;
     if (ds >= 0) H5Dclose(ds);
     if (bad) { c->s = shard_fail(SHARD_E_INVALID, "%s: dataset /%s lacks the piece attributes", c->path, name); return -1; }
     /* group = the dataset path without its last component */
@@ -233,6 +242,62 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
     return 0;
 }
 
+static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+static void free_names(char **names, size_t n)
+{
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+}
+
+/* The staging folder's shard files (shard-*.h5), sorted by name. */
+static shard_status list_shard_files(const char *staging, char ***out, size_t *count)
+{
+    *out = NULL;
+    *count = 0;
+    DIR *dir = opendir(staging);
+    if (!dir) return shard_fail(SHARD_E_IO, "%s: cannot list: %s", staging, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    shard_status s = SHARD_OK;
+    struct dirent *e;
+    while (!s && (e = readdir(dir))) {
+        size_t len = strlen(e->d_name);
+        if (strncmp(e->d_name, "shard-", 6) || len < 4 || strcmp(e->d_name + len - 3, ".h5")) continue;
+        if (n == cap) {
+            char **grown = realloc(names, (cap = cap ? 2 * cap : 16) * sizeof *names);
+            if (!grown) { s = shard_fail(SHARD_E_NOMEM, "out of memory"); break; }
+            names = grown;
+        }
+        if (!(names[n] = strdup(e->d_name))) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else n++;
+    }
+    closedir(dir);
+    if (s) { free_names(names, n); return s; }
+    if (n) qsort(names, n, sizeof *names, cmp_cstr);
+    *out = names;
+    *count = n;
+    return SHARD_OK;
+}
+
+/* The pieces of every shard file, from their datasets' attributes, into tensors. */
+static shard_status scan_shard_files(const char *staging, char **names, size_t n, json_t *tensors)
+{
+    shard_status s = SHARD_OK;
+    for (size_t i = 0; i < n && !s; i++) {
+        char *p = shard_path_join(staging, names[i]);
+        if (!p) return shard_fail(SHARD_E_NOMEM, "out of memory");
+        scan_ctx c = {names[i], p, -1, tensors, SHARD_OK};
+        c.file = H5Fopen(p, H5F_ACC_RDONLY, H5P_DEFAULT);
+        if (c.file < 0) s = shard_fail(SHARD_E_INVALID, "%s: not a readable HDF5 file", p);
+        else {
+            if (H5Lvisit(c.file, H5_INDEX_NAME, H5_ITER_INC, visit, &c) < 0) s = c.s ? c.s : shard_fail(SHARD_E_INVALID, "%s: cannot list its datasets", p);
+            H5Fclose(c.file);
+        }
+        free(p);
+    }
+    return s;
+}
 
 typedef struct {
     shard_status s;
@@ -242,7 +307,7 @@ typedef struct {
 
 typedef struct {
     const char *dir;
-    const char **names;
+    char **names;
     size_t n;
     hash_result *out;
     size_t next;
@@ -268,7 +333,93 @@ static void *hash_worker(void *arg)
     return NULL;
 }
 
-static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+/* The manifest's entry of a file: its name, size and checksum. */
+static void add_file_entry(json_t *files, const char *name, uint64_t bytes, uint64_t hash)
+{
+    char hex[17];
+    snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
+    json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", name, "bytes", (json_int_t)bytes, "xxh64", hex));
+}
+
+/* Every shard file's checksum (several files at once) into files. */
+static shard_status hash_shard_files(const char *staging, char **names, size_t n, json_t *files)
+{
+    hash_job hj = {staging, names, n, calloc(n + 1, sizeof(hash_result)), 0, PTHREAD_MUTEX_INITIALIZER};
+    if (!hj.out) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    long nc = sysconf(_SC_NPROCESSORS_ONLN);
+    int nt = (int)(nc < 1 ? 1 : nc > 8 ? 8 : nc);
+    if ((size_t)nt > n) nt = (int)n;
+    pthread_t th[8];
+    int started = 0;
+    for (int i = 1; i < nt; i++) if (pthread_create(&th[started], NULL, hash_worker, &hj) == 0) started++;
+    hash_worker(&hj);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+    shard_status s = SHARD_OK;
+    for (size_t i = 0; i < n && !s; i++) {
+        if (hj.out[i].s) s = shard_fail(hj.out[i].s, "%s", hj.out[i].msg);
+        else add_file_entry(files, names[i], hj.out[i].bytes, hj.out[i].hash);
+    }
+    free(hj.out);
+    return s;
+}
+
+/* Every extra file's checksum into files. */
+static shard_status hash_extras(const shard_ckpt_writer *w, json_t *files)
+{
+    shard_status s = SHARD_OK;
+    size_t k;
+    json_t *ev;
+    json_array_foreach(w->extras, k, ev) {
+        char rel[600];
+        snprintf(rel, sizeof rel, "extra/%s", json_string_value(ev));
+        char *p = shard_path_join(w->staging, rel);
+        uint64_t hash, bytes;
+        s = p ? shard_file_xxh64(p, &hash, &bytes) : shard_fail(SHARD_E_NOMEM, "out of memory");
+        free(p);
+        if (s) break;
+        add_file_entry(files, rel, bytes, hash);
+    }
+    return s;
+}
+
+/* The tensors of the manifest in a stable order: by group, then name (the object's
+ * keys sorted). */
+static json_t *sorted_tensors(json_t *tensors)
+{
+    const char **keys = malloc((json_object_size(tensors) + 1) * sizeof *keys);
+    if (!keys) return NULL;
+    size_t nk = 0;
+    const char *key;
+    json_t *val;
+    json_object_foreach(tensors, key, val) keys[nk++] = key;
+    qsort(keys, nk, sizeof *keys, cmp_cstr);
+    json_t *tarr = json_array();
+    for (size_t i = 0; i < nk && tarr; i++) json_array_append(tarr, json_object_get(tensors, keys[i]));
+    free(keys);
+    return tarr;
+}
+
+/* The tensors and files of the staging folder's shard files and extras. */
+static shard_status scan_staging(const shard_ckpt_writer *w, json_t **tensors_out, json_t **files_out)
+{
+    char **names;
+    size_t n;
+    shard_status s = list_shard_files(w->staging, &names, &n);
+    if (s) return s;
+    json_t *tensors = json_object(), *files = json_array();
+    if (!tensors || !files) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!s) s = scan_shard_files(w->staging, names, n, tensors);
+    if (!s) s = hash_shard_files(w->staging, names, n, files);
+    if (!s) s = hash_extras(w, files);
+    free_names(names, n);
+    json_t *sorted = s ? NULL : sorted_tensors(tensors);
+    if (!s && !sorted) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    json_decref(tensors);
+    if (s) { json_decref(files); return s; }
+    *tensors_out = sorted;
+    *files_out = files;
+    return SHARD_OK;
+}
 
 static shard_status fsync_path(const shard_ckpt_writer *w, const char *p, int dir)
 {
@@ -280,91 +431,22 @@ static shard_status fsync_path(const shard_ckpt_writer *w, const char *p, int di
     return s;
 }
 
-shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len, const shard_model_desc *d,
-                               const shard_layout *l, const int *stages, const char *training_json, int overwrite)
+/* The manifest: what the checkpoint holds (tensors, files: taken over) and describes. */
+static shard_status build_manifest(const shard_ckpt_writer *w, json_t *tensors, json_t *files, const char *config_json,
+                                   size_t config_len, const shard_model_desc *d, const shard_layout *l, const int *stages,
+                                   const char *training_json, json_t **out)
 {
-    shard_h5_quiet();
-    shard_status s = SHARD_OK;
-    struct stat st;
-    if (!overwrite && stat(w->final_dir, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", w->final_dir);
-    DIR *dir = opendir(w->staging);
-    if (!dir) return shard_fail(SHARD_E_IO, "%s: cannot list: %s", w->staging, strerror(errno));
-    char **names = NULL;
-    size_t n = 0;
-    struct dirent *e;
-    while ((e = readdir(dir))) {
-        size_t len = strlen(e->d_name);
-        if (strncmp(e->d_name, "shard-", 6) || len < 4 || strcmp(e->d_name + len - 3, ".h5")) continue;
-        names = realloc(names, (n + 1) * sizeof *names);
-        names[n++] = strdup(e->d_name);
-    }
-    closedir(dir);
-    qsort(names, n, sizeof *names, cmp_cstr);
-
-    json_t *tensors = json_object(), *files = json_array();
-    for (size_t i = 0; i < n && !s; i++) {
-        char *p = shard_path_join(w->staging, names[i]);
-        scan_ctx c = {names[i], p, -1, tensors, SHARD_OK};
-        c.file = H5Fopen(p, H5F_ACC_RDONLY, H5P_DEFAULT);
-        if (c.file < 0) s = shard_fail(SHARD_E_INVALID, "%s: not a readable HDF5 file", p);
-        else {
-            if (H5Lvisit(c.file, H5_INDEX_NAME, H5_ITER_INC, visit, &c) < 0) s = c.s ? c.s : shard_fail(SHARD_E_INVALID, "%s: cannot list its datasets", p);
-            H5Fclose(c.file);
-        }
-        free(p);
-    }
-    /* every shard file's checksum, several files at once */
-    hash_job hj = {w->staging, (const char **)names, n, calloc(n + 1, sizeof(hash_result)), 0, PTHREAD_MUTEX_INITIALIZER};
-    if (!s && !hj.out) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (!s) {
-        long nc = sysconf(_SC_NPROCESSORS_ONLN);
-        int nt = (int)(nc < 1 ? 1 : nc > 8 ? 8 : nc);
-        if ((size_t)nt > n) nt = (int)n;
-        pthread_t th[8];
-        int started = 0;
-        for (int i = 1; i < nt; i++) if (pthread_create(&th[started], NULL, hash_worker, &hj) == 0) started++;
-        hash_worker(&hj);
-        for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-        for (size_t i = 0; i < n && !s; i++) {
-            if (hj.out[i].s) { s = shard_fail(hj.out[i].s, "%s", hj.out[i].msg); break; }
-            char hex[17];
-            snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hj.out[i].hash);
-            json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", names[i], "bytes", (json_int_t)hj.out[i].bytes, "xxh64", hex));
+    json_t *tr = json_null();
+    if (training_json) {
+        json_error_t je;
+        tr = json_loads(training_json, JSON_REJECT_DUPLICATES, &je);
+        if (!json_is_object(tr)) {
+            json_decref(tr);
+            json_decref(tensors);
+            json_decref(files);
+            return shard_fail(SHARD_E_USAGE, "%s: the training state is not a JSON object: %s", w->final_dir, je.text);
         }
     }
-    free(hj.out);
-    size_t k;
-    json_t *ev;
-    json_array_foreach(w->extras, k, ev) {
-        if (s) break;
-        char rel[600];
-        snprintf(rel, sizeof rel, "extra/%s", json_string_value(ev));
-        char *p = shard_path_join(w->staging, rel);
-        uint64_t hash, bytes;
-        s = shard_file_xxh64(p, &hash, &bytes);
-        if (!s) {
-            char hex[17];
-            snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
-            json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", rel, "bytes", (json_int_t)bytes, "xxh64", hex));
-        }
-        free(p);
-    }
-    for (size_t i = 0; i < n; i++) free(names[i]);
-    free(names);
-    if (s) { json_decref(tensors); json_decref(files); return s; }
-
-    /* tensors in a stable order: by group, then name (the object's keys sorted) */
-    const char **keys = malloc((json_object_size(tensors) + 1) * sizeof *keys);
-    size_t nk = 0;
-    const char *key;
-    json_t *val;
-    json_object_foreach(tensors, key, val) keys[nk++] = key;
-    qsort(keys, nk, sizeof *keys, cmp_cstr);
-    json_t *tarr = json_array();
-    for (size_t i = 0; i < nk; i++) json_array_append(tarr, json_object_get(tensors, keys[i]));
-    free(keys);
-    json_decref(tensors);
-
     json_t *jst = json_array();
     for (int i = 0; i < l->pp; i++) json_array_append_new(jst, json_integer(stages[i]));
     json_t *m = json_object();
@@ -376,34 +458,39 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     json_object_set_new(m, "model", shard_model_to_json(d));
     json_object_set_new(m, "layout", json_pack("{s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp));
     json_object_set_new(m, "stages", jst);
-    json_object_set_new(m, "tensors", tarr);
+    json_object_set_new(m, "tensors", tensors);
     json_object_set_new(m, "files", files);
-    json_t *tr = json_null();
-    if (training_json) {
-        json_error_t je;
-        tr = json_loads(training_json, JSON_REJECT_DUPLICATES, &je);
-        if (!json_is_object(tr)) {
-            json_decref(tr);
-            json_decref(m);
-            return shard_fail(SHARD_E_USAGE, "%s: the training state is not a JSON object: %s", w->final_dir, je.text);
-        }
-    }
     json_object_set_new(m, "training", tr);
-    char *mp = shard_path_join(w->staging, "smp.json");
-    if (json_dump_file(m, mp, JSON_INDENT(1) | JSON_REAL_PRECISION(17)) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot write the manifest", mp);
-    json_decref(m);
+    *out = m;
+    return SHARD_OK;
+}
+
+/* smp.json into the staging folder, then the folder (and extra/) made durable. */
+static shard_status write_manifest(const shard_ckpt_writer *w, json_t *m)
+{
+    char *mp = shard_path_join(w->staging, "smp.json"), *ex = shard_path_join(w->staging, "extra");
+    shard_status s = SHARD_OK;
+    struct stat st;
+    if (!mp || !ex) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    else if (json_dump_file(m, mp, JSON_INDENT(1) | JSON_REAL_PRECISION(17)) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot write the manifest", mp);
     if (!s) s = fsync_path(w, mp, 0);
-    free(mp);
-    if (!s) {
-        char *ex = shard_path_join(w->staging, "extra");
-        if (stat(ex, &st) == 0) s = fsync_path(w, ex, 1);
-        free(ex);
-    }
+    if (!s && stat(ex, &st) == 0) s = fsync_path(w, ex, 1);
     if (!s) s = fsync_path(w, w->staging, 1);
+    free(mp);
+    free(ex);
+    return s;
+}
+
+/* The staging folder renamed into place; with overwrite, an old checkpoint there is
+ * moved aside first (a crash leaves one of the two whole) and removed after. */
+static shard_status put_in_place(const shard_ckpt_writer *w, int overwrite)
+{
+    shard_status s = SHARD_OK;
+    struct stat st;
     char *old = NULL;
-    if (!s && overwrite && stat(w->final_dir, &st) == 0) {
-        /* replace: move the old one aside first, so a crash leaves one of the two whole */
+    if (overwrite && stat(w->final_dir, &st) == 0) {
         old = malloc(strlen(w->final_dir) + 32);
+        if (!old) return shard_fail(SHARD_E_NOMEM, "out of memory");
         sprintf(old, "%s.old-%ld", w->final_dir, (long)getpid());
         if (rename(w->final_dir, old) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot move aside: %s", w->final_dir, strerror(errno));
     }
@@ -411,6 +498,22 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     if (!s && old) shard_remove_tree(old);
     free(old);
     if (!s && !w->opts.no_fsync) s = shard_fsync_dir_of(w->final_dir);
+    return s;
+}
+
+shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, size_t config_len, const shard_model_desc *d,
+                               const shard_layout *l, const int *stages, const char *training_json, int overwrite)
+{
+    shard_h5_quiet();
+    struct stat st;
+    if (!overwrite && stat(w->final_dir, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", w->final_dir);
+    json_t *tensors, *files, *m;
+    shard_status s = scan_staging(w, &tensors, &files);
+    if (!s) s = build_manifest(w, tensors, files, config_json, config_len, d, l, stages, training_json, &m);
+    if (s) return s;
+    s = write_manifest(w, m);
+    json_decref(m);
+    if (!s) s = put_in_place(w, overwrite);
     if (!s) { free(w->staging); w->staging = NULL; shard_ckpt_abort(w); }
     return s;
 }

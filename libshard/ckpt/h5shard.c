@@ -153,11 +153,41 @@ static shard_status set_attr_64(hid_t obj, const char *name, hid_t ft, hid_t mt,
     return e < 0 ? SHARD_E_IO : SHARD_OK;
 }
 
-/* Copy the sub-box `sub` of the piece from a C-order source into dst (C order of
- * sub), converting dtype. The source is the whole tensor (shape gshape) or, when
- * gshape is NULL, a buffer holding exactly `box`. */
-static shard_status gather(void *dst, shard_dtype dt, const void *src, shard_dtype sdt, const int64_t *gshape,
-                           const shard_box *box, const shard_box *sub)
+int shard_h5_attr_str(hid_t obj, const char *name, char *buf, size_t cap)
+{
+    hid_t a = H5Aopen(obj, name, H5P_DEFAULT);
+    if (a < 0) return -1;
+    hid_t t = H5Aget_type(a), mt = H5Tcopy(H5T_C_S1);
+    size_t n = t < 0 ? 0 : H5Tget_size(t);
+    int rc = -1;
+    /* read as a string one byte longer than the stored one: a null-padded string of n
+     * characters (h5py's) keeps them all */
+    if (t >= 0 && mt >= 0 && H5Tget_class(t) == H5T_STRING && n > 0 && n + 1 < cap && H5Tset_size(mt, n + 1) >= 0 &&
+        H5Aread(a, mt, buf) >= 0) {
+        buf[n + 1] = 0;
+        rc = 0;
+    }
+    if (mt >= 0) H5Tclose(mt);
+    if (t >= 0) H5Tclose(t);
+    H5Aclose(a);
+    return rc;
+}
+
+int shard_h5_attr_ints(hid_t obj, const char *name, hid_t mt, void *v, int64_t min_n, int64_t max_n)
+{
+    hid_t a = H5Aopen(obj, name, H5P_DEFAULT), sp = a < 0 ? -1 : H5Aget_space(a);
+    hssize_t n = sp < 0 ? -1 : H5Sget_simple_extent_npoints(sp);
+    int rc = -1;
+    if (n >= min_n && n <= max_n && n > 0 && H5Sget_simple_extent_ndims(sp) == 1 && H5Aread(a, mt, v) >= 0) rc = (int)n;
+    if (sp >= 0) H5Sclose(sp);
+    if (a >= 0) H5Aclose(a);
+    return rc;
+}
+
+/* Copy the sub-box `sub` of the piece from src, a C-order buffer holding exactly
+ * `box`, into dst (C order of sub), converting dtype. */
+static shard_status gather(void *dst, shard_dtype dt, const void *src, shard_dtype sdt, const shard_box *box,
+                           const shard_box *sub)
 {
     const int nd = sub->ndim;
     const size_t ses = shard_dtype_size(sdt), des = shard_dtype_size(dt);
@@ -169,7 +199,7 @@ static shard_status gather(void *dst, shard_dtype dt, const void *src, shard_dty
         for (int k = nd - 2; k >= 0; k--) { idx[k] = sub->off[k] + (int64_t)(rem % (uint64_t)sub->len[k]); rem /= (uint64_t)sub->len[k]; }
         idx[nd - 1] = sub->off[nd - 1];
         int64_t soff = 0;
-        for (int k = 0; k < nd; k++) soff = gshape ? soff * gshape[k] + idx[k] : soff * box->len[k] + (idx[k] - box->off[k]);
+        for (int k = 0; k < nd; k++) soff = soff * box->len[k] + (idx[k] - box->off[k]);
         shard_status s = shard_convert((char *)dst + (size_t)r * (size_t)rowlen * des, dt, (const char *)src + (size_t)soff * ses, sdt, (size_t)rowlen);
         if (s) return s;
     }
@@ -177,9 +207,8 @@ static shard_status gather(void *dst, shard_dtype dt, const void *src, shard_dty
 }
 
 typedef struct {
-    const void *src;
+    const void *src; /* holds exactly the box */
     shard_dtype sdt;
-    const int64_t *gshape; /* NULL: src holds exactly the box */
     const shard_box *box;
 } mem_source;
 
@@ -187,7 +216,7 @@ typedef struct {
 static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
 {
     const mem_source *m = ctx;
-    return gather(dst, dt, m->src, m->sdt, m->gshape, m->box, sub);
+    return gather(dst, dt, m->src, m->sdt, m->box, sub);
 }
 
 /* --------------------------------------------------------- the chunk pipeline */
@@ -450,17 +479,10 @@ shard_status shard_h5_write_stream(shard_h5_writer *w, const char *group, const 
     return shard_h5_write_pieces(&pc, 1, NULL, NULL);
 }
 
-shard_status shard_h5_write_piece(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
-                                  const int64_t *gshape, const shard_box *box, const void *src, shard_dtype src_dt)
-{
-    mem_source m = {src, src_dt, gshape, box};
-    return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
-}
-
 shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt, int ndim,
                                   const int64_t *gshape, const shard_box *box, const void *local, shard_dtype src_dt)
 {
-    mem_source m = {local, src_dt, NULL, box};
+    mem_source m = {local, src_dt, box};
     return shard_h5_write_stream(w, group, name, dt, ndim, gshape, box, fill_from_memory, &m);
 }
 

@@ -10,7 +10,7 @@
 
 #define MANIFEST_MAX (256u << 20)
 
-#define BAD(...) do { s = shard_fail(SHARD_E_INVALID, __VA_ARGS__); goto out; } while (0)
+#define BAD(...) return shard_fail(SHARD_E_INVALID, __VA_ARGS__)
 
 static int parse_hex(const char *h, uint64_t *v)
 {
@@ -65,13 +65,14 @@ static int cmp_piece_start(const void *a, const void *b, void *ctx)
     return x < y ? -1 : x > y;
 }
 
-/* Any two overlapping boxes? A sweep along dim 0: each box is compared only with
+/* Any two overlapping boxes (1, *a and *b; -1: out of memory)? A sweep along dim 0: each box is compared only with
  * the boxes whose dim-0 interval it meets (tp splits: a few; ZeRO splits: none),
  * not with all of them. */
 static int find_overlap(const piece *p, size_t n, long *a, long *b)
 {
     if (n < 2) return 0;
     size_t *order = malloc(n * sizeof *order), *active = malloc(n * sizeof *active), na = 0;
+    if (!order || !active) { free(order); free(active); return -1; }
     int found = 0;
     for (size_t i = 0; i < n; i++) order[i] = i;
     qsort_r(order, n, sizeof *order, cmp_piece_start, (void *)p);
@@ -155,25 +156,24 @@ static shard_status check_datasets_distinct(shard_ckpt *c, const char *mpath)
 
 static const char *GROUPS[] = {"params", "optim/master", "optim/exp_avg", "optim/exp_avg_sq", "fp8", NULL};
 
-static shard_status validate(shard_ckpt *c, const char *mpath)
+/* format, version, config_json, layout, stages and training */
+static shard_status read_header(shard_ckpt *c, const char *mpath)
 {
-    shard_status s = SHARD_OK;
     json_t *m = c->m;
     if (!json_is_object(m)) BAD("%s: not a JSON object", mpath);
     json_t *f = json_object_get(m, "format"), *v = json_object_get(m, "version");
     if (!json_is_string(f) || strcmp(json_string_value(f), SHARD_FORMAT_NAME)) BAD("%s: \"format\" is not \"smp\"", mpath);
     if (!json_is_integer(v)) BAD("%s: \"version\" missing", mpath);
-    if (json_integer_value(v) != SHARD_FORMAT_VERSION) {
-        s = shard_fail(SHARD_E_UNSUPPORTED, "%s: format version %lld is not supported (this smp reads version %d)", mpath,
-                       (long long)json_integer_value(v), SHARD_FORMAT_VERSION);
-        goto out;
-    }
+    if (json_integer_value(v) != SHARD_FORMAT_VERSION)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: format version %lld is not supported (this smp reads version %d)", mpath,
+                          (long long)json_integer_value(v), SHARD_FORMAT_VERSION);
     json_t *cj = json_object_get(m, "config_json");
     if (!json_is_string(cj)) BAD("%s: \"config_json\" missing", mpath);
     c->config = json_string_value(cj);
     char where[4200];
     snprintf(where, sizeof where, "%s (config_json)", mpath);
-    if ((s = shard_config_parse(c->config, json_string_length(cj), where, &c->model))) goto out;
+    shard_status s = shard_config_parse(c->config, json_string_length(cj), where, &c->model);
+    if (s) return s;
     json_t *l = json_object_get(m, "layout");
     int64_t lv[4];
     const char *lk[4] = {"pp", "tp", "cp", "dp"};
@@ -192,27 +192,36 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         sum += st[k];
     }
     if (sum != c->model.layers) BAD("%s: \"stages\" sum to %lld, not %lld layers", mpath, (long long)sum, (long long)c->model.layers);
-
     json_t *tr = json_object_get(m, "training");
     if (tr && !json_is_null(tr)) {
         if (!json_is_object(tr)) BAD("%s: \"training\" is neither an object nor null", mpath);
-        c->training = json_dumps(tr, JSON_COMPACT | JSON_REAL_PRECISION(17));
+        if (!(c->training = json_dumps(tr, JSON_COMPACT | JSON_REAL_PRECISION(17)))) return shard_fail(SHARD_E_NOMEM, "out of memory");
     }
-    json_t *files = json_object_get(m, "files");
+    return SHARD_OK;
+}
+
+/* "files": names (shard files, extra/...), sizes and checksums; sorted by name (an
+ * index for the pieces' lookups), duplicates refused */
+static shard_status read_files(shard_ckpt *c, const char *mpath)
+{
+    json_t *files = json_object_get(c->m, "files");
     if (!json_is_array(files)) BAD("%s: \"files\" missing", mpath);
-    c->nfiles = json_array_size(files);
-    c->files = calloc(c->nfiles + 1, sizeof *c->files);
-    c->file_bytes = calloc(c->nfiles + 1, 8);
-    c->file_hash = calloc(c->nfiles + 1, 8);
-    c->h5 = malloc((c->nfiles + 1) * sizeof *c->h5);
-    c->fd = malloc((c->nfiles + 1) * sizeof *c->fd);
-    c->extras = calloc(c->nfiles + 1, sizeof *c->extras);
-    c->extra_file = calloc(c->nfiles + 1, sizeof *c->extra_file);
-    for (size_t i = 0; i < c->nfiles; i++) {
+    const size_t n = json_array_size(files);
+    c->files = calloc(n + 1, sizeof *c->files);
+    c->file_bytes = calloc(n + 1, 8);
+    c->file_hash = calloc(n + 1, 8);
+    c->h5 = malloc((n + 1) * sizeof *c->h5);
+    c->fd = malloc((n + 1) * sizeof *c->fd);
+    c->extras = calloc(n + 1, sizeof *c->extras);
+    c->extra_file = calloc(n + 1, sizeof *c->extra_file);
+    c->file_order = malloc((n + 1) * sizeof *c->file_order);
+    if (!c->files || !c->file_bytes || !c->file_hash || !c->h5 || !c->fd || !c->extras || !c->extra_file || !c->file_order)
+        return shard_fail(SHARD_E_NOMEM, "out of memory"); /* nfiles 0: close frees what there is */
+    c->nfiles = n;
+    for (size_t i = 0; i < n; i++) { c->h5[i] = -1; c->fd[i] = -1; } /* close looks at every one */
+    for (size_t i = 0; i < n; i++) {
         json_t *e = json_array_get(files, i);
         json_t *nm = json_object_get(e, "name"), *by = json_object_get(e, "bytes");
-        c->h5[i] = -1;
-        c->fd[i] = -1;
         if (!json_is_string(nm) || !shard_path_is_contained(json_string_value(nm))) BAD("%s: files[%zu]: name missing or leaves the checkpoint folder", mpath, i);
         c->files[i] = json_string_value(nm);
         if (!json_is_integer(by) || json_integer_value(by) < 0) BAD("%s: files[%zu]: bytes missing", mpath, i);
@@ -221,73 +230,100 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
         if (!strncmp(c->files[i], "extra/", 6)) { c->extra_file[c->nextras] = i; c->extras[c->nextras++] = c->files[i] + 6; }
         else if (strchr(c->files[i], '/')) BAD("%s: files[%zu]: \"%s\" is neither a shard file nor under extra/", mpath, i, c->files[i]);
     }
-
-    /* file names sorted (an index for the pieces' lookups), duplicates refused */
-    c->file_order = malloc((c->nfiles + 1) * sizeof *c->file_order);
-    for (size_t i = 0; i < c->nfiles; i++) c->file_order[i] = i;
-    qsort_r(c->file_order, c->nfiles, sizeof *c->file_order, cmp_file, c);
-    for (size_t i = 1; i < c->nfiles; i++)
+    for (size_t i = 0; i < n; i++) c->file_order[i] = i;
+    qsort_r(c->file_order, n, sizeof *c->file_order, cmp_file, c);
+    for (size_t i = 1; i < n; i++)
         if (!strcmp(c->files[c->file_order[i]], c->files[c->file_order[i - 1]])) BAD("%s: file %s is listed twice", mpath, c->files[c->file_order[i]]);
+    return SHARD_OK;
+}
 
-    json_t *ts = json_object_get(m, "tensors");
-    if (!json_is_array(ts)) BAD("%s: \"tensors\" missing", mpath);
-    c->t = calloc(json_array_size(ts) + 1, sizeof *c->t);
-    for (size_t i = 0; i < json_array_size(ts); i++) {
-        json_t *e = json_array_get(ts, i);
-        tensor *t = &c->t[c->n++]; /* counted now: close frees what it holds even if it is refused */
-        json_t *nm = json_object_get(e, "name"), *gr = json_object_get(e, "group"), *dt = json_object_get(e, "dtype"), *sh = json_object_get(e, "shape");
-        if (!json_is_string(nm) || !json_is_string(gr)) BAD("%s: tensors[%zu]: name or group missing", mpath, i);
-        t->t.name = json_string_value(nm);
-        t->t.group = json_string_value(gr);
-        int known = 0;
-        for (int g = 0; GROUPS[g]; g++) known |= !strcmp(GROUPS[g], t->t.group);
-        if (!known) BAD("%s: tensor \"%s\": unknown group \"%s\"", mpath, t->t.name, t->t.group);
-        t->t.dtype = json_is_string(dt) ? shard_dtype_from_name(json_string_value(dt)) : SHARD_DT_INVALID;
-        if (t->t.dtype == SHARD_DT_INVALID || shard_h5_type(t->t.dtype) < 0) BAD("%s: tensor \"%s\": bad dtype", mpath, t->t.name);
-        t->t.ndim = json_is_array(sh) ? (int)json_array_size(sh) : 0;
-        if (t->t.ndim < 1 || t->t.ndim > SHARD_MAX_DIMS || int_array(sh, t->t.ndim, t->t.shape, 0)) BAD("%s: tensor \"%s\": bad shape", mpath, t->t.name);
-        json_t *ps = json_object_get(e, "pieces");
-        if (!json_is_array(ps)) BAD("%s: tensor \"%s\": pieces missing", mpath, t->t.name);
-        t->t.npieces = json_array_size(ps);
-        t->p = calloc(t->t.npieces + 1, sizeof *t->p);
-        uint64_t total = 1, covered = 0;
-        for (int k = 0; k < t->t.ndim; k++) if (!shard_mul_u64(total, (uint64_t)t->t.shape[k], &total)) BAD("%s: tensor \"%s\": shape overflows", mpath, t->t.name);
-        /* every size derived from a shape (bytes, rows x columns, offsets) then fits an int64 */
-        if (total > (UINT64_C(1) << 56)) BAD("%s: tensor \"%s\": more than 2^56 elements", mpath, t->t.name);
-        for (size_t j = 0; j < t->t.npieces; j++) {
-            json_t *pe = json_array_get(ps, j);
-            piece *p = &t->p[j];
-            json_t *pf = json_object_get(pe, "file"), *pd = json_object_get(pe, "dataset");
-            if (!json_is_string(pf) || !json_is_string(pd)) BAD("%s: tensor \"%s\": piece %zu: file or dataset missing", mpath, t->t.name, j);
-            p->file = json_string_value(pf);
-            p->dataset = json_string_value(pd);
-            size_t fi = find_file(c, p->file);
-            if (fi == c->nfiles || strchr(p->file, '/')) BAD("%s: tensor \"%s\": piece %zu: file \"%s\" is not a listed shard file", mpath, t->t.name, j, p->file);
-            p->file_index = fi;
-            p->box.ndim = t->t.ndim;
-            if (int_array(json_object_get(pe, "offset"), t->t.ndim, p->box.off, 0) || int_array(json_object_get(pe, "shape"), t->t.ndim, p->box.len, 1))
-                BAD("%s: tensor \"%s\": piece %zu: bad offset or shape", mpath, t->t.name, j);
-            for (int k = 0; k < t->t.ndim; k++)
-                if (p->box.off[k] > t->t.shape[k] || p->box.len[k] > t->t.shape[k] - p->box.off[k])
-                    BAD("%s: tensor \"%s\": piece %zu lies outside the tensor", mpath, t->t.name, j);
-            if (parse_hex(json_string_value(json_object_get(pe, "xxh64")), &p->xxh64)) BAD("%s: tensor \"%s\": piece %zu: xxh64 missing or malformed", mpath, t->t.name, j);
-            covered += shard_box_numel(&p->box);
-        }
-        long a, b;
-        if (find_overlap(t->p, t->t.npieces, &a, &b)) BAD("%s: tensor \"%s\": pieces %ld and %ld overlap", mpath, t->t.name, a, b);
-        if (covered != total) BAD("%s: tensor \"%s\": pieces cover %llu of %llu elements (holes)", mpath, t->t.name, (unsigned long long)covered, (unsigned long long)total);
+/* Piece j of tensor t: in a listed shard file, inside the tensor. */
+static shard_status read_piece(shard_ckpt *c, const char *mpath, tensor *t, size_t j, json_t *pe)
+{
+    piece *p = &t->p[j];
+    json_t *pf = json_object_get(pe, "file"), *pd = json_object_get(pe, "dataset");
+    if (!json_is_string(pf) || !json_is_string(pd)) BAD("%s: tensor \"%s\": piece %zu: file or dataset missing", mpath, t->t.name, j);
+    p->file = json_string_value(pf);
+    p->dataset = json_string_value(pd);
+    size_t fi = find_file(c, p->file);
+    if (fi == c->nfiles || strchr(p->file, '/')) BAD("%s: tensor \"%s\": piece %zu: file \"%s\" is not a listed shard file", mpath, t->t.name, j, p->file);
+    p->file_index = fi;
+    p->box.ndim = t->t.ndim;
+    if (int_array(json_object_get(pe, "offset"), t->t.ndim, p->box.off, 0) || int_array(json_object_get(pe, "shape"), t->t.ndim, p->box.len, 1))
+        BAD("%s: tensor \"%s\": piece %zu: bad offset or shape", mpath, t->t.name, j);
+    for (int k = 0; k < t->t.ndim; k++)
+        if (p->box.off[k] > t->t.shape[k] || p->box.len[k] > t->t.shape[k] - p->box.off[k])
+            BAD("%s: tensor \"%s\": piece %zu lies outside the tensor", mpath, t->t.name, j);
+    if (parse_hex(json_string_value(json_object_get(pe, "xxh64")), &p->xxh64)) BAD("%s: tensor \"%s\": piece %zu: xxh64 missing or malformed", mpath, t->t.name, j);
+    return SHARD_OK;
+}
+
+/* Tensor i (manifest entry e): name, group, dtype, shape, and pieces that cover it
+ * exactly once. */
+static shard_status read_tensor(shard_ckpt *c, const char *mpath, size_t i, json_t *e)
+{
+    tensor *t = &c->t[c->n++]; /* counted now: close frees what it holds even if it is refused */
+    json_t *nm = json_object_get(e, "name"), *gr = json_object_get(e, "group"), *dt = json_object_get(e, "dtype"), *sh = json_object_get(e, "shape");
+    if (!json_is_string(nm) || !json_is_string(gr)) BAD("%s: tensors[%zu]: name or group missing", mpath, i);
+    t->t.name = json_string_value(nm);
+    t->t.group = json_string_value(gr);
+    int known = 0;
+    for (int g = 0; GROUPS[g]; g++) known |= !strcmp(GROUPS[g], t->t.group);
+    if (!known) BAD("%s: tensor \"%s\": unknown group \"%s\"", mpath, t->t.name, t->t.group);
+    t->t.dtype = json_is_string(dt) ? shard_dtype_from_name(json_string_value(dt)) : SHARD_DT_INVALID;
+    if (t->t.dtype == SHARD_DT_INVALID || shard_h5_type(t->t.dtype) < 0) BAD("%s: tensor \"%s\": bad dtype", mpath, t->t.name);
+    t->t.ndim = json_is_array(sh) ? (int)json_array_size(sh) : 0;
+    if (t->t.ndim < 1 || t->t.ndim > SHARD_MAX_DIMS || int_array(sh, t->t.ndim, t->t.shape, 0)) BAD("%s: tensor \"%s\": bad shape", mpath, t->t.name);
+    json_t *ps = json_object_get(e, "pieces");
+    if (!json_is_array(ps)) BAD("%s: tensor \"%s\": pieces missing", mpath, t->t.name);
+    if (!(t->p = calloc(json_array_size(ps) + 1, sizeof *t->p))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    t->t.npieces = json_array_size(ps);
+    uint64_t total = 1, covered = 0;
+    for (int k = 0; k < t->t.ndim; k++) if (!shard_mul_u64(total, (uint64_t)t->t.shape[k], &total)) BAD("%s: tensor \"%s\": shape overflows", mpath, t->t.name);
+    /* every size derived from a shape (bytes, rows x columns, offsets) then fits an int64 */
+    if (total > (UINT64_C(1) << 56)) BAD("%s: tensor \"%s\": more than 2^56 elements", mpath, t->t.name);
+    for (size_t j = 0; j < t->t.npieces; j++) {
+        shard_status s = read_piece(c, mpath, t, j, json_array_get(ps, j));
+        if (s) return s;
+        covered += shard_box_numel(&t->p[j].box);
     }
-    c->tensor_order = malloc((c->n + 1) * sizeof *c->tensor_order);
+    long a, b;
+    int overlap = find_overlap(t->p, t->t.npieces, &a, &b);
+    if (overlap < 0) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (overlap) BAD("%s: tensor \"%s\": pieces %ld and %ld overlap", mpath, t->t.name, a, b);
+    if (covered != total) BAD("%s: tensor \"%s\": pieces cover %llu of %llu elements (holes)", mpath, t->t.name, (unsigned long long)covered, (unsigned long long)total);
+    return SHARD_OK;
+}
+
+/* "tensors", each once (sorted by group and name: the index of shard_ckpt_find) */
+static shard_status read_tensors(shard_ckpt *c, const char *mpath)
+{
+    json_t *ts = json_object_get(c->m, "tensors");
+    if (!json_is_array(ts)) BAD("%s: \"tensors\" missing", mpath);
+    const size_t n = json_array_size(ts);
+    c->t = calloc(n + 1, sizeof *c->t);
+    c->tensor_order = malloc((n + 1) * sizeof *c->tensor_order);
+    if (!c->t || !c->tensor_order) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++) {
+        shard_status s = read_tensor(c, mpath, i, json_array_get(ts, i));
+        if (s) return s;
+    }
     for (size_t i = 0; i < c->n; i++) c->tensor_order[i] = i;
     qsort_r(c->tensor_order, c->n, sizeof *c->tensor_order, cmp_tensor, c);
     for (size_t i = 1; i < c->n; i++) {
         const tensor *x = &c->t[c->tensor_order[i - 1]], *y = &c->t[c->tensor_order[i]];
         if (!strcmp(x->t.name, y->t.name) && !strcmp(x->t.group, y->t.group)) BAD("%s: tensor \"%s\" (%s) is listed twice", mpath, y->t.name, y->t.group);
     }
-    if ((s = check_datasets_distinct(c, mpath))) goto out;
-    s = check_against_model(c, mpath);
-out:
-    return s;
+    return SHARD_OK;
+}
+
+static shard_status validate(shard_ckpt *c, const char *mpath)
+{
+    shard_status s;
+    if ((s = read_header(c, mpath)) || (s = read_files(c, mpath)) || (s = read_tensors(c, mpath)) ||
+        (s = check_datasets_distinct(c, mpath)))
+        return s;
+    return check_against_model(c, mpath);
 }
 
 void shard_ckpt_close(shard_ckpt *c)
@@ -320,6 +356,7 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     shard_h5_quiet();
     *out = NULL;
     shard_ckpt *c = calloc(1, sizeof *c);
+    if (!c) return shard_fail(SHARD_E_NOMEM, "out of memory");
     pthread_mutex_init(&c->mu, NULL);
     pthread_mutex_init(&c->smu, NULL);
     c->threads = 1;
@@ -328,7 +365,8 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     char *mp = shard_path_join(dir, "smp.json");
     struct stat st;
     shard_status s;
-    if (stat(mp, &st) != 0) s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint, or one that was never committed", dir);
+    if (!mp) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    else if (stat(mp, &st) != 0) s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint, or one that was never committed", dir);
     else {
         char *text;
         size_t len;

@@ -2,6 +2,7 @@
  * backend, and the groups of a layout. Backends: self (here), MPI (mpi.c). */
 #include "comm.h"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -93,6 +94,20 @@ shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *
 }
 
 shard_status shard_comm_barrier(shard_comm *c) { return c->ops->barrier(c); }
+
+shard_status shard_comm_agree(shard_comm *c, shard_status mine, const char *others, int *theirs)
+{
+    if (c->size == 1) return mine;
+    char msg[2048] = ""; /* mine's message, kept through the collective */
+    if (mine) snprintf(msg, sizeof msg, "%s", shard_errmsg());
+    int32_t worst = (int32_t)mine;
+    shard_status s = shard_comm_allreduce(c, &worst, 1, SHARD_DT_I32, SHARD_OP_MAX);
+    if (mine) return s ? shard_fail(mine, "%s", msg) : mine;
+    if (s) return s;
+    if (!worst) return SHARD_OK;
+    if (theirs) *theirs = 1;
+    return shard_fail((shard_status)worst, "%s", others);
+}
 
 /* ----------------------------------------------------------- self backend */
 static shard_status self_split(shard_comm *c, int color, int key, shard_comm **out)

@@ -10,6 +10,8 @@
 /* Parse JSON text strictly: one value, duplicate keys rejected, only whitespace
  * after it; errors name path and the position. */
 shard_status shard_json_parse(const char *text, size_t len, const char *path, json_t **out);
+/* The manifest's "model" object (architecture, dimensions, parameter count). */
+json_t *shard_model_to_json(const shard_model_desc *d);
 /* "dir/name" into a fresh string (NULL on overflow of memory). */
 char *shard_path_join(const char *dir, const char *name);
 /* 1 when name is a plain relative path that stays inside its folder. */

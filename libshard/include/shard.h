@@ -235,6 +235,15 @@ typedef struct {
  * SHARD_E_INVALID. */
 shard_status shard_config_load(const char *path, shard_model_desc *out);
 shard_status shard_config_parse(const char *json, size_t len, const char *path, shard_model_desc *out);
+/* As shard_config_load, also giving the file's text (malloc'd; NULL on failure): what
+ * was parsed is exactly what a checkpoint made from it stores. */
+shard_status shard_config_read(const char *path, shard_model_desc *out, char **text, size_t *len);
+/* The description in config.json's terms (dimensions, max_position_embeddings,
+ * rms_norm_eps, rope_theta, rope_scaling, tie_word_embeddings, sliding_window,
+ * torch_dtype): a new jansson object (json_t *) for the caller to json_decref. */
+void *shard_config_json(const shard_model_desc *d);
+/* config.json's name of a torch_dtype ("bfloat16"), or NULL. */
+const char *shard_torch_dtype_name(shard_dtype dt);
 
 /* The tensors a model description has, in a fixed order (embedding, then each
  * layer's, then the final norm and the head; no lm_head when tied). */
@@ -363,13 +372,9 @@ shard_status shard_compress_parse(const char *text, shard_compress *out);
 /* One shard file being written (by one rank). */
 typedef struct shard_h5_writer shard_h5_writer;
 shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out);
-/* Write the piece `box` of tensor `name` (group "params", "optim/master", ...),
- * taking it from src: a C-order array of the WHOLE tensor (shape gshape, dtype
- * src_dt), converting to dt. Streams in chunks; memory stays bounded. */
-shard_status shard_h5_write_piece(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
-                                  int ndim, const int64_t *gshape, const shard_box *box,
-                                  const void *src, shard_dtype src_dt);
-/* Same, from a buffer holding exactly the box (C order, dtype src_dt). */
+/* Write the piece `box` of tensor `name` (group "params", "optim/master", ...) of the
+ * tensor of shape gshape, taking it from a buffer holding exactly the box (C order,
+ * dtype src_dt), converting to dt. Streams in chunks. */
 shard_status shard_h5_write_local(shard_h5_writer *w, const char *group, const char *name, shard_dtype dt,
                                   int ndim, const int64_t *gshape, const shard_box *box,
                                   const void *local, shard_dtype src_dt);
@@ -469,6 +474,12 @@ const char *shard_ckpt_staging(const shard_ckpt_writer *w);
 shard_status shard_ckpt_add_extra(shard_ckpt_writer *w, const char *src_path, const char *rel_name);
 /* Carry extra file i of checkpoint src into extra/, checked (shard_ckpt_copy_extra). */
 shard_status shard_ckpt_carry_extra(shard_ckpt_writer *w, const shard_ckpt *src, size_t i);
+/* Every extra file of src, so. */
+shard_status shard_ckpt_carry_extras(shard_ckpt_writer *w, const shard_ckpt *src);
+/* The other files of a Hugging Face model folder (tokenizer, generation config, ...):
+ * every regular file but hidden ones, config.json, *.safetensors and
+ * model.safetensors.index.json, each as shard_ckpt_add_extra. */
+shard_status shard_ckpt_add_folder_extras(shard_ckpt_writer *w, const char *model_dir);
 /* training_json: the training state as a JSON object text (step, tokens, data
  * position, RNG, schedule, fp8 scaling, optimizer hyper-parameters ...), stored
  * under "training"; NULL for a checkpoint of weights only. */
@@ -515,6 +526,12 @@ shard_status shard_comm_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt,
 shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
                                  shard_dtype dt, int tag);
 shard_status shard_comm_barrier(shard_comm *c);
+/* Did any rank fail? Each rank gives its own status (mine) and every rank learns the
+ * answer: mine when it is a failure; else, when another rank failed, the highest
+ * status among the failures, with the message `others` ("another process failed"),
+ * and *theirs (may be NULL) set to 1; else SHARD_OK. A failing collective is this
+ * rank's own failure (SHARD_E_IO). One rank: mine. */
+shard_status shard_comm_agree(shard_comm *c, shard_status mine, const char *others, int *theirs);
 /* Bytes this rank has sent through c (reset with shard_comm_reset_bytes). */
 uint64_t shard_comm_bytes(const shard_comm *c);
 void shard_comm_reset_bytes(shard_comm *c);

@@ -7,6 +7,7 @@
 #include "../core/internal.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -18,6 +19,19 @@ typedef struct {
     const char *path;
     json_t *root;
 } ctx;
+
+/* config.json's torch_dtype names */
+static const struct {
+    const char *name;
+    shard_dtype dt;
+} TORCH_DTYPES[] = {{"float32", SHARD_DT_F32}, {"bfloat16", SHARD_DT_BF16}, {"float16", SHARD_DT_F16}, {"float64", SHARD_DT_F64}, {NULL, 0}};
+
+const char *shard_torch_dtype_name(shard_dtype dt)
+{
+    for (int k = 0; TORCH_DTYPES[k].name; k++)
+        if (TORCH_DTYPES[k].dt == dt) return TORCH_DTYPES[k].name;
+    return NULL;
+}
 
 /* Integer field: missing -> def (or error when def < 0 means required). */
 static shard_status get_int(ctx *c, json_t *obj, const char *key, int64_t def, int64_t lo, int64_t hi, int64_t *out)
@@ -169,11 +183,10 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     if (dt && !json_is_null(dt)) {
         if (!json_is_string(dt)) return shard_fail(SHARD_E_INVALID, "%s: \"torch_dtype\": expected a string", c->path);
         const char *n = json_string_value(dt);
-        if (!strcmp(n, "float32")) d->torch_dtype = SHARD_DT_F32;
-        else if (!strcmp(n, "bfloat16")) d->torch_dtype = SHARD_DT_BF16;
-        else if (!strcmp(n, "float16")) d->torch_dtype = SHARD_DT_F16;
-        else if (!strcmp(n, "float64")) d->torch_dtype = SHARD_DT_F64;
-        else return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"torch_dtype\" \"%.40s\" is not supported", c->path, n);
+        for (int k = 0; TORCH_DTYPES[k].name && d->torch_dtype == SHARD_DT_INVALID; k++)
+            if (!strcmp(n, TORCH_DTYPES[k].name)) d->torch_dtype = TORCH_DTYPES[k].dt;
+        if (d->torch_dtype == SHARD_DT_INVALID)
+            return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"torch_dtype\" \"%.40s\" is not supported", c->path, n);
     }
     return SHARD_OK;
 }
@@ -188,13 +201,72 @@ shard_status shard_config_parse(const char *json, size_t len, const char *path, 
     return s;
 }
 
+shard_status shard_config_read(const char *path, shard_model_desc *out, char **text, size_t *len)
+{
+    shard_status s = shard_read_file(path, CONFIG_MAX_BYTES, text, len);
+    if (s) { *text = NULL; return s; }
+    if ((s = shard_config_parse(*text, *len, path, out))) { free(*text); *text = NULL; }
+    return s;
+}
+
 shard_status shard_config_load(const char *path, shard_model_desc *out)
 {
     char *text;
     size_t len;
-    shard_status s = shard_read_file(path, CONFIG_MAX_BYTES, &text, &len);
-    if (s) return s;
-    s = shard_config_parse(text, len, path, out);
+    shard_status s = shard_config_read(path, out, &text, &len);
     free(text);
     return s;
+}
+
+/* ------------------------------------------------- the description as JSON */
+/* The dimensions, by their config.json names: both JSON forms below have them. */
+static const struct {
+    const char *key;
+    size_t off;
+} DIMS[] = {
+    {"hidden_size", offsetof(shard_model_desc, hidden)},
+    {"intermediate_size", offsetof(shard_model_desc, intermediate)},
+    {"num_hidden_layers", offsetof(shard_model_desc, layers)},
+    {"num_attention_heads", offsetof(shard_model_desc, heads)},
+    {"num_key_value_heads", offsetof(shard_model_desc, kv_heads)},
+    {"head_dim", offsetof(shard_model_desc, head_dim)},
+    {"vocab_size", offsetof(shard_model_desc, vocab)},
+};
+
+static void set_dims(json_t *o, const shard_model_desc *d)
+{
+    for (size_t k = 0; k < sizeof DIMS / sizeof DIMS[0]; k++)
+        json_object_set_new(o, DIMS[k].key, json_integer(*(const int64_t *)((const char *)d + DIMS[k].off)));
+}
+
+json_t *shard_model_to_json(const shard_model_desc *d)
+{
+    json_t *o = json_object();
+    json_object_set_new(o, "architecture", json_string(d->architecture));
+    json_object_set_new(o, "model_type", json_string(d->model_type));
+    set_dims(o, d);
+    json_object_set_new(o, "tie_word_embeddings", json_boolean(d->tie_word_embeddings));
+    json_object_set_new(o, "parameters", json_integer((json_int_t)shard_model_param_count(d)));
+    return o;
+}
+
+void *shard_config_json(const shard_model_desc *d)
+{
+    json_t *o = json_object();
+    set_dims(o, d);
+    json_object_set_new(o, "max_position_embeddings", json_integer(d->max_positions));
+    json_object_set_new(o, "rms_norm_eps", json_real(d->rms_norm_eps));
+    json_object_set_new(o, "rope_theta", json_real(d->rope_theta));
+    if (d->rope_llama3)
+        json_object_set_new(o, "rope_scaling", json_pack("{s:s,s:f,s:f,s:f,s:I}", "rope_type", "llama3", "factor", d->rope_factor,
+                                                         "low_freq_factor", d->rope_low_freq_factor, "high_freq_factor",
+                                                         d->rope_high_freq_factor, "original_max_position_embeddings",
+                                                         (json_int_t)d->rope_original_max_positions));
+    else
+        json_object_set_new(o, "rope_scaling", json_null());
+    json_object_set_new(o, "tie_word_embeddings", json_boolean(d->tie_word_embeddings));
+    json_object_set_new(o, "sliding_window", d->sliding_window ? json_integer(d->sliding_window) : json_null());
+    const char *td = shard_torch_dtype_name(d->torch_dtype);
+    json_object_set_new(o, "torch_dtype", td ? json_string(td) : json_null());
+    return o;
 }

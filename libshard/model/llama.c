@@ -130,20 +130,3 @@ shard_status shard_model_check_weights(const shard_model_desc *d, const shard_we
     (void)matched;
     return SHARD_OK;
 }
-
-json_t *shard_model_to_json(const shard_model_desc *d)
-{
-    json_t *o = json_object();
-    json_object_set_new(o, "architecture", json_string(d->architecture));
-    json_object_set_new(o, "model_type", json_string(d->model_type));
-    json_object_set_new(o, "hidden_size", json_integer(d->hidden));
-    json_object_set_new(o, "intermediate_size", json_integer(d->intermediate));
-    json_object_set_new(o, "num_hidden_layers", json_integer(d->layers));
-    json_object_set_new(o, "num_attention_heads", json_integer(d->heads));
-    json_object_set_new(o, "num_key_value_heads", json_integer(d->kv_heads));
-    json_object_set_new(o, "head_dim", json_integer(d->head_dim));
-    json_object_set_new(o, "vocab_size", json_integer(d->vocab));
-    json_object_set_new(o, "tie_word_embeddings", json_boolean(d->tie_word_embeddings));
-    json_object_set_new(o, "parameters", json_integer((json_int_t)shard_model_param_count(d)));
-    return o;
-}
