@@ -23,7 +23,7 @@ int shard_h5_attr_ints(hid_t obj, const char *name, hid_t mt, void *v, int64_t m
 #define SHARD_CHUNKS_MAX 4096             /* per piece: chunk_xxh3 stays a compact attribute */
 #define SHARD_CHUNK_BYTES_MAX (256u << 20) /* readers refuse larger chunks */
 
-/* A piece cut into chunks of whole rows (docs/FORMAT.md, "Chunks"). The piece is seen
+/* A piece cut into chunks of whole rows (docs/FORMAT.md, "Shard files"). The piece is seen
  * as planes x rows x cols (cols: its last dim, rows: the second-last, planes: the
  * product of the others; a 1-D piece is 1 x n x 1). Chunk k holds rows [r0, r0 + nr)
  * of one plane, that is elements [(plane * rows + r0) * cols, + nr * cols) of the

@@ -143,7 +143,7 @@ void shard_fp8_dequantize(float *x, const uint8_t *q, size_t n, float scale, sha
 /* ------------------------------------------------------------- safetensors */
 /* A safetensors file opened for reading: the header is validated against every
  * rule of the reference implementation (huggingface/safetensors) and the data is
- * mapped read-only. See docs/FORMAT.md, "Inputs". */
+ * mapped read-only. See docs/DESIGN.md, "Inputs are hostile", and README.md, "libshard". */
 typedef struct shard_st_file shard_st_file;
 
 #define SHARD_ST_MAX_HEADER 100000000u /* the reference's cap on the header size */
