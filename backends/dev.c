@@ -3,26 +3,9 @@
 #include "dev.h"
 
 #include <dlfcn.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-
-void dev_fail(dev *d, shard_status s, const char *fmt, ...)
-{
-    if (d->err) return;
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(d->errmsg, sizeof d->errmsg, fmt, ap);
-    va_end(ap);
-    d->err = s ? s : SHARD_E_INTERNAL;
-}
-
-shard_status dev_status(dev *d)
-{
-    if (!d->err) return SHARD_OK;
-    return shard_fail(d->err, "%s backend: %s", d->ops ? d->ops->name : "?", d->errmsg);
-}
 
 /* the folder of the library or program that holds this function (build/lib or build/bin) */
 static void own_dir(char *buf, size_t cap)
@@ -101,10 +84,13 @@ void dev_close(dev *d)
     d->ops = NULL;
 }
 
-void dev_upload_f32(dev *d, void *dst, const float *host, size_t n)
+/* up: host fp32 src -> backend dst; else backend src -> host fp32 dst. Directly in
+ * fp32, else converted through a host buffer. */
+static void move_f32(dev *d, void *dst, const void *src, size_t n, int up)
 {
     if (d->dt == SHARD_DT_F32) {
-        d->ops->upload(d, dst, host, n * sizeof(float));
+        if (up) d->ops->upload(d, dst, src, n * sizeof(float));
+        else d->ops->download(d, dst, src, n * sizeof(float));
         return;
     }
     void *tmp = malloc(n ? n * d->es : 1);
@@ -112,23 +98,15 @@ void dev_upload_f32(dev *d, void *dst, const float *host, size_t n)
         dev_fail(d, SHARD_E_NOMEM, "out of host memory staging %zu elements", n);
         return;
     }
-    shard_convert(tmp, d->dt, host, SHARD_DT_F32, n);
-    d->ops->upload(d, dst, tmp, n * d->es);
+    if (up) {
+        shard_convert(tmp, d->dt, src, SHARD_DT_F32, n);
+        d->ops->upload(d, dst, tmp, n * d->es);
+    } else {
+        d->ops->download(d, tmp, src, n * d->es);
+        shard_convert(dst, SHARD_DT_F32, tmp, d->dt, n);
+    }
     free(tmp);
 }
 
-void dev_download_f32(dev *d, float *host, const void *src, size_t n)
-{
-    if (d->dt == SHARD_DT_F32) {
-        d->ops->download(d, host, src, n * sizeof(float));
-        return;
-    }
-    void *tmp = malloc(n ? n * d->es : 1);
-    if (!tmp) {
-        dev_fail(d, SHARD_E_NOMEM, "out of host memory staging %zu elements", n);
-        return;
-    }
-    d->ops->download(d, tmp, src, n * d->es);
-    shard_convert(host, SHARD_DT_F32, tmp, d->dt, n);
-    free(tmp);
-}
+void dev_upload_f32(dev *d, void *dst, const float *host, size_t n) { move_f32(d, dst, host, n, 1); }
+void dev_download_f32(dev *d, float *host, const void *src, size_t n) { move_f32(d, host, src, n, 0); }

@@ -149,7 +149,9 @@ const dev_ops *dev_c_ops(void);
  * SHARD_DT_BF16 (CUDA only). */
 shard_status dev_open(dev *d, const char *backend, shard_dtype dt, int device);
 void dev_close(dev *d);
-/* d->err (SHARD_OK when every op so far succeeded); sets shard_errmsg to d->errmsg */
+/* d->err (SHARD_OK when every op so far succeeded); sets shard_errmsg to d->errmsg
+ * ("<name> backend: ..."). dev_status and dev_fail are dev_err.c's, built into
+ * every backend. */
 shard_status dev_status(dev *d);
 /* Record a failure (first one wins) */
 void dev_fail(dev *d, shard_status s, const char *fmt, ...) __attribute__((format(printf, 3, 4)));

@@ -50,9 +50,9 @@ void op_fp8_dequantize(float *x, const uint8_t *q, size_t n, float scale, int fm
     }
 }
 
-/* dst = dequant(quant(src)): the value the FP8 GEMM would see, as fp32 */
-static void fp8_roundtrip(float *dst, const float *src, size_t n, float scale, shard_dtype dt)
+void op_fp8_roundtrip(float *dst, const float *src, size_t n, float scale, int fmt)
 {
+    const shard_dtype dt = fp8_dtype(fmt);
     const size_t nchunks = (n + FP8_CHUNK - 1) / FP8_CHUNK;
     #pragma omp parallel for schedule(static)
     for (size_t c = 0; c < nchunks; c++) {
@@ -67,7 +67,7 @@ void op_linear_forward_fp8(float *out, const float *inp, const float *weight,
                            int N, int IN, int OUT, float s_in, float s_w, void *scratch)
 {
     float *xq = scratch, *wq = xq + (size_t)N * IN;
-    fp8_roundtrip(xq, inp, (size_t)N * IN, s_in, SHARD_DT_F8_E4M3);
-    fp8_roundtrip(wq, weight, (size_t)OUT * IN, s_w, SHARD_DT_F8_E4M3);
+    op_fp8_roundtrip(xq, inp, (size_t)N * IN, s_in, OP_FP8_E4M3);
+    op_fp8_roundtrip(wq, weight, (size_t)OUT * IN, s_w, OP_FP8_E4M3);
     op_linear_forward(out, xq, wq, N, IN, OUT);
 }

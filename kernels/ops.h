@@ -136,6 +136,9 @@ void op_add(float *y, const float *a, const float *b, size_t n); /* y = a + b; y
 enum { OP_FP8_E4M3 = 0, OP_FP8_E5M2 = 1 };
 void op_fp8_quantize(uint8_t *q, float *amax, const float *x, size_t n, float scale, int fmt);
 void op_fp8_dequantize(float *x, const uint8_t *q, size_t n, float scale, int fmt);
+/* dst = dequant(quant(src)): the values an FP8 GEMM sees, as fp32 (no byte buffer;
+ * dst may be src) */
+void op_fp8_roundtrip(float *dst, const float *src, size_t n, float scale, int fmt);
 /* FP8 linear: out = dequant(quant(inp, s_in)) @ dequant(quant(W, s_w))^T, both in
  * E4M3 (the C backend emulates it exactly: quantize, dequantize, fp32 GEMM).
  * scratch: caller-provided memory of OP_LINEAR_FP8_SCRATCH_BYTES(N, IN, OUT) bytes

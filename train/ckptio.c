@@ -1,11 +1,9 @@
 /* train/ckptio.c: checkpoints and run folders (ckptio.h). */
-#define _XOPEN_SOURCE 700
 #include "ckptio.h"
 
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,6 +11,7 @@
 #include <unistd.h>
 
 #include "fp8.h"
+#include "state.h"
 
 static char *join(const char *a, const char *b)
 {
@@ -74,27 +73,38 @@ shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev
     return s;
 }
 
-shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group, float *dst, int *present)
+size_t ckptio_group_count(shard_ckpt *c, const model *m, const char *group)
 {
     size_t found = 0;
     for (size_t i = 0; i < m->ntensors; i++) found += shard_ckpt_find(c, group, m->spec[i].name) >= 0;
-    *present = found > 0;
-    if (!found) return SHARD_OK;
+    return found;
+}
+
+shard_status ckptio_group_tensor(shard_ckpt *c, const char *group, const shard_tensor_spec *t, long *k)
+{
+    *k = shard_ckpt_find(c, group, t->name);
+    if (*k < 0) return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, t->name);
+    const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)*k);
+    int same = ct->ndim == t->ndim;
+    for (int d = 0; same && d < t->ndim; d++) same = ct->shape[d] == t->shape[d];
+    if (!same)
+        return shard_fail(SHARD_E_INVALID, "%s: %s/%s has a shape other than the model's", shard_ckpt_dir(c), group,
+                          t->name);
+    return SHARD_OK;
+}
+
+shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group, float *dst, int *present)
+{
+    *present = ckptio_group_count(c, m, group) > 0;
+    if (!*present) return SHARD_OK;
     for (size_t i = 0; i < m->ntensors; i++) {
         const shard_tensor_spec *t = &m->spec[i];
-        long k = shard_ckpt_find(c, group, t->name);
-        if (k < 0)
-            return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, t->name);
-        const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)k);
-        int same = ct->ndim == t->ndim;
-        for (int d = 0; same && d < t->ndim; d++) same = ct->shape[d] == t->shape[d];
-        if (!same)
-            return shard_fail(SHARD_E_INVALID, "%s: %s/%s has a shape other than the model's", shard_ckpt_dir(c), group,
-                              t->name);
+        long k;
+        shard_status s = ckptio_group_tensor(c, group, t, &k);
+        if (s) return s;
         shard_box box = {.ndim = t->ndim};
         for (int d = 0; d < t->ndim; d++) box.len[d] = t->shape[d];
-        shard_status s = shard_ckpt_read(c, (size_t)k, &box, dst + m->offset[i], SHARD_DT_F32);
-        if (s) return s;
+        if ((s = shard_ckpt_read(c, (size_t)k, &box, dst + m->offset[i], SHARD_DT_F32))) return s;
     }
     return SHARD_OK;
 }
@@ -129,20 +139,59 @@ void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts)
     }
 }
 
+shard_status ckptio_read_fp8(shard_ckpt *c, fp8_state *f)
+{
+    long h = shard_ckpt_find(c, "fp8", "fp8.amax_history"), sc = shard_ckpt_find(c, "fp8", "fp8.scale");
+    if (h < 0 || sc < 0) return SHARD_OK; /* none saved: fresh scaling state */
+    const shard_ckpt_tensor *th = shard_ckpt_tensor_at(c, (size_t)h), *ts = shard_ckpt_tensor_at(c, (size_t)sc);
+    int64_t rows = (int64_t)f->nlin * FP8_ROLES;
+    if (th->ndim != 2 || th->shape[0] != rows || th->shape[1] != f->hist_len || ts->ndim != 1 || ts->shape[0] != rows) {
+        fprintf(stderr, "smp-train: warning: %s: the saved FP8 scaling state has another shape (history length?); "
+                        "starting a fresh one\n", shard_ckpt_dir(c));
+        return SHARD_OK;
+    }
+    shard_box bh = {.ndim = 2, .len = {rows, f->hist_len}}, bs = {.ndim = 1, .len = {rows}};
+    shard_status s = shard_ckpt_read(c, (size_t)h, &bh, f->hist, SHARD_DT_F32);
+    if (!s) s = shard_ckpt_read(c, (size_t)sc, &bs, f->scale, SHARD_DT_F32);
+    if (!s) s = state_check_fp8(shard_ckpt_dir(c), f->hist, (size_t)(rows * f->hist_len), f->scale, (size_t)rows);
+    return s;
+}
+
+shard_status ckptio_write_grads(const char *dir, const model *m, double loss)
+{
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dir, strerror(errno));
+    char path[4096];
+    snprintf(path, sizeof path, "%s/grads.safetensors", dir);
+    shard_st_writer *w;
+    shard_status s = shard_st_writer_create(path, &w);
+    if (s) return s;
+    char lbuf[64];
+    snprintf(lbuf, sizeof lbuf, "%.17g", loss);
+    s = shard_st_writer_metadata(w, "loss", lbuf);
+    for (size_t i = 0; i < m->ntensors && !s; i++)
+        s = shard_st_writer_declare(w, m->spec[i].name, SHARD_DT_F32, m->spec[i].ndim, m->spec[i].shape);
+    float *g = m->grads, *host = NULL;
+    if (!s && m->dev->cuda) { /* to the host first */
+        host = malloc((m->nparams ? m->nparams : 1) * sizeof(float));
+        if (!host) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else m->dev->ops->download(m->dev, host, m->grads, m->nparams * sizeof(float));
+        g = host;
+    }
+    for (size_t i = 0; i < m->ntensors && !s; i++)
+        s = shard_st_writer_write(w, g + m->offset[i], m->numel[i] * sizeof(float));
+    free(host);
+    if (s) {
+        shard_st_writer_abort(w);
+        return s;
+    }
+    return shard_st_writer_finish(w);
+}
+
 /* the parameters on the host: the model's own array on the C backend, else the
  * copy model_params_download made */
 static const float *host_params(const model *m)
 {
     return m->dev->cuda ? m->hparams : (const float *)m->params;
-}
-
-static shard_status fsync_path(const char *path, int dir)
-{
-    int fd = open(path, (dir ? O_RDONLY | O_DIRECTORY : O_RDONLY) | O_CLOEXEC);
-    if (fd < 0) return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
-    int rc = fsync(fd);
-    close(fd);
-    return rc ? shard_fail(SHARD_E_IO, "%s: fsync failed: %s", path, strerror(errno)) : SHARD_OK;
 }
 
 static shard_status write_latest(const char *run_dir, const char *name)
@@ -172,25 +221,11 @@ static shard_status write_latest(const char *run_dir, const char *name)
         unlink(tmp);
         goto out;
     }
-    s = fsync_path(run_dir, 1);
+    s = shard_fsync_dir(run_dir);
 out:
     free(tmp);
     free(lat);
     return s;
-}
-
-static shard_status write_group(shard_h5_writer *hw, const model *m, const char *group, const float *src,
-                                const shard_dtype *dts)
-{
-    for (size_t i = 0; i < m->ntensors; i++) {
-        const shard_tensor_spec *t = &m->spec[i];
-        shard_box box = {.ndim = t->ndim};
-        for (int d = 0; d < t->ndim; d++) box.len[d] = t->shape[d];
-        shard_status s = shard_h5_write_local(hw, group, t->name, dts ? dts[i] : SHARD_DT_F32, t->ndim, t->shape, &box,
-                                              src + m->offset[i], SHARD_DT_F32);
-        if (s) return s;
-    }
-    return SHARD_OK;
 }
 
 static shard_status write_fp8(shard_h5_writer *hw, const fp8_state *f)
@@ -232,54 +267,6 @@ shard_status ckptio_prepare(const char *run_dir)
     if (mkdir_p(run_dir) != 0)
         return shard_fail(SHARD_E_IO, "%s: cannot create the run folder: %s", run_dir, strerror(errno));
     return SHARD_OK;
-}
-
-shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o)
-{
-    char name[64];
-    snprintf(name, sizeof name, "step-%06lld", (long long)a->step);
-    char *final_dir = join(a->run_dir, name);
-    if (!final_dir) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (mkdir_p(a->run_dir) != 0) {
-        shard_status s = shard_fail(SHARD_E_IO, "%s: cannot create the run folder: %s", a->run_dir, strerror(errno));
-        free(final_dir);
-        return s;
-    }
-    shard_ckpt_writer *cw = NULL;
-    shard_h5_writer *hw = NULL;
-    shard_status s = shard_ckpt_begin(final_dir, &cw);
-    if (s) goto out;
-    char *shard_path = join(shard_ckpt_staging(cw), "shard-00000.h5");
-    if (!shard_path) {
-        s = shard_fail(SHARD_E_NOMEM, "out of memory");
-        goto out;
-    }
-    s = shard_h5_create(shard_path, a->compress, &hw);
-    free(shard_path);
-    const float *hp = host_params(m);
-    if (!hp || !o->hm) s = shard_fail(SHARD_E_INTERNAL, "checkpoint: the host copies of the state are missing");
-    if (!s) s = write_group(hw, m, "params", hp, a->param_dtypes);
-    if (!s) s = write_group(hw, m, "optim/master", o->hmaster ? o->hmaster : hp, NULL);
-    if (!s) s = write_group(hw, m, "optim/exp_avg", o->hm, NULL);
-    if (!s) s = write_group(hw, m, "optim/exp_avg_sq", o->hv, NULL);
-    if (!s && m->fp8) s = write_fp8(hw, m->fp8);
-    if (hw) {
-        if (s) shard_h5_abort(hw);
-        else s = shard_h5_close(hw);
-        hw = NULL;
-    }
-    for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) s = shard_ckpt_carry_extra(cw, a->src, i);
-    if (!s) {
-        shard_layout one = {1, 1, 1, 1};
-        int stages[1] = {m->L};
-        s = shard_ckpt_commit(cw, a->config_json, a->config_len, &m->d, &one, stages, a->training_json, 1);
-        if (!s) cw = NULL; /* a successful commit frees the writer; on failure abort removes the staging */
-    }
-    if (!s) s = write_latest(a->run_dir, name);
-out:
-    if (cw) shard_ckpt_abort(cw);
-    free(final_dir);
-    return s;
 }
 
 static shard_status write_rank_file(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p,
@@ -334,7 +321,7 @@ static shard_status agree(par_ctx *p, shard_status mine)
     return mine;
 }
 
-shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p)
+shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p)
 {
     char name[64];
     snprintf(name, sizeof name, "step-%06lld", (long long)a->step);
@@ -353,11 +340,11 @@ shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const op
     s = agree(p, s);
     if (!s) s = shard_comm_broadcast(p->world, staging, sizeof staging, SHARD_DT_U8, 0);
     if (!s) s = agree(p, write_rank_file(a, m, o, p, staging));
-    if (p->rank == 0) {
+    if (p->rank == 0) { /* the extra files, the manifest, latest */
         for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) s = shard_ckpt_carry_extra(cw, a->src, i);
         if (!s) {
             s = shard_ckpt_commit(cw, a->config_json, a->config_len, &m->d, &p->l, p->stages, a->training_json, 1);
-            if (!s) cw = NULL;
+            if (!s) cw = NULL; /* a successful commit frees the writer; on failure abort removes the staging */
         }
         if (!s) s = write_latest(a->run_dir, name);
         if (cw) shard_ckpt_abort(cw);
@@ -365,12 +352,6 @@ shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const op
     s = agree(p, s);
     free(final_dir);
     return s;
-}
-
-static int rm_entry(const char *path, const struct stat *sb, int flag, struct FTW *ftw)
-{
-    (void)sb; (void)flag; (void)ftw;
-    return remove(path);
 }
 
 static int step_of(const char *name, long long *step)
@@ -395,6 +376,20 @@ static int by_commit(const void *a, const void *b)
     if (x->committed.tv_sec != y->committed.tv_sec) return x->committed.tv_sec < y->committed.tv_sec ? -1 : 1;
     if (x->committed.tv_nsec != y->committed.tv_nsec) return x->committed.tv_nsec < y->committed.tv_nsec ? -1 : 1;
     return x->step < y->step ? -1 : x->step > y->step;
+}
+
+/* Remove an old checkpoint folder: its tree (libshard's), or the link itself when it is
+ * a symbolic link (never what it points at); a warning if it is still there. */
+static void remove_step(const char *p)
+{
+    struct stat st;
+    if (lstat(p, &st) != 0) return;
+    errno = 0;
+    if (S_ISDIR(st.st_mode)) shard_remove_tree(p);
+    else unlink(p);
+    int e = errno;
+    if (lstat(p, &st) == 0)
+        fprintf(stderr, "smp-train: warning: %s: could not remove an old checkpoint: %s\n", p, strerror(e ? e : EEXIST));
 }
 
 /* Keep the `keep` checkpoints committed last (a run resumed from an older step saves
@@ -436,8 +431,7 @@ void ckptio_prune(const char *run_dir, int keep)
             snprintf(name, sizeof name, "step-%06lld", steps[i].step);
             if (latest && !strcmp(name, latest)) continue; /* what a resume needs */
             char *p = join(run_dir, name);
-            if (p && nftw(p, rm_entry, 16, FTW_DEPTH | FTW_PHYS) != 0)
-                fprintf(stderr, "smp-train: warning: %s: could not remove an old checkpoint: %s\n", p, strerror(errno));
+            if (p) remove_step(p);
             free(p);
         }
     }

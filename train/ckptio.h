@@ -28,6 +28,17 @@ shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev
  * like m->params), converting to fp32; SHARD_E_INVALID names a missing tensor or a
  * wrong shape. *present: 0 when the group holds none of the tensors (nothing read). */
 shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
+/* How many of m's tensors `group` holds (0: none of them). */
+size_t ckptio_group_count(shard_ckpt *c, const model *m, const char *group);
+/* Tensor t of `group`: *k, its index in c, once it is found with t's (global) shape;
+ * SHARD_E_INVALID naming it otherwise. */
+shard_status ckptio_group_tensor(shard_ckpt *c, const char *group, const shard_tensor_spec *t, long *k);
+/* The FP8 scaling state saved in c into f (scales and amax history, checked): nothing
+ * when none was saved, a warning and nothing when it has another shape. */
+shard_status ckptio_read_fp8(shard_ckpt *c, fp8_state *f);
+/* --dump-grads: m's gradients (fp32, host or backend) into dir/grads.safetensors, with
+ * the loss in its metadata; dir is created if needed. */
+shard_status ckptio_write_grads(const char *dir, const model *m, double loss);
 /* Threads each rank reads its boxes with: the host's cores over the ranks that share
  * the host (Open MPI says how many; else all world_size are assumed to), 1..16. */
 int ckptio_load_threads(int world_size);
@@ -50,14 +61,14 @@ typedef struct {
 } ckptio_save_args;
 /* Create the run folder (and its parents) if needed. */
 shard_status ckptio_prepare(const char *run_dir);
-/* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it. */
-shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o);
-/* The same from every rank of p at once (collective over p->world): rank 0 begins
- * the staging folder and broadcasts it, every rank writes shard-RRRRR.h5 with the
- * pieces it stores (params where shard_partition says writes, the optimizer blocks
- * where shard_partition_optim says writes; fp8 and extra/ files by rank 0), all
- * agree, rank 0 commits and replaces latest. Every rank returns the same status. */
-shard_status ckptio_save_par(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p);
+/* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it, from every rank
+ * of p at once (collective over p->world; one rank: p->size 1): rank 0 creates the
+ * run folder, begins the staging folder and broadcasts it; every rank writes
+ * shard-RRRRR.h5 with the pieces it stores (params where shard_partition says
+ * writes, the optimizer blocks where shard_partition_optim says writes; fp8 and
+ * extra/ files by rank 0); all agree; rank 0 commits and replaces latest. Every rank
+ * returns the same status. */
+shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p);
 /* Remove all but the newest `keep` step-NNNNNN folders of run_dir (keep 0: none
  * removed). Failures are reported as warnings only. */
 void ckptio_prune(const char *run_dir, int keep);

@@ -1,4 +1,4 @@
-/* train/fp8.c: the FP8 recipe (see fp8.h), emulated on the C backend. */
+/* train/fp8.c: the FP8 recipe: scaling state, amax history, scale updates (fp8.h). */
 #include "fp8.h"
 
 #include <math.h>
@@ -35,25 +35,8 @@ fp8_state *fp8_create(fp8_mode mode, int nlin, int hist_len, float margin)
 void fp8_free(fp8_state *s)
 {
     if (!s) return;
-    free(s->hist); free(s->scale); free(s->step_amax); free(s->scratch); free(s->qbuf);
+    free(s->hist); free(s->scale); free(s->step_amax);
     free(s);
-}
-
-shard_status fp8_reserve(fp8_state *s, size_t floats, size_t bytes)
-{
-    if (floats > s->scratch_cap) {
-        float *p = realloc(s->scratch, floats * sizeof(float));
-        if (!p) return shard_fail(SHARD_E_NOMEM, "out of memory for the FP8 scratch");
-        s->scratch = p;
-        s->scratch_cap = floats;
-    }
-    if (bytes > s->qbuf_cap) {
-        uint8_t *p = realloc(s->qbuf, bytes);
-        if (!p) return shard_fail(SHARD_E_NOMEM, "out of memory for the FP8 scratch");
-        s->qbuf = p;
-        s->qbuf_cap = bytes;
-    }
-    return SHARD_OK;
 }
 
 static float fmt_max(int role)
@@ -70,22 +53,8 @@ static float scale_from(float amax, float prev, int role, float margin)
     return isfinite(sc) && sc > 0.0f ? sc : prev;
 }
 
-static float *scratch(fp8_state *s, size_t n)
+float fp8_use_scale(fp8_state *s, int idx, int role, float amax)
 {
-    if (n > s->scratch_cap) {
-        float *p = realloc(s->scratch, n * sizeof(float));
-        if (!p) abort(); /* unreachable: fp8_reserve sized it for the largest layer */
-        s->scratch = p;
-        s->scratch_cap = n;
-    }
-    return s->scratch;
-}
-
-/* The scale of (idx, role) for tensor x of n elements, recording its amax for the
- * step. */
-static float use_scale(fp8_state *s, int idx, int role, const float *x, size_t n)
-{
-    float amax = op_amax(x, n);
     if (s->frozen) /* validation: the same scales, no trace in the step's amaxes */
         return s->mode == FP8_CURRENT ? scale_from(amax, s->scale[idx * FP8_ROLES + role], role, s->margin)
                                       : s->scale[idx * FP8_ROLES + role];
@@ -94,41 +63,6 @@ static float use_scale(fp8_state *s, int idx, int role, const float *x, size_t n
     float *sc = &s->scale[idx * FP8_ROLES + role];
     if (s->mode == FP8_CURRENT) *sc = scale_from(amax, *sc, role, s->margin);
     return *sc;
-}
-
-static void roundtrip(fp8_state *s, float *dst, const float *src, size_t n, float scale, int fmt)
-{
-    if (n > s->qbuf_cap) {
-        uint8_t *p = realloc(s->qbuf, n);
-        if (!p) abort(); /* unreachable, as above */
-        s->qbuf = p;
-        s->qbuf_cap = n;
-    }
-    op_fp8_quantize(s->qbuf, NULL, src, n, scale, fmt);
-    op_fp8_dequantize(dst, s->qbuf, n, scale, fmt);
-}
-
-void fp8_linear_forward(fp8_state *s, int idx, float *out, const float *inp, const float *w, int N, int IN, int OUT)
-{
-    size_t ni = (size_t)N * IN, nw = (size_t)OUT * IN;
-    float s_in = use_scale(s, idx, FP8_ROLE_INPUT, inp, ni);
-    float s_w = use_scale(s, idx, FP8_ROLE_WEIGHT, w, nw);
-    void *buf = scratch(s, OP_LINEAR_FP8_SCRATCH_BYTES(N, IN, OUT) / sizeof(float));
-    op_linear_forward_fp8(out, inp, w, N, IN, OUT, s_in, s_w, buf);
-}
-
-void fp8_linear_backward(fp8_state *s, int idx, float *dinp, float *dw, const float *dout, const float *inp,
-                         const float *w, int N, int IN, int OUT)
-{
-    size_t ng = (size_t)N * OUT, ni = (size_t)N * IN, nw = (size_t)OUT * IN;
-    float s_g = use_scale(s, idx, FP8_ROLE_GRAD, dout, ng);
-    /* the forward's scales (current scaling recomputes the same ones) */
-    float s_in = s->scale[idx * FP8_ROLES + FP8_ROLE_INPUT], s_w = s->scale[idx * FP8_ROLES + FP8_ROLE_WEIGHT];
-    float *g = scratch(s, ng + ni + nw), *xi = g + ng, *wq = xi + ni;
-    roundtrip(s, g, dout, ng, s_g, OP_FP8_E5M2);
-    roundtrip(s, xi, inp, ni, s_in, OP_FP8_E4M3);
-    roundtrip(s, wq, w, nw, s_w, OP_FP8_E4M3);
-    op_linear_backward(dinp, dw, g, xi, wq, N, IN, OUT);
 }
 
 void fp8_step_end(fp8_state *s, int discard)

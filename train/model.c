@@ -2,6 +2,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -26,12 +27,17 @@ static void dfree(model *m, void *p)
 /* element i of a compute-dtype buffer */
 #define AT(p, i) dev_at(m->dev, (p), (size_t)(i))
 
-long model_find(const model *m, const char *name)
-{
-    for (size_t i = 0; i < m->ntensors; i++)
-        if (!strcmp(m->spec[i].name, name)) return (long)i;
-    return -1;
-}
+/* where a layer tensor of each role is viewed: its field in layer_params and in
+ * layer_grads (the same name) */
+#define FIELD(role, f) [role] = {offsetof(layer_params, f), offsetof(layer_grads, f)}
+static const struct {
+    size_t w, g;
+} LAYER_FIELD[] = {
+    FIELD(SHARD_T_Q, q), FIELD(SHARD_T_K, k), FIELD(SHARD_T_V, v), FIELD(SHARD_T_O, o), FIELD(SHARD_T_GATE, gate),
+    FIELD(SHARD_T_UP, up), FIELD(SHARD_T_DOWN, down), FIELD(SHARD_T_NORM_ATTN, norm_attn),
+    FIELD(SHARD_T_NORM_MLP, norm_mlp),
+};
+#undef FIELD
 
 /* point the per-tensor views at params/grads (offsets and sizes already set) */
 static shard_status bind(model *m)
@@ -41,21 +47,18 @@ static shard_status bind(model *m)
         const shard_tensor_spec *t = &m->spec[i];
         void *p = AT(m->params, m->offset[i]);
         float *g = m->grads + m->offset[i];
-        layer_params *lw = t->layer >= 0 ? &m->lw[t->layer] : NULL;
-        layer_grads *lg = t->layer >= 0 ? &m->lg[t->layer] : NULL;
-        switch (t->role) {
-        case SHARD_T_EMBED: m->embed = p; m->dembed = g; break;
-        case SHARD_T_Q: lw->q = p; lg->q = g; break;
-        case SHARD_T_K: lw->k = p; lg->k = g; break;
-        case SHARD_T_V: lw->v = p; lg->v = g; break;
-        case SHARD_T_O: lw->o = p; lg->o = g; break;
-        case SHARD_T_GATE: lw->gate = p; lg->gate = g; break;
-        case SHARD_T_UP: lw->up = p; lg->up = g; break;
-        case SHARD_T_DOWN: lw->down = p; lg->down = g; break;
-        case SHARD_T_NORM_ATTN: lw->norm_attn = p; lg->norm_attn = g; break;
-        case SHARD_T_NORM_MLP: lw->norm_mlp = p; lg->norm_mlp = g; break;
-        case SHARD_T_NORM_FINAL: m->norm_final = p; m->dnorm_final = g; break;
-        case SHARD_T_HEAD: m->head = p; m->dhead = g; break;
+        if (t->layer >= 0) {
+            *(void **)((char *)&m->lw[t->layer] + LAYER_FIELD[t->role].w) = p;
+            *(float **)((char *)&m->lg[t->layer] + LAYER_FIELD[t->role].g) = g;
+        } else if (t->role == SHARD_T_EMBED) {
+            m->embed = p;
+            m->dembed = g;
+        } else if (t->role == SHARD_T_NORM_FINAL) {
+            m->norm_final = p;
+            m->dnorm_final = g;
+        } else if (t->role == SHARD_T_HEAD) {
+            m->head = p;
+            m->dhead = g;
         }
     }
     if (m->d.tie_word_embeddings) { /* one tensor, two uses: both gradients sum into it */
@@ -327,6 +330,19 @@ static void layer_sizes(const model *m, size_t *n, size_t *es)
     memcpy(es, ee, sizeof ee);
 }
 
+/* The positions of this rank's T tokens (and every cp rank's) and their RoPE tables:
+ * cp rank i holds chunks i and 2C-1-i of T/2 tokens each (C = 1: 0..T-1). */
+static void set_positions(model *m, int T, int C)
+{
+    for (int i = 0; i < C; i++)
+        for (int t = 0; t < T; t++)
+            m->cp_pos[(size_t)i * T + t] = C == 1 ? t : t < T / 2 ? i * (T / 2) + t : (2 * C - 1 - i) * (T / 2) + t - T / 2;
+    memcpy(m->pos, m->cp_pos + (size_t)(C > 1 ? m->cp_rank : 0) * T, (size_t)T * sizeof(int32_t));
+    OPS->upload(DV, m->cp_pos_d, m->cp_pos, (size_t)T * C * sizeof(int32_t));
+    OPS->upload(DV, m->pos_d, m->pos, (size_t)T * sizeof(int32_t));
+    OPS->rope_table(DV, m->cos_t, m->sin_t, m->pos_d, T, m->inv_freq_d, m->hd);
+}
+
 shard_status model_alloc_slots(model *m, int B, int T, int nslots)
 {
     free_acts(m);
@@ -399,14 +415,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
             return s;
         }
     }
-    /* cp rank i: chunks i and 2C-1-i of T/2 tokens each (C = 1: 0..T-1) */
-    for (int i = 0; i < C; i++)
-        for (int t = 0; t < T; t++)
-            m->cp_pos[(size_t)i * T + t] = C == 1 ? t : t < T / 2 ? i * (T / 2) + t : (2 * C - 1 - i) * (T / 2) + t - T / 2;
-    memcpy(m->pos, m->cp_pos + (size_t)(C > 1 ? m->cp_rank : 0) * T, (size_t)T * sizeof(int32_t));
-    OPS->upload(DV, m->cp_pos_d, m->cp_pos, (size_t)T * C * sizeof(int32_t));
-    OPS->upload(DV, m->pos_d, m->pos, (size_t)T * sizeof(int32_t));
-    OPS->rope_table(DV, m->cos_t, m->sin_t, m->pos_d, T, m->inv_freq_d, m->hd);
+    set_positions(m, T, C);
     return dev_status(DV);
 }
 

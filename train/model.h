@@ -33,11 +33,10 @@
 #include "ops.h"
 #include "shard.h"
 
-/* FP8 recipe of the linear layers in the transformer blocks (fp8.c). */
-typedef enum { FP8_OFF = 0, FP8_DELAYED, FP8_CURRENT } fp8_mode;
-typedef struct fp8_state fp8_state;
+typedef struct fp8_state fp8_state; /* the FP8 recipe of the blocks' linear layers (fp8.h) */
 
-/* a layer's weights (the compute dtype) and their gradients (fp32) */
+/* a layer's weights (the compute dtype) and their gradients (fp32): one field per
+ * layer tensor role, the same names in both */
 typedef struct {
     void *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
 } layer_params;
@@ -183,8 +182,6 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots);
  * sequence parallelism (what a pipeline stage sends and receives). */
 size_t model_local_rows(const model *m);
 void model_use_slot(model *m, int k);
-/* Index of the tensor with this name, or -1. */
-long model_find(const model *m, const char *name);
 
 /* Forward of one microbatch: tokens and targets [B*T] (targets < 0 are ignored).
  * Fills losses[B*T] (per token) and returns their sum (in double, summed in row

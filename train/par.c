@@ -6,6 +6,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "ckptio.h"
+
 shard_status par_init_world(par_ctx *p, int mpi)
 {
     memset(p, 0, sizeof *p);
@@ -49,56 +51,13 @@ void par_free(par_ctx *p)
     memset(p, 0, sizeof *p);
 }
 
-shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int micro, model *m)
+/* ZeRO-1: this rank's block of each local tensor (rows [k br, (k+1) br) of dim 0 for
+ * dp*cp rank k), checked against shard_partition_optim's box, and the packing buffers */
+static shard_status zero1_blocks(par_ctx *p, const model *m)
 {
-    p->l = *l;
-    memcpy(p->stages, stages, (size_t)l->pp * sizeof *stages);
-    shard_status s = shard_groups_create(p->world, l, &p->g);
-    if (s) return s;
-    p->dev = m->dev;
-    if ((s = m->dev->ops->comm_for(m->dev, p->world, &p->dworld, &p->dg_owned))) return s;
-    if (!p->dg_owned) p->dg = p->g;
-    else if ((s = shard_groups_create(p->dworld, l, &p->dg))) return s;
-    p->ndp = l->dp * l->cp;
-    const size_t n = m->ntensors;
-    p->pp = calloc(n, sizeof *p->pp);
-    p->op = calloc(n, sizeof *p->op);
-    p->rowsz = calloc(n, sizeof(size_t));
-    p->rows = calloc(n, sizeof(size_t));
-    p->blkrows = calloc(n, sizeof(size_t));
-    p->zoff = calloc(n, sizeof(size_t));
-    p->zn = calloc(n, sizeof(size_t));
-    p->zbase = calloc(n, sizeof(size_t));
-    if (!p->pp || !p->op || !p->rowsz || !p->rows || !p->blkrows || !p->zoff || !p->zn || !p->zbase)
-        return shard_fail(SHARD_E_NOMEM, "out of memory");
     const int k = shard_comm_rank(p->g.dpcp);
-    for (size_t i = 0; i < n; i++)
-        if ((s = shard_partition(&m->d, l, stages, &m->spec[i], p->rank, &p->pp[i])) ||
-            (s = shard_partition_optim(&m->d, l, stages, &m->spec[i], p->rank, &p->op[i])))
-            return s;
-    /* the model of this rank: its pieces only */
-    if ((s = model_localize(m, p->pp, l->tp))) return s;
-    m->tp = p->dg.tp;
-    model_set_cp(m, p->dg.cp, l->cp, p->g.me.cp);
-    p->stage = p->g.me.pp;
-    p->nstages = l->pp;
-    int l0 = 0;
-    for (int j = 0; j < p->stage; j++) l0 += stages[j];
-    model_set_stage(m, l0, l0 + stages[p->stage], p->stage == 0, p->stage == l->pp - 1);
-    p->nslots = l->pp > 1 ? (micro < l->pp - p->stage ? micro : l->pp - p->stage) : 1;
-    /* tied embeddings over stages: the first stage's table and the last stage's copy
-     * get the sum of both gradients */
-    if (l->pp > 1 && m->d.tie_word_embeddings &&
-        (s = shard_comm_split(p->dg.pp, m->first || m->last ? 0 : 1, p->stage, &p->emb)))
-        return s;
-    /* kv heads fewer than tp: each is replicated on kv_rep consecutive tp ranks, whose
-     * k/v weight gradients (each from its own query heads) are summed over kvc */
-    p->kv_rep = m->d.kv_heads < l->tp ? l->tp / (int)m->d.kv_heads : 1;
-    if (p->kv_rep > 1 &&
-        (s = shard_comm_split(p->dg.tp, p->g.me.tp / p->kv_rep, p->g.me.tp % p->kv_rep, &p->kvc)))
-        return s;
     p->zpad = p->zsum = 0;
-    for (size_t i = 0; i < n; i++) {
+    for (size_t i = 0; i < m->ntensors; i++) {
         const shard_box *b = &p->pp[i].box;
         size_t rows = 0, rowsz = 1;
         if (p->pp[i].holds) {
@@ -135,32 +94,63 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     return SHARD_OK;
 }
 
-static shard_status check_shape(shard_ckpt *c, const shard_tensor_spec *t, const char *group, long k)
+shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int micro, model *m)
 {
-    const shard_ckpt_tensor *ct = shard_ckpt_tensor_at(c, (size_t)k);
-    int same = ct->ndim == t->ndim;
-    for (int d = 0; same && d < t->ndim; d++) same = ct->shape[d] == t->shape[d];
-    if (!same)
-        return shard_fail(SHARD_E_INVALID, "%s: %s/%s has a shape other than the model's", shard_ckpt_dir(c), group,
-                          t->name);
-    return SHARD_OK;
-}
-
-static size_t group_found(shard_ckpt *c, const model *m, const char *group)
-{
-    size_t found = 0;
-    for (size_t i = 0; i < m->ntensors; i++) found += shard_ckpt_find(c, group, m->spec[i].name) >= 0;
-    return found;
+    p->l = *l;
+    memcpy(p->stages, stages, (size_t)l->pp * sizeof *stages);
+    shard_status s = shard_groups_create(p->world, l, &p->g);
+    if (s) return s;
+    p->dev = m->dev;
+    if ((s = m->dev->ops->comm_for(m->dev, p->world, &p->dworld, &p->dg_owned))) return s;
+    if (!p->dg_owned) p->dg = p->g;
+    else if ((s = shard_groups_create(p->dworld, l, &p->dg))) return s;
+    p->ndp = l->dp * l->cp;
+    const size_t n = m->ntensors;
+    p->pp = calloc(n, sizeof *p->pp);
+    p->op = calloc(n, sizeof *p->op);
+    p->rowsz = calloc(n, sizeof(size_t));
+    p->rows = calloc(n, sizeof(size_t));
+    p->blkrows = calloc(n, sizeof(size_t));
+    p->zoff = calloc(n, sizeof(size_t));
+    p->zn = calloc(n, sizeof(size_t));
+    p->zbase = calloc(n, sizeof(size_t));
+    if (!p->pp || !p->op || !p->rowsz || !p->rows || !p->blkrows || !p->zoff || !p->zn || !p->zbase)
+        return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < n; i++)
+        if ((s = shard_partition(&m->d, l, stages, &m->spec[i], p->rank, &p->pp[i])) ||
+            (s = shard_partition_optim(&m->d, l, stages, &m->spec[i], p->rank, &p->op[i])))
+            return s;
+    /* the model of this rank: its pieces only */
+    if ((s = model_localize(m, p->pp, l->tp))) return s;
+    m->tp = p->dg.tp;
+    model_set_cp(m, p->dg.cp, l->cp, p->g.me.cp);
+    p->stage = p->g.me.pp;
+    p->nstages = l->pp;
+    int l0 = 0;
+    for (int j = 0; j < p->stage; j++) l0 += stages[j];
+    model_set_stage(m, l0, l0 + stages[p->stage], p->stage == 0, p->stage == l->pp - 1);
+    p->nslots = l->pp > 1 ? (micro < l->pp - p->stage ? micro : l->pp - p->stage) : 1;
+    /* tied embeddings over stages: the first stage's table and the last stage's copy
+     * get the sum of both gradients */
+    if (l->pp > 1 && m->d.tie_word_embeddings &&
+        (s = shard_comm_split(p->dg.pp, m->first || m->last ? 0 : 1, p->stage, &p->emb)))
+        return s;
+    /* kv heads fewer than tp: each is replicated on kv_rep consecutive tp ranks, whose
+     * k/v weight gradients (each from its own query heads) are summed over kvc */
+    p->kv_rep = m->d.kv_heads < l->tp ? l->tp / (int)m->d.kv_heads : 1;
+    if (p->kv_rep > 1 &&
+        (s = shard_comm_split(p->dg.tp, p->g.me.tp / p->kv_rep, p->g.me.tp % p->kv_rep, &p->kvc)))
+        return s;
+    return zero1_blocks(p, m);
 }
 
 shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *group, int *present)
 {
-    *present = group_found(c, m, group) > 0;
+    *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
     for (size_t i = 0; i < m->ntensors; i++) {
-        long k = shard_ckpt_find(c, group, m->spec[i].name);
-        if (k < 0) return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, m->spec[i].name);
-        shard_status s = check_shape(c, &m->spec[i], group, k);
+        long k;
+        shard_status s = ckptio_group_tensor(c, group, &m->spec[i], &k);
         if (s) return s;
         if (!p->pp[i].holds || !m->numel[i]) continue;
         float *host = model_params_host(m);
@@ -172,13 +162,12 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *gr
 
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present)
 {
-    *present = group_found(c, m, group) > 0;
+    *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
     size_t base = 0;
     for (size_t i = 0; i < m->ntensors; i++) {
-        long k = shard_ckpt_find(c, group, m->spec[i].name);
-        if (k < 0) return shard_fail(SHARD_E_INVALID, "%s: group %s lacks tensor \"%s\"", shard_ckpt_dir(c), group, m->spec[i].name);
-        shard_status s = check_shape(c, &m->spec[i], group, k);
+        long k;
+        shard_status s = ckptio_group_tensor(c, group, &m->spec[i], &k);
         if (s) return s;
         if (p->zn[i] && (s = shard_ckpt_read(c, (size_t)k, &p->op[i].box, dst + base, SHARD_DT_F32))) return s;
         base += p->zn[i];

@@ -8,7 +8,7 @@
 
 #include <stdint.h>
 
-#include "model.h"
+#include "fp8.h"
 #include "shard.h"
 
 typedef struct {

@@ -1,34 +1,30 @@
-/* backends/c/dev_c.c: the C backend of dev.h: host memory, fp32, kernels/ops.h. */
+/* backends/c/dev_c.c: the C backend of dev.h: host memory, fp32, kernels/ops.h (FP8:
+ * fp8_c.c). */
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <string.h>
 
-#include "dev.h"
-#include "fp8.h"
+#include "dev_c.h"
 #include "ops.h"
 #include "optim.h"
 
 static shard_status c_init(dev *d, int device)
 {
-    (void)device;
     d->cuda = 0;
     if (d->dt != SHARD_DT_F32) return shard_fail(SHARD_E_USAGE, "the C backend computes in fp32");
     return SHARD_OK;
 }
-static void c_fini(dev *d) { (void)d; }
-static const char *c_describe(dev *d)
+static void c_fini(dev *d)
 {
-    (void)d;
-    return "CPU (C ops, OpenMP, BLAS)";
+    c_impl *c = d->impl;
+    if (c) free(c->fp8_scratch);
+    free(c);
+    d->impl = NULL;
 }
-static size_t c_mem_used(dev *d)
-{
-    (void)d;
-    return 0;
-}
+static const char *c_describe(dev *d) { return "CPU (C ops, OpenMP, BLAS)"; }
+static size_t c_mem_used(dev *d) { return 0; }
 static shard_status c_comm_for(dev *d, shard_comm *host, shard_comm **out, int *owned)
 {
-    (void)d;
     *out = host;
     *owned = 0;
     return SHARD_OK;
@@ -50,120 +46,99 @@ static void *c_alloc(dev *d, size_t bytes)
 }
 static void c_release(dev *d, void *p)
 {
-    (void)d;
     free(p);
 }
 static void c_zero(dev *d, void *p, size_t bytes)
 {
-    (void)d;
     memset(p, 0, bytes);
 }
 static void c_copy(dev *d, void *dst, const void *src, size_t bytes)
 {
-    (void)d;
     if (dst != src) memmove(dst, src, bytes);
 }
 static shard_status c_sync(dev *d) { return d->err; }
 
 static void c_embedding_forward(dev *d, void *out, const int32_t *tokens, const void *wte, int N, int H, int vs, int vl)
 {
-    (void)d;
     op_embedding_forward(out, tokens, wte, N, H, vs, vl);
 }
 static void c_embedding_backward(dev *d, float *dwte, const void *dout, const int32_t *tokens, int N, int H, int vs,
                                  int vl)
 {
-    (void)d;
     op_embedding_backward(dwte, dout, tokens, N, H, vs, vl);
 }
 static void c_linear_forward(dev *d, void *out, const void *inp, const void *w, int N, int IN, int OUT)
 {
-    (void)d;
     op_linear_forward(out, inp, w, N, IN, OUT);
 }
 static void c_linear_backward(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w, int N,
                               int IN, int OUT)
 {
-    (void)d;
     op_linear_backward(dinp, dw, dout, inp, w, N, IN, OUT);
 }
 static void c_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
-    (void)d;
     op_rmsnorm_forward(out, rstd, inp, w, N, H, eps);
 }
 static void c_rmsnorm_backward(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                                const float *rstd, int N, int H)
 {
-    (void)d;
     op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, H);
 }
 static void c_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int hd)
 {
-    (void)d;
     op_rope_table(cos_t, sin_t, pos, T, inv_freq, hd);
 }
 static void c_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
 {
-    (void)d;
     op_rope_forward(x, cos_t, sin_t, B, T, nh, hd);
 }
 static void c_rope_backward(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
 {
-    (void)d;
     op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd);
 }
 static void c_attention_forward(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
                                 const int32_t *qpos, const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv,
                                 int hd, int window)
 {
-    (void)d;
     op_attention_forward(out, lse, q, k, v, qpos, kpos, B, Tq, Tk, nh, nkv, hd, window);
 }
 static void c_attention_backward(dev *d, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                                  const void *v, const void *out, const float *lse, const int32_t *qpos,
                                  const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
 {
-    (void)d;
     op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, B, Tq, Tk, nh, nkv, hd, window);
 }
 static void c_attention_merge(dev *d, void *out, float *lse, const void *out2, const float *lse2, int B, int T, int nh,
                               int hd)
 {
-    (void)d;
     op_attention_merge(out, lse, out2, lse2, B, T, nh, hd);
 }
 static void c_swiglu_forward(dev *d, void *out, const void *gate, const void *up, size_t n)
 {
-    (void)d;
     op_swiglu_forward(out, gate, up, n);
 }
 static void c_swiglu_backward(dev *d, void *dgate, void *dup, const void *dout, const void *gate, const void *up,
                               size_t n)
 {
-    (void)d;
     op_swiglu_backward(dgate, dup, dout, gate, up, n);
 }
 static void c_add(dev *d, void *y, const void *a, const void *b, size_t n)
 {
-    (void)d;
     op_add(y, a, b, n);
 }
 static void c_xent_rowmax(dev *d, float *rowmax, float *target_logit, const void *logits, const int32_t *targets, int N,
                           int Vl, int vs)
 {
-    (void)d;
     op_xent_rowmax(rowmax, target_logit, logits, targets, N, Vl, vs);
 }
 static void c_xent_sumexp(dev *d, float *sumexp, const void *logits, const float *rowmax, int N, int Vl)
 {
-    (void)d;
     op_xent_sumexp(sumexp, logits, rowmax, N, Vl);
 }
 static double c_xent_loss(dev *d, float *losses, const float *rowmax, const float *sumexp, const float *target_logit,
                           const int32_t *targets, int N)
 {
-    (void)d;
     op_xent_loss(losses, rowmax, sumexp, target_logit, targets, N);
     double sum = 0.0; /* in row order: the same bits for any thread count */
     for (int n = 0; n < N; n++)
@@ -173,50 +148,23 @@ static double c_xent_loss(dev *d, float *losses, const float *rowmax, const floa
 static void c_xent_backward(dev *d, void *dlogits, const void *logits, const float *rowmax, const float *sumexp,
                             const int32_t *targets, int N, int Vl, int vs, float scale)
 {
-    (void)d;
     op_xent_backward(dlogits, logits, rowmax, sumexp, targets, N, Vl, vs, scale);
 }
 static double c_sumsq(dev *d, const float *x, size_t n)
 {
-    (void)d;
     return optim_sumsq(x, n);
 }
 static void c_scale(dev *d, float *x, float s, size_t n)
 {
-    (void)d;
     op_scale(x, s, n);
 }
 static void c_adamw(dev *d, float *master, const float *grad, float *m, float *v, void *param, size_t n, float lr,
                     float beta1, float beta2, float eps, float wd, int step)
 {
-    (void)d;
     op_adamw(master, grad, m, v, n, lr, beta1, beta2, eps, wd, step);
     if (param && param != master) memcpy(param, master, n * sizeof(float));
 }
-static shard_status c_fp8_reserve(dev *d, fp8_state *s, int N, int maxdim)
-{
-    (void)d;
-    size_t D = (size_t)maxdim, n = (size_t)N;
-    size_t big = n * D > D * D ? n * D : D * D;
-    return fp8_reserve(s, 2 * n * D + D * D, big);
-}
-static void c_fp8_forward(dev *d, fp8_state *s, int idx, void *out, const void *inp, const void *w, int N, int IN,
-                          int OUT)
-{
-    (void)d;
-    fp8_linear_forward(s, idx, out, inp, w, N, IN, OUT);
-}
-static void c_fp8_backward(dev *d, fp8_state *s, int idx, void *dinp, float *dw, const void *dout, const void *inp,
-                           const void *w, int N, int IN, int OUT)
-{
-    (void)d;
-    fp8_linear_backward(s, idx, dinp, dw, dout, inp, w, N, IN, OUT);
-}
-static void c_fp8_nothing(dev *d, fp8_state *s)
-{
-    (void)d;
-    (void)s; /* the C recipe works on the host state directly */
-}
+static void c_fp8_nothing(dev *d, fp8_state *s) {} /* the C recipe works on the host state directly */
 
 static const dev_ops C_OPS = {
     .abi = DEV_ABI, .name = "cpu", .init = c_init, .fini = c_fini, .describe = c_describe, .mem_used = c_mem_used,
@@ -230,7 +178,7 @@ static const dev_ops C_OPS = {
     .attention_merge = c_attention_merge, .swiglu_forward = c_swiglu_forward, .swiglu_backward = c_swiglu_backward,
     .add = c_add, .xent_rowmax = c_xent_rowmax, .xent_sumexp = c_xent_sumexp, .xent_loss = c_xent_loss,
     .xent_backward = c_xent_backward, .sumsq = c_sumsq, .scale = c_scale, .adamw = c_adamw,
-    .fp8_reserve = c_fp8_reserve, .fp8_linear_forward = c_fp8_forward, .fp8_linear_backward = c_fp8_backward,
+    .fp8_reserve = c_fp8_reserve, .fp8_linear_forward = c_fp8_linear_forward, .fp8_linear_backward = c_fp8_linear_backward,
     .fp8_collect = c_fp8_nothing, .fp8_scales_changed = c_fp8_nothing,
 };
 

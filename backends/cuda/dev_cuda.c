@@ -5,24 +5,14 @@
  * with -DSMP_CUDA_EMU the same file builds against the CPU emulator
  * (tools/cuda-emu-lib). FP8 is in dev_cuda_fp8.c, communicators in
  * dev_cuda_comm.c. */
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "dev_cuda.h"
 
-/* ------------------------------------------------------------------ failures */
-void cu_fail(dev *d, shard_status s, const char *fmt, ...)
-{
-    if (d->err) return; /* the first failure is the one to report */
-    va_list ap;
-    va_start(ap, fmt);
-    vsnprintf(d->errmsg, sizeof d->errmsg, fmt, ap);
-    va_end(ap);
-    d->err = s ? s : SHARD_E_INTERNAL;
-}
-
+/* ------------------------------------------------------------------ failures
+ * (recorded by dev_fail, backends/dev_err.c) */
 static shard_status code_of(cudaError_t e)
 {
     return e == cudaErrorMemoryAllocation ? SHARD_E_NOMEM : e == cudaErrorInvalidValue ? SHARD_E_USAGE : SHARD_E_IO;
@@ -30,17 +20,12 @@ static shard_status code_of(cudaError_t e)
 
 void cu_op(dev *d, cudaError_t e)
 {
-    if (e != cudaSuccess) cu_fail(d, code_of(e), "%s", cuda_op_errmsg());
+    if (e != cudaSuccess) dev_fail(d, code_of(e), "%s", cuda_op_errmsg());
 }
 
 void cu_rt(dev *d, cudaError_t e, const char *what)
 {
-    if (e != cudaSuccess) cu_fail(d, code_of(e), "%s: %s", what, cudaGetErrorString(e));
-}
-
-shard_status cu_status(dev *d)
-{
-    return d->err ? shard_fail(d->err, "%s", d->errmsg) : SHARD_OK;
+    if (e != cudaSuccess) dev_fail(d, code_of(e), "%s: %s", what, cudaGetErrorString(e));
 }
 
 #define ST (cu_of(d)->st)
@@ -88,7 +73,7 @@ static shard_status cu_init(dev *d, int device)
     for (int i = 0; i < CU_STAGE_SLOTS && !d->err; i++)
         cu_rt(d, cudaEventCreateWithFlags(&c->stage_ev[i], cudaEventDisableTiming), "cudaEventCreateWithFlags");
     if (d->err) {
-        shard_status s = cu_status(d);
+        shard_status s = dev_status(d);
         cu_fini(d);
         return s;
     }
@@ -118,7 +103,7 @@ static void *cu_alloc(dev *d, size_t bytes)
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 16);
     if (e != cudaSuccess) {
         (void)cudaGetLastError(); /* not sticky: the device stays usable */
-        cu_fail(d, SHARD_E_NOMEM, "out of device memory: cudaMalloc of %zu bytes: %s", bytes, cudaGetErrorString(e));
+        dev_fail(d, SHARD_E_NOMEM, "out of device memory: cudaMalloc of %zu bytes: %s", bytes, cudaGetErrorString(e));
         return NULL;
     }
     cu_rt(d, cudaMemsetAsync(p, 0, bytes, ST), "cudaMemsetAsync");

@@ -5,10 +5,10 @@
  * libsmp_cuda.so is self-contained: it is linked with -z defs (every symbol it
  * uses resolved by the libraries it names) and exports one symbol, DEV_CUDA_ENTRY;
  * so it loads with RTLD_NOW into any program, whether or not that program exports
- * its own symbols. That is why failures are recorded by cu_fail below and not by
- * dev.c's dev_fail, which lives in the program (dev.c also holds dev_open, which
- * needs the C backend): the rule is the same, the first failure wins and is kept
- * in d->err and d->errmsg. */
+ * its own symbols. That is why it is built with its own copy of backends/dev_err.c
+ * (dev_fail, dev_status: the first failure wins and is kept in d->err and
+ * d->errmsg) and not against the program's (dev.c beside it holds dev_open, which
+ * needs the C backend). */
 #ifndef SMP_TRAIN_DEV_CUDA_H
 #define SMP_TRAIN_DEV_CUDA_H
 
@@ -36,15 +36,10 @@ typedef struct {
 static inline cu_impl *cu_of(dev *d) { return (cu_impl *)d->impl; }
 static inline cudaDataType_t cu_dt(const dev *d) { return d->dt == SHARD_DT_BF16 ? CUDA_R_16BF : CUDA_R_32F; }
 
-/* Record a failure in d (the first one wins). */
-void cu_fail(dev *d, shard_status s, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 /* The result of a cuda_op_* / cuda_gemm_* call: on failure, its cuda_op_errmsg(). */
 void cu_op(dev *d, cudaError_t e);
 /* The result of a CUDA runtime call `what`. */
 void cu_rt(dev *d, cudaError_t e, const char *what);
-/* A shard_status for a function that returns one: SHARD_OK, or d's failure as
- * shard_fail's message. */
-shard_status cu_status(dev *d);
 
 /* FP8 (dev_cuda_fp8.c): the dev_ops members of the same names, and the release of
  * the backend's FP8 buffers. */

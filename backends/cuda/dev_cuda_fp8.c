@@ -47,7 +47,7 @@ static void *dalloc(dev *d, size_t bytes)
     cudaError_t e = cudaMalloc(&p, bytes ? bytes : 16);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
-        cu_fail(d, SHARD_E_NOMEM, "out of device memory for the FP8 buffers (%zu bytes)", bytes);
+        dev_fail(d, SHARD_E_NOMEM, "out of device memory for the FP8 buffers (%zu bytes)", bytes);
         return NULL;
     }
     return p;
@@ -58,7 +58,7 @@ static void upload_scales(dev *d, cu_fp8 *f, const fp8_state *s)
 {
     float *h = malloc((size_t)f->n * 2 * sizeof(float) + 1);
     if (!h) {
-        cu_fail(d, SHARD_E_NOMEM, "out of host memory");
+        dev_fail(d, SHARD_E_NOMEM, "out of host memory");
         return;
     }
     for (int i = 0; i < f->n; i++) {
@@ -78,7 +78,7 @@ static cu_fp8 *state_of(dev *d, const fp8_state *s)
 {
     cu_impl *c = cu_of(d);
     if (!c->fp8 && !(c->fp8 = calloc(1, sizeof *c->fp8))) {
-        cu_fail(d, SHARD_E_NOMEM, "out of host memory");
+        dev_fail(d, SHARD_E_NOMEM, "out of host memory");
         return NULL;
     }
     cu_fp8 *f = c->fp8;
@@ -103,7 +103,7 @@ shard_status cu_fp8_reserve(dev *d, fp8_state *s, int N, int maxdim)
 {
     cu_impl *c = cu_of(d);
     cu_fp8 *f = state_of(d, s);
-    if (!f) return cu_status(d);
+    if (!f) return dev_status(d);
     if (N > f->resN || maxdim > f->resD) {
         const int rn = N > f->resN ? N : f->resN, rd = maxdim > f->resD ? maxdim : f->resD;
         cudaFree(f->inp_q); cudaFree(f->w_q); cudaFree(f->dout_q);
@@ -122,7 +122,7 @@ shard_status cu_fp8_reserve(dev *d, fp8_state *s, int N, int maxdim)
         cu_op(d, cuda_gemm_create(&c->gemm, 0, need));
         if (!d->err) c->gemm_fp8_bytes = need;
     }
-    return cu_status(d);
+    return dev_status(d);
 }
 
 /* A layer's shape must fit the reservation and cuBLASLt's FP8 rules. */
@@ -132,18 +132,18 @@ static cu_fp8 *check(dev *d, fp8_state *s, int idx, int N, int IN, int OUT)
     cu_fp8 *f = state_of(d, s);
     if (!f) return NULL;
     if (idx < 0 || idx >= s->nlin) {
-        cu_fail(d, SHARD_E_INTERNAL, "fp8 linear layer %d: the state has %d", idx, s->nlin);
+        dev_fail(d, SHARD_E_INTERNAL, "fp8 linear layer %d: the state has %d", idx, s->nlin);
         return NULL;
     }
     if (N % 16 || IN % 16 || OUT % 16 || N <= 0 || IN <= 0 || OUT <= 0) {
-        cu_fail(d, SHARD_E_UNSUPPORTED,
-                "fp8 linear layer %d: N=%d (rows), IN=%d, OUT=%d: FP8 GEMMs need positive multiples of 16", idx, N,
-                IN, OUT);
+        dev_fail(d, SHARD_E_UNSUPPORTED,
+                 "fp8 linear layer %d: N=%d (rows), IN=%d, OUT=%d: FP8 GEMMs need positive multiples of 16", idx, N,
+                 IN, OUT);
         return NULL;
     }
     if (N > f->resN || IN > f->resD || OUT > f->resD) {
-        cu_fail(d, SHARD_E_INTERNAL, "fp8 linear layer %d: N=%d IN=%d OUT=%d exceeds fp8_reserve's N=%d maxdim=%d",
-                idx, N, IN, OUT, f->resN, f->resD);
+        dev_fail(d, SHARD_E_INTERNAL, "fp8 linear layer %d: N=%d IN=%d OUT=%d exceeds fp8_reserve's N=%d maxdim=%d",
+                 idx, N, IN, OUT, f->resN, f->resD);
         return NULL;
     }
     return f;
@@ -212,7 +212,7 @@ void cu_fp8_collect(dev *d, fp8_state *s)
     cudaStream_t st = cu_of(d)->st;
     float *h = malloc((size_t)f->n * 2 * sizeof(float) + 1);
     if (!h) {
-        cu_fail(d, SHARD_E_NOMEM, "out of host memory");
+        dev_fail(d, SHARD_E_NOMEM, "out of host memory");
         return;
     }
     cu_rt(d, cudaMemcpyAsync(h, f->amax, (size_t)f->n * sizeof(float), cudaMemcpyDeviceToHost, st), "cudaMemcpyAsync");

@@ -1,0 +1,394 @@
+/* train/loop.c: a training run and its loop (loop.h). */
+#include "loop.h"
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ckptio.h"
+#include "eval.h"
+#include "fp8.h"
+#include "runcfg.h"
+
+/* ---------------------------------------------------------------- setting up */
+
+/* the failure in shard_errmsg() as the command line's: "<what>: <message>" */
+static shard_status usage_of(train_run *r, const char *what)
+{
+    char msg[2048];
+    snprintf(msg, sizeof msg, "%s", shard_errmsg());
+    r->usage = 1;
+    return shard_fail(SHARD_E_USAGE, "%s: %s", what, msg);
+}
+
+shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a)
+{
+    memset(r, 0, sizeof *r);
+    r->P = P;
+    r->a = a;
+    r->saved_step = -1;
+    shard_status s = dev_open(&r->D, a->backend, a->dtype, !strcmp(a->backend, "cuda") ? shard_comm_local_rank() : 0);
+    if (s) return s;
+    if ((s = ckptio_open_model(a->ckpt, &r->ck, &r->m, &r->D))) return s;
+    r->m.recompute = a->recompute;
+    if ((s = shard_layout_check(&a->layout, &r->m.d))) return usage_of(r, "--layout");
+    runcfg_defaults(&r->c, &r->m.d);
+    if ((s = runcfg_resume(&r->c, r->ck, &r->resumed))) return s;
+    if (r->resumed) r->saved_step = r->c.step;
+    return SHARD_OK;
+}
+
+/* every input checked before the weights load: the token files, and the extra files
+ * a save will carry (a bad one fails now, not at the first save; rank 0 carries them) */
+static shard_status open_data(train_run *r)
+{
+    const loop_args *a = r->a;
+    shard_status s = data_open(&r->ds, a->data, r->S, r->m.d.vocab);
+    if (s) return s;
+    data_set_order(&r->ds, r->c.shuffle, r->c.seed);
+    if (a->val_data && (s = data_open(&r->vs, a->val_data, r->S, r->m.d.vocab))) return s;
+    for (size_t i = 0; r->P->rank == 0 && i < shard_ckpt_extra_count(r->ck); i++)
+        if ((s = shard_ckpt_check_extra(r->ck, i))) return s;
+    return SHARD_OK;
+}
+
+/* layers per stage: --stages, else the checkpoint's when it has as many stages, else auto */
+static shard_status choose_stages(train_run *r, int *stages)
+{
+    const int pp = r->a->layout.pp;
+    if (r->a->stages)
+        return shard_stages_parse(r->a->stages, &r->m.d, pp, stages) ? usage_of(r, "--stages") : SHARD_OK;
+    if (shard_ckpt_layout(r->ck)->pp == pp) {
+        memcpy(stages, shard_ckpt_stages(r->ck), (size_t)pp * sizeof *stages);
+        return SHARD_OK;
+    }
+    return shard_stages_auto(&r->m.d, pp, stages);
+}
+
+/* The optimizer and its state: Adam's moments when saved (both or neither count), the
+ * fp32 master of a bf16 run from the weights; *moments: both were read. */
+static shard_status load_optim(train_run *r, int *moments)
+{
+    par_ctx *P = r->P;
+    const run_cfg *c = &r->c;
+    optim *opt = &r->opt;
+    int have_m = 0, have_v = 0;
+    const optim_hparams h = {c->lr, c->lr_min, c->warmup, c->steps, c->cosine, c->beta1, c->beta2, c->eps, c->wd, c->clip};
+    shard_status s;
+    if ((s = optim_create(opt, &h, P->zsum, &r->D)) || (s = optim_host(opt))) return s;
+    if ((s = par_read_optim(P, r->ck, &r->m, "optim/exp_avg", opt->hm, &have_m)) ||
+        (s = par_read_optim(P, r->ck, &r->m, "optim/exp_avg_sq", opt->hv, &have_v)) ||
+        (s = state_check_moments(shard_ckpt_dir(r->ck), have_m ? opt->hm : NULL, have_v ? opt->hv : NULL, P->zsum)))
+        return s;
+    if (opt->hmaster) par_pack_blocks(P, &r->m, model_params_host(&r->m), opt->hmaster); /* bf16: the fp32 master */
+    optim_upload(opt);
+    *moments = have_m && have_v;
+    return dev_status(&r->D);
+}
+
+/* This rank's state from the checkpoint, read and checked: the weights (the fp32
+ * master copy when saved, else the parameters), the optimizer, the FP8 scaling
+ * state; then the load's line. */
+static shard_status load_state(train_run *r)
+{
+    par_ctx *P = r->P;
+    model *m = &r->m;
+    const run_cfg *c = &r->c;
+    const char *dir = shard_ckpt_dir(r->ck);
+    int have_master = 0, have_p = 0, moments = 0;
+    const double t_load = r->a->now();
+    shard_ckpt_set_threads(r->ck, ckptio_load_threads(P->size));
+    shard_status s = par_read_params(P, r->ck, m, "optim/master", &have_master);
+    if (!s && !have_master) s = par_read_params(P, r->ck, m, "params", &have_p);
+    if (!s && !have_master && !have_p) s = shard_fail(SHARD_E_INVALID, "%s: holds no parameters", dir);
+    /* the fp32 master of a saved run must be finite; a model's own NaN parameters are
+     * the run's business (its steps are skipped, and it stops: --max-bad) */
+    if (!s && have_master) s = state_check_weights(dir, "optim/master", model_params_host(m), m->nparams);
+    if (s) return s;
+    model_params_upload(m);
+    if (!(r->pdt = calloc(m->ntensors, sizeof *r->pdt))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    ckptio_param_dtypes(r->ck, m, r->pdt);
+    if ((s = load_optim(r, &moments))) return s;
+    if (r->resumed && c->opt_step > 0 && !(have_master && moments))
+        return shard_fail(SHARD_E_INVALID, "%s: the training state is at optimizer step %lld but the optimizer "
+                                           "state (optim/master, exp_avg, exp_avg_sq) is missing",
+                          dir, (long long)c->opt_step);
+    r->opt.t = moments ? c->opt_step : 0;
+    if (c->fp8 != FP8_OFF) {
+        if (!(m->fp8 = fp8_create(c->fp8, m->L * 7, (int)c->fp8_hist, c->fp8_margin)))
+            return shard_fail(SHARD_E_NOMEM, "out of memory");
+        if ((s = ckptio_read_fp8(r->ck, m->fp8))) return s;
+    }
+    return ckptio_print_load("smp-train", P->world, r->ck, r->a->now() - t_load); /* all of it read and checked */
+}
+
+shard_status loop_load(train_run *r)
+{
+    const loop_args *a = r->a;
+    par_ctx *P = r->P;
+    model *m = &r->m;
+    const int me0 = P->rank == 0;
+    int stages[SHARD_MAX_PP];
+    r->Bm = runcfg_rows(&r->c, &a->layout);
+    r->S = (int)r->c.seq;
+    shard_status s = open_data(r);
+    if (!s) s = choose_stages(r, stages);
+    if (!s) s = par_setup(P, &a->layout, stages, (int)r->c.micro, m);
+    if (!s) s = load_state(r);
+    if (s) return s;
+    m->sp = a->seqpar;
+    if (!strcmp(a->backend, "cuda") && (s = runcfg_check_fp8_cuda(&r->c, &a->layout, m))) {
+        r->usage = 1;
+        return s;
+    }
+    if ((s = model_alloc_slots(m, r->Bm, r->S / a->layout.cp, P->nslots))) return s;
+    if (m->fp8) r->D.ops->fp8_scales_changed(&r->D, m->fp8);
+    if ((s = dev_status(&r->D))) return s;
+    if (me0 && !a->dump_grads && (s = ckptio_prepare(a->save_dir))) return s;
+    r->in = malloc((size_t)r->Bm * r->S * sizeof *r->in);
+    r->tg = malloc((size_t)r->Bm * r->S * sizeof *r->tg);
+    if (!r->in || !r->tg) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    return steplog_open(&r->log, me0 ? a->log : NULL, me0 && isatty(2), P);
+}
+
+void loop_close(train_run *r)
+{
+    steplog_close(&r->log);
+    free(r->in);
+    free(r->tg);
+    free(r->pdt);
+    data_close(&r->ds);
+    data_close(&r->vs);
+    optim_free(&r->opt);
+    model_free(&r->m);
+    par_release(r->P);
+    dev_close(&r->D);
+    shard_ckpt_close(r->ck);
+}
+
+/* ---------------------------------------------------------------- a step */
+
+/* the sequences of microbatch mb of a step: this replica's, from `first` on */
+typedef struct {
+    data_set *ds;
+    uint64_t first;
+    int rows;
+    const model *m; /* context parallelism: this rank's tokens of each sequence */
+} step_data;
+
+static shard_status fill_step(void *ctx, int mb, int32_t *in, int32_t *tg)
+{
+    step_data *sd = ctx;
+    shard_status s = data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, in, tg);
+    if (!s) par_cp_select(sd->m, sd->rows, in, tg);
+    return s;
+}
+
+/* The step's passes: its gradients reduced, the loss (the mean over the step's B*S
+ * target tokens, on every rank) and the global gradient norm. */
+static shard_status passes(train_run *r, double *loss, double *norm)
+{
+    par_ctx *P = r->P;
+    const run_cfg *c = &r->c;
+    const shard_layout *l = &r->a->layout;
+    const double tokens = (double)c->batch * (double)c->seq;
+    model_zero_grads(&r->m);
+    steplog_reset_bytes(&r->log);
+    double lsum = 0.0, sumsq;
+    /* replica r takes its contiguous B/D of the step's sequences */
+    step_data sd = {&r->ds, (uint64_t)c->position + (uint64_t)P->g.me.dp * (uint64_t)(c->batch / l->dp), r->Bm, &r->m};
+    shard_status s = par_train_step(P, &r->m, (int)c->micro, fill_step, &sd, r->in, r->tg, (float)(1.0 / tokens), &lsum);
+    if (s) return s;
+    if (P->rank == r->a->fail_rank && c->step + 1 == r->a->fail_step)
+        return shard_fail(SHARD_E_IO, "rank %d: injected failure (--inject-fail) in step %lld", P->rank,
+                          (long long)c->step + 1);
+    /* the sum over the replicas' sequences and (cp) over each sequence's parts */
+    if (P->ndp > 1 && (s = par_allreduce_f64(P, P->g.dpcp, &lsum, 1, SHARD_OP_SUM))) return s;
+    /* the loss, computed on the last stage, to every stage (rank 0 logs it) */
+    if (l->pp > 1 && (s = shard_comm_broadcast(P->g.pp, &lsum, 1, SHARD_DT_F64, l->pp - 1))) return s;
+    *loss = lsum / tokens;
+    for (int k = 0; k < r->a->ninject; k++)
+        if (r->a->inject_nan[k] == c->step + 1) *loss = NAN;
+    if ((s = par_reduce_grads(P, &r->m, &sumsq))) return s;
+    *norm = sqrt(sumsq);
+    return SHARD_OK;
+}
+
+/* The update, or the step skipped when its loss or norm is not finite; the step
+ * counted either way, and the FP8 scales moved on. */
+static shard_status update(train_run *r, step_result *res)
+{
+    par_ctx *P = r->P;
+    run_cfg *c = &r->c;
+    model *m = &r->m;
+    dev *D = &r->D;
+    shard_status s;
+    res->lr = optim_lr(&r->opt.h, c->step);
+    res->skipped = !isfinite(res->loss) || !isfinite(res->grad_norm);
+    /* delayed scaling: every rank's amaxes of the step (the activations and
+     * gradients of its sequences) reduced to the max over all, as one rank sees */
+    if (m->fp8) D->ops->fp8_collect(D, m->fp8); /* the device's amaxes of the step, into step_amax */
+    if (m->fp8 && P->size > 1 &&
+        (s = shard_comm_allreduce(P->world, m->fp8->step_amax, (size_t)m->fp8->nlin * FP8_ROLES, SHARD_DT_F32,
+                                  SHARD_OP_MAX)))
+        return s;
+    c->step++;
+    c->position += c->batch;
+    c->tokens += (uint64_t)c->batch * (uint64_t)c->seq;
+    if (res->skipped) {
+        r->bad_run++;
+        if (P->rank == 0)
+            fprintf(stderr, "%ssmp-train: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped "
+                            "(%lld in a row)\n", steplog_clear(&r->log), (long long)c->step, res->loss, res->grad_norm,
+                    (long long)r->bad_run);
+    } else {
+        r->bad_run = 0;
+        if ((s = par_update(P, m, &r->opt, res->grad_norm, res->lr))) return s;
+        c->opt_step = r->opt.t;
+    }
+    if (m->fp8) {
+        fp8_step_end(m->fp8, res->skipped);
+        D->ops->fp8_scales_changed(D, m->fp8);
+    }
+    return SHARD_OK;
+}
+
+/* the sum of the losses of nb batches through the pipeline (on every stage), each cp
+ * rank on its tokens (summed over cp) */
+static shard_status pipeline_loss_sum(train_run *r, int64_t nb, double *sum)
+{
+    par_ctx *P = r->P;
+    const shard_layout *l = &r->a->layout;
+    shard_status s;
+    double one;
+    *sum = 0.0;
+    for (int64_t i = 0; i < nb; i++) {
+        if ((s = data_fill_sequential(&r->vs, (uint64_t)i * (uint64_t)r->Bm, r->Bm, r->in, r->tg))) return s;
+        par_cp_select(&r->m, r->Bm, r->in, r->tg);
+        if ((s = par_forward(P, &r->m, r->in, r->tg, &one))) return s;
+        *sum += one;
+    }
+    if (l->cp > 1 && (s = par_allreduce_f64(P, P->g.cp, sum, 1, SHARD_OP_SUM))) return s;
+    if (l->pp > 1 && (s = shard_comm_broadcast(P->g.pp, sum, 1, SHARD_DT_F64, l->pp - 1))) return s;
+    return SHARD_OK;
+}
+
+shard_status loop_validate(train_run *r, double *val)
+{
+    model *m = &r->m;
+    const int single = r->a->layout.pp == 1 && r->a->layout.cp == 1; /* the model alone: eval.c */
+    int64_t nb = r->c.val_batches;
+    if ((uint64_t)nb * r->Bm > r->vs.nseq) nb = (int64_t)(r->vs.nseq / (uint64_t)r->Bm);
+    double sum = 0.0;
+    uint64_t ntok;
+    shard_status s = SHARD_OK;
+    if (m->fp8) m->fp8->frozen = 1; /* validation leaves the FP8 history alone */
+    if (nb > 0 && single) s = eval_loss_sum(m, &r->vs, r->Bm, nb, r->in, r->tg, &sum, &ntok);
+    if (!s && m->comm_err) s = m->comm_err;
+    if (!s) s = dev_status(&r->D);
+    if (!s && nb > 0 && !single) s = pipeline_loss_sum(r, nb, &sum);
+    if (s) return s;
+    if (nb > 0) *val = sum / ((double)nb * (double)r->Bm * (double)r->S);
+    if (m->fp8) m->fp8->frozen = 0;
+    return SHARD_OK;
+}
+
+shard_status loop_step(train_run *r, step_result *res, int *save)
+{
+    run_cfg *c = &r->c;
+    memset(res, 0, sizeof *res);
+    res->val_loss = NAN;
+    const double t0 = r->a->now();
+    shard_status s = passes(r, &res->loss, &res->grad_norm);
+    if (!s) s = update(r, res);
+    if (s) return s;
+    const double t1 = r->a->now(), dt = t1 - t0;
+    res->step = c->step;
+    res->tokens = c->tokens;
+    res->seconds = dt;
+    res->tokens_per_s = (double)c->batch * c->seq / (dt > 0 ? dt : 1e-9);
+    res->elapsed = t1 - r->t_start;
+    /* periodic saves wait for a good step; skipped steps leave the weights as they
+     * were, so the end of the run (or a signal) saves in any case */
+    if (r->P->size > 1) *r->a->stop = par_any(r->P, *r->a->stop);
+    *save = (!r->bad_run && c->save_every && c->step % c->save_every == 0) || *r->a->stop || c->step == c->steps ||
+            (c->stop_at && c->step >= c->stop_at);
+    if (r->vs.nfiles && !r->bad_run &&
+        ((c->val_every && c->step % c->val_every == 0) || (!c->val_every && *save) || c->step == c->steps) &&
+        (s = loop_validate(r, &res->val_loss)))
+        return s;
+    res->bytes = steplog_bytes(&r->log);
+    return SHARD_OK;
+}
+
+/* ---------------------------------------------------------------- the loop */
+
+static shard_status save(train_run *r)
+{
+    const run_cfg *c = &r->c;
+    char *tj = runcfg_state_json(c, &r->ds, r->m.fp8, c->elapsed_before + (r->a->now() - r->t_start));
+    if (!tj) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    const char *cfg = shard_ckpt_config_json(r->ck);
+    const ckptio_save_args sa = {r->a->save_dir, c->step, cfg, strlen(cfg), r->ck, r->pdt, r->a->compress, tj};
+    model_params_download(&r->m); /* the host copies that the checkpoint writes (CUDA) */
+    optim_download(&r->opt);
+    shard_status s = dev_status(&r->D);
+    if (!s) {
+        s = ckptio_save(&sa, &r->m, &r->opt, r->P);
+        if (s) steplog_end_line(&r->log);
+    }
+    free(tj);
+    if (s) return s;
+    r->saved_step = c->step;
+    if (r->P->rank == 0) ckptio_prune(r->a->save_dir, (int)c->keep);
+    return SHARD_OK;
+}
+
+shard_status loop_run(train_run *r, loop_end *end)
+{
+    run_cfg *c = &r->c;
+    const int me0 = r->P->rank == 0;
+    shard_status s;
+    *end = LOOP_DONE;
+    r->t_start = r->a->now();
+    while (c->step < c->steps && !(c->stop_at && c->step >= c->stop_at)) {
+        step_result res;
+        int do_save;
+        if ((s = loop_step(r, &res, &do_save))) return s;
+        steplog_step(&r->log, &res, c->steps);
+        if (r->bad_run >= c->max_bad) {
+            steplog_end_line(&r->log);
+            char last[64] = "none in this run";
+            if (r->saved_step >= 0) snprintf(last, sizeof last, "step %lld", (long long)r->saved_step);
+            if (me0)
+                fprintf(stderr, "smp-train: error: %lld steps in a row had a non-finite loss or gradient (the last at "
+                                "step %lld); stopping without saving (last checkpoint: %s)\n",
+                        (long long)r->bad_run, (long long)c->step, last);
+            *end = LOOP_BAD;
+            return SHARD_OK;
+        }
+        if (do_save && (s = save(r))) return s;
+        if (*r->a->stop) {
+            steplog_end_line(&r->log);
+            if (me0)
+                fprintf(stderr, "smp-train: stopped by a signal after step %lld; saved %s/step-%06lld\n",
+                        (long long)c->step, r->a->save_dir, (long long)c->step);
+            *end = LOOP_STOPPED;
+            return SHARD_OK;
+        }
+    }
+    return SHARD_OK;
+}
+
+shard_status loop_dump_grads(train_run *r)
+{
+    double loss, norm;
+    r->t_start = r->a->now();
+    shard_status s = passes(r, &loss, &norm);
+    if (!s) s = ckptio_write_grads(r->a->dump_grads, &r->m, loss);
+    if (s) return s;
+    printf("step %lld: loss %.9g, gradients in %s/grads.safetensors\n", (long long)r->c.step + 1, loss, r->a->dump_grads);
+    return SHARD_OK;
+}

@@ -1,0 +1,131 @@
+/* train/runcfg.c: a run's configuration (runcfg.h). */
+#include "runcfg.h"
+
+#include <jansson.h>
+#include <stdio.h>
+#include <string.h>
+
+void runcfg_defaults(run_cfg *c, const shard_model_desc *d)
+{
+    *c = (run_cfg){.batch = 8, .micro = 1, .seq = 256, .lr = 3e-4f, .cosine = 1, .clip = 1.0f, .wd = 0.1f,
+                   .beta1 = 0.9f, .beta2 = 0.95f, .eps = 1e-8f, .max_bad = 5, .fp8 = FP8_OFF, .fp8_hist = 1024,
+                   .val_batches = 8};
+    if (d->max_positions > 0 && c->seq > d->max_positions) c->seq = d->max_positions;
+}
+
+shard_status runcfg_resume(run_cfg *c, shard_ckpt *ck, int *resumed)
+{
+    const char *tr = shard_ckpt_training_json(ck);
+    *resumed = 0;
+    if (!tr) return SHARD_OK;
+    shard_status s = state_parse(shard_ckpt_dir(ck), tr, strlen(tr), c);
+    if (!s) *resumed = 1;
+    return s;
+}
+
+void runcfg_merge(run_cfg *c, const runcfg_flags *f)
+{
+    if (f->has_lr_min) {
+        c->lr_min = f->lr_min;
+        c->lr_min_set = 1;
+    } else if (!c->lr_min_set || f->has_lr) {
+        c->lr_min = c->lr / 10.0f;
+    }
+    if (f->schedule >= 0) c->cosine = f->schedule;
+    if (f->has_seed) {
+        c->shuffle = 1;
+        c->seed = f->seed;
+    }
+    if (f->fp8 >= 0) c->fp8 = (fp8_mode)f->fp8;
+}
+
+shard_status runcfg_check(const run_cfg *c, const shard_layout *l, const shard_model_desc *d)
+{
+    if (c->steps < 1) return shard_fail(SHARD_E_USAGE, "--steps is required for a new run");
+    if (c->fp8 == FP8_CURRENT && l->tp > 1)
+        return shard_fail(SHARD_E_USAGE,
+                          "--fp8 current with tp > 1: current scaling takes each tensor's amax where it is used, and "
+                          "a tensor-parallel rank sees only its piece (use --fp8 delayed, whose amaxes are reduced over "
+                          "all ranks)");
+    if (c->batch % ((int64_t)l->dp * c->micro))
+        return shard_fail(SHARD_E_USAGE, "--batch %lld is not divisible by dp %d x --microbatches %lld",
+                          (long long)c->batch, l->dp, (long long)c->micro);
+    if (l->cp > 1 && c->seq % (2 * l->cp))
+        return shard_fail(SHARD_E_USAGE,
+                          "--seq %lld is not divisible by 2 x cp = %d: context parallelism cuts each sequence into 2 "
+                          "x cp chunks of equal length", (long long)c->seq, 2 * l->cp);
+    if ((int64_t)c->batch / c->micro * c->seq > INT32_MAX / 4)
+        return shard_fail(SHARD_E_USAGE, "--batch / --microbatches * --seq is too large");
+    if (d->max_positions > 0 && c->seq > d->max_positions)
+        fprintf(stderr, "smp-train: warning: --seq %lld exceeds max_position_embeddings %lld\n", (long long)c->seq,
+                (long long)d->max_positions);
+    return SHARD_OK;
+}
+
+int runcfg_rows(const run_cfg *c, const shard_layout *l)
+{
+    return (int)(c->batch / l->dp / c->micro);
+}
+
+shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar)
+{
+    const int Bm = runcfg_rows(c, l), S = (int)c->seq;
+    if (seqpar && l->tp > 1 && ((int64_t)Bm * (S / l->cp)) % l->tp)
+        return shard_fail(SHARD_E_USAGE,
+                          "--sequence-parallel: a microbatch holds %lld tokens per rank (--batch / dp / --microbatches "
+                          "= %d sequences of --seq / cp = %d tokens), not divisible by tp = %d: sequence parallelism "
+                          "splits them over the tp ranks", (long long)Bm * (S / l->cp), Bm, S / l->cp, l->tp);
+    return SHARD_OK;
+}
+
+shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, const model *m)
+{
+    if (c->fp8 == FP8_OFF) return SHARD_OK;
+    /* Hopper's FP8 GEMMs take dimensions that are multiples of 16 */
+    const long long dims[5] = {(long long)runcfg_rows(c, l) * (c->seq / l->cp), m->H, m->F, (long long)m->nh * m->hd,
+                               (long long)m->nkv * m->hd};
+    for (int k = 0; k < 5; k++)
+        if (dims[k] % 16)
+            return shard_fail(SHARD_E_USAGE,
+                              "--fp8 on cuda: the FP8 GEMMs need every dimension (tokens per microbatch %lld, hidden "
+                              "%lld, intermediate %lld, local q %lld and kv %lld widths) to be a multiple of 16",
+                              dims[0], dims[1], dims[2], dims[3], dims[4]);
+    return SHARD_OK;
+}
+
+char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
+{
+    json_t *files = json_array();
+    for (int i = 0; i < ds->nfiles; i++) json_array_append_new(files, json_string(ds->files[i].path));
+    json_t *t = json_object();
+    json_object_set_new(t, "step", json_integer(c->step));
+    json_object_set_new(t, "tokens", json_integer((json_int_t)c->tokens));
+    json_object_set_new(t, "data_position", json_integer(c->position));
+    json_object_set_new(t, "optimizer_step", json_integer(c->opt_step));
+    json_object_set_new(t, "batch", json_integer(c->batch));
+    json_object_set_new(t, "microbatches", json_integer(c->micro));
+    json_object_set_new(t, "seq", json_integer(c->seq));
+    json_object_set_new(t, "schedule", json_pack("{s:s,s:f,s:f,s:I,s:I}", "kind", c->cosine ? "cosine" : "constant",
+                                                 "lr", (double)c->lr, "lr_min", (double)c->lr_min, "warmup",
+                                                 (json_int_t)c->warmup, "steps", (json_int_t)c->steps));
+    json_object_set_new(t, "optimizer", json_pack("{s:s,s:f,s:f,s:f,s:f,s:f,s:s}", "name", "adamw", "beta1",
+                                                  (double)c->beta1, "beta2", (double)c->beta2, "eps", (double)c->eps,
+                                                  "weight_decay", (double)c->wd, "clip", (double)c->clip,
+                                                  "weight_decay_applies_to", "matrices"));
+    json_object_set_new(t, "data", json_pack("{s:o,s:I,s:o,s:s}", "files", files, "sequences", (json_int_t)ds->nseq,
+                                             "seed", c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
+                                             "order", c->shuffle ? "shuffled" : "sequential"));
+    /* the only randomness of a run is the data order: epoch e's permutation comes
+     * from a generator seeded by (seed, e), so (seed, position) is the whole state */
+    json_object_set_new(t, "rng", json_pack("{s:s,s:o,s:I}", "generator", "xoshiro256** seeded by splitmix64(seed, epoch)",
+                                            "seed", c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
+                                            "epoch", (json_int_t)(ds->nseq ? (uint64_t)c->position / ds->nseq : 0)));
+    json_object_set_new(t, "fp8", json_pack("{s:s,s:I,s:f,s:s}", "mode", fp8_mode_name(c->fp8), "history",
+                                            (json_int_t)c->fp8_hist, "margin", (double)c->fp8_margin, "tensors",
+                                            f8 ? "fp8/fp8.amax_history, fp8/fp8.scale" : "none"));
+    json_object_set_new(t, "max_bad_steps", json_integer(c->max_bad));
+    json_object_set_new(t, "elapsed_s", json_real(elapsed));
+    char *text = json_dumps(t, JSON_COMPACT | JSON_REAL_PRECISION(17));
+    json_decref(t);
+    return text;
+}

@@ -1,0 +1,102 @@
+/* train/steplog.c: the step log and the progress line (steplog.h). */
+#include "steplog.h"
+
+#include <errno.h>
+#include <math.h>
+#include <string.h>
+
+shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *P)
+{
+    memset(l, 0, sizeof *l);
+    l->tty = tty;
+    l->bytes = P->size > 1;
+    l->comms = (step_comms){.tp = P->dg.tp, .kv = P->kvc, .cp = P->dg.cp, .pp = P->dg.pp, .emb = P->emb,
+                            .dp = P->dg.dp, .dpcp = P->dg.dpcp};
+    if (path && !(l->f = fopen(path, "a")))
+        return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    return SHARD_OK;
+}
+
+void steplog_close(steplog *l)
+{
+    if (l->f) fclose(l->f);
+    l->f = NULL;
+}
+
+static void reset(shard_comm *c)
+{
+    if (c) shard_comm_reset_bytes(c);
+}
+
+static uint64_t sent(shard_comm *c)
+{
+    return c ? shard_comm_bytes(c) : 0;
+}
+
+void steplog_reset_bytes(const steplog *l)
+{
+    const step_comms *k = &l->comms;
+    reset(k->tp); reset(k->cp); reset(k->pp); reset(k->dp); reset(k->dpcp); reset(k->kv); reset(k->emb);
+}
+
+step_bytes steplog_bytes(const steplog *l)
+{
+    const step_comms *k = &l->comms;
+    return (step_bytes){.tp = sent(k->tp) + sent(k->kv), .cp = sent(k->cp), .pp = sent(k->pp) + sent(k->emb),
+                        .dp = sent(k->dp) + sent(k->dpcp)};
+}
+
+static void log_num(FILE *f, const char *key, double v, const char *fmt)
+{
+    fprintf(f, ",\"%s\":", key);
+    if (isfinite(v)) fprintf(f, fmt, v);
+    else fputs("null", f);
+}
+
+static void log_line(FILE *f, const step_result *r, int bytes)
+{
+    fprintf(f, "{\"step\":%lld", (long long)r->step);
+    log_num(f, "loss", r->loss, "%.17g");
+    log_num(f, "lr", r->lr, "%.9g");
+    log_num(f, "grad_norm", r->grad_norm, "%.17g");
+    log_num(f, "tokens_per_s", r->tokens_per_s, "%.1f");
+    log_num(f, "elapsed_s", r->elapsed, "%.3f");
+    fprintf(f, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)r->tokens, r->skipped ? "true" : "false");
+    if (bytes)
+        fprintf(f, ",\"bytes_tp\":%llu,\"bytes_cp\":%llu,\"bytes_pp\":%llu,\"bytes_dp\":%llu",
+                (unsigned long long)r->bytes.tp, (unsigned long long)r->bytes.cp, (unsigned long long)r->bytes.pp,
+                (unsigned long long)r->bytes.dp);
+    if (!isnan(r->val_loss)) log_num(f, "val_loss", r->val_loss, "%.17g");
+    fputs("}\n", f);
+    fflush(f);
+}
+
+/* "1h05m", "3m07s"; "--" when unknown */
+static void fmt_eta(char *buf, size_t cap, double s)
+{
+    if (!(s >= 0) || s > 1e7) snprintf(buf, cap, "--");
+    else if (s >= 3600) snprintf(buf, cap, "%dh%02dm", (int)(s / 3600), (int)(s / 60) % 60);
+    else snprintf(buf, cap, "%dm%02ds", (int)(s / 60), (int)s % 60);
+}
+
+void steplog_step(steplog *l, const step_result *r, int64_t steps)
+{
+    if (l->f) log_line(l->f, r, l->bytes);
+    if (!l->tty) return;
+    l->ema_dt = l->ema_dt > 0 ? 0.9 * l->ema_dt + 0.1 * r->seconds : r->seconds;
+    char eta[32];
+    fmt_eta(eta, sizeof eta, l->ema_dt * (double)(steps - r->step));
+    fprintf(stderr, "\r\033[Kstep %lld/%lld  loss %.4f  lr %.3g  %.0f tok/s  ETA %s", (long long)r->step,
+            (long long)steps, r->loss, r->lr, r->tokens_per_s, eta);
+    if (!isnan(r->val_loss)) fprintf(stderr, "  val %.4f", r->val_loss);
+}
+
+void steplog_end_line(const steplog *l)
+{
+    if (l->tty) fputc('\n', stderr);
+}
+
+const char *steplog_clear(const steplog *l)
+{
+    return l->tty ? "\r\033[K" : "";
+}
