@@ -23,10 +23,10 @@
 #include <cstring>
 #include <vector>
 
+#include "check.h"
 #include "ops_cuda.h"
 
-static bool quick;
-static int n_fail;
+static int quick;
 static double copy_gbs = 0.0;
 
 struct Summary {
@@ -476,18 +476,8 @@ static void bench_attention()
 
 int main(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--quick")) quick = true;
-        else {
-            fprintf(stderr, "usage: %s [--quick]\n", argv[0]);
-            return 2;
-        }
-    }
-    int ndev = 0;
-    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-        printf("bench: SKIP: no CUDA device found\n");
-        return 0;
-    }
+    if (!check_args(argc, argv, &quick, NULL)) return 2;
+    if (!check_device("bench")) return 0;
     cudaDeviceProp p;
     cudaGetDeviceProperties(&p, 0);
     printf("bench: device %s, %d SMs, L2 %d MiB, %.1f GiB\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20,

@@ -19,30 +19,16 @@
 #include <stdlib.h>
 #include <string.h>
 
+#define CHECK_SEED 0x2545f4914f6cdd1dull
+#include "check.h"
 #include "dev.h"
 #include "fp8.h"
 #include "ops.h"
 
 static dev dc, dg; /* the C backend (fp32) and the CUDA backend (fp32 or bf16) */
-static int n_pass, n_fail;
-static char test_name[160];
 static const char *only;
 
 /* ------------------------------------------------------------ data */
-static uint64_t rng_state = 0x2545f4914f6cdd1dull;
-static uint64_t rng_u64(void)
-{
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rng_normal(void)
-{
-    double u1 = ((rng_u64() >> 11) + 1.0) * (1.0 / 9007199254740993.0), u2 = (rng_u64() >> 11) * (1.0 / 9007199254740992.0);
-    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-}
-
 enum { MAX_HOST = 256 };
 static void *host_allocs[MAX_HOST];
 static int n_host;
@@ -105,30 +91,12 @@ static float *fetch(const pair *p, int gpu)
 }
 
 /* ------------------------------------------------------------ checks */
-static double rel_err(const float *got, const float *ref, size_t n)
-{
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        if (isnan(ref[i]) || isinf(ref[i])) {
-            if (!(isnan(ref[i]) ? isnan(got[i]) : got[i] == ref[i])) return INFINITY;
-            continue;
-        }
-        if (!isfinite(got[i])) return INFINITY;
-        num += ((double)got[i] - ref[i]) * ((double)got[i] - ref[i]);
-        den += (double)ref[i] * ref[i];
-    }
-    return den > 0.0 ? sqrt(num / den) : sqrt(num);
-}
+/* one check's line: a failure recorded by either backend fails it (the CUDA one's message after it) */
 static void report(const char *what, double err, double tol)
 {
-    const int ok = err <= tol && !dg.err && !dc.err;
-    char name[256];
-    snprintf(name, sizeof name, "%s %s", test_name, what);
-    printf("%s %-70s err %.3e tol %.1e%s%s\n", ok ? "PASS" : "FAIL", name, err, tol, dg.err ? "  cuda: " : "",
-           dg.err ? dg.errmsg : "");
-    fflush(stdout);
-    if (ok) n_pass++;
-    else n_fail++;
+    char note[sizeof dg.errmsg + 16] = "";
+    if (dg.err) snprintf(note, sizeof note, "  cuda: %s", dg.errmsg);
+    check_line(err <= tol && !dg.err && !dc.err, 70, what, err, tol, note);
 }
 static double tol_act(void) { return dg.dt == SHARD_DT_BF16 ? 1e-2 : 1e-4; }
 static double tol_f32(void) { return dg.dt == SHARD_DT_BF16 ? 1e-3 : 1e-4; }

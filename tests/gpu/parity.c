@@ -30,6 +30,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "check.h"
 #include "ops.h"
 #include "ops_cuda.h"
 #include "shard.h"
@@ -37,7 +38,7 @@
 #define F32 CUDA_R_32F
 #define BF16 CUDA_R_16BF
 
-static int n_pass, n_fail, quick;
+static int quick;
 static const char *only;
 static cuda_gemm *gemm;
 
@@ -46,7 +47,6 @@ enum { MAX_ALLOCS = 256 };
 static void *dev_allocs[MAX_ALLOCS], *host_allocs[MAX_ALLOCS];
 static int n_dev, n_host;
 static jmp_buf test_jmp;
-static char test_name[160];
 
 static void summary_and_exit(int code)
 {
@@ -83,8 +83,13 @@ static void call_failed(const char *call, cudaError_t e, int line)
         cudaError_t e_ = (call);                                      \
         if (e_ != cudaSuccess) call_failed(#call, e_, __LINE__);      \
     } while (0)
-/* after the GPU side of a check: surface asynchronous faults here */
-#define SYNC() CK(cudaDeviceSynchronize())
+/* the GPU side of a check, then the device synchronized: its asynchronous faults
+ * surface here */
+#define CK_SYNC(call)                  \
+    do {                               \
+        CK(call);                      \
+        CK(cudaDeviceSynchronize());   \
+    } while (0)
 
 static void *hmalloc(size_t bytes)
 {
@@ -118,32 +123,29 @@ static int selected(const char *group) { return !only || strstr(group, only); }
 #define TEST_END() free_all()
 
 /* ------------------------------------------------------------ data */
-static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
-static uint64_t rng_u64(void)
-{
-    uint64_t z = (rng_state += 0x9e3779b97f4a7c15ull);
-    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
-    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
-    return z ^ (z >> 31);
-}
-static float rng_uniform(float lo, float hi) { return lo + (hi - lo) * (float)((rng_u64() >> 40) * (1.0 / 16777216.0)); }
-static float rng_normal(void)
-{
-    double u1 = ((rng_u64() >> 11) + 1.0) * (1.0 / 9007199254740993.0), u2 = (rng_u64() >> 11) * (1.0 / 9007199254740992.0);
-    return (float)(sqrt(-2.0 * log(u1)) * cos(6.283185307179586 * u2));
-}
-static void fill_uniform(float *x, size_t n, float lo, float hi)
-{
-    for (size_t i = 0; i < n; i++) x[i] = rng_uniform(lo, hi);
-}
-static void fill_normal(float *x, size_t n, float sd)
-{
-    for (size_t i = 0; i < n; i++) x[i] = sd * rng_normal();
-}
 static void round_to(float *x, size_t n, cudaDataType_t dt)
 {
     if (dt == BF16)
         for (size_t i = 0; i < n; i++) x[i] = shard_bf16_to_f32(shard_f32_to_bf16(x[i]));
+}
+/* random values rounded to dt (F32: as drawn), in x or in a new host buffer */
+static void fill_normal(float *x, size_t n, float sd, cudaDataType_t dt)
+{
+    for (size_t i = 0; i < n; i++) x[i] = sd * rng_normal();
+    round_to(x, n, dt);
+}
+static float *randn(size_t n, float sd, cudaDataType_t dt)
+{
+    float *x = hfloats(n);
+    fill_normal(x, n, sd, dt);
+    return x;
+}
+static float *randu(size_t n, float lo, float hi, cudaDataType_t dt)
+{
+    float *x = hfloats(n);
+    for (size_t i = 0; i < n; i++) x[i] = rng_uniform(lo, hi);
+    round_to(x, n, dt);
+    return x;
 }
 static float *copy_of(const float *x, size_t n)
 {
@@ -154,38 +156,40 @@ static float *copy_of(const float *x, size_t n)
 static size_t esize(cudaDataType_t dt) { return dt == F32 ? 4 : 2; }
 static const char *dtname(cudaDataType_t dt) { return dt == F32 ? "f32" : "bf16"; }
 
-static void upload(void *d, const float *x, size_t n, cudaDataType_t dt)
+/* n values between host floats and a device buffer of dt (bf16: converted in a
+ * host buffer of bf16 values); kind says which way */
+static void transfer(void *dst, const void *src, size_t n, cudaDataType_t dt, enum cudaMemcpyKind kind)
 {
     if (dt == F32) {
-        CK(cudaMemcpy(d, x, n * 4, cudaMemcpyHostToDevice));
+        CK(cudaMemcpy(dst, src, n * 4, kind));
         return;
     }
+    const int up = kind == cudaMemcpyHostToDevice;
     uint16_t *t = (uint16_t *)malloc(n * 2 + 2);
     if (!t) { printf("parity: out of host memory\n"); summary_and_exit(1); }
-    for (size_t i = 0; i < n; i++) t[i] = shard_f32_to_bf16(x[i]);
-    cudaError_t e = cudaMemcpy(d, t, n * 2, cudaMemcpyHostToDevice);
+    if (up)
+        for (size_t i = 0; i < n; i++) t[i] = shard_f32_to_bf16(((const float *)src)[i]);
+    cudaError_t e = cudaMemcpy(up ? dst : t, up ? t : src, n * 2, kind);
+    if (e == cudaSuccess && !up)
+        for (size_t i = 0; i < n; i++) ((float *)dst)[i] = shard_bf16_to_f32(t[i]);
     free(t);
     CK(e);
 }
+static void upload(void *d, const float *x, size_t n, cudaDataType_t dt) { transfer(d, x, n, dt, cudaMemcpyHostToDevice); }
+static void download(float *x, const void *d, size_t n, cudaDataType_t dt) { transfer(x, d, n, dt, cudaMemcpyDeviceToHost); }
 static void *to_dev(const float *x, size_t n, cudaDataType_t dt)
 {
     void *d = dmalloc(n * esize(dt));
     upload(d, x, n, dt);
     return d;
 }
-static void download(float *x, const void *d, size_t n, cudaDataType_t dt)
+/* x (NULL: nothing) in a new device buffer of n + 8 values of dt, off bytes into it
+ * (off the 16-byte grid where off is not a multiple of 16) */
+static char *to_dev_off(const float *x, size_t n, cudaDataType_t dt, size_t off)
 {
-    if (dt == F32) {
-        CK(cudaMemcpy(x, d, n * 4, cudaMemcpyDeviceToHost));
-        return;
-    }
-    uint16_t *t = (uint16_t *)malloc(n * 2 + 2);
-    if (!t) { printf("parity: out of host memory\n"); summary_and_exit(1); }
-    cudaError_t e = cudaMemcpy(t, d, n * 2, cudaMemcpyDeviceToHost);
-    if (e == cudaSuccess)
-        for (size_t i = 0; i < n; i++) x[i] = shard_bf16_to_f32(t[i]);
-    free(t);
-    CK(e);
+    char *d = (char *)dmalloc((n + 8) * esize(dt)) + off;
+    if (x) upload(d, x, n, dt);
+    return d;
 }
 static float *from_dev(const void *d, size_t n, cudaDataType_t dt)
 {
@@ -193,53 +197,19 @@ static float *from_dev(const void *d, size_t n, cudaDataType_t dt)
     download(x, d, n, dt);
     return x;
 }
-static int32_t *to_dev_i32(const int32_t *x, size_t n)
+/* bytes from the host in a new device buffer */
+static void *to_dev_bytes(const void *x, size_t bytes)
 {
-    int32_t *d = (int32_t *)dmalloc(n * 4);
-    CK(cudaMemcpy(d, x, n * 4, cudaMemcpyHostToDevice));
+    void *d = dmalloc(bytes);
+    CK(cudaMemcpy(d, x, bytes, cudaMemcpyHostToDevice));
     return d;
 }
-static float *dev_scalar(float v)
-{
-    float *d = (float *)dmalloc(4);
-    CK(cudaMemcpy(d, &v, 4, cudaMemcpyHostToDevice));
-    return d;
-}
+static int32_t *to_dev_i32(const int32_t *x, size_t n) { return (int32_t *)to_dev_bytes(x, n * 4); }
+static float *dev_scalar(float v) { return (float *)to_dev_bytes(&v, 4); }
 
 /* ------------------------------------------------------------ comparison */
-/* ||got - ref|| / ||ref|| over the finite entries of ref; a NaN or infinity in ref
- * must be matched exactly (NaN by NaN, any sign); a non-finite got elsewhere
- * (e.g. an unwritten, poisoned element) makes the error infinite. */
-static double rel_err(const float *got, const float *ref, size_t n)
-{
-    double num = 0.0, den = 0.0;
-    for (size_t i = 0; i < n; i++) {
-        const float r = ref[i], g = got[i];
-        if (isnan(r)) {
-            if (!isnan(g)) return INFINITY;
-            continue;
-        }
-        if (isinf(r)) {
-            if (g != r) return INFINITY;
-            continue;
-        }
-        if (!isfinite(g)) return INFINITY;
-        num += ((double)g - r) * ((double)g - r);
-        den += (double)r * r;
-    }
-    return den > 0.0 ? sqrt(num / den) : sqrt(num);
-}
-
-static void report(const char *what, double err, double tol)
-{
-    const int ok = err <= tol; /* NaN fails */
-    char name[256];
-    snprintf(name, sizeof name, "%s %s", test_name, what);
-    printf("%s %-72s err %.3e tol %.1e\n", ok ? "PASS" : "FAIL", name, err, tol);
-    fflush(stdout);
-    if (ok) n_pass++;
-    else n_fail++;
-}
+/* one check's line (NaN fails) */
+static void report(const char *what, double err, double tol) { check_line(err <= tol, 72, what, err, tol, ""); }
 static void compare(const char *what, const float *got, const float *ref, size_t n, double tol)
 {
     report(what, rel_err(got, ref, n), tol);
@@ -258,25 +228,18 @@ static void test_embedding(cudaDataType_t dt, int N, int H, int vs, int vl)
     TEST_BEGIN("embedding %s N=%d H=%d shard=[%d,+%d)", dtname(dt), N, H, vs, vl);
     int32_t *tok = (int32_t *)hmalloc((size_t)N * 4);
     for (int i = 0; i < N; i++) tok[i] = (int32_t)(rng_u64() % (uint64_t)(vs + vl + 20));
-    float *wte = hfloats((size_t)vl * H), *out_ref = hfloats((size_t)N * H);
-    fill_normal(wte, (size_t)vl * H, 1.0f);
-    round_to(wte, (size_t)vl * H, dt);
+    float *wte = randn((size_t)vl * H, 1.0f, dt), *out_ref = hfloats((size_t)N * H);
     op_embedding_forward(out_ref, tok, wte, N, H, vs, vl);
     int32_t *d_tok = to_dev_i32(tok, N);
     void *d_wte = to_dev(wte, (size_t)vl * H, dt), *d_out = dmalloc((size_t)N * H * esize(dt));
-    CK(cuda_op_embedding_forward(d_out, d_tok, d_wte, N, H, vs, vl, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_embedding_forward(d_out, d_tok, d_wte, N, H, vs, vl, dt, 0));
     compare_dev("fwd out", d_out, dt, out_ref, (size_t)N * H, 0.0);
 
-    float *dout = hfloats((size_t)N * H), *dwte = hfloats((size_t)vl * H);
-    fill_normal(dout, (size_t)N * H, 1.0f);
-    round_to(dout, (size_t)N * H, dt);
-    fill_normal(dwte, (size_t)vl * H, 1.0f);
+    float *dout = randn((size_t)N * H, 1.0f, dt), *dwte = randn((size_t)vl * H, 1.0f, F32);
     void *d_dout = to_dev(dout, (size_t)N * H, dt);
     float *d_dwte = (float *)to_dev(dwte, (size_t)vl * H, F32);
     op_embedding_backward(dwte, dout, tok, N, H, vs, vl);
-    CK(cuda_op_embedding_backward(d_dwte, d_dout, d_tok, N, H, vs, vl, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_embedding_backward(d_dwte, d_dout, d_tok, N, H, vs, vl, dt, 0));
     compare_dev("bwd dwte", d_dwte, F32, dwte, (size_t)vl * H, 1e-6);
     TEST_END();
 }
@@ -287,31 +250,20 @@ static void test_rmsnorm(cudaDataType_t dt, int N, int H)
     TEST_BEGIN("rmsnorm %s N=%d H=%d", dtname(dt), N, H);
     const size_t n = (size_t)N * H;
     const float eps = 1e-5f;
-    float *x = hfloats(n), *w = hfloats(H), *out = hfloats(n), *rstd = hfloats(N);
-    fill_normal(x, n, 1.0f);
-    round_to(x, n, dt);
-    fill_uniform(w, H, 0.5f, 1.5f);
-    round_to(w, H, dt);
+    float *x = randn(n, 1.0f, dt), *w = randu(H, 0.5f, 1.5f, dt), *out = hfloats(n), *rstd = hfloats(N);
     op_rmsnorm_forward(out, rstd, x, w, N, H, eps);
     void *d_x = to_dev(x, n, dt), *d_w = to_dev(w, H, dt), *d_out = dmalloc(n * esize(dt));
     float *d_rstd = (float *)dmalloc((size_t)N * 4);
-    CK(cuda_op_rmsnorm_forward(d_out, d_rstd, d_x, d_w, N, H, eps, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_rmsnorm_forward(d_out, d_rstd, d_x, d_w, N, H, eps, dt, 0));
     compare_dev("fwd out", d_out, dt, out, n, tol_of(dt));
     compare_dev("fwd rstd", d_rstd, F32, rstd, N, 1e-5);
 
-    float *g = hfloats(n), *dx = hfloats(n), *dw = hfloats(H);
-    fill_normal(g, n, 1.0f);
-    round_to(g, n, dt);
-    fill_normal(dx, n, 1.0f);
-    round_to(dx, n, dt);
-    fill_normal(dw, H, 1.0f);
+    float *g = randn(n, 1.0f, dt), *dx = randn(n, 1.0f, dt), *dw = randn(H, 1.0f, F32);
     void *d_g = to_dev(g, n, dt), *d_dx = to_dev(dx, n, dt);
     float *d_dw = (float *)to_dev(dw, H, F32);
     CK(cudaMemcpy(d_rstd, rstd, (size_t)N * 4, cudaMemcpyHostToDevice)); /* the reference's rstd */
     op_rmsnorm_backward(dx, dw, g, x, w, rstd, N, H);
-    CK(cuda_op_rmsnorm_backward(d_dx, d_dw, d_g, d_x, d_w, d_rstd, N, H, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_rmsnorm_backward(d_dx, d_dw, d_g, d_x, d_w, d_rstd, N, H, dt, 0));
     compare_dev("bwd dinp", d_dx, dt, dx, n, tol_of(dt));
     compare_dev("bwd dweight", d_dw, F32, dw, H, 1e-5);
     TEST_END();
@@ -331,28 +283,22 @@ static void test_rope(cudaDataType_t dt, int B, int T, int nh, int hd, int far)
     float *d_inv = (float *)to_dev(inv, hd / 2, F32);
     int32_t *d_pos = to_dev_i32(pos, T);
     float *d_cs = (float *)dmalloc((size_t)T * hd * 4), *d_sn = (float *)dmalloc((size_t)T * hd * 4);
-    CK(cuda_op_rope_table(d_cs, d_sn, d_pos, T, d_inv, hd, 0));
-    SYNC();
+    CK_SYNC(cuda_op_rope_table(d_cs, d_sn, d_pos, T, d_inv, hd, 0));
     compare_dev("table cos", d_cs, F32, cs, (size_t)T * hd, 1e-6);
     compare_dev("table sin", d_sn, F32, sn, (size_t)T * hd, 1e-6);
     CK(cudaMemcpy(d_cs, cs, (size_t)T * hd * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_sn, sn, (size_t)T * hd * 4, cudaMemcpyHostToDevice));
 
     const size_t n = (size_t)B * T * nh * hd;
-    float *x = hfloats(n);
-    fill_normal(x, n, 1.0f);
-    round_to(x, n, dt);
+    float *x = randn(n, 1.0f, dt);
     void *d_x = to_dev(x, n, dt);
     op_rope_forward(x, cs, sn, B, T, nh, hd);
-    CK(cuda_op_rope_forward(d_x, d_cs, d_sn, B, T, nh, hd, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_rope_forward(d_x, d_cs, d_sn, B, T, nh, hd, dt, 0));
     compare_dev("fwd", d_x, dt, x, n, tol_of(dt));
-    fill_normal(x, n, 1.0f);
-    round_to(x, n, dt);
+    fill_normal(x, n, 1.0f, dt);
     upload(d_x, x, n, dt);
     op_rope_backward(x, cs, sn, B, T, nh, hd);
-    CK(cuda_op_rope_backward(d_x, d_cs, d_sn, B, T, nh, hd, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_rope_backward(d_x, d_cs, d_sn, B, T, nh, hd, dt, 0));
     compare_dev("bwd", d_x, dt, x, n, tol_of(dt));
     TEST_END();
 }
@@ -403,27 +349,13 @@ static void test_attention(const attn_case *c)
     int32_t *qpos = (int32_t *)hmalloc((size_t)c->Tq * 4), *kpos = (int32_t *)hmalloc((size_t)c->Tk * 4);
     make_positions(c, qpos, kpos);
     /* bf16-representable inputs: one C reference serves both storage dtypes */
-    float *q = hfloats(nq), *k = hfloats(nk), *v = hfloats(nk);
-    fill_uniform(q, nq, -2.0f, 2.0f);
-    fill_uniform(k, nk, -2.0f, 2.0f);
-    fill_normal(v, nk, 1.0f);
-    round_to(q, nq, BF16);
-    round_to(k, nk, BF16);
-    round_to(v, nk, BF16);
+    float *q = randu(nq, -2.0f, 2.0f, BF16), *k = randu(nk, -2.0f, 2.0f, BF16), *v = randn(nk, 1.0f, BF16);
     float *out = hfloats(nq), *lse = hfloats(nl);
     op_attention_forward(out, lse, q, k, v, qpos, kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window);
     /* backward inputs: dout, the (rounded) forward output, and accumulators */
-    float *g = hfloats(nq), *o_in = copy_of(out, nq);
-    fill_normal(g, nq, 1.0f);
-    round_to(g, nq, BF16);
+    float *g = randn(nq, 1.0f, BF16), *o_in = copy_of(out, nq);
     round_to(o_in, nq, BF16);
-    float *dq = hfloats(nq), *dk = hfloats(nk), *dv = hfloats(nk);
-    fill_normal(dq, nq, 0.1f);
-    fill_normal(dk, nk, 0.1f);
-    fill_normal(dv, nk, 0.1f);
-    round_to(dq, nq, BF16);
-    round_to(dk, nk, BF16);
-    round_to(dv, nk, BF16);
+    float *dq = randn(nq, 0.1f, BF16), *dk = randn(nk, 0.1f, BF16), *dv = randn(nk, 0.1f, BF16);
     float *dq0 = copy_of(dq, nq), *dk0 = copy_of(dk, nk), *dv0 = copy_of(dv, nk);
     op_attention_backward(dq, dk, dv, g, q, k, v, o_in, lse, qpos, kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd,
                           c->window);
@@ -435,9 +367,8 @@ static void test_attention(const attn_case *c)
         void *d_q = to_dev(q, nq, dt), *d_k = to_dev(k, nk, dt), *d_v = to_dev(v, nk, dt);
         void *d_out = dmalloc(nq * esize(dt));
         poison(d_lse, nl * 4);
-        CK(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv,
-                                     c->hd, c->window, dt, 0));
-        SYNC();
+        CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv,
+                                          c->hd, c->window, dt, 0));
         snprintf(what, sizeof what, "%s fwd out", dtname(dt));
         compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
         snprintf(what, sizeof what, "%s fwd lse", dtname(dt));
@@ -446,9 +377,8 @@ static void test_attention(const attn_case *c)
         void *d_g = to_dev(g, nq, dt), *d_o = to_dev(o_in, nq, dt);
         void *d_dq = to_dev(dq0, nq, dt), *d_dk = to_dev(dk0, nk, dt), *d_dv = to_dev(dv0, nk, dt);
         CK(cudaMemcpy(d_lse, lse, nl * 4, cudaMemcpyHostToDevice));
-        CK(cuda_op_attention_backward(d_dq, d_dk, d_dv, d_g, d_q, d_k, d_v, d_o, d_lse, d_qpos, d_kpos, c->B, c->Tq,
-                                      c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
-        SYNC();
+        CK_SYNC(cuda_op_attention_backward(d_dq, d_dk, d_dv, d_g, d_q, d_k, d_v, d_o, d_lse, d_qpos, d_kpos, c->B, c->Tq,
+                                           c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
         const double tb = dt == F32 ? 2e-5 : 2e-2;
         snprintf(what, sizeof what, "%s bwd dq", dtname(dt));
         compare_dev(what, d_dq, dt, dq, nq, tb);
@@ -464,20 +394,14 @@ static void test_attention_merge(cudaDataType_t dt, int B, int T, int nh, int hd
 {
     TEST_BEGIN("attention merge %s B=%d T=%d nh=%d hd=%d", dtname(dt), B, T, nh, hd);
     const size_t n = (size_t)B * T * nh * hd, nl = (size_t)B * nh * T;
-    float *o1 = hfloats(n), *o2 = hfloats(n), *l1 = hfloats(nl), *l2 = hfloats(nl);
-    fill_normal(o1, n, 1.0f);
-    fill_normal(o2, n, 1.0f);
-    round_to(o1, n, dt);
-    round_to(o2, n, dt);
-    fill_uniform(l1, nl, -3.0f, 8.0f);
-    fill_uniform(l2, nl, -3.0f, 8.0f);
+    float *o1 = randn(n, 1.0f, dt), *o2 = randn(n, 1.0f, dt);
+    float *l1 = randu(nl, -3.0f, 8.0f, F32), *l2 = randu(nl, -3.0f, 8.0f, F32);
     for (size_t i = 0; i < nl; i += 7) l1[i] = -INFINITY; /* parts that saw no key */
     for (size_t i = 3; i < nl; i += 11) l2[i] = -INFINITY;
     void *d_o1 = to_dev(o1, n, dt), *d_o2 = to_dev(o2, n, dt);
     float *d_l1 = (float *)to_dev(l1, nl, F32), *d_l2 = (float *)to_dev(l2, nl, F32);
     op_attention_merge(o1, l1, o2, l2, B, T, nh, hd);
-    CK(cuda_op_attention_merge(d_o1, d_l1, d_o2, d_l2, B, T, nh, hd, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_attention_merge(d_o1, d_l1, d_o2, d_l2, B, T, nh, hd, dt, 0));
     compare_dev("out", d_o1, dt, o1, n, tol_of(dt));
     compare_dev("lse", d_l1, F32, l1, nl, 1e-6);
     TEST_END();
@@ -487,35 +411,16 @@ static void test_attention_merge(cudaDataType_t dt, int B, int T, int nh, int hd
 static void test_swiglu(cudaDataType_t dt, size_t n, int offset)
 {
     TEST_BEGIN("swiglu+add %s n=%zu%s", dtname(dt), n, offset ? " unaligned" : "");
-    float *gt = hfloats(n), *up = hfloats(n), *out = hfloats(n);
-    fill_normal(gt, n, 2.0f);
-    fill_normal(up, n, 1.0f);
-    round_to(gt, n, dt);
-    round_to(up, n, dt);
+    float *gt = randn(n, 2.0f, dt), *up = randn(n, 1.0f, dt), *out = hfloats(n);
     op_swiglu_forward(out, gt, up, n);
-    const size_t es = esize(dt), off = (size_t)offset * es; /* offset: pointers off the 16-byte grid */
-    char *d_gt = (char *)dmalloc((n + 8) * es) + off, *d_up = (char *)dmalloc((n + 8) * es) + off;
-    char *d_out = (char *)dmalloc((n + 8) * es) + off;
-    upload(d_gt, gt, n, dt);
-    upload(d_up, up, n, dt);
-    CK(cuda_op_swiglu_forward(d_out, d_gt, d_up, n, dt, 0));
-    SYNC();
+    const size_t off = (size_t)offset * esize(dt); /* offset: pointers off the 16-byte grid */
+    char *d_gt = to_dev_off(gt, n, dt, off), *d_up = to_dev_off(up, n, dt, off), *d_out = to_dev_off(NULL, n, dt, off);
+    CK_SYNC(cuda_op_swiglu_forward(d_out, d_gt, d_up, n, dt, 0));
     compare_dev("fwd", d_out, dt, out, n, tol_of(dt));
-    float *g = hfloats(n), *dg = hfloats(n), *du = hfloats(n);
-    fill_normal(g, n, 1.0f);
-    fill_normal(dg, n, 1.0f);
-    fill_normal(du, n, 1.0f);
-    round_to(g, n, dt);
-    round_to(dg, n, dt);
-    round_to(du, n, dt);
-    char *d_g = (char *)dmalloc((n + 8) * es) + off, *d_dg = (char *)dmalloc((n + 8) * es) + off;
-    char *d_du = (char *)dmalloc((n + 8) * es) + off;
-    upload(d_g, g, n, dt);
-    upload(d_dg, dg, n, dt);
-    upload(d_du, du, n, dt);
+    float *g = randn(n, 1.0f, dt), *dg = randn(n, 1.0f, dt), *du = randn(n, 1.0f, dt);
+    char *d_g = to_dev_off(g, n, dt, off), *d_dg = to_dev_off(dg, n, dt, off), *d_du = to_dev_off(du, n, dt, off);
     op_swiglu_backward(dg, du, g, gt, up, n);
-    CK(cuda_op_swiglu_backward(d_dg, d_du, d_g, d_gt, d_up, n, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_swiglu_backward(d_dg, d_du, d_g, d_gt, d_up, n, dt, 0));
     compare_dev("bwd dgate", d_dg, dt, dg, n, tol_of(dt));
     compare_dev("bwd dup", d_du, dt, du, n, tol_of(dt));
     /* add (the residual connections) on the same tensors: y = a + b, then in place
@@ -526,8 +431,7 @@ static void test_swiglu(cudaDataType_t dt, size_t n, int offset)
     op_add(y2, y, up, n);
     CK(cuda_op_add(d_out, d_gt, d_up, n, dt, 0));
     CK(cuda_op_add(d_gt, d_gt, d_up, n, dt, 0));
-    CK(cuda_op_add(d_up, d_out, d_up, n, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_add(d_up, d_out, d_up, n, dt, 0));
     compare_dev("add y = a + b", d_out, dt, y, n, dt == F32 ? 0.0 : 1e-2);
     compare_dev("add a += b", d_gt, dt, y, n, dt == F32 ? 0.0 : 1e-2);
     compare_dev("add b = y + b", d_up, dt, y2, n, dt == F32 ? 0.0 : 1e-2);
@@ -539,9 +443,7 @@ static void test_xent(cudaDataType_t dt, int N, int Vl, int vs)
 {
     TEST_BEGIN("xent %s N=%d Vl=%d vocab_start=%d", dtname(dt), N, Vl, vs);
     const size_t n = (size_t)N * Vl;
-    float *x = hfloats(n);
-    fill_normal(x, n, 3.0f);
-    round_to(x, n, dt);
+    float *x = randn(n, 3.0f, dt);
     int32_t *t = (int32_t *)hmalloc((size_t)N * 4);
     for (int i = 0; i < N; i++) {
         uint64_t r = rng_u64() % 10;
@@ -562,37 +464,31 @@ static void test_xent(cudaDataType_t dt, int N, int Vl, int vs)
     float *d_rm = (float *)dmalloc((size_t)N * 4), *d_tl = (float *)dmalloc((size_t)N * 4);
     float *d_se = (float *)dmalloc((size_t)N * 4), *d_loss = (float *)dmalloc((size_t)N * 4);
     double *d_total = (double *)dmalloc(8);
-    CK(cuda_op_xent_rowmax(d_rm, d_tl, d_x, d_t, N, Vl, vs, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_xent_rowmax(d_rm, d_tl, d_x, d_t, N, Vl, vs, dt, 0));
     compare_dev("rowmax", d_rm, F32, rm, N, 0.0);
     compare_dev("target_logit", d_tl, F32, tl, N, 0.0);
     CK(cudaMemcpy(d_rm, rm, (size_t)N * 4, cudaMemcpyHostToDevice));
-    CK(cuda_op_xent_sumexp(d_se, d_x, d_rm, N, Vl, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_xent_sumexp(d_se, d_x, d_rm, N, Vl, dt, 0));
     compare_dev("sumexp", d_se, F32, se, N, 1e-5);
     poison(d_rm, (size_t)N * 4);
     poison(d_se, (size_t)N * 4);
     poison(d_tl, (size_t)N * 4);
-    CK(cuda_op_xent_stats(d_rm, d_se, d_tl, d_x, d_t, N, Vl, vs, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_xent_stats(d_rm, d_se, d_tl, d_x, d_t, N, Vl, vs, dt, 0));
     compare_dev("stats rowmax", d_rm, F32, rm, N, 0.0);
     compare_dev("stats sumexp", d_se, F32, se, N, 1e-5);
     compare_dev("stats target_logit", d_tl, F32, tl, N, 0.0);
     CK(cudaMemcpy(d_rm, rm, (size_t)N * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_se, se, (size_t)N * 4, cudaMemcpyHostToDevice));
     CK(cudaMemcpy(d_tl, tl, (size_t)N * 4, cudaMemcpyHostToDevice));
-    CK(cuda_op_xent_loss(d_loss, d_total, d_rm, d_se, d_tl, d_t, N, 0));
-    SYNC();
+    CK_SYNC(cuda_op_xent_loss(d_loss, d_total, d_rm, d_se, d_tl, d_t, N, 0));
     compare_dev("losses", d_loss, F32, loss, N, 1e-6);
     double total_gpu = 0.0;
     CK(cudaMemcpy(&total_gpu, d_total, 8, cudaMemcpyDeviceToHost));
     report("loss sum", fabs(total_gpu - total) / fmax(fabs(total), 1e-30), 1e-9);
     void *d_dx = dmalloc(n * esize(dt));
-    CK(cuda_op_xent_backward(d_dx, d_x, d_rm, d_se, d_t, N, Vl, vs, scale, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_xent_backward(d_dx, d_x, d_rm, d_se, d_t, N, Vl, vs, scale, dt, 0));
     compare_dev("bwd dlogits", d_dx, dt, dx, n, tol_of(dt));
-    CK(cuda_op_xent_backward(d_x, d_x, d_rm, d_se, d_t, N, Vl, vs, scale, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_xent_backward(d_x, d_x, d_rm, d_se, d_t, N, Vl, vs, scale, dt, 0));
     compare_dev("bwd dlogits in place", d_x, dt, dx, n, tol_of(dt));
     TEST_END();
 }
@@ -601,18 +497,14 @@ static void test_xent(cudaDataType_t dt, int N, int Vl, int vs)
 static void test_adamw(size_t n, int step)
 {
     TEST_BEGIN("adamw n=%zu step=%d", n, step);
-    float *p = hfloats(n), *g = hfloats(n), *m = hfloats(n), *v = hfloats(n);
-    fill_normal(p, n, 1.0f);
-    fill_normal(g, n, 0.1f);
-    fill_normal(m, n, 0.01f);
-    fill_uniform(v, n, 0.0f, 1e-3f);
+    float *p = randn(n, 1.0f, F32), *g = randn(n, 0.1f, F32), *m = randn(n, 0.01f, F32);
+    float *v = randu(n, 0.0f, 1e-3f, F32);
     float *d_p = (float *)to_dev(p, n, F32), *d_g = (float *)to_dev(g, n, F32);
     float *d_m = (float *)to_dev(m, n, F32), *d_v = (float *)to_dev(v, n, F32);
     void *d_pb = dmalloc(n * 2);
     const float lr = 3e-4f, b1 = 0.9f, b2 = 0.95f, eps = 1e-8f, wd = 0.1f;
     op_adamw(p, g, m, v, n, lr, b1, b2, eps, wd, step);
-    CK(cuda_op_adamw(d_p, d_g, d_m, d_v, d_pb, n, lr, b1, b2, eps, wd, step, 0));
-    SYNC();
+    CK_SYNC(cuda_op_adamw(d_p, d_g, d_m, d_v, d_pb, n, lr, b1, b2, eps, wd, step, 0));
     compare_dev("param", d_p, F32, p, n, 1e-6);
     compare_dev("m", d_m, F32, m, n, 1e-6);
     compare_dev("v", d_v, F32, v, n, 1e-6);
@@ -626,18 +518,13 @@ static void test_adamw(size_t n, int step)
 static void test_reduce(cudaDataType_t dt, size_t n, int offset)
 {
     TEST_BEGIN("reduce %s n=%zu%s", dtname(dt), n, offset ? " unaligned" : "");
-    float *x = hfloats(n);
-    fill_normal(x, n, 1.0f);
-    x[n / 3] = 37.5f;
-    round_to(x, n, dt);
-    const size_t off = (size_t)offset * esize(dt);
-    char *d_x = (char *)dmalloc((n + 8) * esize(dt)) + off;
-    upload(d_x, x, n, dt);
+    float *x = randn(n, 1.0f, dt);
+    x[n / 3] = 37.5f; /* exact in bf16 */
+    char *d_x = to_dev_off(x, n, dt, (size_t)offset * esize(dt));
     double *d_ss = (double *)dmalloc(8);
     float *d_am = (float *)dmalloc(4);
     CK(cuda_op_sumsq(d_ss, d_x, n, dt, 0));
-    CK(cuda_op_amax(d_am, d_x, n, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_amax(d_am, d_x, n, dt, 0));
     double ss = 0.0;
     float am = 0.0f;
     CK(cudaMemcpy(&ss, d_ss, 8, cudaMemcpyDeviceToHost));
@@ -659,15 +546,13 @@ static void test_reduce(cudaDataType_t dt, size_t n, int offset)
     float nanv = NAN;
     x[n - 1] = nanv;
     upload(d_x, x, n, dt);
-    CK(cuda_op_amax(d_am, d_x, n, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_amax(d_am, d_x, n, dt, 0));
     CK(cudaMemcpy(&am, d_am, 4, cudaMemcpyDeviceToHost));
     report("amax with a NaN", isnan(am) && isnan(op_amax(x, n)) ? 0.0 : INFINITY, 0.0);
     x[n - 1] = 1.0f;
     upload(d_x, x, n, dt);
     op_scale(x, 0.37f, n);
-    CK(cuda_op_scale(d_x, 0.37f, n, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_scale(d_x, 0.37f, n, dt, 0));
     compare_dev("scale", d_x, dt, x, n, dt == F32 ? 0.0 : 1e-2);
     TEST_END();
 }
@@ -707,8 +592,7 @@ static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
     void *d_x = to_dev(x, n, dt);
     uint8_t *d_q = (uint8_t *)dmalloc(n + 16);
     float *d_am = (float *)dmalloc(4), *d_s = dev_scalar(scale);
-    CK(cuda_op_fp8_quantize(d_q, d_am, d_x, n, d_s, fmt, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_fp8_quantize(d_q, d_am, d_x, n, d_s, fmt, dt, 0));
     CK(cudaMemcpy(qg, d_q, n, cudaMemcpyDeviceToHost));
     CK(cudaMemcpy(&amg, d_am, 4, cudaMemcpyDeviceToHost));
     size_t bad = 0, first = n;
@@ -730,15 +614,13 @@ static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
         if (!isfinite(x[i])) x[i] = 0.5f;
     upload(d_x, x, n, dt);
     op_fp8_quantize(q, &am, x, n, scale, fmt);
-    CK(cuda_op_fp8_quantize(d_q, d_am, d_x, n, d_s, fmt, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_fp8_quantize(d_q, d_am, d_x, n, d_s, fmt, dt, 0));
     CK(cudaMemcpy(&amg, d_am, 4, cudaMemcpyDeviceToHost));
     report("quantize amax (finite input)", am == amg ? 0.0 : INFINITY, 0.0);
     /* unaligned input and output take the scalar path */
     if (n > 64) {
         const size_t m = n - 64;
-        CK(cuda_op_fp8_quantize(d_q + 3, NULL, (char *)d_x + 5 * esize(dt), m, d_s, fmt, dt, 0));
-        SYNC();
+        CK_SYNC(cuda_op_fp8_quantize(d_q + 3, NULL, (char *)d_x + 5 * esize(dt), m, d_s, fmt, dt, 0));
         CK(cudaMemcpy(qg, d_q + 3, m, cudaMemcpyDeviceToHost));
         op_fp8_quantize(q, NULL, x + 5, m, scale, fmt);
         bad = 0;
@@ -751,8 +633,7 @@ static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
     round_to(deq, n, dt);
     CK(cudaMemcpy(d_q, q, n, cudaMemcpyHostToDevice));
     void *d_deq = dmalloc(n * esize(dt));
-    CK(cuda_op_fp8_dequantize(d_deq, d_q, n, d_s, fmt, dt, 0));
-    SYNC();
+    CK_SYNC(cuda_op_fp8_dequantize(d_deq, d_q, n, d_s, fmt, dt, 0));
     compare_dev("dequantize", d_deq, dt, deq, n, 0.0);
     TEST_END();
 }
@@ -776,8 +657,7 @@ static void test_fp8_recipe(int fmt, float margin)
     float *d_am = (float *)to_dev(am, K, F32), *d_acc = (float *)to_dev(ac, K, F32), *d_sc = (float *)to_dev(sc, K, F32);
     float *d_si = (float *)dmalloc(K * 4);
     CK(cuda_op_fp8_amax_fold(d_acc, d_am, K, 0));
-    CK(cuda_op_fp8_scale_update(d_sc, d_si, d_am, K, fmt, margin, 0));
-    SYNC();
+    CK_SYNC(cuda_op_fp8_scale_update(d_sc, d_si, d_am, K, fmt, margin, 0));
     for (int i = 0; i < K; i++) {
         if (am[i] > acc[i] || isnan(am[i])) acc[i] = isnan(acc[i]) ? acc[i] : am[i];
         sc[i] = ref_scale_from(am[i], sc[i], fmt, margin);
@@ -798,8 +678,7 @@ static void test_fp8_transpose(int rows, int cols)
     for (size_t i = 0; i < n; i++) a[i] = (uint8_t)rng_u64();
     uint8_t *d_a = (uint8_t *)dmalloc(n), *d_t = (uint8_t *)dmalloc(n);
     CK(cudaMemcpy(d_a, a, n, cudaMemcpyHostToDevice));
-    CK(cuda_op_fp8_transpose(d_t, d_a, rows, cols, 0));
-    SYNC();
+    CK_SYNC(cuda_op_fp8_transpose(d_t, d_a, rows, cols, 0));
     CK(cudaMemcpy(t, d_t, n, cudaMemcpyDeviceToHost));
     size_t bad = 0;
     for (int r = 0; r < rows; r++)
@@ -813,27 +692,15 @@ static void test_gemm(cudaDataType_t dt, cudaDataType_t out_dt, cudaDataType_t d
 {
     TEST_BEGIN("linear %s->%s dW %s N=%d IN=%d OUT=%d", dtname(dt), dtname(out_dt), dtname(dw_dt), N, IN, OUT);
     const size_t nx = (size_t)N * IN, nw = (size_t)OUT * IN, ny = (size_t)N * OUT;
-    float *x = hfloats(nx), *w = hfloats(nw), *y = hfloats(ny);
-    fill_normal(x, nx, 1.0f);
-    fill_normal(w, nw, 0.1f);
-    round_to(x, nx, dt);
-    round_to(w, nw, dt);
+    float *x = randn(nx, 1.0f, dt), *w = randn(nw, 0.1f, dt), *y = hfloats(ny);
     op_linear_forward(y, x, w, N, IN, OUT);
     void *d_x = to_dev(x, nx, dt), *d_w = to_dev(w, nw, dt), *d_y = dmalloc(ny * esize(out_dt));
-    CK(cuda_op_linear_forward(gemm, d_y, out_dt, d_x, d_w, dt, N, IN, OUT, 0));
-    SYNC();
+    CK_SYNC(cuda_op_linear_forward(gemm, d_y, out_dt, d_x, d_w, dt, N, IN, OUT, 0));
     compare_dev("fwd", d_y, out_dt, y, ny, tol_of(out_dt) * (dt == F32 ? 10 : 1));
-    float *g = hfloats(ny), *dx = hfloats(nx), *dw = hfloats(nw);
-    fill_normal(g, ny, 1.0f);
-    round_to(g, ny, dt);
-    fill_normal(dx, nx, 1.0f);
-    round_to(dx, nx, dt);
-    fill_normal(dw, nw, 1.0f);
-    round_to(dw, nw, dw_dt);
+    float *g = randn(ny, 1.0f, dt), *dx = randn(nx, 1.0f, dt), *dw = randn(nw, 1.0f, dw_dt);
     void *d_g = to_dev(g, ny, dt), *d_dx = to_dev(dx, nx, dt), *d_dw = to_dev(dw, nw, dw_dt);
     op_linear_backward(dx, dw, g, x, w, N, IN, OUT);
-    CK(cuda_op_linear_backward(gemm, d_dx, d_dw, dw_dt, d_g, d_x, d_w, dt, N, IN, OUT, 0));
-    SYNC();
+    CK_SYNC(cuda_op_linear_backward(gemm, d_dx, d_dw, dw_dt, d_g, d_x, d_w, dt, N, IN, OUT, 0));
     compare_dev("bwd dinp", d_dx, dt, dx, nx, tol_of(dt) * (dt == F32 ? 10 : 1));
     compare_dev("bwd dweight", d_dw, dw_dt, dw, nw, tol_of(dw_dt) * (dw_dt == F32 ? 10 : 1));
     TEST_END();
@@ -860,9 +727,7 @@ static void test_gemm_fp8(cudaDataType_t out_dt, int N, int IN, int OUT, int fas
 {
     TEST_BEGIN("linear fp8 ->%s N=%d IN=%d OUT=%d%s", dtname(out_dt), N, IN, OUT, fast_accum ? " fast-accum" : "");
     const size_t nx = (size_t)N * IN, nw = (size_t)OUT * IN, ny = (size_t)N * OUT;
-    float *x = hfloats(nx), *w = hfloats(nw), *y = hfloats(ny);
-    fill_normal(x, nx, 1.0f);
-    fill_normal(w, nw, 0.05f);
+    float *x = randn(nx, 1.0f, F32), *w = randn(nw, 0.05f, F32), *y = hfloats(ny);
     const float s_x = 448.0f / host_amax(x, nx), s_w = 448.0f / host_amax(w, nw) * 0.5f;
     void *scratch = hmalloc(OP_LINEAR_FP8_SCRATCH_BYTES(N, IN, OUT));
     op_linear_forward_fp8(y, x, w, N, IN, OUT, s_x, s_w, scratch);
@@ -873,8 +738,7 @@ static void test_gemm_fp8(cudaDataType_t out_dt, int N, int IN, int OUT, int fas
     CK(cuda_op_fp8_quantize(d_wq, NULL, d_w, nw, d_sw, OP_FP8_E4M3, F32, 0));
     void *d_y = dmalloc(ny * esize(out_dt));
     float *d_amax = (float *)dmalloc(4);
-    CK(cuda_op_linear_forward_fp8(gemm, d_y, out_dt, d_amax, d_xq, d_isx, d_wq, d_isw, N, IN, OUT, fast_accum, 0));
-    SYNC();
+    CK_SYNC(cuda_op_linear_forward_fp8(gemm, d_y, out_dt, d_amax, d_xq, d_isx, d_wq, d_isw, N, IN, OUT, fast_accum, 0));
     const double tf = out_dt == F32 ? (fast_accum ? 1e-2 : 1e-3) : 1e-2;
     compare_dev("fwd", d_y, out_dt, y, ny, tf);
     float amax = 0.0f;
@@ -886,11 +750,7 @@ static void test_gemm_fp8(cudaDataType_t out_dt, int N, int IN, int OUT, int fas
         return;
     }
     /* backward: dout in E5M2, reference through the C emulation of the recipe */
-    float *g = hfloats(ny), *dx = hfloats(nx), *dw = hfloats(nw);
-    fill_normal(g, ny, 1e-3f);
-    fill_normal(dx, nx, 1.0f);
-    round_to(dx, nx, BF16);
-    fill_normal(dw, nw, 1.0f);
+    float *g = randn(ny, 1e-3f, F32), *dx = randn(nx, 1.0f, BF16), *dw = randn(nw, 1.0f, F32);
     const float s_g = 57344.0f / host_amax(g, ny) / 4.0f;
     float *gq = fp8_roundtrip(g, ny, s_g, OP_FP8_E5M2), *xq = fp8_roundtrip(x, nx, s_x, OP_FP8_E4M3);
     float *wq = fp8_roundtrip(w, nw, s_w, OP_FP8_E4M3);
@@ -900,29 +760,97 @@ static void test_gemm_fp8(cudaDataType_t out_dt, int N, int IN, int OUT, int fas
     void *d_dx = to_dev(dx, nx, BF16);
     float *d_dw = (float *)to_dev(dw, nw, F32);
     op_linear_backward(dx, dw, gq, xq, wq, N, IN, OUT);
-    CK(cuda_op_linear_backward_fp8(gemm, d_dx, BF16, d_dw, F32, d_gq, d_isg, d_xq, d_isx, d_wq, d_isw, N, IN, OUT, 0));
-    SYNC();
+    CK_SYNC(cuda_op_linear_backward_fp8(gemm, d_dx, BF16, d_dw, F32, d_gq, d_isg, d_xq, d_isx, d_wq, d_isw, N, IN, OUT, 0));
     compare_dev("bwd dinp (bf16)", d_dx, BF16, dx, nx, 1e-2);
     compare_dev("bwd dweight (f32)", d_dw, F32, dw, nw, 1e-3);
     TEST_END();
 }
 
 /* ============================================================ main */
+/* the checks run for each storage dtype */
+static void test_per_dtype(cudaDataType_t dt)
+{
+    if (selected("embedding")) {
+        test_embedding(dt, 77, 96, 10, 40);
+        test_embedding(dt, 33, 50, 0, 60);
+    }
+    if (selected("rmsnorm")) {
+        test_rmsnorm(dt, 33, 96);
+        test_rmsnorm(dt, 7, 1001);
+        if (!quick) test_rmsnorm(dt, 300, 4096);
+    }
+    if (selected("rope")) {
+        test_rope(dt, 2, 17, 3, 64, 0);
+        test_rope(dt, 1, 9, 2, 128, 1);
+        if (!quick) test_rope(dt, 2, 1024, 8, 128, 1);
+    }
+    if (selected("swiglu") || selected("add")) {
+        test_swiglu(dt, 4096, 0);
+        test_swiglu(dt, quick ? 5003 : 1000003, 0);
+        test_swiglu(dt, 1001, 1);
+    }
+    if (selected("xent")) {
+        test_xent(dt, 37, 1000, 500);
+        test_xent(dt, 9, 999, 0);
+        if (!quick) test_xent(dt, 64, 32768, 32768);
+    }
+    if (selected("reduce")) {
+        test_reduce(dt, quick ? 10007 : 1000003, 0);
+        test_reduce(dt, 999, 1);
+    }
+    if (selected("fp8")) {
+        const size_t n = quick ? 20000 : 1 << 20;
+        test_fp8(dt, OP_FP8_E4M3, n, 1.0f);
+        test_fp8(dt, OP_FP8_E4M3, n, 0.37f);
+        test_fp8(dt, OP_FP8_E5M2, n, 1.0f);
+        test_fp8(dt, OP_FP8_E5M2, n, 1024.0f);
+    }
+    if (selected("attention merge")) test_attention_merge(dt, 2, 37, 3, 64);
+}
+
+/* the attention cases of the --quick run and of the full one */
+static void test_attention_cases(void)
+{
+    enum { FULL, QUICK };
+    static const struct {
+        int run;
+        attn_case c; /* B, Tq, Tk, nh, nkv, hd, window, positions */
+    } cases[] = {
+        {QUICK, {1, 37, 37, 2, 2, 64, 0, POS_CAUSAL}},
+        {QUICK, {1, 70, 70, 4, 2, 32, 0, POS_CAUSAL}},
+        {QUICK, {1, 130, 130, 4, 1, 128, 0, POS_CAUSAL}},
+        {QUICK, {2, 40, 40, 2, 1, 64, 16, POS_CAUSAL}},
+        {QUICK, {1, 48, 80, 2, 2, 64, 0, POS_LATER_Q}},
+        {QUICK, {1, 64, 64, 2, 1, 32, 0, POS_ZIGZAG}},
+        {QUICK, {1, 20, 30, 2, 2, 64, 0, POS_FUTURE}},
+        {QUICK, {1, 33, 41, 4, 2, 32, 0, POS_RANDOM}},
+        {QUICK, {1, 29, 29, 2, 1, 48, 0, POS_CAUSAL}},
+        {QUICK, {1, 21, 21, 2, 2, 80, 7, POS_CAUSAL}},
+        {FULL, {2, 37, 37, 4, 4, 64, 0, POS_CAUSAL}},
+        {FULL, {1, 100, 100, 8, 4, 64, 0, POS_CAUSAL}},
+        {FULL, {1, 130, 130, 8, 2, 128, 0, POS_CAUSAL}},
+        {FULL, {1, 257, 257, 4, 1, 128, 0, POS_CAUSAL}},
+        {FULL, {2, 77, 77, 4, 2, 32, 16, POS_CAUSAL}},
+        {FULL, {1, 300, 300, 4, 2, 128, 64, POS_CAUSAL}},
+        {FULL, {1, 64, 96, 4, 1, 128, 0, POS_LATER_Q}},
+        {FULL, {1, 200, 200, 4, 2, 64, 0, POS_ZIGZAG}},
+        {FULL, {1, 50, 70, 4, 2, 128, 0, POS_FUTURE}},
+        {FULL, {1, 91, 113, 4, 2, 64, 0, POS_RANDOM}},
+        {FULL, {1, 75, 75, 2, 1, 48, 0, POS_CAUSAL}},
+        {FULL, {1, 66, 66, 4, 2, 80, 9, POS_CAUSAL}},
+        {FULL, {1, 40, 40, 2, 2, 256, 0, POS_CAUSAL}},
+        {FULL, {1, 1024, 1024, 4, 2, 128, 0, POS_CAUSAL}},
+        {FULL, {1, 4096, 4096, 4, 1, 128, 0, POS_CAUSAL}},
+        {FULL, {1, 4096, 4096, 8, 2, 128, 512, POS_CAUSAL}},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
+        if (cases[i].run == (quick ? QUICK : FULL)) test_attention(&cases[i].c);
+}
+
 int main(int argc, char **argv)
 {
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--quick")) quick = 1;
-        else if (!strcmp(argv[i], "--only") && i + 1 < argc) only = argv[++i];
-        else {
-            fprintf(stderr, "usage: %s [--quick] [--only SUBSTRING]\n", argv[0]);
-            return 2;
-        }
-    }
-    int ndev = 0;
-    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-        printf("parity: SKIP: no CUDA device found\n");
-        return 0;
-    }
+    if (!check_args(argc, argv, &quick, &only)) return 2;
+    if (!check_device("parity")) return 0;
     struct cudaDeviceProp prop;
     if (cudaGetDeviceProperties(&prop, 0) == cudaSuccess)
         printf("parity: device %s, %d multiprocessors, cc %d.%d%s\n", prop.name, prop.multiProcessorCount, prop.major,
@@ -933,47 +861,8 @@ int main(int argc, char **argv)
     const size_t scratch = quick ? cuda_gemm_fp8_scratch_bytes(64, 128, 96)
                                  : cuda_gemm_fp8_scratch_bytes(256, 1024, 768);
     CK(cuda_gemm_create(&gemm, 0, scratch));
-    const cudaDataType_t dts[2] = {F32, BF16};
-
-    for (int di = 0; di < 2; di++) {
-        const cudaDataType_t dt = dts[di];
-        if (selected("embedding")) {
-            test_embedding(dt, 77, 96, 10, 40);
-            test_embedding(dt, 33, 50, 0, 60);
-        }
-        if (selected("rmsnorm")) {
-            test_rmsnorm(dt, 33, 96);
-            test_rmsnorm(dt, 7, 1001);
-            if (!quick) test_rmsnorm(dt, 300, 4096);
-        }
-        if (selected("rope")) {
-            test_rope(dt, 2, 17, 3, 64, 0);
-            test_rope(dt, 1, 9, 2, 128, 1);
-            if (!quick) test_rope(dt, 2, 1024, 8, 128, 1);
-        }
-        if (selected("swiglu") || selected("add")) {
-            test_swiglu(dt, 4096, 0);
-            test_swiglu(dt, quick ? 5003 : 1000003, 0);
-            test_swiglu(dt, 1001, 1);
-        }
-        if (selected("xent")) {
-            test_xent(dt, 37, 1000, 500);
-            test_xent(dt, 9, 999, 0);
-            if (!quick) test_xent(dt, 64, 32768, 32768);
-        }
-        if (selected("reduce")) {
-            test_reduce(dt, quick ? 10007 : 1000003, 0);
-            test_reduce(dt, 999, 1);
-        }
-        if (selected("fp8")) {
-            const size_t n = quick ? 20000 : 1 << 20;
-            test_fp8(dt, OP_FP8_E4M3, n, 1.0f);
-            test_fp8(dt, OP_FP8_E4M3, n, 0.37f);
-            test_fp8(dt, OP_FP8_E5M2, n, 1.0f);
-            test_fp8(dt, OP_FP8_E5M2, n, 1024.0f);
-        }
-        if (selected("attention merge")) test_attention_merge(dt, 2, 37, 3, 64);
-    }
+    test_per_dtype(F32);
+    test_per_dtype(BF16);
     if (selected("fp8 recipe")) {
         test_fp8_recipe(OP_FP8_E4M3, 0.0f);
         test_fp8_recipe(OP_FP8_E5M2, 1.0f);
@@ -997,29 +886,7 @@ int main(int argc, char **argv)
         test_gemm_fp8(F32, 64, 128, 96, 1);
         if (!quick) test_gemm_fp8(BF16, 256, 1024, 768, 0);
     }
-    if (selected("attention")) {
-        /* B, Tq, Tk, nh, nkv, hd, window, positions */
-        static const attn_case quick_cases[] = {
-            {1, 37, 37, 2, 2, 64, 0, POS_CAUSAL},   {1, 70, 70, 4, 2, 32, 0, POS_CAUSAL},
-            {1, 130, 130, 4, 1, 128, 0, POS_CAUSAL}, {2, 40, 40, 2, 1, 64, 16, POS_CAUSAL},
-            {1, 48, 80, 2, 2, 64, 0, POS_LATER_Q},  {1, 64, 64, 2, 1, 32, 0, POS_ZIGZAG},
-            {1, 20, 30, 2, 2, 64, 0, POS_FUTURE},   {1, 33, 41, 4, 2, 32, 0, POS_RANDOM},
-            {1, 29, 29, 2, 1, 48, 0, POS_CAUSAL},   {1, 21, 21, 2, 2, 80, 7, POS_CAUSAL},
-        };
-        static const attn_case full_cases[] = {
-            {2, 37, 37, 4, 4, 64, 0, POS_CAUSAL},        {1, 100, 100, 8, 4, 64, 0, POS_CAUSAL},
-            {1, 130, 130, 8, 2, 128, 0, POS_CAUSAL},     {1, 257, 257, 4, 1, 128, 0, POS_CAUSAL},
-            {2, 77, 77, 4, 2, 32, 16, POS_CAUSAL},       {1, 300, 300, 4, 2, 128, 64, POS_CAUSAL},
-            {1, 64, 96, 4, 1, 128, 0, POS_LATER_Q},      {1, 200, 200, 4, 2, 64, 0, POS_ZIGZAG},
-            {1, 50, 70, 4, 2, 128, 0, POS_FUTURE},       {1, 91, 113, 4, 2, 64, 0, POS_RANDOM},
-            {1, 75, 75, 2, 1, 48, 0, POS_CAUSAL},        {1, 66, 66, 4, 2, 80, 9, POS_CAUSAL},
-            {1, 40, 40, 2, 2, 256, 0, POS_CAUSAL},       {1, 1024, 1024, 4, 2, 128, 0, POS_CAUSAL},
-            {1, 4096, 4096, 4, 1, 128, 0, POS_CAUSAL},   {1, 4096, 4096, 8, 2, 128, 512, POS_CAUSAL},
-        };
-        const attn_case *cs = quick ? quick_cases : full_cases;
-        const int nc = quick ? (int)(sizeof quick_cases / sizeof quick_cases[0]) : (int)(sizeof full_cases / sizeof full_cases[0]);
-        for (int i = 0; i < nc; i++) test_attention(&cs[i]);
-    }
+    if (selected("attention")) test_attention_cases();
     cuda_gemm_free(gemm);
     summary_and_exit(n_fail ? 1 : 0);
     return 0;

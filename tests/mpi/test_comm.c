@@ -2,18 +2,12 @@
  * groups of a layout against the rank formula, byte counts against the ring
  * formulas. Usage: mpirun -np N test_comm [LAYOUT]   (LAYOUT's size must be N)
  * Prints one line per failed check and "comm: P passed, F failed" on rank 0. */
-#include "shard.h"
-
 #include <math.h>
-#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int passed, failed, me;
-
-#define CHECK(cond, ...) do { if (cond) passed++; else { failed++; fprintf(stderr, "rank %d: FAIL %s:%d: ", me, __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
-#define OK(x) CHECK((x) == SHARD_OK, "%s -> %s", #x, shard_errmsg())
+#include "check.h"
 
 static void collectives(shard_comm *c, const char *what)
 {
@@ -58,10 +52,8 @@ static void collectives(shard_comm *c, const char *what)
 
 int main(int argc, char **argv)
 {
-    MPI_Init(&argc, &argv);
-    shard_comm *world, *self;
-    if (shard_comm_mpi_world(&world)) { fprintf(stderr, "%s\n", shard_errmsg()); return 1; }
-    me = shard_comm_rank(world);
+    shard_comm *world = check_start(&argc, &argv), *self;
+    if (!world) return 1;
     collectives(world, "world");
     OK(shard_comm_self(&self));
     collectives(self, "self");
@@ -96,10 +88,5 @@ int main(int argc, char **argv)
         collectives(g.dpcp, "dpcp");
         shard_groups_free(&g);
     }
-    int tot[2] = {passed, failed}, sum[2];
-    MPI_Reduce(tot, sum, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
-    if (me == 0) printf("comm: %d passed, %d failed\n", sum[0], sum[1]);
-    shard_comm_free(world);
-    MPI_Finalize();
-    return failed ? 1 : 0;
+    return check_finish(world, "comm");
 }

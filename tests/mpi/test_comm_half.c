@@ -6,17 +6,12 @@
  * sums of random values must be within one rounding per step of the fp32 sum;
  * max is exact, and a NaN anywhere gives NaN.
  * Usage: mpirun -np N test_comm_half. Prints "comm_half: P passed, F failed" on rank 0. */
-#include "shard.h"
-
 #include <math.h>
-#include <mpi.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-static int passed, failed, me;
-
-#define CHECK(cond, ...) do { if (cond) passed++; else { failed++; fprintf(stderr, "rank %d: FAIL %s:%d: ", me, __FILE__, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
+#include "check.h"
 
 static float to_f(uint16_t h, shard_dtype dt) { return dt == SHARD_DT_BF16 ? shard_bf16_to_f32(h) : shard_f16_to_f32(h); }
 static uint16_t from_f(float x, shard_dtype dt) { return dt == SHARD_DT_BF16 ? shard_f32_to_bf16(x) : shard_f32_to_f16(x); }
@@ -93,10 +88,8 @@ static void reductions(shard_comm *c, const char *what)
 
 int main(int argc, char **argv)
 {
-    MPI_Init(&argc, &argv);
-    shard_comm *world, *self, *half = NULL;
-    if (shard_comm_mpi_world(&world)) { fprintf(stderr, "%s\n", shard_errmsg()); return 1; }
-    me = shard_comm_rank(world);
+    shard_comm *world = check_start(&argc, &argv), *self, *half = NULL;
+    if (!world) return 1;
     reductions(world, "world");
     shard_comm_self(&self);
     reductions(self, "self");
@@ -106,10 +99,5 @@ int main(int argc, char **argv)
     if (shard_comm_split(world, me < (n + 1) / 2 ? 0 : 1, me, &half) == SHARD_OK) reductions(half, "split");
     else CHECK(0, "split: %s", shard_errmsg());
     shard_comm_free(half);
-    int tot[2] = {passed, failed}, sum[2];
-    MPI_Reduce(tot, sum, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
-    if (me == 0) printf("comm_half: %d passed, %d failed\n", sum[0], sum[1]);
-    shard_comm_free(world);
-    MPI_Finalize();
-    return failed ? 1 : 0;
+    return check_finish(world, "comm_half");
 }

@@ -55,10 +55,19 @@ class Piece(ctypes.Structure):
     _fields_ = [("holds", ctypes.c_int), ("writes", ctypes.c_int), ("box", Box)]
 
 
+def load_lib(path, sig):
+    """The shared library at path through ctypes, each function in sig (name: (argtypes,
+    restype)) given its signature."""
+    lib = ctypes.CDLL(str(path))
+    for name, (args, res) in sig.items():
+        f = getattr(lib, name)
+        f.argtypes, f.restype = args, res
+    return lib
+
+
 def _load():
-    lib = ctypes.CDLL(str(BUILD / "lib" / "libshard.so"))
     P, I, S = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t
-    sig = {
+    return load_lib(BUILD / "lib" / "libshard.so", {
         "shard_errmsg": ([], ctypes.c_char_p),
         "shard_convert": ([P, I, P, I, S], I),
         "shard_fp8_quantize": ([P, P, S, ctypes.c_float, I], ctypes.c_float),
@@ -94,11 +103,7 @@ def _load():
         "shard_stage_of_layer": ([ctypes.POINTER(I), I, I], I),
         "shard_partition": ([ctypes.POINTER(ModelDesc), ctypes.POINTER(Layout), ctypes.POINTER(I),
                              ctypes.POINTER(TensorSpec), I, ctypes.POINTER(Piece)], I),
-    }
-    for name, (args, res) in sig.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, res
-    return lib
+    })
 
 
 @pytest.fixture(scope="session")

@@ -1,6 +1,7 @@
 """What the parallel-training tests share: the data, the checkpoints, and single-rank
 reference runs made on first use."""
 import numpy as np
+import pytest
 
 import models
 from conftest import run
@@ -29,3 +30,11 @@ def make_setup(tmp, cases, common=COMMON, sharp=lambda case: False):
             self[key] = read_log(ref / "log.jsonl")
             return self[key]
     return tmp, cks, data, val, Refs()
+
+
+def setup_fixture(name, cases, sharp=lambda case: False):
+    """A module's `setup` fixture: make_setup(...) with COMMON in a folder of its own (name)."""
+    @pytest.fixture(scope="module")
+    def setup(tmp_path_factory):
+        return make_setup(tmp_path_factory.mktemp(name), cases, sharp=sharp)
+    return setup

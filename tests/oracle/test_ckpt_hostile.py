@@ -107,24 +107,35 @@ def case(name, names=MANIFEST):
     return reg
 
 
+def on_manifest(ck, edit):
+    """edit(m) on ck's parsed manifest m, saved back."""
+    m = load(ck)
+    edit(m)
+    save(ck, m)
+
+
 def manifest_case(name, names=MANIFEST):
     """A case that only edits the parsed manifest."""
     def reg(fn):
         def apply(ck, tmp_path):
-            m = load(ck)
-            fn(m)
-            save(ck, m)
+            on_manifest(ck, fn)
         return case(name, names)(apply)
     return reg
 
 
 # --- pieces against their tensor: coverage, overlaps, bounds, numbers
-@manifest_case("overlapping-pieces")
-def _(m):
-    # lm_head [101,48] stored as rows [0,51) and [51,101); move the second piece up one
-    # row: it overlaps row 50 and row 100 is left out, so a count of the covered
-    # elements alone still adds up to 101*48
-    tensor(m, "lm_head.weight")["pieces"][1]["offset"] = [50, 0]
+def lm_head_case(name, field, value, piece=None, names=MANIFEST):
+    """A case that sets one field of lm_head.weight [101,48] in the manifest: of its piece
+    `piece` (0: rows [0,51), 1: rows [51,101)), or of the tensor itself (None)."""
+    @manifest_case(name, names)
+    def _(m):
+        t = tensor(m, "lm_head.weight")
+        (t if piece is None else t["pieces"][piece])[field] = value
+
+
+# move the second piece up one row: it overlaps row 50 and row 100 is left out, so a
+# count of the covered elements alone still adds up to 101*48
+lm_head_case("overlapping-pieces", "offset", [50, 0], piece=1)
 
 
 @manifest_case("hole-piece-removed")
@@ -137,59 +148,17 @@ def _(m):
     tensor(m, "model.norm.weight")["pieces"] = []
 
 
-@manifest_case("piece-outside-tensor")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["offset"] = [60, 0]
-
-
-@manifest_case("piece-past-last-dim")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["offset"] = [51, 1]
-
-
-@manifest_case("offset-negative")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][0]["offset"] = [-1, 0]
-
-
-@manifest_case("offset-not-integer")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["offset"] = [51.0, 0]
-
-
-@manifest_case("offset-string")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["offset"] = ["51", 0]
-
-
-@manifest_case("offset-wrong-rank")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["offset"] = [51]
-
-
-@manifest_case("piece-shape-negative")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["shape"] = [-50, 48]
-
-
-@manifest_case("piece-shape-not-integer")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["shape"] = [50.5, 48]
-
-
-@manifest_case("tensor-shape-negative")
-def _(m):
-    tensor(m, "lm_head.weight")["shape"] = [-101, 48]
-
-
-@manifest_case("tensor-shape-overflows")
-def _(m):
-    tensor(m, "lm_head.weight")["shape"] = [2**62, 2**62]
-
-
-@manifest_case("piece-xxh64-malformed")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][0]["xxh64"] = "not-a-hash-at-al"
+lm_head_case("piece-outside-tensor", "offset", [60, 0], piece=1)
+lm_head_case("piece-past-last-dim", "offset", [51, 1], piece=1)
+lm_head_case("offset-negative", "offset", [-1, 0], piece=0)
+lm_head_case("offset-not-integer", "offset", [51.0, 0], piece=1)
+lm_head_case("offset-string", "offset", ["51", 0], piece=1)
+lm_head_case("offset-wrong-rank", "offset", [51], piece=1)
+lm_head_case("piece-shape-negative", "shape", [-50, 48], piece=1)
+lm_head_case("piece-shape-not-integer", "shape", [50.5, 48], piece=1)
+lm_head_case("tensor-shape-negative", "shape", [-101, 48])
+lm_head_case("tensor-shape-overflows", "shape", [2**62, 2**62])
+lm_head_case("piece-xxh64-malformed", "xxh64", "not-a-hash-at-al", piece=0)
 
 
 # --- paths and the list of files
@@ -207,43 +176,33 @@ def _rename_file(m, old, new):
 def _(ck, tmp_path):
     # the file really is there, one folder up: only the rule may stop it
     shutil.copy(ck / "shard-00002.h5", tmp_path / "shard-00002.h5")
-    m = load(ck)
-    _rename_file(m, "shard-00002.h5", "../shard-00002.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: _rename_file(m, "shard-00002.h5", "../shard-00002.h5"))
 
 
 @case("path-dotdot-inside")
 def _(ck, tmp_path):
     (ck / "sub").mkdir()
-    m = load(ck)
-    _rename_file(m, "shard-00002.h5", "sub/../shard-00002.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: _rename_file(m, "shard-00002.h5", "sub/../shard-00002.h5"))
 
 
 @case("path-absolute")
 def _(ck, tmp_path):
     shutil.copy(ck / "shard-00002.h5", tmp_path / "abs.h5")
-    m = load(ck)
-    _rename_file(m, "shard-00002.h5", str(tmp_path / "abs.h5"))
-    save(ck, m)
+    on_manifest(ck, lambda m: _rename_file(m, "shard-00002.h5", str(tmp_path / "abs.h5")))
 
 
 @case("path-subfolder")
 def _(ck, tmp_path):
     (ck / "sub").mkdir()
     shutil.move(ck / "shard-00002.h5", ck / "sub" / "shard-00002.h5")
-    m = load(ck)
-    _rename_file(m, "shard-00002.h5", "sub/shard-00002.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: _rename_file(m, "shard-00002.h5", "sub/shard-00002.h5"))
 
 
 @case("path-piece-under-extra")
 def _(ck, tmp_path):
     # extra/ is a legal place for a file, not for a shard file holding pieces
     shutil.move(ck / "shard-00002.h5", ck / "extra" / "shard-00002.h5")
-    m = load(ck)
-    _rename_file(m, "shard-00002.h5", "extra/shard-00002.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: _rename_file(m, "shard-00002.h5", "extra/shard-00002.h5"))
 
 
 @manifest_case("path-empty")
@@ -262,9 +221,7 @@ def _(m):
     m["files"] = [f for f in m["files"] if f["name"] != "shard-00003.h5"]
 
 
-@manifest_case("piece-file-unknown")
-def _(m):
-    tensor(m, "lm_head.weight")["pieces"][1]["file"] = "shard-00009.h5"
+lm_head_case("piece-file-unknown", "file", "shard-00009.h5", piece=1)
 
 
 @manifest_case("files-not-array")
@@ -273,34 +230,25 @@ def _(m):
 
 
 # --- the header: format, version, config, layout, stages
-@manifest_case("format-unknown")
-def _(m):
-    m["format"] = "gguf"
+DROP = object()
 
 
-@manifest_case("format-missing")
-def _(m):
-    del m["format"]
+def header_case(name, field, value=DROP):
+    """A case that sets one field of the manifest's top level (DROP: deletes it)."""
+    @manifest_case(name)
+    def _(m):
+        if value is DROP:
+            del m[field]
+        else:
+            m[field] = value
 
 
-@manifest_case("version-2")
-def _(m):
-    m["version"] = 2
-
-
-@manifest_case("version-missing")
-def _(m):
-    del m["version"]
-
-
-@manifest_case("version-string")
-def _(m):
-    m["version"] = "1"
-
-
-@manifest_case("config-json-missing")
-def _(m):
-    del m["config_json"]
+header_case("format-unknown", "format", "gguf")
+header_case("format-missing", "format")
+header_case("version-2", "version", 2)
+header_case("version-missing", "version")
+header_case("version-string", "version", "1")
+header_case("config-json-missing", "config_json")
 
 
 @manifest_case("config-json-invalid")
@@ -331,14 +279,8 @@ def _(m):
     del m["layout"]["tp"]
 
 
-@manifest_case("stages-wrong-sum")
-def _(m):
-    m["stages"] = [2, 2]
-
-
-@manifest_case("stages-wrong-count")
-def _(m):
-    m["stages"] = [3]
+header_case("stages-wrong-sum", "stages", [2, 2])
+header_case("stages-wrong-count", "stages", [3])
 
 
 @manifest_case("stages-wrap-to-layer-count")
@@ -350,9 +292,7 @@ def _(m):
 
 
 # --- tensors
-@manifest_case("dtype-unknown")
-def _(m):
-    tensor(m, "lm_head.weight")["dtype"] = "F128"
+lm_head_case("dtype-unknown", "dtype", "F128")
 
 
 @manifest_case("tensor-listed-twice")
@@ -374,41 +314,29 @@ def _(m):
     t["shape"] = t["pieces"][0]["shape"] = [47]
 
 
-@manifest_case("dtype-vs-dataset", names=("smp.json", "shard-00002.h5", "shard-00003.h5"))
-def _(m):
-    tensor(m, "lm_head.weight")["dtype"] = "F16"
-
-
-@manifest_case("dtype-vs-dataset-same-width", names=("smp.json", "shard-00002.h5", "shard-00003.h5"))
-def _(m):
-    tensor(m, "lm_head.weight")["dtype"] = "I32"
+lm_head_case("dtype-vs-dataset", "dtype", "F16", names=("smp.json", "shard-00002.h5", "shard-00003.h5"))
+lm_head_case("dtype-vs-dataset-same-width", "dtype", "I32", names=("smp.json", "shard-00002.h5", "shard-00003.h5"))
 
 
 @case("tensor-shape-vs-config", names=("smp.json", "shard-00002.h5"))
 def _(ck, tmp_path):
     # model.norm.weight stored (consistently, checksums right) with 40 elements while
     # config_json says hidden_size 48
-    m = load(ck)
-    replace_dataset(ck, m, "model.norm.weight", np.ones(40, np.float32))
-    save(ck, m)
+    on_manifest(ck, lambda m: replace_dataset(ck, m, "model.norm.weight", np.ones(40, np.float32)))
 
 
 @case("tensor-huge-sparse-dataset", names=("smp.json", "shard-00002.h5"))
 def _(ck, tmp_path):
     # model.norm.weight declared [2**40] and backed by a chunked dataset of that extent
     # that was never written: a few KB on disk, 4 TiB when read
-    m = load(ck)
-    replace_dataset(ck, m, "model.norm.weight", Sparse(2**40))
-    save(ck, m)
+    on_manifest(ck, lambda m: replace_dataset(ck, m, "model.norm.weight", Sparse(2**40)))
 
 
 @case("tensor-huge-sparse-row", names=("smp.json", "shard-00002.h5"))
 def _(ck, tmp_path):
     # the same, as one row of 2**40 elements [1, 2**40]: a reader that buffers whole rows
     # must not trust that length
-    m = load(ck)
-    replace_dataset(ck, m, "model.norm.weight", Sparse(1, 2**40))
-    save(ck, m)
+    on_manifest(ck, lambda m: replace_dataset(ck, m, "model.norm.weight", Sparse(1, 2**40)))
 
 
 # --- the shard files themselves
@@ -416,26 +344,20 @@ def _(ck, tmp_path):
 def _(ck, tmp_path):
     n = (ck / "shard-00001.h5").stat().st_size
     (ck / "shard-00001.h5").write_bytes(np.random.default_rng(1).bytes(n))
-    m = load(ck)
-    refresh(ck, m, "shard-00001.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: refresh(ck, m, "shard-00001.h5"))
 
 
 @case("shard-empty-file", names=("shard-00001.h5",))
 def _(ck, tmp_path):
     (ck / "shard-00001.h5").write_bytes(b"")
-    m = load(ck)
-    refresh(ck, m, "shard-00001.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: refresh(ck, m, "shard-00001.h5"))
 
 
 @case("shard-dataset-deleted", names=("shard-00000.h5",))
 def _(ck, tmp_path):
     with h5py.File(ck / "shard-00000.h5", "r+") as f:
         del f["/params/model.layers.0.mlp.up_proj.weight"]
-    m = load(ck)
-    refresh(ck, m, "shard-00000.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: refresh(ck, m, "shard-00000.h5"))
 
 
 @case("shard-dataset-is-a-group", names=("shard-00000.h5",))
@@ -443,9 +365,7 @@ def _(ck, tmp_path):
     with h5py.File(ck / "shard-00000.h5", "r+") as f:
         del f["/params/model.layers.0.mlp.up_proj.weight"]
         f.create_group("/params/model.layers.0.mlp.up_proj.weight")
-    m = load(ck)
-    refresh(ck, m, "shard-00000.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: refresh(ck, m, "shard-00000.h5"))
 
 
 # --- HDF5 objects that reach outside the checkpoint: refused before anything is read.
@@ -469,9 +389,7 @@ def relink(ck, make):
         data = f[NORM][()]
         del f[NORM]
         make(f, data, attrs)
-    m = load(ck)
-    refresh(ck, m, "shard-00002.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: refresh(ck, m, "shard-00002.h5"))
 
 
 @case("hdf5-external-link", names=("shard-00002.h5",))
@@ -489,9 +407,7 @@ def _(ck, tmp_path):
     with h5py.File(ck / "shard-00002.h5", "r+") as f:
         del f["/params"]
         f["/params"] = h5py.ExternalLink(str(out), "/params")
-    m = load(ck)
-    refresh(ck, m, "shard-00002.h5")
-    save(ck, m)
+    on_manifest(ck, lambda m: refresh(ck, m, "shard-00002.h5"))
 
 
 @case("hdf5-soft-link", names=("shard-00002.h5",))

@@ -61,11 +61,18 @@ ST_CASES = {
 }
 
 
-@pytest.fixture(scope="module")
-def good(tmp_path_factory):
-    d = tmp_path_factory.mktemp("good")
-    models.make("llama-gqa-f32", d)
-    return d
+def made_model(case, name):
+    """The module's fixture `name`: the folder of models' case, made once."""
+    @pytest.fixture(scope="module", name=name)
+    def made(tmp_path_factory):
+        d = tmp_path_factory.mktemp(name)
+        models.make(case, d)
+        return d
+    return made
+
+
+good = made_model("llama-gqa-f32", "good")
+sharded = made_model("llama-sharded", "sharded")
 
 
 def copy_model(good, tmp_path):
@@ -181,40 +188,32 @@ def test_missing_weights(good, tmp_path):
     expect_refused(d, "model.safetensors")
 
 
-def test_missing_tensor(good, tmp_path):
+def edit_weights(d, fn):
+    """fn(tensors) edits the tensors of d's model.safetensors (name: numpy array), saved back."""
     from safetensors.numpy import load_file, save_file
-    d = copy_model(good, tmp_path)
     t = load_file(str(d / "model.safetensors"))
-    del t["model.layers.1.mlp.up_proj.weight"]
+    fn(t)
     save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+
+
+def test_missing_tensor(good, tmp_path):
+    d = copy_model(good, tmp_path)
+    edit_weights(d, lambda t: t.pop("model.layers.1.mlp.up_proj.weight"))
     expect_refused(d, "model.layers.1.mlp.up_proj.weight")
 
 
 def test_extra_tensor_refused_by_name(good, tmp_path):
     import numpy as np
-    from safetensors.numpy import load_file, save_file
     d = copy_model(good, tmp_path)
-    t = load_file(str(d / "model.safetensors"))
-    t["model.layers.0.self_attn.q_proj.bias"] = np.zeros(48, np.float32)
-    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    edit_weights(d, lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": np.zeros(48, np.float32)}))
     expect_refused(d, "q_proj.bias")
 
 
 def test_integer_weights_refused(good, tmp_path):
     import numpy as np
-    from safetensors.numpy import load_file, save_file
     d = copy_model(good, tmp_path)
-    t = load_file(str(d / "model.safetensors"))
-    t["model.norm.weight"] = np.zeros(48, np.int32)
-    save_file(t, str(d / "model.safetensors"), metadata={"format": "pt"})
+    edit_weights(d, lambda t: t.update({"model.norm.weight": np.zeros(48, np.int32)}))
     expect_refused(d, "model.norm.weight")
-
-
-@pytest.fixture(scope="module")
-def sharded(tmp_path_factory):
-    d = tmp_path_factory.mktemp("sharded")
-    models.make("llama-sharded", d)
-    return d
 
 
 def edit_index(d, fn):
@@ -240,8 +239,7 @@ INDEX_CASES = {
 
 @pytest.mark.parametrize("case", list(INDEX_CASES))
 def test_bad_index(sharded, tmp_path, case):
-    d = tmp_path / "s"
-    shutil.copytree(sharded, d)
+    d = copy_model(sharded, tmp_path)
     edit_index(d, INDEX_CASES[case])
     must = "model.safetensors.index.json" if case != "points-to-missing-file" else "nope.safetensors"
     expect_refused(d, must)
@@ -249,8 +247,7 @@ def test_bad_index(sharded, tmp_path, case):
 
 def test_tensor_in_two_files(sharded, tmp_path):
     from safetensors.numpy import load_file, save_file
-    d = tmp_path / "s"
-    shutil.copytree(sharded, d)
+    d = copy_model(sharded, tmp_path)
     files = sorted(p for p in d.glob("model-*.safetensors"))
     a, b = load_file(str(files[0])), load_file(str(files[1]))
     k = next(iter(a))

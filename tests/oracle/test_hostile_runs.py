@@ -381,29 +381,18 @@ def _(ctx, rdir, d):
     return [rdir / "latest"]
 
 
-@run_case("latest-names-dot")
-def _(ctx, rdir, d):
-    write_latest(rdir, ".\n")
-    return [rdir / "latest"]
+def latest_case(name, text):
+    """A case whose `latest` holds text, and the error line names it."""
+    @run_case(name)
+    def _(ctx, rdir, d):
+        write_latest(rdir, text)
+        return [rdir / "latest"]
 
 
-@run_case("latest-names-itself")
-def _(ctx, rdir, d):
-    write_latest(rdir, "latest\n")
-    return [rdir / "latest"]
-
-
-@run_case("latest-empty")
-def _(ctx, rdir, d):
-    write_latest(rdir, "")
-    return [rdir / "latest"]
-
-
-@run_case("latest-huge")
-def _(ctx, rdir, d):
-    # 4 MiB on one line that starts with the right name
-    write_latest(rdir, STEP + "x" * (4 << 20) + "\n")
-    return [rdir / "latest"]
+latest_case("latest-names-dot", ".\n")
+latest_case("latest-names-itself", "latest\n")
+latest_case("latest-empty", "")
+latest_case("latest-huge", STEP + "x" * (4 << 20) + "\n")  # 4 MiB on one line that starts with the right name
 
 
 @run_case("latest-fifo", may_block=True)

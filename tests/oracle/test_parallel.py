@@ -37,16 +37,28 @@ def mpirun(np_, *args, timeout=300, check=True, exe="smp-train"):
     return p
 
 
+def ckpt_and_data(tmp):
+    """CASE's checkpoint in tmp and 6000 random tokens of its vocabulary (tmp/d.bin)."""
+    _, ck = make_ckpt(tmp, CASE, sharp=False)
+    toks = np.random.default_rng(7).integers(0, vocab_of(CASE), size=6000)
+    return ck, write_tokens(tmp / "d.bin", toks)
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("par")
-    _, ck = make_ckpt(tmp, CASE, sharp=False)
-    toks = np.random.default_rng(7).integers(0, vocab_of(CASE), size=6000)
-    data = write_tokens(tmp / "d.bin", toks)
+    ck, data = ckpt_and_data(tmp)
     ref = tmp / "ref"
     run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", ref, "--steps", 6, "--log", ref / "log.jsonl",
         *COMMON, check=0)
     return tmp, ck, data, read_log(ref / "log.jsonl")
+
+
+def layout_of(layout):
+    """A --layout string as the manifest's dict (every axis, 1 where not given)."""
+    lay = dict(pp=1, tp=1, cp=1, dp=1)
+    lay.update({k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
+    return lay
 
 
 def rel(a, b):
@@ -61,6 +73,18 @@ def assert_tracks(rows, ref, tol, what):
     assert worst < tol, (what, [(r["loss"], q["loss"]) for r, q in zip(rows, ref)])
     assert worst_norm < 10 * tol, what
     return worst
+
+
+def resume_on_one_rank(np_, layout, ck, data, a, b, ref, what):
+    """np_ ranks at layout train 6 steps from ck, stopped at 3, into a (its `latest` and
+    smp-verify checked); one rank resumes it into b, logging on in a's log, which must
+    track ref within 5e-4."""
+    mpirun(np_, "--ckpt", ck, "--data", data, "--save-dir", a, "--steps", 6, "--stop-at", 3, "--layout", layout,
+           "--log", a / "log.jsonl", *COMMON)
+    assert (a / "latest").read_text().strip() == "step-000003"
+    run("smp-verify", a / "step-000003", check=0)
+    run("smp-train", "--ckpt", a, "--data", data, "--save-dir", b, "--log", a / "log.jsonl", check=0)
+    assert_tracks(read_log(a / "log.jsonl"), ref, 5e-4, what)
 
 
 @pytest.mark.parametrize("layout,np_,micro", [("dp=2", 2, 1), ("dp=2", 2, 2), ("dp=4", 4, 1), ("dp=4", 4, 2)])
@@ -84,13 +108,7 @@ def test_data_parallel_matches_one_rank(setup, layout, np_, micro):
 def test_resume_across_layouts(setup):
     tmp, ck, data, ref = setup
     # saved at dp=2, resumed at dp=1
-    a = tmp / "a"
-    mpirun(2, "--ckpt", ck, "--data", data, "--save-dir", a, "--steps", 6, "--stop-at", 3, "--layout", "dp=2",
-           "--log", a / "log.jsonl", *COMMON)
-    assert (a / "latest").read_text().strip() == "step-000003"
-    run("smp-verify", a / "step-000003", check=0)
-    run("smp-train", "--ckpt", a, "--data", data, "--save-dir", a, "--log", a / "log.jsonl", check=0)
-    assert_tracks(read_log(a / "log.jsonl"), ref, 5e-4, "dp=2 -> dp=1")
+    resume_on_one_rank(2, "dp=2", ck, data, tmp / "a", tmp / "a", ref, "dp=2 -> dp=1")
     # saved at dp=1, resumed at dp=4 (the layout taken from the process count)
     b = tmp / "b"
     run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", b, "--steps", 6, "--stop-at", 3,

@@ -23,7 +23,8 @@ import torch
 import models
 import partest
 from conftest import run
-from test_parallel import assert_tracks, mpirun, rel
+from partest import COMMON, SEQ
+from test_parallel import assert_tracks, layout_of, mpirun, rel, resume_on_one_rank
 from test_parallel_tp import dp_bytes
 from test_train import read_log
 
@@ -36,19 +37,19 @@ models.CASES.setdefault("llama-tp-kv2", ("llama", dict(vocab_size=103, hidden_si
                                                        num_hidden_layers=2, num_attention_heads=8,
                                                        num_key_value_heads=2), torch.float32, {}))
 CASES = ["llama-tp-kv2", "llama-gqa-f32", "mistral-cp-window5"]
-SEQ = 16
-COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
+setup = partest.setup_fixture("cp", CASES, sharp=lambda case: case.startswith("mistral"))
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return partest.make_setup(tmp_path_factory.mktemp("cp"), CASES, COMMON, sharp=lambda case: case.startswith("mistral"))
-
-
-def layout_of(layout):
-    lay = dict(pp=1, tp=1, cp=1, dp=1)
-    lay.update({k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
-    return lay
+def train_at(setup, prefix, case, layout, micro, steps, *extra):
+    """smp-train under mpirun at layout (on its ranks) from case's checkpoint: `steps` steps
+    of micro microbatches into tmp/PREFIX-CASE-LAYOUT-mMICRO, extra options before the
+    log's; (that folder, the layout as a dict)."""
+    tmp, cks, data, _, _ = setup
+    lay = layout_of(layout)
+    out = tmp / f"{prefix}-{case}-{layout}-m{micro}"
+    mpirun(lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"], "--ckpt", cks[case], "--data", data, "--save-dir", out,
+           "--steps", steps, "--layout", layout, "--microbatches", micro, *extra, "--log", out / "log.jsonl", *COMMON)
+    return out, lay
 
 
 @pytest.mark.parametrize("case,layout,micro", [
@@ -64,13 +65,8 @@ def layout_of(layout):
     ("mistral-cp-window5", "cp=4", 1),          # chunks of 2 tokens, window 5 spans three
 ])
 def test_context_parallel_matches_one_rank(setup, case, layout, micro):
-    tmp, cks, data, val, refs = setup
-    lay = layout_of(layout)
-    np_ = lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"]
-    out = tmp / f"run-{case}-{layout}-m{micro}"
-    mpirun(np_, "--ckpt", cks[case], "--data", data, "--save-dir", out, "--steps", 6, "--layout", layout,
-           "--microbatches", micro, "--val-data", val, "--val-every", 3, "--val-batches", 2,
-           "--log", out / "log.jsonl", *COMMON)
+    _, _, _, val, refs = setup
+    out, lay = train_at(setup, "run", case, layout, micro, 6, "--val-data", val, "--val-every", 3, "--val-batches", 2)
     # validation runs batches of B/(dp*M) sequences (the same ones on every replica):
     # the single-rank run with dp*M microbatches validates the same sequences
     rows, ref = read_log(out / "log.jsonl"), refs[(case, micro * lay["dp"])]
@@ -107,15 +103,7 @@ def test_context_parallel_fp8_delayed(setup, layout):
 def test_resume_cp2_at_cp1(setup):
     tmp, cks, data, val, refs = setup
     case = "llama-tp-kv2"
-    ref = refs[(case, 1)]
-    a = tmp / "resume-a"
-    mpirun(2, "--ckpt", cks[case], "--data", data, "--save-dir", a, "--steps", 6, "--stop-at", 3,
-           "--layout", "cp=2", "--log", a / "log.jsonl", *COMMON)
-    assert (a / "latest").read_text().strip() == "step-000003"
-    run("smp-verify", a / "step-000003", check=0)
-    b = tmp / "resume-b"
-    run("smp-train", "--ckpt", a, "--data", data, "--save-dir", b, "--log", a / "log.jsonl", check=0)
-    assert_tracks(read_log(a / "log.jsonl"), ref, 5e-4, "cp=2 -> cp=1")
+    resume_on_one_rank(2, "cp=2", cks[case], data, tmp / "resume-a", tmp / "resume-b", refs[(case, 1)], "cp=2 -> cp=1")
 
 
 def test_resume_one_rank_at_tp2_cp2(setup):
@@ -153,12 +141,7 @@ def cp_bytes(kw, T, C, D, M, layers, B=8, S=SEQ):
                                                ("llama-tp-kv2", "tp=4,cp=2", 1),
                                                ("mistral-cp-window5", "cp=2", 1)])
 def test_logged_cp_bytes_match_formula(setup, case, layout, micro):
-    tmp, cks, data, val, refs = setup
-    lay = layout_of(layout)
-    np_ = lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"]
-    out = tmp / f"bytes-{case}-{layout}-m{micro}"
-    mpirun(np_, "--ckpt", cks[case], "--data", data, "--save-dir", out, "--steps", 2, "--layout", layout,
-           "--microbatches", micro, "--log", out / "log.jsonl", *COMMON)
+    out, lay = train_at(setup, "bytes", case, layout, micro, 2)
     kw = models.CASES[case][1]
     stages = json.loads((out / "step-000002" / "smp.json").read_text()).get("stages")
     layers = stages[0] if lay["pp"] > 1 else kw["num_hidden_layers"]

@@ -17,10 +17,10 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from conftest import BUILD, run
-from test_parallel import mpirun
-from test_train import make_ckpt, vocab_of, write_tokens
+from test_parallel import ckpt_and_data, mpirun
+from test_train import write_tokens
 
-CASE = "llama-gqa-f32"  # 3 layers, 6 heads, 2 kv heads, vocab 101
+# setup's model: test_parallel.CASE (llama-gqa-f32: 3 layers, 6 heads, 2 kv heads, vocab 101)
 LOADED = re.compile(r"smp-eval: loaded .*: (\d+) bytes in ([0-9.]+) s")
 
 
@@ -35,9 +35,7 @@ def eval_args(ck, data):
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("peval")
-    _, ck = make_ckpt(tmp, CASE, sharp=False)
-    toks = np.random.default_rng(7).integers(0, vocab_of(CASE), size=6000)
-    data = write_tokens(tmp / "d.bin", toks)
+    ck, data = ckpt_and_data(tmp)
     one = json.loads(run("smp-eval", *eval_args(ck, data), check=0).stdout)
     return tmp, ck, data, one
 

@@ -17,18 +17,13 @@ import pytest
 import models
 import partest
 from conftest import run
+from partest import COMMON, SEQ
 from test_parallel import assert_tracks, mpirun, rel
 from test_parallel_tp import allreduce_bytes, block, ceil
 from test_train import read_log
 
 CASES = ["llama-tp-kv2", "llama-gqa-f32", "llama-tied-bf16-llama3", "llama-sharded"]
-SEQ = 16
-COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
-
-
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    return partest.make_setup(tmp_path_factory.mktemp("pp"), CASES, COMMON)
+setup = partest.setup_fixture("pp", CASES)
 
 
 @pytest.mark.parametrize("case,layout,np_,micro,stages", [

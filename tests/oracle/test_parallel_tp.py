@@ -20,7 +20,7 @@ import torch
 
 import models
 from conftest import run
-from test_parallel import assert_tracks, mpirun
+from test_parallel import assert_tracks, layout_of, mpirun, resume_on_one_rank
 from test_train import make_ckpt, read_log, write_tokens
 
 # 8 query heads, 2 kv heads (tp=4 > kv), vocab 103 (tp=2: 52 + 51 rows, tp=4: 26 x 3 + 25),
@@ -66,9 +66,7 @@ def test_tensor_parallel_matches_one_rank(setup, case, layout, np_, micro):
     assert all(r["bytes_tp"] > 0 and r["bytes_cp"] == 0 and r["bytes_pp"] == 0 for r in rows)
     ckdir = out / "step-000006"
     man = json.loads((ckdir / "smp.json").read_text())
-    lay = dict(pp=1, tp=1, cp=1, dp=1)
-    lay.update({k: int(v) for k, v in (kv.split("=") for kv in layout.split(","))})
-    assert man["layout"] == lay
+    assert man["layout"] == layout_of(layout)
     # every rank holds a distinct part to store: its own shard file
     assert sorted(p.name for p in ckdir.glob("shard-*.h5")) == [f"shard-{r:05d}.h5" for r in range(np_)]
     run("smp-verify", ckdir, check=0)
@@ -79,13 +77,7 @@ def test_resume_across_tp_layouts(setup):
     case, ref = "llama-tp-kv2", refs["llama-tp-kv2"]
     # saved at tp=2,dp=2, resumed at tp=1 (one rank) and at tp=4
     a = tmp / "resume-a"
-    mpirun(4, "--ckpt", cks[case], "--data", data, "--save-dir", a, "--steps", 6, "--stop-at", 3,
-           "--layout", "tp=2,dp=2", "--log", a / "log.jsonl", *COMMON)
-    assert (a / "latest").read_text().strip() == "step-000003"
-    run("smp-verify", a / "step-000003", check=0)
-    b = tmp / "resume-b"
-    run("smp-train", "--ckpt", a, "--data", data, "--save-dir", b, "--log", a / "log.jsonl", check=0)
-    assert_tracks(read_log(a / "log.jsonl"), ref, 5e-4, "tp=2,dp=2 -> tp=1")
+    resume_on_one_rank(4, "tp=2,dp=2", cks[case], data, a, tmp / "resume-b", ref, "tp=2,dp=2 -> tp=1")
     c = tmp / "resume-c"
     mpirun(4, "--ckpt", a / "step-000003", "--data", data, "--save-dir", c, "--layout", "tp=4",
            "--log", c / "log.jsonl")

@@ -33,7 +33,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import BUILD, BUILD_SAN, DT, Box, Layout, ModelDesc, run
+from conftest import BUILD, BUILD_SAN, DT, Box, Layout, ModelDesc, load_lib, run
 
 # ------------------------------------------------------------------ outside oracles
 _xxh = ctypes.CDLL("libxxhash.so.0")
@@ -80,9 +80,8 @@ class Compress(ctypes.Structure):
 
 def _load(build=BUILD):
     """A handle of our own on libshard, with the checkpoint API's signatures."""
-    lib = ctypes.CDLL(str(build / "lib" / "libshard.so"))
     P, I, S, C = ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t, ctypes.c_char_p
-    sig = {
+    return load_lib(build / "lib" / "libshard.so", {
         "shard_errmsg": ([], C),
         "shard_ckpt_open": ([C, ctypes.POINTER(P)], I),
         "shard_ckpt_close": ([P], None),
@@ -101,11 +100,7 @@ def _load(build=BUILD):
         "shard_ckpt_commit": ([P, C, S, ctypes.POINTER(ModelDesc), ctypes.POINTER(Layout), ctypes.POINTER(I), C, I], I),
         "shard_ckpt_abort": ([P], None),
         "shard_config_load": ([C, ctypes.POINTER(ModelDesc)], I),
-    }
-    for name, (args, res) in sig.items():
-        f = getattr(lib, name)
-        f.argtypes, f.restype = args, res
-    return lib
+    })
 
 
 @pytest.fixture(scope="module")

@@ -288,18 +288,26 @@ def english_text():
     pytest.skip("no English text on this machine")
 
 
-def test_byte_level_model_learns_english(tmp_path):
-    text = english_text()[:40000]
-    (tmp_path / "t.txt").write_bytes(text)
-    subprocess.run(["python3", str(ROOT / "tools" / "text2tokens.py"), "--val-fraction", "0.1", "--val-out",
-                    str(tmp_path / "val.bin"), str(tmp_path / "train.bin"), str(tmp_path / "t.txt")], check=True,
-                   capture_output=True)
+def english_byte_model(tmp, n_bytes, hidden, intermediate, val_fraction=None):
+    """The first n_bytes of English text as byte tokens in tmp/train.bin (the last
+    val_fraction of them in tmp/val.bin instead, where given) and a fresh byte-level
+    Llama of 2 layers (seed 0) converted to tmp/ck: (the text, the checkpoint)."""
+    text = english_text()[:n_bytes]
+    (tmp / "t.txt").write_bytes(text)
+    val = ["--val-fraction", str(val_fraction), "--val-out", str(tmp / "val.bin")] if val_fraction else []
+    subprocess.run(["python3", str(ROOT / "tools" / "text2tokens.py"), *val, str(tmp / "train.bin"),
+                    str(tmp / "t.txt")], check=True, capture_output=True)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+    cfg = LlamaConfig(vocab_size=256, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
-    ck = tmp_path / "ck"
-    run("smp-convert", "hf2smp", "--in", tmp_path / "hf", "--out", ck, "--layout", "pp=1", check=0)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp / "hf"), safe_serialization=True)
+    ck = tmp / "ck"
+    run("smp-convert", "hf2smp", "--in", tmp / "hf", "--out", ck, "--layout", "pp=1", check=0)
+    return text, ck
+
+
+def test_byte_level_model_learns_english(tmp_path):
+    text, ck = english_byte_model(tmp_path, 40000, 64, 128, val_fraction=0.1)
     counts = np.bincount(np.frombuffer(text[:36000], np.uint8), minlength=256).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     unigram = float(-(p * np.log(p)).sum())  # nats per byte
@@ -709,16 +717,7 @@ def test_fp8_resume_is_bit_exact(tmp_path):
 def test_fp8_trains_within_margin_of_fp32(tmp_path):
     """Documented margin: on the byte-level English model, the mean loss of the last 10
     of 60 steps with FP8 (delayed or current) is within 0.25 nats of fp32's."""
-    text = english_text()[:20000]
-    (tmp_path / "t.txt").write_bytes(text)
-    subprocess.run(["python3", str(ROOT / "tools" / "text2tokens.py"), str(tmp_path / "train.bin"),
-                    str(tmp_path / "t.txt")], check=True, capture_output=True)
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=256, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
-    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
-    ck = tmp_path / "ck"
-    run("smp-convert", "hf2smp", "--in", tmp_path / "hf", "--out", ck, "--layout", "pp=1", check=0)
+    _, ck = english_byte_model(tmp_path, 20000, 48, 96)
     tails = {}
     for mode in ["off", "delayed", "current"]:
         log = tmp_path / f"{mode}.jsonl"
