@@ -3,7 +3,6 @@
 #include "opts.h"
 #include "shard.h"
 
-#include <dirent.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -24,51 +23,26 @@ static const char HELP[] =
     "\n"
     "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
 
-static int cmp_str(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
-
 static const char *base_name(const char *path)
 {
     const char *b = strrchr(path, '/');
     return b ? b + 1 : path;
 }
 
-static void free_strings(char **v, size_t n)
+/* Files of the folder that are neither weights nor config.json (tokenizer, ...), sorted. */
+static int other_file(const char *name, void *ctx)
 {
-    for (size_t i = 0; i < n; i++) free(v[i]);
-    free(v);
+    const shard_weights *w = ctx;
+    if (name[0] == '.' || !strcmp(name, "config.json") || !strcmp(name, "model.safetensors.index.json")) return 0;
+    for (size_t i = 0; i < shard_weights_file_count(w); i++)
+        if (!strcmp(base_name(shard_st_path(shard_weights_file_at(w, i))), name)) return 0;
+    return 1;
 }
 
-/* Files of the folder that are neither weights nor config.json (tokenizer, ...), sorted. */
 static shard_status other_files(const char *dir, const shard_weights *w, char ***out, size_t *count)
 {
-    *out = NULL;
-    *count = 0;
-    DIR *d = opendir(dir);
-    if (!d) return SHARD_OK;
-    size_t n = 0, cap = 0;
-    char **v = NULL;
-    shard_status s = SHARD_OK;
-    struct dirent *e;
-    while (!s && (e = readdir(d))) {
-        if (e->d_name[0] == '.' || !strcmp(e->d_name, "config.json") || !strcmp(e->d_name, "model.safetensors.index.json")) continue;
-        int weight = 0;
-        for (size_t i = 0; i < shard_weights_file_count(w) && !weight; i++)
-            weight = !strcmp(base_name(shard_st_path(shard_weights_file_at(w, i))), e->d_name);
-        if (weight) continue;
-        if (n == cap) {
-            char **grown = realloc(v, (cap = cap ? 2 * cap : 8) * sizeof *v);
-            if (!grown) { s = shard_fail(SHARD_E_NOMEM, "out of memory"); break; }
-            v = grown;
-        }
-        if (!(v[n] = strdup(e->d_name))) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-        else n++;
-    }
-    closedir(d);
-    if (s) { free_strings(v, n); return s; }
-    if (n) qsort(v, n, sizeof *v, cmp_str);
-    *out = v;
-    *count = n;
-    return SHARD_OK;
+    shard_status s = shard_list_dir(dir, other_file, (void *)w, out, count);
+    return s == SHARD_E_IO ? SHARD_OK : s; /* an unreadable folder has none to show */
 }
 
 /* ------------------------------------------------------- model folders */
@@ -182,7 +156,7 @@ static int inspect_hf(const char *dir, int as_json)
     }
     if (as_json) hf_json(&h);
     else hf_text(&h);
-    free_strings(h.others, h.nothers);
+    shard_free_names(h.others, h.nothers);
     shard_weights_close(h.w);
     return 0;
 }

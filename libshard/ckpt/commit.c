@@ -244,40 +244,11 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
 
 static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-static void free_names(char **names, size_t n)
-{
-    for (size_t i = 0; i < n; i++) free(names[i]);
-    free(names);
-}
-
 /* The staging folder's shard files (shard-*.h5), sorted by name. */
-static shard_status list_shard_files(const char *staging, char ***out, size_t *count)
+static int is_shard_file(const char *name, void *ctx)
 {
-    *out = NULL;
-    *count = 0;
-    DIR *dir = opendir(staging);
-    if (!dir) return shard_fail(SHARD_E_IO, "%s: cannot list: %s", staging, strerror(errno));
-    char **names = NULL;
-    size_t n = 0, cap = 0;
-    shard_status s = SHARD_OK;
-    struct dirent *e;
-    while (!s && (e = readdir(dir))) {
-        size_t len = strlen(e->d_name);
-        if (strncmp(e->d_name, "shard-", 6) || len < 4 || strcmp(e->d_name + len - 3, ".h5")) continue;
-        if (n == cap) {
-            char **grown = realloc(names, (cap = cap ? 2 * cap : 16) * sizeof *names);
-            if (!grown) { s = shard_fail(SHARD_E_NOMEM, "out of memory"); break; }
-            names = grown;
-        }
-        if (!(names[n] = strdup(e->d_name))) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-        else n++;
-    }
-    closedir(dir);
-    if (s) { free_names(names, n); return s; }
-    if (n) qsort(names, n, sizeof *names, cmp_cstr);
-    *out = names;
-    *count = n;
-    return SHARD_OK;
+    size_t len = strlen(name);
+    return !strncmp(name, "shard-", 6) && len >= 4 && !strcmp(name + len - 3, ".h5");
 }
 
 /* The pieces of every shard file, from their datasets' attributes, into tensors. */
@@ -404,14 +375,14 @@ static shard_status scan_staging(const shard_ckpt_writer *w, json_t **tensors_ou
 {
     char **names;
     size_t n;
-    shard_status s = list_shard_files(w->staging, &names, &n);
+    shard_status s = shard_list_dir(w->staging, is_shard_file, NULL, &names, &n);
     if (s) return s;
     json_t *tensors = json_object(), *files = json_array();
     if (!tensors || !files) s = shard_fail(SHARD_E_NOMEM, "out of memory");
     if (!s) s = scan_shard_files(w->staging, names, n, tensors);
     if (!s) s = hash_shard_files(w->staging, names, n, files);
     if (!s) s = hash_extras(w, files);
-    free_names(names, n);
+    shard_free_names(names, n);
     json_t *sorted = s ? NULL : sorted_tensors(tensors);
     if (!s && !sorted) s = shard_fail(SHARD_E_NOMEM, "out of memory");
     json_decref(tensors);

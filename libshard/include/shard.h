@@ -82,6 +82,11 @@ shard_status shard_fsync_dir(const char *dir);
 shard_status shard_fsync_dir_of(const char *path);
 /* Remove a folder and everything under it (best effort; for staging folders). */
 void shard_remove_tree(const char *path);
+/* The names in folder dir that keep(name, ctx) accepts ("." and ".." never), sorted;
+ * free them with shard_free_names. A folder that cannot be opened is SHARD_E_IO. */
+shard_status shard_list_dir(const char *dir, int (*keep)(const char *name, void *ctx), void *ctx, char ***names,
+                            size_t *n);
+void shard_free_names(char **names, size_t n);
 
 /* ------------------------------------------------------------------ dtypes */
 /* The dtypes of the safetensors format. */

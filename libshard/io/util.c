@@ -1,6 +1,7 @@
 /* Files, JSON and paths: the small helpers every reader of outside files needs. */
 #include "../core/internal.h"
 
+#include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -139,4 +140,41 @@ void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync)
     if (fd < 0 || no_fsync || *unsynced < (64u << 20)) return;
     sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
     *unsynced = 0;
+}
+
+static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
+
+void shard_free_names(char **names, size_t n)
+{
+    for (size_t i = 0; i < n; i++) free(names[i]);
+    free(names);
+}
+
+shard_status shard_list_dir(const char *dir, int (*keep)(const char *name, void *ctx), void *ctx, char ***out,
+                            size_t *count)
+{
+    *out = NULL;
+    *count = 0;
+    DIR *d = opendir(dir);
+    if (!d) return shard_fail(SHARD_E_IO, "%s: cannot list: %s", dir, strerror(errno));
+    char **names = NULL;
+    size_t n = 0, cap = 0;
+    shard_status s = SHARD_OK;
+    struct dirent *e;
+    while (!s && (e = readdir(d))) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !keep(e->d_name, ctx)) continue;
+        if (n == cap) {
+            char **grown = realloc(names, (cap = cap ? 2 * cap : 16) * sizeof *names);
+            if (!grown) { s = shard_fail(SHARD_E_NOMEM, "out of memory"); break; }
+            names = grown;
+        }
+        if (!(names[n] = strdup(e->d_name))) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else n++;
+    }
+    closedir(d);
+    if (s) { shard_free_names(names, n); return s; }
+    if (n) qsort(names, n, sizeof *names, cmp_name);
+    *out = names;
+    *count = n;
+    return SHARD_OK;
 }
