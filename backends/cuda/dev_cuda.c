@@ -3,7 +3,7 @@
  * bf16) and parameter gradients, statistics and optimizer state in fp32. Built
  * into libsmp_cuda.so (see dev_cuda.h), which smp-train loads for --backend cuda;
  * with -DSMP_CUDA_EMU the same file builds against the CPU emulator
- * (tools/cuda-emu-lib). FP8 is in dev_cuda_fp8.c, communicators in
+ * (scons variant=emu). FP8 is in dev_cuda_fp8.c, communicators in
  * dev_cuda_comm.c. */
 #include <stdio.h>
 #include <stdlib.h>

@@ -6,7 +6,7 @@
  *
  * The library is loaded as smp-train loads it (dev_open, with SMP_CUDA_LIB set to
  * the path when one is given, else found next to the program: build/bin/smp-dev-check
- * loads build/lib/libsmp_cuda.so): the emulator's build (tools/cuda-emu-lib) on a
+ * loads build/lib/libsmp_cuda.so): the emulator's build (scons variant=emu) on a
  * machine without a GPU, or the real one on a machine with one. Inputs are random and the same on both
  * sides (rounded to bf16 first when the CUDA side stores bf16); each check prints
  * PASS or FAIL, the relative L2 error ||cuda - c|| / ||c|| and the tolerance (fp32

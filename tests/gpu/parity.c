@@ -17,7 +17,7 @@
  * values, the same on both sides. A CUDA error fails the check that hit it; an
  * error that leaves the device unusable ends the run (with the summary line).
  *
- * --quick: small shapes only (used under the CPU emulator, tools/gpu-emu-check).
+ * --quick: small shapes only (used under the CPU emulator: tools/emu-check).
  * --only S: run only the checks whose group name contains S. */
 #include <math.h>
 #include <setjmp.h>

@@ -1,6 +1,6 @@
 /* tests/gpu/emu/cuda_emu.h: a CPU emulator of the CUDA features the kernels (.cu) use,
  * so that their index arithmetic, fragment layouts, barriers and async-copy groups
- * can be checked on a machine without a GPU (tools/gpu-emu-check).
+ * can be checked on a machine without a GPU (scons variant=emu, tools/emu-check).
  *
  * Compiled with a host C++17 compiler and -DSMP_CUDA_EMU; kernels/cuda_common.cuh
  * includes this header instead of <cuda_runtime.h>. What it models:
