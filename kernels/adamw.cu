@@ -4,30 +4,45 @@
  * host in double, exactly as adamw.c does. */
 #include "cuda_common.cuh"
 
-__device__ __forceinline__ void adamw1(float &p, float g, float &m, float &v, float beta1, float beta2, float eps,
-                                       float decay, float step_size, float bc2_sqrt)
+/* The step-dependent constants, and one parameter's update */
+struct AdamwStep {
+    float beta1, beta2, eps, decay, step_size, bc2_sqrt;
+    __device__ __forceinline__ void operator()(float &p, float g, float &m, float &v) const
+    {
+        float mi = beta1 * m + (1.0f - beta1) * g;
+        float vi = beta2 * v + (1.0f - beta2) * g * g;
+        m = mi;
+        v = vi;
+        p = p * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    }
+};
+/* element i, one at a time */
+__device__ __forceinline__ void adamw_at(size_t i, float *param, const float *grad, float *m, float *v,
+                                         bf16 *param_bf16, const AdamwStep &st)
 {
-    float mi = beta1 * m + (1.0f - beta1) * g;
-    float vi = beta2 * v + (1.0f - beta2) * g * g;
-    m = mi;
-    v = vi;
-    p = p * decay - step_size * mi / (sqrtf(vi) / bc2_sqrt + eps);
+    float p = param[i], mm = m[i], vv = v[i];
+    st(p, grad[i], mm, vv);
+    param[i] = p;
+    m[i] = mm;
+    v[i] = vv;
+    if (param_bf16) param_bf16[i] = __float2bfloat16_rn(p);
 }
 
 template <bool VEC>
 __global__ void adamw_kernel(float *param, const float *grad, float *m, float *v, bf16 *param_bf16, size_t n,
                              float beta1, float beta2, float eps, float decay, float step_size, float bc2_sqrt)
 {
+    const AdamwStep st = {beta1, beta2, eps, decay, step_size, bc2_sqrt};
     constexpr int V = VEC ? 4 : 1;
     const size_t nv = n / V;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nv; i += (size_t)gridDim.x * blockDim.x) {
         if (VEC) {
             float4 p = reinterpret_cast<float4 *>(param)[i], g = reinterpret_cast<const float4 *>(grad)[i];
             float4 mm = reinterpret_cast<float4 *>(m)[i], vv = reinterpret_cast<float4 *>(v)[i];
-            adamw1(p.x, g.x, mm.x, vv.x, beta1, beta2, eps, decay, step_size, bc2_sqrt);
-            adamw1(p.y, g.y, mm.y, vv.y, beta1, beta2, eps, decay, step_size, bc2_sqrt);
-            adamw1(p.z, g.z, mm.z, vv.z, beta1, beta2, eps, decay, step_size, bc2_sqrt);
-            adamw1(p.w, g.w, mm.w, vv.w, beta1, beta2, eps, decay, step_size, bc2_sqrt);
+            st(p.x, g.x, mm.x, vv.x);
+            st(p.y, g.y, mm.y, vv.y);
+            st(p.z, g.z, mm.z, vv.z);
+            st(p.w, g.w, mm.w, vv.w);
             reinterpret_cast<float4 *>(param)[i] = p;
             reinterpret_cast<float4 *>(m)[i] = mm;
             reinterpret_cast<float4 *>(v)[i] = vv;
@@ -38,23 +53,11 @@ __global__ void adamw_kernel(float *param, const float *grad, float *m, float *v
                 param_bf16[4 * i + 3] = __float2bfloat16_rn(p.w);
             }
         } else {
-            float p = param[i], mm = m[i], vv = v[i];
-            adamw1(p, grad[i], mm, vv, beta1, beta2, eps, decay, step_size, bc2_sqrt);
-            param[i] = p;
-            m[i] = mm;
-            v[i] = vv;
-            if (param_bf16) param_bf16[i] = __float2bfloat16_rn(p);
+            adamw_at(i, param, grad, m, v, param_bf16, st);
         }
     }
     if (VEC && blockIdx.x == 0)
-        for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) {
-            float p = param[i], mm = m[i], vv = v[i];
-            adamw1(p, grad[i], mm, vv, beta1, beta2, eps, decay, step_size, bc2_sqrt);
-            param[i] = p;
-            m[i] = mm;
-            v[i] = vv;
-            if (param_bf16) param_bf16[i] = __float2bfloat16_rn(p);
-        }
+        for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) adamw_at(i, param, grad, m, v, param_bf16, st);
 }
 
 extern "C" cudaError_t cuda_op_adamw(float *param, const float *grad, float *m, float *v, void *param_bf16,

@@ -25,52 +25,123 @@ static inline float dot(const float *a, const float *b, int n)
     return s;
 }
 
+/* One call's shape; row_at gives the offset of row t of head h of batch b in a
+ * [B, T, heads, hd] tensor. */
+typedef struct {
+    int B, Tq, Tk, nh, nkv, hd, window;
+    int group;   /* nh / nkv: query head h reads kv head h / group */
+    float scale; /* 1 / sqrt(hd) */
+    const int32_t *qpos, *kpos;
+} attn_shape;
+
+static attn_shape shape_of(const int32_t *qpos, const int32_t *kpos, int B, int Tq,
+                           int Tk, int nh, int nkv, int hd, int window)
+{
+    attn_shape s = {B, Tq, Tk, nh, nkv, hd, window, nh / nkv, 1.0f / sqrtf((float)hd),
+                    qpos, kpos};
+    return s;
+}
+
+static inline size_t row_at(const attn_shape *s, int b, int T, int t, int heads, int h)
+{
+    return (((size_t)b * T + t) * heads + h) * s->hd;
+}
+
+/* row(s, args, b, h, i) for every query row (b, h, i), in parallel: causal rows have
+ * unequal work, dynamic chunks keep the threads even. The forward and the backward's
+ * dq pass are such walks. */
+typedef void (*query_row_fn)(const attn_shape *s, const void *args, int b, int h, int i);
+
+static void for_query_rows(const attn_shape *s, query_row_fn row, const void *args)
+{
+    const int B = s->B, nh = s->nh, Tq = s->Tq;
+    #pragma omp parallel for collapse(3) schedule(dynamic, 16)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < nh; h++)
+            for (int i = 0; i < Tq; i++)
+                row(s, args, b, h, i);
+}
+
+typedef struct {
+    float *out, *lse;
+    const float *q, *k, *v;
+} fwd_args;
+
+static void fwd_row(const attn_shape *s, const void *args, int b, int h, int i)
+{
+    const fwd_args *a = args;
+    const int hd = s->hd;
+    const float *qi = a->q + row_at(s, b, s->Tq, i, s->nh, h);
+    float *o = a->out + row_at(s, b, s->Tq, i, s->nh, h);
+    const int kvh = h / s->group;
+    float m = -INFINITY, l = 0.0f; /* running max and sum of exp(s - m) */
+    memset(o, 0, (size_t)hd * sizeof(float)); /* o holds sum p * v */
+    for (int j = 0; j < s->Tk; j++) {
+        if (!visible(s->qpos[i], s->kpos[j], s->window))
+            continue;
+        const size_t kvoff = row_at(s, b, s->Tk, j, s->nkv, kvh);
+        float sc = dot(qi, a->k + kvoff, hd) * s->scale;
+        if (sc > m) { /* new max: rescale what was summed so far */
+            float corr = expf(m - sc); /* 0 on the first visible key */
+            l *= corr;
+            for (int d = 0; d < hd; d++)
+                o[d] *= corr;
+            m = sc;
+        }
+        float p = expf(sc - m);
+        l += p;
+        const float *vj = a->v + kvoff;
+        #pragma omp simd
+        for (int d = 0; d < hd; d++)
+            o[d] += p * vj[d];
+    }
+    float *L = a->lse + ((size_t)b * s->nh + h) * s->Tq + i;
+    if (l > 0.0f) {
+        float inv = 1.0f / l;
+        for (int d = 0; d < hd; d++)
+            o[d] *= inv;
+        *L = m + logf(l);
+    } else {
+        *L = -INFINITY; /* nothing visible: out stays 0 */
+    }
+}
+
 void op_attention_forward(float *out, float *lse, const float *q, const float *k,
                           const float *v, const int32_t *qpos, const int32_t *kpos,
                           int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
 {
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int group = nh / nkv;
-    /* causal rows have unequal work: dynamic chunks keep the threads even */
-    #pragma omp parallel for collapse(3) schedule(dynamic, 16)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < nh; h++) {
-            for (int i = 0; i < Tq; i++) {
-                const float *qi = q + (((size_t)b * Tq + i) * nh + h) * hd;
-                float *o = out + (((size_t)b * Tq + i) * nh + h) * hd;
-                const int kvh = h / group;
-                float m = -INFINITY, l = 0.0f; /* running max and sum of exp(s - m) */
-                memset(o, 0, (size_t)hd * sizeof(float)); /* o holds sum p * v */
-                for (int j = 0; j < Tk; j++) {
-                    if (!visible(qpos[i], kpos[j], window))
-                        continue;
-                    const size_t kvoff = (((size_t)b * Tk + j) * nkv + kvh) * hd;
-                    float s = dot(qi, k + kvoff, hd) * scale;
-                    if (s > m) { /* new max: rescale what was summed so far */
-                        float corr = expf(m - s); /* 0 on the first visible key */
-                        l *= corr;
-                        for (int d = 0; d < hd; d++)
-                            o[d] *= corr;
-                        m = s;
-                    }
-                    float p = expf(s - m);
-                    l += p;
-                    const float *vj = v + kvoff;
-                    #pragma omp simd
-                    for (int d = 0; d < hd; d++)
-                        o[d] += p * vj[d];
-                }
-                float *L = lse + ((size_t)b * nh + h) * Tq + i;
-                if (l > 0.0f) {
-                    float inv = 1.0f / l;
-                    for (int d = 0; d < hd; d++)
-                        o[d] *= inv;
-                    *L = m + logf(l);
-                } else {
-                    *L = -INFINITY; /* nothing visible: out stays 0 */
-                }
-            }
-        }
+    const attn_shape s = shape_of(qpos, kpos, B, Tq, Tk, nh, nkv, hd, window);
+    const fwd_args a = {out, lse, q, k, v};
+    for_query_rows(&s, fwd_row, &a);
+}
+
+typedef struct {
+    float *dq;
+    const float *dout, *q, *k, *v, *out, *lse;
+} bwd_args;
+
+static void dq_row(const attn_shape *s, const void *args, int b, int h, int i)
+{
+    const bwd_args *a = args;
+    const int hd = s->hd;
+    const float L = a->lse[((size_t)b * s->nh + h) * s->Tq + i];
+    if (L == -INFINITY) /* row saw no key anywhere: no gradient */
+        return;
+    const size_t qoff = row_at(s, b, s->Tq, i, s->nh, h);
+    const float *qi = a->q + qoff, *gi = a->dout + qoff;
+    float *dqi = a->dq + qoff;
+    const float D = dot(gi, a->out + qoff, hd);
+    const int kvh = h / s->group;
+    for (int j = 0; j < s->Tk; j++) {
+        if (!visible(s->qpos[i], s->kpos[j], s->window))
+            continue;
+        const size_t kvoff = row_at(s, b, s->Tk, j, s->nkv, kvh);
+        float p = expf(dot(qi, a->k + kvoff, hd) * s->scale - L);
+        float ds = p * (dot(gi, a->v + kvoff, hd) - D) * s->scale;
+        const float *kj = a->k + kvoff;
+        #pragma omp simd
+        for (int d = 0; d < hd; d++)
+            dqi[d] += ds * kj[d];
     }
 }
 
@@ -86,35 +157,11 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                            const int32_t *qpos, const int32_t *kpos,
                            int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
 {
-    const float scale = 1.0f / sqrtf((float)hd);
-    const int group = nh / nkv;
-
-    #pragma omp parallel for collapse(3) schedule(dynamic, 16)
-    for (int b = 0; b < B; b++) {
-        for (int h = 0; h < nh; h++) {
-            for (int i = 0; i < Tq; i++) {
-                const float L = lse[((size_t)b * nh + h) * Tq + i];
-                if (L == -INFINITY) /* row saw no key anywhere: no gradient */
-                    continue;
-                const size_t qoff = (((size_t)b * Tq + i) * nh + h) * hd;
-                const float *qi = q + qoff, *gi = dout + qoff;
-                float *dqi = dq + qoff;
-                const float D = dot(gi, out + qoff, hd);
-                const int kvh = h / group;
-                for (int j = 0; j < Tk; j++) {
-                    if (!visible(qpos[i], kpos[j], window))
-                        continue;
-                    const size_t kvoff = (((size_t)b * Tk + j) * nkv + kvh) * hd;
-                    float p = expf(dot(qi, k + kvoff, hd) * scale - L);
-                    float ds = p * (dot(gi, v + kvoff, hd) - D) * scale;
-                    const float *kj = k + kvoff;
-                    #pragma omp simd
-                    for (int d = 0; d < hd; d++)
-                        dqi[d] += ds * kj[d];
-                }
-            }
-        }
-    }
+    const attn_shape s = shape_of(qpos, kpos, B, Tq, Tk, nh, nkv, hd, window);
+    const bwd_args a = {dq, dout, q, k, v, out, lse};
+    for_query_rows(&s, dq_row, &a);
+    const float scale = s.scale;
+    const int group = s.group;
 
     /* keys in blocks of KB, so that D_i is computed once per block, not per key */
     enum { KB = 32 };
@@ -129,7 +176,7 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         const float L = lse[((size_t)b * nh + h) * Tq + i];
                         if (L == -INFINITY)
                             continue;
-                        const size_t qoff = (((size_t)b * Tq + i) * nh + h) * hd;
+                        const size_t qoff = row_at(&s, b, Tq, i, nh, h);
                         const float *qi = q + qoff, *gi = dout + qoff;
                         int have_D = 0;
                         float D = 0.0f;
@@ -140,7 +187,7 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                                 D = dot(gi, out + qoff, hd);
                                 have_D = 1;
                             }
-                            const size_t kvoff = (((size_t)b * Tk + j) * nkv + g) * hd;
+                            const size_t kvoff = row_at(&s, b, Tk, j, nkv, g);
                             float p = expf(dot(qi, k + kvoff, hd) * scale - L);
                             float ds = p * (dot(gi, v + kvoff, hd) - D) * scale;
                             float *dkj = dk + kvoff, *dvj = dv + kvoff;

@@ -101,6 +101,22 @@ template <typename T> __device__ __forceinline__ void st_pack(T *p, const Pack<T
     *reinterpret_cast<int4 *>(p) = *reinterpret_cast<const int4 *>(&r);
 }
 
+/* f(x[j]) in fp32 for the elements of a row x[0..n) that this thread reads, in order:
+ * the block's threads stride over the row, by 16-byte packs when VEC (n a multiple of
+ * the pack, x aligned). F: `void(float)`, usually a lambda that accumulates. */
+template <typename T, bool VEC, typename F> __device__ __forceinline__ void row_for_each(const T *x, int n, F f)
+{
+    constexpr int V = VEC ? Pack<T>::N : 1;
+    for (int j = threadIdx.x * V; j < n; j += blockDim.x * V) {
+        if (VEC) {
+            Pack<T> p = ld_pack(x + j);
+            for (int e = 0; e < V; e++) f(to_f(p.v[e]));
+        } else {
+            f(ld_f(x + j));
+        }
+    }
+}
+
 /* ---------------------------------------------------------- element-wise maps */
 /* y[i] = f(a[i], b[i]) over n elements of T, arithmetic in fp32: a grid-stride loop,
  * in 16-byte packs when VEC (the three pointers aligned), the tail that does not fill
@@ -143,70 +159,47 @@ static inline cudaError_t map2_launch(void *y, const void *a, const void *b, siz
 }
 
 /* --------------------------------------------------------------- reductions */
-__device__ __forceinline__ float warp_sum(float x)
+/* op over the 32 lanes of a warp (butterfly: every lane gets the result) */
+template <typename V, typename Op> __device__ __forceinline__ V warp_reduce(V x, Op op)
 {
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+    for (int o = 16; o > 0; o >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, o));
     return x;
 }
-__device__ __forceinline__ double warp_sum_d(double x)
-{
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    return x;
-}
-__device__ __forceinline__ float warp_max(float x)
-{
-    for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
-    return x;
-}
-__device__ __forceinline__ int warp_min_i(int x)
-{
-    for (int o = 16; o > 0; o >>= 1) {
-        int y = __shfl_xor_sync(0xffffffffu, x, o);
-        x = y < x ? y : x;
-    }
-    return x;
-}
-__device__ __forceinline__ int warp_max_i(int x)
-{
-    for (int o = 16; o > 0; o >>= 1) {
-        int y = __shfl_xor_sync(0xffffffffu, x, o);
-        x = y > x ? y : x;
-    }
-    return x;
-}
-/* Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets
- * the result. `red` is __shared__ scratch of 32 floats; the call begins with a
- * barrier so that red can be reused by consecutive calls. */
-__device__ __forceinline__ float block_sum(float x, float *red)
+struct SumOp {
+    template <typename V> __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+};
+struct MaxOp {
+    __device__ __forceinline__ float operator()(float a, float b) const { return fmaxf(a, b); }
+};
+struct MinIOp {
+    __device__ __forceinline__ int operator()(int a, int b) const { return b < a ? b : a; }
+};
+struct MaxIOp {
+    __device__ __forceinline__ int operator()(int a, int b) const { return b > a ? b : a; }
+};
+__device__ __forceinline__ float warp_sum(float x) { return warp_reduce(x, SumOp()); }
+__device__ __forceinline__ double warp_sum_d(double x) { return warp_reduce(x, SumOp()); }
+__device__ __forceinline__ float warp_max(float x) { return warp_reduce(x, MaxOp()); }
+__device__ __forceinline__ int warp_min_i(int x) { return warp_reduce(x, MinIOp()); }
+__device__ __forceinline__ int warp_max_i(int x) { return warp_reduce(x, MaxIOp()); }
+
+/* op over the block (blockDim.x a multiple of 32, at most 1024); every thread gets
+ * the result; id is op's identity (what the missing warps give). `red` is __shared__
+ * scratch of 32 values; the call begins with a barrier so that red can be reused by
+ * consecutive calls. */
+template <typename V, typename Op> __device__ __forceinline__ V block_reduce(V x, V *red, V id, Op op)
 {
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    x = warp_sum(x);
+    x = warp_reduce(x, op);
     __syncthreads();
     if (lane == 0) red[warp] = x;
     __syncthreads();
-    float y = lane < nw ? red[lane] : 0.0f;
-    return warp_sum(y);
+    V y = lane < nw ? red[lane] : id;
+    return warp_reduce(y, op);
 }
-__device__ __forceinline__ double block_sum_d(double x, double *red)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    x = warp_sum_d(x);
-    __syncthreads();
-    if (lane == 0) red[warp] = x;
-    __syncthreads();
-    double y = lane < nw ? red[lane] : 0.0;
-    return warp_sum_d(y);
-}
-__device__ __forceinline__ float block_max(float x, float *red)
-{
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
-    x = warp_max(x);
-    __syncthreads();
-    if (lane == 0) red[warp] = x;
-    __syncthreads();
-    float y = lane < nw ? red[lane] : -INFINITY;
-    return warp_max(y);
-}
+__device__ __forceinline__ float block_sum(float x, float *red) { return block_reduce(x, red, 0.0f, SumOp()); }
+__device__ __forceinline__ double block_sum_d(double x, double *red) { return block_reduce(x, red, 0.0, SumOp()); }
+__device__ __forceinline__ float block_max(float x, float *red) { return block_reduce(x, red, -INFINITY, MaxOp()); }
 
 /* max |x| through an integer atomicMax on the bits: for non-negative floats the
  * bit patterns order as the values, and a (positive) NaN's bits exceed +inf's,
@@ -238,29 +231,28 @@ __device__ __forceinline__ void mma_bf16_16816(float *d, const uint32_t *a, cons
 /* Four 8x8 b16 matrices from shared memory; lane l gives the address of row l%8 of
  * matrix l/8. Without trans, r[i] of lane l holds row l/4, columns 2(l%4)..+1 of
  * matrix i; with trans, rows 2(l%4)..+1 of column l/4. */
-__device__ __forceinline__ void ldmatrix_x4(uint32_t *r, const void *smem_row)
+template <bool TRANS> __device__ __forceinline__ void ldmatrix_x4_t(uint32_t *r, const void *smem_row)
 {
 #ifdef SMP_CUDA_EMU
-    emu_ldmatrix(r, 4, false, smem_row);
+    emu_ldmatrix(r, 4, TRANS, smem_row);
 #else
     uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
+    if (TRANS)
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a)
+                     : "memory");
+    else
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(a)
+                     : "memory");
 #endif
 }
+__device__ __forceinline__ void ldmatrix_x4(uint32_t *r, const void *smem_row) { ldmatrix_x4_t<false>(r, smem_row); }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t *r, const void *smem_row)
 {
-#ifdef SMP_CUDA_EMU
-    emu_ldmatrix(r, 4, true, smem_row);
-#else
-    uint32_t a = (uint32_t)__cvta_generic_to_shared(smem_row);
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-                 : "r"(a)
-                 : "memory");
-#endif
+    ldmatrix_x4_t<true>(r, smem_row);
 }
 
 /* 16-byte global -> shared copy, asynchronous; zero-filled when !pred (src is then

@@ -154,6 +154,23 @@ typedef struct {
     int fast_accum;
 } gemm_call;
 
+/* A gemm_call with fp32 compute, no amax and no fast accumulation; a_scale/b_scale
+ * for FP8 operands */
+static gemm_call gemm_of(cublasOperation_t ta, cublasOperation_t tb, int m, int n, int k, const void *A,
+                         cudaDataType_t at, int lda, const void *B, cudaDataType_t bt, int ldb, void *D,
+                         cudaDataType_t dt, int ldd, float beta, const float *a_scale = NULL,
+                         const float *b_scale = NULL)
+{
+    gemm_call c;
+    memset(&c, 0, sizeof c);
+    c.ta = ta; c.tb = tb; c.m = m; c.n = n; c.k = k;
+    c.A = A; c.at = at; c.lda = lda; c.a_scale = a_scale;
+    c.B = B; c.bt = bt; c.ldb = ldb; c.b_scale = b_scale;
+    c.D = D; c.dt = dt; c.ldd = ldd;
+    c.beta = beta; c.compute = CUBLAS_COMPUTE_32F;
+    return c;
+}
+
 static int key_eq(const gemm_key *a, const gemm_key *b) { return memcmp(a, b, sizeof *a) == 0; }
 
 static cublasStatus_t set_ptr(cublasLtMatmulDesc_t desc, cublasLtMatmulDescAttributes_t attr, const void *p)
@@ -295,13 +312,8 @@ extern "C" cudaError_t cuda_op_linear_forward(cuda_gemm *g, void *out, cudaDataT
     if (N == 0) return cudaSuccess;
     SMP_ARG(out && inp && weight, "NULL pointer");
     SMP_ARG(smp_aligned16(out) && smp_aligned16(inp) && smp_aligned16(weight), "pointers must be 16-byte aligned");
-    gemm_call c;
-    memset(&c, 0, sizeof c);
-    c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = OUT; c.n = N; c.k = IN;
-    c.A = weight; c.at = dt; c.lda = IN;
-    c.B = inp; c.bt = dt; c.ldb = IN;
-    c.D = out; c.dt = out_dt; c.ldd = OUT;
-    c.beta = 0.0f; c.compute = CUBLAS_COMPUTE_32F;
+    const gemm_call c =
+        gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, OUT, N, IN, weight, dt, IN, inp, dt, IN, out, out_dt, OUT, 0.0f);
     return run_gemm(g, &c, "cuda_op_linear_forward", stream, NULL);
 }
 
@@ -318,28 +330,18 @@ extern "C" cudaError_t cuda_op_linear_backward(cuda_gemm *g, void *dinp, void *d
     SMP_ARG(smp_aligned16(dout) && smp_aligned16(inp) && smp_aligned16(weight) && smp_aligned16(dinp) &&
                 smp_aligned16(dweight),
             "pointers must be 16-byte aligned");
-    gemm_call c;
+    cudaError_t e = cudaSuccess;
     if (dinp) {
-        memset(&c, 0, sizeof c);
-        c.ta = CUBLAS_OP_N; c.tb = CUBLAS_OP_N; c.m = IN; c.n = N; c.k = OUT;
-        c.A = weight; c.at = dt; c.lda = IN;
-        c.B = dout; c.bt = dt; c.ldb = OUT;
-        c.D = dinp; c.dt = dt; c.ldd = IN;
-        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
-        cudaError_t e = run_gemm(g, &c, "cuda_op_linear_backward (dinp)", stream, NULL);
-        if (e != cudaSuccess) return e;
+        const gemm_call c =
+            gemm_of(CUBLAS_OP_N, CUBLAS_OP_N, IN, N, OUT, weight, dt, IN, dout, dt, OUT, dinp, dt, IN, 1.0f);
+        e = run_gemm(g, &c, "cuda_op_linear_backward (dinp)", stream, NULL);
     }
-    if (dweight) {
-        memset(&c, 0, sizeof c);
-        c.ta = CUBLAS_OP_N; c.tb = CUBLAS_OP_T; c.m = IN; c.n = OUT; c.k = N;
-        c.A = inp; c.at = dt; c.lda = IN;
-        c.B = dout; c.bt = dt; c.ldb = OUT;
-        c.D = dweight; c.dt = dw_dt; c.ldd = IN;
-        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
-        cudaError_t e = run_gemm(g, &c, "cuda_op_linear_backward (dweight)", stream, NULL);
-        if (e != cudaSuccess) return e;
+    if (e == cudaSuccess && dweight) {
+        const gemm_call c =
+            gemm_of(CUBLAS_OP_N, CUBLAS_OP_T, IN, OUT, N, inp, dt, IN, dout, dt, OUT, dweight, dw_dt, IN, 1.0f);
+        e = run_gemm(g, &c, "cuda_op_linear_backward (dweight)", stream, NULL);
     }
-    return cudaSuccess;
+    return e;
 }
 
 #define FP8_SHAPE_CHECK()                                                                                  \
@@ -356,13 +358,9 @@ extern "C" cudaError_t cuda_op_linear_forward_fp8(cuda_gemm *g, void *out, cudaD
     SMP_ARG(out_dt == CUDA_R_16BF || out_dt == CUDA_R_32F, "out dtype %d is not CUDA_R_16BF or CUDA_R_32F", (int)out_dt);
     SMP_ARG(out && inp_q && w_q && inp_sinv && w_sinv, "NULL pointer");
     SMP_ARG(smp_aligned16(out) && smp_aligned16(inp_q) && smp_aligned16(w_q), "pointers must be 16-byte aligned");
-    gemm_call c;
-    memset(&c, 0, sizeof c);
-    c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = OUT; c.n = N; c.k = IN;
-    c.A = w_q; c.at = CUDA_R_8F_E4M3; c.lda = IN; c.a_scale = w_sinv;
-    c.B = inp_q; c.bt = CUDA_R_8F_E4M3; c.ldb = IN; c.b_scale = inp_sinv;
-    c.D = out; c.dt = out_dt; c.ldd = OUT;
-    c.beta = 0.0f; c.compute = CUBLAS_COMPUTE_32F; c.fast_accum = fast_accum ? 1 : 0;
+    gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, OUT, N, IN, w_q, CUDA_R_8F_E4M3, IN, inp_q, CUDA_R_8F_E4M3, IN, out,
+                          out_dt, OUT, 0.0f, w_sinv, inp_sinv);
+    c.fast_accum = fast_accum ? 1 : 0;
     const int oi = out_dt == CUDA_R_16BF ? 0 : 1;
     if (out_amax && g->amax_d_ok[oi] != 0) {
         c.amax_d = out_amax;
@@ -401,27 +399,18 @@ extern "C" cudaError_t cuda_op_linear_backward_fp8(cuda_gemm *g, void *dinp, cud
     uint8_t *wT = g->scratch;                                            /* [IN, OUT] */
     uint8_t *xT = wT + ((size_t)OUT * IN + al - 1) / al * al;            /* [IN, N] */
     uint8_t *dyT = xT + ((size_t)N * IN + al - 1) / al * al;             /* [OUT, N] */
-    gemm_call c;
     cudaError_t e;
     if (dinp) {
         if ((e = cuda_op_fp8_transpose(wT, w_q, OUT, IN, stream)) != cudaSuccess) return e;
-        memset(&c, 0, sizeof c);
-        c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = IN; c.n = N; c.k = OUT;
-        c.A = wT; c.at = CUDA_R_8F_E4M3; c.lda = OUT; c.a_scale = w_sinv;
-        c.B = dout_q; c.bt = CUDA_R_8F_E5M2; c.ldb = OUT; c.b_scale = dout_sinv;
-        c.D = dinp; c.dt = dinp_dt; c.ldd = IN;
-        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
+        const gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, IN, N, OUT, wT, CUDA_R_8F_E4M3, OUT, dout_q,
+                                    CUDA_R_8F_E5M2, OUT, dinp, dinp_dt, IN, 1.0f, w_sinv, dout_sinv);
         if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dinp)", stream, NULL)) != cudaSuccess) return e;
     }
     if (dweight) {
         if ((e = cuda_op_fp8_transpose(xT, inp_q, N, IN, stream)) != cudaSuccess) return e;
         if ((e = cuda_op_fp8_transpose(dyT, dout_q, N, OUT, stream)) != cudaSuccess) return e;
-        memset(&c, 0, sizeof c);
-        c.ta = CUBLAS_OP_T; c.tb = CUBLAS_OP_N; c.m = IN; c.n = OUT; c.k = N;
-        c.A = xT; c.at = CUDA_R_8F_E4M3; c.lda = N; c.a_scale = inp_sinv;
-        c.B = dyT; c.bt = CUDA_R_8F_E5M2; c.ldb = N; c.b_scale = dout_sinv;
-        c.D = dweight; c.dt = dw_dt; c.ldd = IN;
-        c.beta = 1.0f; c.compute = CUBLAS_COMPUTE_32F;
+        const gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, IN, OUT, N, xT, CUDA_R_8F_E4M3, N, dyT, CUDA_R_8F_E5M2, N,
+                                    dweight, dw_dt, IN, 1.0f, inp_sinv, dout_sinv);
         if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dweight)", stream, NULL)) != cudaSuccess) return e;
     }
     return cudaSuccess;

@@ -16,15 +16,7 @@ __global__ void __launch_bounds__(RMS_THREADS) rmsnorm_forward_kernel(T *out, fl
     T *y = out + n * H;
     constexpr int V = VEC ? Pack<T>::N : 1;
     float ss = 0.0f;
-    for (int j = threadIdx.x * V; j < H; j += blockDim.x * V) {
-        if (VEC) {
-            Pack<T> p = ld_pack(x + j);
-            for (int e = 0; e < V; e++) { float a = to_f(p.v[e]); ss += a * a; }
-        } else {
-            float a = ld_f(x + j);
-            ss += a * a;
-        }
-    }
+    row_for_each<T, VEC>(x, H, [&](float a) { ss += a * a; });
     ss = block_sum(ss, red);
     const float r = 1.0f / sqrtf(ss / (float)H + eps);
     for (int j = threadIdx.x * V; j < H; j += blockDim.x * V) {

@@ -21,16 +21,8 @@ __global__ void __launch_bounds__(XENT_THREADS) xent_rowmax_kernel(float *rowmax
     __shared__ float red[32];
     const size_t n = blockIdx.x;
     const T *x = logits + n * Vl;
-    constexpr int V = VEC ? Pack<T>::N : 1;
     float m = -INFINITY;
-    for (int j = threadIdx.x * V; j < Vl; j += blockDim.x * V) {
-        if (VEC) {
-            Pack<T> p = ld_pack(x + j);
-            for (int e = 0; e < V; e++) m = fmaxf(m, to_f(p.v[e]));
-        } else {
-            m = fmaxf(m, ld_f(x + j));
-        }
-    }
+    row_for_each<T, VEC>(x, Vl, [&](float a) { m = fmaxf(m, a); });
     m = block_max(m, red);
     if (threadIdx.x == 0) {
         rowmax[n] = m;
@@ -47,16 +39,8 @@ __global__ void __launch_bounds__(XENT_THREADS) xent_sumexp_kernel(float *sumexp
     const size_t n = blockIdx.x;
     const T *x = logits + n * Vl;
     const float m = rowmax[n];
-    constexpr int V = VEC ? Pack<T>::N : 1;
     float s = 0.0f;
-    for (int j = threadIdx.x * V; j < Vl; j += blockDim.x * V) {
-        if (VEC) {
-            Pack<T> p = ld_pack(x + j);
-            for (int e = 0; e < V; e++) s += expf(to_f(p.v[e]) - m);
-        } else {
-            s += expf(ld_f(x + j) - m);
-        }
-    }
+    row_for_each<T, VEC>(x, Vl, [&](float a) { s += expf(a - m); });
     s = block_sum(s, red);
     if (threadIdx.x == 0) sumexp[n] = s;
 }
@@ -80,20 +64,10 @@ __global__ void __launch_bounds__(XENT_THREADS) xent_stats_kernel(float *rowmax,
     __shared__ float red[32];
     const size_t n = blockIdx.x;
     const T *x = logits + n * Vl;
-    constexpr int V = VEC ? Pack<T>::N : 1;
     float m = -INFINITY, s = 0.0f;
-    for (int j = threadIdx.x * V; j < Vl; j += blockDim.x * V) {
-        if (VEC) {
-            Pack<T> p = ld_pack(x + j);
-            for (int e = 0; e < V; e++) {
-                float v = to_f(p.v[e]);
-                if (v != -INFINITY) online_add(m, s, v); /* exp(-inf) adds 0 */
-            }
-        } else {
-            float v = ld_f(x + j);
-            if (v != -INFINITY) online_add(m, s, v);
-        }
-    }
+    row_for_each<T, VEC>(x, Vl, [&](float v) {
+        if (v != -INFINITY) online_add(m, s, v); /* exp(-inf) adds 0 */
+    });
     const float M = block_max(m, red);
     const float part = (m == -INFINITY) ? 0.0f : s * expf(m - M);
     const float S = block_sum(part, red);
