@@ -311,14 +311,10 @@ static shard_status write_rank_file(const ckptio_save_args *a, const model *m, c
     return s;
 }
 
-/* every rank learns whether any failed; the first failure's status, or
- * SHARD_E_IO naming another rank */
+/* every rank learns whether any failed (libshard's agreement, its own message kept) */
 static shard_status agree(par_ctx *p, shard_status mine)
 {
-    int32_t v = (int32_t)mine;
-    if (shard_comm_allreduce(p->world, &v, 1, SHARD_DT_I32, SHARD_OP_MAX)) return shard_fail(SHARD_E_IO, "a collective failed");
-    if (!mine && v) return shard_fail((shard_status)v, "another rank failed to write its part of the checkpoint");
-    return mine;
+    return shard_comm_agree(p->world, mine, "another rank failed to write its part of the checkpoint", NULL);
 }
 
 shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p)
@@ -341,7 +337,7 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
     if (!s) s = shard_comm_broadcast(p->world, staging, sizeof staging, SHARD_DT_U8, 0);
     if (!s) s = agree(p, write_rank_file(a, m, o, p, staging));
     if (p->rank == 0) { /* the extra files, the manifest, latest */
-        for (size_t i = 0; !s && a->src && i < shard_ckpt_extra_count(a->src); i++) s = shard_ckpt_carry_extra(cw, a->src, i);
+        if (!s && a->src) s = shard_ckpt_carry_extras(cw, a->src);
         if (!s) {
             s = shard_ckpt_commit(cw, a->config_json, a->config_len, &m->d, &p->l, p->stages, a->training_json, 1);
             if (!s) cw = NULL; /* a successful commit frees the writer; on failure abort removes the staging */
