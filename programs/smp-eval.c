@@ -15,6 +15,7 @@
 #include "eval.h"
 #include "model.h"
 #include "par.h"
+#include "runcfg.h"
 
 static const char HELP[] =
     "usage: smp-eval --ckpt CKPT|RUN_DIR --data TOKENS --batch B --seq S [--batches N] [--json]\n"
@@ -28,26 +29,33 @@ static const char HELP[] =
     "not the fp32 master copy of a training checkpoint: what smp-merge exports.\n"
     "\n"
     "  --batches N   evaluate the first N batches (default: every whole batch)\n"
-    "  --json        print {\"loss\", \"perplexity\", \"tokens\", \"batches\"} as one JSON object\n";
+    "  --json        print {\"loss\", \"perplexity\", \"tokens\", \"batches\"} as one JSON object\n"
+    "  --documents   the tokens are documents each ended by a separator: attention stays\n"
+    "                inside a document, positions restart, a document's first token is\n"
+    "                not a target (docs/TRAINING.md \"Fine-tuning\")\n"
+    "  --doc-sep ID  the separator token (default: the config's eos_token_id)\n"
+    "  --loss-mask FILES  one loss mask file per token file (0: not a target)\n"
+    "The loss is the mean over the counted targets; \"tokens\" counts them.\n";
 
 /* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank
  * takes its B/dp rows of every batch, each cp rank its tokens of them, the last
  * pipeline stage sums; the total over dp and cp, from the last stage, on every rank. */
 static shard_status par_loss_sum(par_ctx *P, model *m, data_set *ds, int B, long long NB, int32_t *in, int32_t *tg,
-                                 double *sum)
+                                 double *sum, uint64_t *ntok)
 {
     const int dp = P->g.dp ? shard_comm_size(P->g.dp) : 1, Bm = B / dp;
-    double total = 0.0, one;
+    double total[2] = {0.0, 0.0}, one; /* the losses, the counted targets */
     shard_status s;
     for (long long i = 0; i < NB; i++) {
         if ((s = data_fill_sequential(ds, (uint64_t)i * (uint64_t)B + (uint64_t)P->g.me.dp * (uint64_t)Bm, Bm, in, tg))) return s;
-        par_cp_select(m, Bm, in, tg);
+        total[1] += (double)par_take_batch(m, Bm, in, tg);
         if ((s = par_forward(P, m, in, tg, &one))) return s;
-        total += one;
+        total[0] += one;
     }
-    if ((s = par_allreduce_f64(P, P->g.dpcp, &total, 1, SHARD_OP_SUM))) return s;
-    if (P->nstages > 1 && (s = shard_comm_broadcast(P->g.pp, &total, 1, SHARD_DT_F64, P->nstages - 1))) return s;
-    *sum = total;
+    if ((s = par_allreduce_f64(P, P->g.dpcp, total, 2, SHARD_OP_SUM))) return s;
+    if (P->nstages > 1 && (s = shard_comm_broadcast(P->g.pp, total, 2, SHARD_DT_F64, P->nstages - 1))) return s;
+    *sum = total[0];
+    *ntok = (uint64_t)total[1];
     return SHARD_OK;
 }
 
@@ -60,8 +68,11 @@ int main(int argc, char **argv)
     return launch_ranks(argc, argv, eval_main);
 }
 
-enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_COUNT };
-static const cli_opt OPTS[O_COUNT] = {{"--ckpt", 0}, {"--data", 0}, {"--batch", 0}, {"--seq", 0}, {"--batches", 0}, {"--layout", 0}, {"--json", 1}};
+enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_DOCS, O_DOC_SEP, O_MASK, O_COUNT };
+static const cli_opt OPTS[O_COUNT] = {{"--ckpt", 0},    {"--data", 0},      {"--batch", 0},
+                                      {"--seq", 0},     {"--batches", 0},   {"--layout", 0},
+                                      {"--json", 1},    {"--documents", 1}, {"--doc-sep", 0},
+                                      {"--loss-mask", 0}};
 
 static int eval_main(int argc, char **argv, par_ctx *P)
 {
@@ -108,7 +119,16 @@ static int eval_main(int argc, char **argv, par_ctx *P)
         else if ((s = shard_stages_auto(&m.d, lay.pp, stages))) OUT(cli_fail(s));
         if ((s = par_setup(P, &lay, stages, 1, &m))) OUT(cli_fail(s));
     }
-    if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s)); /* checked before the weights load */
+    /* the inputs checked before the weights load */
+    if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
+    if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));
+    if (val[O_DOCS] || val[O_DOC_SEP]) {
+        int32_t sep;
+        if (!val[O_DOCS]) OUT(cli_usage("--doc-sep is given without --documents"));
+        if ((s = runcfg_doc_sep(&m.d, val[O_DOC_SEP], &sep))) OUT(cli_usage("%s", shard_errmsg()));
+        data_set_documents(&ds, sep);
+        model_set_documents(&m, sep);
+    }
     const double t_load = now_seconds();
     shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
@@ -129,13 +149,14 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     in = malloc((size_t)rows * S * sizeof *in);
     tg = malloc((size_t)rows * S * sizeof *tg);
     if (!in || !tg) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
-    uint64_t ntok = (uint64_t)NB * (uint64_t)B * (uint64_t)S;
+    uint64_t ntok = 0;
     double sum = 0.0;
     if (par) {
-        if ((s = par_loss_sum(P, &m, &ds, (int)B, NB, in, tg, &sum))) OUT(cli_fail(s));
+        if ((s = par_loss_sum(P, &m, &ds, (int)B, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
     } else {
         if ((s = eval_loss_sum(&m, &ds, (int)B, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
     }
+    if (!ntok) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: no token of the %lld batches is a counted target (--loss-mask, --documents)", data, NB)));
     double loss = sum / (double)ntok;
     double ppl = exp(loss);
     if (me0 && json)

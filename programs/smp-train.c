@@ -72,13 +72,24 @@ static const char HELP[] =
     "                            still spans --steps)\n"
     "  --dump-grads DIR          compute the next step's gradients, write them to\n"
     "                            DIR/grads.safetensors (fp32, unclipped) and exit\n"
+    "  --documents               the tokens are documents each ended by a separator token:\n"
+    "                            attention stays inside a document (every layout), RoPE\n"
+    "                            positions restart at each, a document's first token is not\n"
+    "                            a target (docs/TRAINING.md \"Fine-tuning\")\n"
+    "  --doc-sep ID              the separator (default: the config's eos_token_id)\n"
+    "  --loss-mask FILES         one loss mask file per --data file, in the same order\n"
+    "                            (magic 20241201; a byte per token, 0: not a target;\n"
+    "                            tools/prepare_sft.py writes them)\n"
+    "  --val-loss-mask FILES     the same for --val-data\n"
     "  --inject-nan STEPS        testing aid: make the loss of these steps (1-based,\n"
     "                            comma-separated) NaN\n"
     "  --inject-fail RANK:STEP   testing aid: rank RANK fails with an error in the middle of\n"
     "                            step STEP (1-based; after its backward pass)\n"
     "\n"
     "SIGTERM or SIGINT: finish the current step, save a checkpoint, exit 0.\n"
-    "The log's loss is the mean over the step's B*S target tokens.\n";
+    "The log's loss is the mean over the step's counted targets (all B*S without\n"
+    "--documents and --loss-mask; `targets` in the log); a step with none makes no\n"
+    "update and logs \"loss\": null.\n";
 
 static volatile sig_atomic_t stop_requested;
 
@@ -92,7 +103,8 @@ enum {
     O_CKPT, O_DATA, O_VAL_DATA, O_VAL_EVERY, O_VAL_BATCHES, O_SAVE_DIR, O_LAYOUT, O_STEPS, O_BATCH, O_MICRO, O_SEQ,
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
-    O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_COUNT
+    O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_DOCS, O_DOC_SEP, O_MASK, O_VAL_MASK,
+    O_COUNT
 };
 static const cli_opt OPTS[O_COUNT] = {
     [O_CKPT] = {"--ckpt", 0}, [O_DATA] = {"--data", 0}, [O_VAL_DATA] = {"--val-data", 0},
@@ -107,6 +119,8 @@ static const cli_opt OPTS[O_COUNT] = {
     [O_LOG] = {"--log", 0}, [O_STOP_AT] = {"--stop-at", 0}, [O_DUMP_GRADS] = {"--dump-grads", 0},
     [O_INJECT_NAN] = {"--inject-nan", 0}, [O_INJECT_FAIL] = {"--inject-fail", 0}, [O_STAGES] = {"--stages", 0},
     [O_DTYPE] = {"--dtype", 0}, [O_RECOMPUTE] = {"--recompute", 0}, [O_SEQPAR] = {"--sequence-parallel", 1},
+    [O_DOCS] = {"--documents", 1}, [O_DOC_SEP] = {"--doc-sep", 0}, [O_MASK] = {"--loss-mask", 0},
+    [O_VAL_MASK] = {"--val-loss-mask", 0},
 };
 /* the words of the choices, in the order of the values they stand for */
 static const char *const BACKENDS[] = {"cpu", "cuda", NULL};
@@ -160,6 +174,7 @@ static int read_args(train_cmd *t, par_ctx *P)
     if (!v[O_SAVE_DIR] && !v[O_DUMP_GRADS]) return cli_usage("--save-dir is required");
     *a = (loop_args){.ckpt = v[O_CKPT], .data = v[O_DATA], .val_data = v[O_VAL_DATA], .save_dir = v[O_SAVE_DIR],
                      .log = v[O_LOG], .stages = v[O_STAGES], .dump_grads = v[O_DUMP_GRADS], .seqpar = !!v[O_SEQPAR],
+                     .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],
                      .layout = {1, 1, 1, P->size}, .fail_rank = -1, .fail_step = -1, .stop = &stop_requested,
                      .now = now_seconds};
     if (v[O_LAYOUT] && shard_layout_parse(v[O_LAYOUT], &a->layout)) return cli_usage("--layout: %s", shard_errmsg());
@@ -171,6 +186,8 @@ static int read_args(train_cmd *t, par_ctx *P)
                          shard_layout_size(&a->layout));
     }
     if (P->size > 1 && v[O_DUMP_GRADS]) return cli_usage("--dump-grads runs on one rank");
+    if (v[O_DOC_SEP] && !v[O_DOCS]) return cli_usage("--doc-sep is given without --documents");
+    if (v[O_VAL_MASK] && !v[O_VAL_DATA]) return cli_usage("--val-loss-mask is given without --val-data");
     if ((rc = cli_choice("--backend", v[O_BACKEND], BACKENDS, &backend)) ||
         (rc = cli_choice("--dtype", v[O_DTYPE], DTYPES, &dtype)))
         return rc;
@@ -227,12 +244,13 @@ static int set_up_failed(const train_run *r, shard_status s)
 
 /* The run from the checkpoint, its configuration checked, everything loaded; *done:
  * the checkpoint's run is already over (nothing to do). */
-static int set_up(train_run *r, const train_cmd *t, par_ctx *P, int *done)
+static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
 {
     shard_status s = loop_open(r, P, &t->a);
     if (s) return set_up_failed(r, s);
     int rc = apply_flags(t, &r->c);
     if (rc) return rc;
+    if (t->a.documents && (s = runcfg_doc_sep(&r->m.d, t->v[O_DOC_SEP], &t->a.doc_sep))) return cli_usage("%s", shard_errmsg());
     if ((s = runcfg_check(&r->c, &t->a.layout, &r->m.d))) return cli_usage("%s", shard_errmsg());
     if (r->resumed && r->c.step >= r->c.steps && !t->a.dump_grads) {
         if (P->rank == 0)
@@ -263,6 +281,12 @@ static void print_start(train_run *r)
             a->backend, r->D.ops->describe(&r->D), a->dtype == SHARD_DT_BF16 ? "bf16" : "fp32",
             (double)(bp + bg + bo + ba) / 1048576.0, (double)bp / 1048576.0, (double)bg / 1048576.0,
             (double)bo / 1048576.0, (double)ba / 1048576.0, RECOMPUTE[a->recompute]);
+    if (a->documents || a->loss_mask) {
+        char docs[64] = "";
+        if (a->documents) snprintf(docs, sizeof docs, "documents ended by token %d%s", (int)a->doc_sep, a->loss_mask ? ", " : "");
+        fprintf(stderr, "smp-train: fine-tuning: %s%s; the loss is the mean over the counted targets\n", docs,
+                a->loss_mask ? "loss masks" : "");
+    }
     if (a->seqpar && a->layout.tp > 1)
         fprintf(stderr, "smp-train: sequence parallel over tp = %d: %d of a microbatch's %lld tokens per rank\n",
                 a->layout.tp, (int)((int64_t)r->Bm * (r->S / a->layout.cp) / a->layout.tp),

@@ -92,7 +92,7 @@ static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_
 static shard_status open_file(data_file *f, const char *path, int S, int64_t vocab)
 {
     memset(f, 0, sizeof *f);
-    f->fd = -1;
+    f->fd = f->mfd = -1;
     f->vocab = vocab;
     f->path = strdup(path);
     if (!f->path) return shard_fail(SHARD_E_NOMEM, "out of memory");
@@ -130,42 +130,53 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     return s;
 }
 
-static shard_status add_path(data_set *ds, const char *path, int S, int64_t vocab)
+static shard_status add_path(void *ctx, const char *path)
 {
+    data_set *ds = ctx;
     data_file *nf = realloc(ds->files, (size_t)(ds->nfiles + 1) * sizeof *nf);
     if (!nf) return shard_fail(SHARD_E_NOMEM, "out of memory");
     ds->files = nf;
     data_file *f = &ds->files[ds->nfiles++];
-    shard_status s = open_file(f, path, S, vocab);
+    shard_status s = open_file(f, path, ds->S, ds->vocab);
     if (s) return s;
     f->first_seq = ds->nseq;
     ds->nseq += f->nseq;
     return SHARD_OK;
 }
 
-shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
+/* fn(ctx, path) for each file of spec: comma-separated paths or globs (each sorted) */
+static shard_status each_path(const char *spec, shard_status (*fn)(void *, const char *), void *ctx)
 {
-    memset(ds, 0, sizeof *ds);
-    ds->S = S;
-    ds->perm_epoch = -1;
-    if (S < 1) return shard_fail(SHARD_E_USAGE, "the sequence length must be at least 1");
     char *copy = strdup(spec), *save = NULL;
     if (!copy) return shard_fail(SHARD_E_NOMEM, "out of memory");
     shard_status s = SHARD_OK;
     for (char *part = strtok_r(copy, ",", &save); part && !s; part = strtok_r(NULL, ",", &save)) {
         if (!*part) continue;
+        if (!strpbrk(part, "*?[")) {
+            s = fn(ctx, part);
+            continue;
+        }
         glob_t g;
-        int rc = strpbrk(part, "*?[") ? glob(part, 0, NULL, &g) : GLOB_NOMATCH;
+        int rc = glob(part, 0, NULL, &g);
         if (rc == 0) {
-            for (size_t i = 0; i < g.gl_pathc && !s; i++) s = add_path(ds, g.gl_pathv[i], S, vocab);
+            for (size_t i = 0; i < g.gl_pathc && !s; i++) s = fn(ctx, g.gl_pathv[i]);
             globfree(&g);
-        } else if (rc == GLOB_NOMATCH && strpbrk(part, "*?[")) {
-            s = shard_fail(SHARD_E_USAGE, "%s: no file matches", part);
         } else {
-            s = add_path(ds, part, S, vocab);
+            s = shard_fail(SHARD_E_USAGE, "%s: no file matches", part);
         }
     }
     free(copy);
+    return s;
+}
+
+shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
+{
+    memset(ds, 0, sizeof *ds);
+    ds->S = S;
+    ds->vocab = vocab;
+    ds->perm_epoch = -1;
+    if (S < 1) return shard_fail(SHARD_E_USAGE, "the sequence length must be at least 1");
+    shard_status s = each_path(spec, add_path, ds);
     if (!s && ds->nfiles == 0) s = shard_fail(SHARD_E_USAGE, "no token file given");
     if (!s && ds->nseq == 0)
         s = shard_fail(SHARD_E_INVALID, "%s: fewer than %d tokens in every file: no sequence of length %d + 1", spec, S + 1, S);
@@ -173,11 +184,95 @@ shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
     return s;
 }
 
+/* ---------------------------------------------------------------- loss masks */
+
+/* Mask bytes [i0, i0 + n) of f, each 0 or 1. */
+static shard_status check_mask(const data_file *f, const uint8_t *m, uint64_t i0, size_t n)
+{
+    for (size_t k = 0; k < n; k++)
+        if (m[k] > 1)
+            return shard_fail(SHARD_E_INVALID, "%s: mask byte %u at position %llu (a mask byte is 0 or 1)", f->mpath,
+                              m[k], (unsigned long long)(i0 + k));
+    return SHARD_OK;
+}
+
+static shard_status read_mask_at(const data_file *f, uint8_t *buf, size_t n, uint64_t i0)
+{
+    data_file m = *f; /* read_at's messages name the mask file */
+    m.fd = f->mfd;
+    m.path = f->mpath;
+    shard_status s = read_at(&m, buf, n, 1024 + i0);
+    return s ? s : check_mask(f, buf, i0, n);
+}
+
+typedef struct {
+    data_set *ds;
+    int next; /* the token file the next mask file belongs to */
+} mask_walk;
+
+static shard_status add_mask(void *ctx, const char *path)
+{
+    mask_walk *w = ctx;
+    if (w->next >= w->ds->nfiles) {
+        w->next++;
+        return SHARD_OK; /* counted, refused once all are seen */
+    }
+    data_file *f = &w->ds->files[w->next++];
+    if (!(f->mpath = strdup(path))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    uint64_t size;
+    shard_status s = shard_open_regular(path, 0, &f->mfd, &size);
+    if (s) return s;
+    uint8_t h[12];
+    data_file m = *f;
+    m.fd = f->mfd;
+    m.path = f->mpath;
+    if (size < 1024)
+        return shard_fail(SHARD_E_INVALID, "%s: %llu bytes: too short for the 1024-byte header of a loss mask file", path,
+                          (unsigned long long)size);
+    if ((s = read_at(&m, h, sizeof h, 0))) return s;
+    int32_t magic = rd32(h), version = rd32(h + 4), count = rd32(h + 8);
+    if (magic != DATA_MAGIC_MASK || version != 1)
+        return shard_fail(SHARD_E_INVALID, "%s: not a loss mask file (magic %d version %d; expected %d version 1)", path,
+                          magic, version, DATA_MAGIC_MASK);
+    if (count < 0 || size != 1024 + (uint64_t)count)
+        return shard_fail(SHARD_E_INVALID, "%s: the header says %d mask bytes but the file has %llu bytes after the header",
+                          path, count, (unsigned long long)(size - 1024));
+    if ((uint64_t)count != f->ntokens)
+        return shard_fail(SHARD_E_INVALID, "%s: %d mask bytes but its token file %s holds %llu tokens (one byte per token)",
+                          path, count, f->path, (unsigned long long)f->ntokens);
+    enum { BLOCK = 1 << 20 };
+    uint8_t *buf = malloc(BLOCK);
+    if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (uint64_t i = 0; i < f->ntokens && !s; i += BLOCK)
+        s = read_mask_at(f, buf, f->ntokens - i < BLOCK ? (size_t)(f->ntokens - i) : BLOCK, i);
+    free(buf);
+    return s;
+}
+
+shard_status data_open_masks(data_set *ds, const char *spec)
+{
+    mask_walk w = {ds, 0};
+    shard_status s = each_path(spec, add_mask, &w);
+    if (!s && w.next != ds->nfiles)
+        s = shard_fail(SHARD_E_USAGE, "%s: %d loss mask files for %d token files (one per token file, in the same order)",
+                       spec, w.next, ds->nfiles);
+    ds->masked = !s;
+    return s;
+}
+
+void data_set_documents(data_set *ds, int32_t sep)
+{
+    ds->documents = 1;
+    ds->sep = sep;
+}
+
 void data_close(data_set *ds)
 {
     for (int i = 0; i < ds->nfiles; i++) {
         if (ds->files[i].fd >= 0) close(ds->files[i].fd);
+        if (ds->files[i].mpath && ds->files[i].mfd >= 0) close(ds->files[i].mfd);
         free(ds->files[i].path);
+        free(ds->files[i].mpath);
     }
     free(ds->files);
     free(ds->perm);
@@ -204,12 +299,15 @@ static shard_status fill_seq(data_set *ds, uint64_t seq, int32_t *in, int32_t *t
     const data_file *f = &ds->files[lo];
     const uint64_t start = (seq - f->first_seq) * (uint64_t)ds->S;
     const size_t n = (size_t)ds->S + 1, ts = (size_t)f->token_size;
-    if (!ds->buf && !(ds->buf = malloc(n * 4))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!ds->buf && !(ds->buf = malloc(n * 5))) return shard_fail(SHARD_E_NOMEM, "out of memory"); /* tokens, mask */
+    uint8_t *mask = ds->buf + n * 4;
     shard_status s = read_at(f, ds->buf, n * ts, 1024 + start * ts);
     if (!s) s = check_tokens(f, ds->buf, start, n); /* the file may have changed since it was opened */
+    if (!s && f->mpath) s = read_mask_at(f, mask, n, start);
     for (int t = 0; t < ds->S && !s; t++) {
         in[t] = (int32_t)token_at(f, ds->buf + (size_t)t * ts);
         tg[t] = (int32_t)token_at(f, ds->buf + (size_t)(t + 1) * ts);
+        if ((f->mpath && !mask[t + 1]) || (ds->documents && in[t] == ds->sep)) tg[t] = -1;
     }
     return s;
 }

@@ -18,6 +18,16 @@
  * Position p of the order is sequence perm_e[p mod nseq] with e = p / nseq, so a
  * run resumes from its position alone. Step s of a run with global batch B takes
  * positions [s*B, (s+1)*B).
+ *
+ * Fine-tuning (docs/TRAINING.md "Fine-tuning"): targets that do not count are -1
+ * (the loss and its gradient skip them).
+ *   - documents (data_set_documents): the stream is documents each ended by the
+ *     separator token, which belongs to the document it ends; the first token of a
+ *     document is not a target (target t, token t + 1, follows a separator at input t);
+ *   - loss masks (data_open_masks): one mask file per token file, the 256-int32
+ *     header with magic 20241201, version 1 and the token count, then one uint8 per
+ *     token, 1 = a target, 0 = not: target t counts only if the mask byte of token
+ *     t + 1 is 1.
  */
 #ifndef SMP_TRAIN_DATA_H
 #define SMP_TRAIN_DATA_H
@@ -29,6 +39,7 @@
 
 #define DATA_MAGIC_U16 20240520
 #define DATA_MAGIC_U32 20240801
+#define DATA_MAGIC_MASK 20241201
 
 typedef struct {
     char *path;
@@ -37,18 +48,24 @@ typedef struct {
     int fd;               /* read with pread: a file truncated while in use is an error, not SIGBUS */
     int64_t vocab;
     uint64_t nseq, first_seq;
+    char *mpath;          /* its loss mask file (NULL: none) */
+    int mfd;
 } data_file;
 
 typedef struct {
     data_file *files;
     int nfiles;
     int S;
+    int64_t vocab;
     uint64_t nseq;        /* sequences over all files */
     int shuffle;
     uint64_t seed;
     uint64_t *perm;       /* the permutation of perm_epoch (shuffled only) */
     int64_t perm_epoch;
     uint8_t *buf;         /* one sequence's bytes, as read */
+    int documents;        /* 1: targets after a separator do not count */
+    int32_t sep;          /* the separator token */
+    int masked;           /* 1: every file has a loss mask */
 } data_set;
 
 /* Open the files of spec (a comma-separated list of paths or globs) and check every
@@ -56,6 +73,13 @@ typedef struct {
  * position). S: tokens per sequence (inputs). */
 shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab);
 void data_close(data_set *ds);
+/* The loss masks of spec (paths or globs, as data_open's), one per token file in the
+ * same order: as many files as token files (SHARD_E_USAGE), each of the mask format
+ * with the token count of its token file and bytes 0 or 1 (SHARD_E_INVALID naming
+ * both files, or the file and the position). */
+shard_status data_open_masks(data_set *ds, const char *spec);
+/* The stream is documents ended by token sep. */
+void data_set_documents(data_set *ds, int32_t sep);
 /* The order: sequential (shuffle 0) or shuffled by seed. */
 void data_set_order(data_set *ds, int shuffle, uint64_t seed);
 /* Inputs and targets (count x S each) of positions [first, first + count) of the

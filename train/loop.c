@@ -48,7 +48,14 @@ static shard_status open_data(train_run *r)
     shard_status s = data_open(&r->ds, a->data, r->S, r->m.d.vocab);
     if (s) return s;
     data_set_order(&r->ds, r->c.shuffle, r->c.seed);
+    if (a->loss_mask && (s = data_open_masks(&r->ds, a->loss_mask))) return s;
     if (a->val_data && (s = data_open(&r->vs, a->val_data, r->S, r->m.d.vocab))) return s;
+    if (a->val_loss_mask && (s = data_open_masks(&r->vs, a->val_loss_mask))) return s;
+    if (a->documents) {
+        data_set_documents(&r->ds, a->doc_sep);
+        data_set_documents(&r->vs, a->doc_sep);
+        model_set_documents(&r->m, a->doc_sep);
+    }
     for (size_t i = 0; r->P->rank == 0 && i < shard_ckpt_extra_count(r->ck); i++)
         if ((s = shard_ckpt_check_extra(r->ck, i))) return s;
     return SHARD_OK;
@@ -175,31 +182,57 @@ typedef struct {
     data_set *ds;
     uint64_t first;
     int rows;
-    const model *m; /* context parallelism: this rank's tokens of each sequence */
+    model *m; /* its documents; context parallelism: this rank's tokens of each sequence */
 } step_data;
 
 static shard_status fill_step(void *ctx, int mb, int32_t *in, int32_t *tg)
 {
     step_data *sd = ctx;
     shard_status s = data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, in, tg);
-    if (!s) par_cp_select(sd->m, sd->rows, in, tg);
+    if (!s) par_take_batch(sd->m, sd->rows, in, tg);
     return s;
 }
 
-/* The step's passes: its gradients reduced, the loss (the mean over the step's B*S
- * target tokens, on every rank) and the global gradient norm. */
-static shard_status passes(train_run *r, double *loss, double *norm)
+/* The step's counted targets over every replica: B*S, or with documents or loss masks
+ * those of the step's sequences (read once more here, since the scale of the loss
+ * must be known before the first backward pass of the pipeline's schedule). */
+static shard_status step_targets(train_run *r, const step_data *sd, double *count)
+{
+    const run_cfg *c = &r->c;
+    *count = (double)c->batch * (double)c->seq;
+    if (!r->ds.documents && !r->ds.masked) return SHARD_OK;
+    uint64_t n = 0;
+    for (int mb = 0; mb < (int)c->micro; mb++) {
+        shard_status s = data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, r->in, r->tg);
+        if (s) return s;
+        for (size_t i = 0; i < (size_t)sd->rows * (size_t)r->S; i++) n += r->tg[i] >= 0;
+    }
+    *count = (double)n; /* whole sequences: the same on every cp rank and stage; summed over dp */
+    return r->a->layout.dp > 1 ? par_allreduce_f64(r->P, r->P->g.dp, count, 1, SHARD_OP_SUM) : SHARD_OK;
+}
+
+/* The step's passes: its gradients reduced, the loss (the mean over the step's
+ * counted targets, on every rank) and the global gradient norm. No passes when the
+ * step has no counted target (res->empty). */
+static shard_status passes(train_run *r, step_result *res)
 {
     par_ctx *P = r->P;
     const run_cfg *c = &r->c;
     const shard_layout *l = &r->a->layout;
-    const double tokens = (double)c->batch * (double)c->seq;
-    model_zero_grads(&r->m);
     steplog_reset_bytes(&r->log);
-    double lsum = 0.0, sumsq;
+    double lsum = 0.0, sumsq, tokens;
     /* replica r takes its contiguous B/D of the step's sequences */
     step_data sd = {&r->ds, (uint64_t)c->position + (uint64_t)P->g.me.dp * (uint64_t)(c->batch / l->dp), r->Bm, &r->m};
-    shard_status s = par_train_step(P, &r->m, (int)c->micro, fill_step, &sd, r->in, r->tg, (float)(1.0 / tokens), &lsum);
+    shard_status s = step_targets(r, &sd, &tokens);
+    if (s) return s;
+    res->targets = (uint64_t)tokens;
+    if (tokens == 0) {
+        res->empty = 1;
+        res->loss = NAN;
+        return SHARD_OK;
+    }
+    model_zero_grads(&r->m);
+    s = par_train_step(P, &r->m, (int)c->micro, fill_step, &sd, r->in, r->tg, (float)(1.0 / tokens), &lsum);
     if (s) return s;
     if (P->rank == r->a->fail_rank && c->step + 1 == r->a->fail_step)
         return shard_fail(SHARD_E_IO, "rank %d: injected failure (--inject-fail) in step %lld", P->rank,
@@ -208,11 +241,11 @@ static shard_status passes(train_run *r, double *loss, double *norm)
     if (P->ndp > 1 && (s = par_allreduce_f64(P, P->g.dpcp, &lsum, 1, SHARD_OP_SUM))) return s;
     /* the loss, computed on the last stage, to every stage (rank 0 logs it) */
     if (l->pp > 1 && (s = shard_comm_broadcast(P->g.pp, &lsum, 1, SHARD_DT_F64, l->pp - 1))) return s;
-    *loss = lsum / tokens;
+    res->loss = lsum / tokens;
     for (int k = 0; k < r->a->ninject; k++)
-        if (r->a->inject_nan[k] == c->step + 1) *loss = NAN;
+        if (r->a->inject_nan[k] == c->step + 1) res->loss = NAN;
     if ((s = par_reduce_grads(P, &r->m, &sumsq))) return s;
-    *norm = sqrt(sumsq);
+    res->grad_norm = sqrt(sumsq);
     return SHARD_OK;
 }
 
@@ -226,11 +259,11 @@ static shard_status update(train_run *r, step_result *res)
     dev *D = &r->D;
     shard_status s;
     res->lr = optim_lr(&r->opt.h, c->step);
-    res->skipped = !isfinite(res->loss) || !isfinite(res->grad_norm);
+    res->skipped = !res->empty && (!isfinite(res->loss) || !isfinite(res->grad_norm));
     /* delayed scaling: every rank's amaxes of the step (the activations and
      * gradients of its sequences) reduced to the max over all, as one rank sees */
-    if (m->fp8) D->ops->fp8_collect(D, m->fp8); /* the device's amaxes of the step, into step_amax */
-    if (m->fp8 && P->size > 1 &&
+    if (m->fp8 && !res->empty) D->ops->fp8_collect(D, m->fp8); /* the device's amaxes of the step, into step_amax */
+    if (m->fp8 && !res->empty && P->size > 1 &&
         (s = shard_comm_allreduce(P->world, m->fp8->step_amax, (size_t)m->fp8->nlin * FP8_ROLES, SHARD_DT_F32,
                                   SHARD_OP_MAX)))
         return s;
@@ -243,35 +276,35 @@ static shard_status update(train_run *r, step_result *res)
             fprintf(stderr, "%ssmp-train: warning: step %lld: loss %g, gradient norm %g: not finite; step skipped "
                             "(%lld in a row)\n", steplog_clear(&r->log), (long long)c->step, res->loss, res->grad_norm,
                     (long long)r->bad_run);
-    } else {
+    } else if (!res->empty) {
         r->bad_run = 0;
         if ((s = par_update(P, m, &r->opt, res->grad_norm, res->lr))) return s;
         c->opt_step = r->opt.t;
     }
-    if (m->fp8) {
+    if (m->fp8 && !res->empty) {
         fp8_step_end(m->fp8, res->skipped);
         D->ops->fp8_scales_changed(D, m->fp8);
     }
     return SHARD_OK;
 }
 
-/* the sum of the losses of nb batches through the pipeline (on every stage), each cp
- * rank on its tokens (summed over cp) */
-static shard_status pipeline_loss_sum(train_run *r, int64_t nb, double *sum)
+/* the sum of the losses of nb batches through the pipeline and their counted targets
+ * (sum[0], sum[1], on every stage), each cp rank on its tokens (summed over cp) */
+static shard_status pipeline_loss_sum(train_run *r, int64_t nb, double sum[2])
 {
     par_ctx *P = r->P;
     const shard_layout *l = &r->a->layout;
     shard_status s;
     double one;
-    *sum = 0.0;
+    sum[0] = sum[1] = 0.0;
     for (int64_t i = 0; i < nb; i++) {
         if ((s = data_fill_sequential(&r->vs, (uint64_t)i * (uint64_t)r->Bm, r->Bm, r->in, r->tg))) return s;
-        par_cp_select(&r->m, r->Bm, r->in, r->tg);
+        sum[1] += (double)par_take_batch(&r->m, r->Bm, r->in, r->tg);
         if ((s = par_forward(P, &r->m, r->in, r->tg, &one))) return s;
-        *sum += one;
+        sum[0] += one;
     }
-    if (l->cp > 1 && (s = par_allreduce_f64(P, P->g.cp, sum, 1, SHARD_OP_SUM))) return s;
-    if (l->pp > 1 && (s = shard_comm_broadcast(P->g.pp, sum, 1, SHARD_DT_F64, l->pp - 1))) return s;
+    if (l->cp > 1 && (s = par_allreduce_f64(P, P->g.cp, sum, 2, SHARD_OP_SUM))) return s;
+    if (l->pp > 1 && (s = shard_comm_broadcast(P->g.pp, sum, 2, SHARD_DT_F64, l->pp - 1))) return s;
     return SHARD_OK;
 }
 
@@ -281,16 +314,17 @@ shard_status loop_validate(train_run *r, double *val)
     const int single = r->a->layout.pp == 1 && r->a->layout.cp == 1; /* the model alone: eval.c */
     int64_t nb = r->c.val_batches;
     if ((uint64_t)nb * r->Bm > r->vs.nseq) nb = (int64_t)(r->vs.nseq / (uint64_t)r->Bm);
-    double sum = 0.0;
-    uint64_t ntok;
+    double sum[2] = {0.0, 0.0}; /* the losses, the counted targets */
+    uint64_t ntok = 0;
     shard_status s = SHARD_OK;
     if (m->fp8) m->fp8->frozen = 1; /* validation leaves the FP8 history alone */
-    if (nb > 0 && single) s = eval_loss_sum(m, &r->vs, r->Bm, nb, r->in, r->tg, &sum, &ntok);
+    if (nb > 0 && single) s = eval_loss_sum(m, &r->vs, r->Bm, nb, r->in, r->tg, &sum[0], &ntok);
+    sum[1] = (double)ntok;
     if (!s && m->comm_err) s = m->comm_err;
     if (!s) s = dev_status(&r->D);
-    if (!s && nb > 0 && !single) s = pipeline_loss_sum(r, nb, &sum);
+    if (!s && nb > 0 && !single) s = pipeline_loss_sum(r, nb, sum);
     if (s) return s;
-    if (nb > 0) *val = sum / ((double)nb * (double)r->Bm * (double)r->S);
+    if (sum[1] > 0) *val = sum[0] / sum[1];
     if (m->fp8) m->fp8->frozen = 0;
     return SHARD_OK;
 }
@@ -301,7 +335,7 @@ shard_status loop_step(train_run *r, step_result *res, int *save)
     memset(res, 0, sizeof *res);
     res->val_loss = NAN;
     const double t0 = r->a->now();
-    shard_status s = passes(r, &res->loss, &res->grad_norm);
+    shard_status s = passes(r, res);
     if (!s) s = update(r, res);
     if (s) return s;
     const double t1 = r->a->now(), dt = t1 - t0;
@@ -384,11 +418,13 @@ shard_status loop_run(train_run *r, loop_end *end)
 
 shard_status loop_dump_grads(train_run *r)
 {
-    double loss, norm;
+    step_result res = {0};
     r->t_start = r->a->now();
-    shard_status s = passes(r, &loss, &norm);
-    if (!s) s = ckptio_write_grads(r->a->dump_grads, &r->m, loss);
+    shard_status s = passes(r, &res);
+    if (!s && res.empty) s = shard_fail(SHARD_E_INVALID, "--dump-grads: the step has no counted target");
+    if (!s) s = ckptio_write_grads(r->a->dump_grads, &r->m, res.loss);
     if (s) return s;
-    printf("step %lld: loss %.9g, gradients in %s/grads.safetensors\n", (long long)r->c.step + 1, loss, r->a->dump_grads);
+    printf("step %lld: loss %.9g, gradients in %s/grads.safetensors\n", (long long)r->c.step + 1, res.loss,
+           r->a->dump_grads);
     return SHARD_OK;
 }

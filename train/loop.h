@@ -39,6 +39,9 @@
 typedef struct {
     const char *ckpt, *data, *val_data, *save_dir, *log, *stages;
     const char *dump_grads;        /* --dump-grads DIR, or NULL */
+    const char *loss_mask, *val_loss_mask; /* --loss-mask, --val-loss-mask FILES, or NULL */
+    int documents;                 /* --documents: packed documents ended by doc_sep */
+    int32_t doc_sep;
     const char *backend;           /* "cpu" or "cuda" */
     shard_dtype dtype;
     recompute_mode recompute;

@@ -255,15 +255,15 @@ static void free_acts(model *m)
     void **bufs[] = {(void **)&m->cos_t, (void **)&m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv, &m->datt,
                      &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
-                     (void **)&m->tok_d, (void **)&m->tgt_d};
+                     (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
     }
-    free(m->pos);
-    m->pos = NULL;
-    free(m->cp_pos);
-    m->cp_pos = NULL;
+    void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need};
+    for (size_t k = 0; k < sizeof host / sizeof *host; k++) free(host[k]);
+    m->pos = m->cp_pos = m->rpos = m->doc = m->seq_scratch = NULL;
+    m->ring_need = NULL;
     m->act_bytes = 0;
 }
 
@@ -340,7 +340,7 @@ static void set_positions(model *m, int T, int C)
     memcpy(m->pos, m->cp_pos + (size_t)(C > 1 ? m->cp_rank : 0) * T, (size_t)T * sizeof(int32_t));
     OPS->upload(DV, m->cp_pos_d, m->cp_pos, (size_t)T * C * sizeof(int32_t));
     OPS->upload(DV, m->pos_d, m->pos, (size_t)T * sizeof(int32_t));
-    OPS->rope_table(DV, m->cos_t, m->sin_t, m->pos_d, T, m->inv_freq_d, m->hd);
+    model_positions(m); /* documents: model_documents replaces them per microbatch */
 }
 
 shard_status model_alloc_slots(model *m, int B, int T, int nslots)
@@ -380,7 +380,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         for (int j = 1; ok && j < 14; j++)
             if (!kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
     }
-    A(m->cos_t, (size_t)T * m->hd, f); A(m->sin_t, (size_t)T * m->hd, f);
+    A(m->cos_t, N * m->hd, f); A(m->sin_t, N * m->hd, f); A(m->rpos_d, N, sizeof(int32_t));
     A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
     A(m->datt, N * QD, e); A(m->dgate, N * F, e); A(m->dup, N * F, e); A(m->dact, N * F, e); A(m->dlogits, NV, e);
     A(m->tok_d, N, sizeof(int32_t)); A(m->tgt_d, N, sizeof(int32_t));
@@ -395,11 +395,20 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         A(m->ring_lse, (size_t)B * m->nh * T, f);
     }
     A(m->pos_d, (size_t)T, sizeof(int32_t)); A(m->cp_pos_d, (size_t)T * C, sizeof(int32_t));
+    if (m->docs) A(m->doc_d, N * C, sizeof(int32_t));
 #undef A
     m->pos = zalloc((size_t)T, sizeof(int32_t));
     m->cp_pos = zalloc((size_t)T * C, sizeof(int32_t));
+    m->rpos = zalloc(N, sizeof(int32_t));
+    m->ring_need = zalloc((size_t)C, 1);
+    ok &= m->pos && m->cp_pos && m->rpos && m->ring_need;
+    if (m->docs) {
+        m->doc = zalloc(N * C, sizeof(int32_t));
+        m->seq_scratch = zalloc(2 * (size_t)T * C, sizeof(int32_t));
+        ok &= m->doc && m->seq_scratch;
+    }
     if (ok) model_use_slot(m, 0);
-    if (!ok || !m->pos || !m->cp_pos) {
+    if (!ok) {
         shard_status s = DV->err ? dev_status(DV) : SHARD_E_NOMEM;
         free_acts(m);
         if (s != SHARD_E_NOMEM) return shard_fail(s, "out of memory for the activations of %d x %d tokens: %s", B, T, shard_errmsg());
@@ -477,15 +486,23 @@ static void cp_pass(model *m, const void *send, void *recv, size_t n)
     if (s) m->comm_err = s;
 }
 
+/* the document ids of cp rank i's tokens in the backend (NULL without documents) */
+static const int32_t *doc_of(const model *m, int i)
+{
+    return m->docs ? m->doc_d + (size_t)i * m->B * m->T : NULL;
+}
+
 /* a->att, a->lse: attention of this rank's queries over the keys of the whole
  * sequence. The local block first; then C - 1 times the K/V block in hand goes to
  * the next rank and the previous rank's comes in (at pass j the block of cp rank
- * r - j), its partial result merged by log-sum-exp. */
+ * r - j), its partial result merged by log-sum-exp. A block that no query of this
+ * rank may see (ring_need: documents, the window) still passes on, uncomputed. */
 static void attention_forward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
-    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, B, T, T, m->nh, m->nkv, m->hd,
-                           m->window);
+    const int32_t *qdoc = doc_of(m, C > 1 ? r : 0);
+    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, qdoc, qdoc, B, T, T, m->nh,
+                           m->nkv, m->hd, m->window);
     if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
     void *cur = m->ring[0], *nxt = m->ring[1];
@@ -495,8 +512,10 @@ static void attention_forward(model *m, layer_acts *a)
         cp_pass(m, cur, nxt, 2 * nk);
         void *t = cur; cur = nxt; nxt = t;
         const int src = (r - j + C) % C;
+        if (!m->ring_need[src]) continue;
         OPS->attention_forward(DV, m->ring_out, m->ring_lse, a->q, cur, AT(cur, nk), m->pos_d,
-                               m->cp_pos_d + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd, m->window);
+                               m->cp_pos_d + (size_t)src * T, qdoc, doc_of(m, src), B, T, T, m->nh, m->nkv, m->hd,
+                               m->window);
         OPS->attention_merge(DV, a->att, a->lse, m->ring_out, m->ring_lse, B, T, m->nh, m->hd);
     }
 }
@@ -509,8 +528,9 @@ static void attention_forward(model *m, layer_acts *a)
 static void attention_backward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
+    const int32_t *qdoc = doc_of(m, C > 1 ? r : 0);
     OPS->attention_backward(DV, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos_d, m->pos_d,
-                            B, T, T, m->nh, m->nkv, m->hd, m->window);
+                            qdoc, qdoc, B, T, T, m->nh, m->nkv, m->hd, m->window);
     if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
     void *cur = m->ring[0], *nxt = m->ring[1];
@@ -521,9 +541,10 @@ static void attention_backward(model *m, layer_acts *a)
         cp_pass(m, cur, nxt, 4 * nk);
         void *t = cur; cur = nxt; nxt = t;
         const int src = (r - j + C) % C;
+        if (!m->ring_need[src]) continue;
         OPS->attention_backward(DV, m->dq, AT(cur, 2 * nk), AT(cur, 3 * nk), m->datt, a->q, cur, AT(cur, nk), a->att,
-                                a->lse, m->pos_d, m->cp_pos_d + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd,
-                                m->window);
+                                a->lse, m->pos_d, m->cp_pos_d + (size_t)src * T, qdoc, doc_of(m, src), B, T, T, m->nh,
+                                m->nkv, m->hd, m->window);
     }
     cp_pass(m, AT(cur, 2 * nk), AT(nxt, 2 * nk), 2 * nk); /* to the owner, r + 1; ours from r - 1 */
     OPS->add(DV, m->dk, m->dk, AT(nxt, 2 * nk), nk);
@@ -561,8 +582,8 @@ static void fwd_attention(model *m, int l, layer_acts *a)
     lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
     lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
     lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
-    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, B, T, m->nh, hd);
-    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, B, T, m->nkv, hd);
+    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, 1, N, m->nh, hd); /* a table row per token */
+    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, 1, N, m->nkv, hd);
     attention_forward(m, a);
 }
 
@@ -725,8 +746,8 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         OPS->zero(DV, m->dk, (size_t)N * KD * e);
         OPS->zero(DV, m->dv, (size_t)N * KD * e);
         attention_backward(m, a);
-        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, B, T, m->nh, hd);
-        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, B, T, m->nkv, hd);
+        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, 1, N, m->nh, hd);
+        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, 1, N, m->nkv, hd);
         OPS->zero(DV, m->dxn, NH * e);
         lin_bwd(m, l, LIN_Q, m->dxn, g->q, m->dq, a->xn1, w->q, N, H, QD);
         lin_bwd(m, l, LIN_K, m->dxn, g->k, m->dk, a->xn1, w->k, N, H, KD);

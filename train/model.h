@@ -116,10 +116,24 @@ typedef struct {
     float *rstdf;
     void *logits;            /* [N,Vl] */
     float *rowmax, *sumexp, *target_logit, *losses; /* [N] */
-    int32_t *pos;            /* [T] positions of this rank's tokens (host) */
+    int32_t *pos;            /* [T] positions of this rank's tokens in the sequence (host) */
     int32_t *pos_d;          /* the same in the backend */
     int32_t *tok_d, *tgt_d;  /* [N] the microbatch's tokens and targets in the backend */
-    float *cos_t, *sin_t;    /* [T,hd] */
+    /* RoPE: the position of each of the N tokens (the sequence's, or with documents
+     * the document's) and the tables of those positions */
+    int32_t *rpos, *rpos_d;  /* [N] host, backend */
+    float *cos_t, *sin_t;    /* [N,hd] */
+    /* packed documents (model_set_documents before model_alloc_acts; docs.c): a token
+     * attends only to its document's tokens, and its RoPE position restarts at the
+     * document's first token. model_documents sets them from each microbatch's
+     * sequences. */
+    int docs;
+    int32_t sep;             /* the token that ends a document (and belongs to it) */
+    int32_t *doc, *doc_d;    /* [C*N] the document id (its first token's position in the sequence)
+                                of every cp rank's tokens, rank i's at i*N; host, backend */
+    int32_t *seq_scratch;    /* [2*S] one whole sequence's positions and ids */
+    uint8_t *ring_need;      /* [C] 1: some query of this rank may see a key of cp rank i's block
+                                (the ring skips the others' attention) */
     /* backward scratch */
     void *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
     /* FP8 (NULL when off) */
@@ -172,6 +186,16 @@ void model_set_stage(model *m, int l0, int l1, int first, int last);
 /* Context parallelism (before model_alloc_acts): the cp group, its size and this
  * rank's index in it. */
 void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank);
+/* Packed documents ended by token sep (before model_alloc_acts). */
+void model_set_documents(model *m, int32_t sep);
+/* The documents of a microbatch: in[rows * S] its whole sequences (S = T * cp_size,
+ * before each cp rank keeps its tokens): every rank's document ids, this rank's RoPE
+ * positions and tables, and the ring blocks to compute. Before each forward and
+ * backward of the microbatch. Nothing without documents. */
+void model_documents(model *m, int rows, const int32_t *in);
+/* The RoPE positions of the sequence (no documents) and the ring's blocks: at
+ * allocation (model.c). */
+void model_positions(model *m);
 /* Activations and scratch for microbatches of B sequences of T tokens (T: this
  * rank's tokens of a sequence, the sequence length / cp_size; with cp_size > 1, T
  * must be even; with sequence parallelism, B*T must be divisible by tp_size). */

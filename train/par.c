@@ -307,17 +307,26 @@ void par_pack_blocks(const par_ctx *p, const model *m, const float *params, floa
     }
 }
 
-void par_cp_select(const model *m, int rows, int32_t *in, int32_t *tg)
+/* keep this rank's m->T tokens of each sequence, in place: the source index b*S +
+ * pos[t] is never below the destination b*T + t, and grows with it, so no source is
+ * overwritten before it is read */
+static void cp_select(const model *m, int rows, int32_t *in, int32_t *tg)
 {
-    if (m->cp_size <= 1) return;
     const size_t T = (size_t)m->T, S = T * (size_t)m->cp_size;
-    /* in place: the source index b*S + pos[t] is never below the destination b*T + t,
-     * and grows with it, so no source is overwritten before it is read */
     for (size_t b = 0; b < (size_t)rows; b++)
         for (size_t t = 0; t < T; t++) {
             in[b * T + t] = in[b * S + (size_t)m->pos[t]];
             tg[b * T + t] = tg[b * S + (size_t)m->pos[t]];
         }
+}
+
+uint64_t par_take_batch(model *m, int rows, int32_t *in, int32_t *tg)
+{
+    model_documents(m, rows, in); /* from the whole sequences */
+    if (m->cp_size > 1) cp_select(m, rows, in, tg);
+    uint64_t n = 0;
+    for (size_t i = 0; i < (size_t)rows * (size_t)m->T; i++) n += tg[i] >= 0;
+    return n;
 }
 
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op)

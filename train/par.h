@@ -48,7 +48,7 @@
  *
  * Context parallelism: every rank of a cp group takes the same sequences (the dp split
  * of the batch is unchanged); each sequence of S tokens is cut into 2C chunks of
- * S/(2C), cp rank i keeping chunks i and 2C-1-i (par_cp_select; their positions feed
+ * S/(2C), cp rank i keeping chunks i and 2C-1-i (par_take_batch; their positions feed
  * RoPE and the causal / sliding-window mask). Attention is a ring over g.cp (K/V of
  * the kv heads after RoPE passed C-1 times, partial results merged by log-sum-exp;
  * in backward the visiting blocks' dK/dV travel with them and go home at the end);
@@ -144,10 +144,11 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
 /* One forward pass of a batch through the pipeline (validation): the loss sum on
  * the last stage, 0 on the others. */
 shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t *tg, double *lsum);
-/* Context parallelism: keep, of each of the rows sequences of S = m->T * cp_size
- * tokens in in/tg [rows * S], this rank's m->T tokens (positions m->pos), packed in
- * place to [rows * m->T]. Nothing when cp_size is 1. */
-void par_cp_select(const model *m, int rows, int32_t *in, int32_t *tg);
+/* A microbatch read (in/tg [rows * S], S = m->T * cp_size) made this rank's: its
+ * documents (model_documents, from the whole sequences), then with context
+ * parallelism this rank's m->T tokens of each sequence (positions m->pos), packed in
+ * place to [rows * m->T]. Returns the targets this rank counts (tg >= 0). */
+uint64_t par_take_batch(model *m, int rows, int32_t *in, int32_t *tg);
 /* Sum (op SUM) or max of a double over the world. */
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op);
 int par_any(par_ctx *p, int mine); /* max over the world of an int flag */

@@ -1,8 +1,10 @@
 /* train/runcfg.c: a run's configuration (runcfg.h). */
 #include "runcfg.h"
 
+#include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 void runcfg_defaults(run_cfg *c, const shard_model_desc *d)
@@ -90,6 +92,24 @@ shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, cons
                               "--fp8 on cuda: the FP8 GEMMs need every dimension (tokens per microbatch %lld, hidden "
                               "%lld, intermediate %lld, local q %lld and kv %lld widths) to be a multiple of 16",
                               dims[0], dims[1], dims[2], dims[3], dims[4]);
+    return SHARD_OK;
+}
+
+shard_status runcfg_doc_sep(const shard_model_desc *d, const char *text, int32_t *sep)
+{
+    if (!text) {
+        if (d->eos_token_id < 0)
+            return shard_fail(SHARD_E_USAGE, "--documents: the model's config.json has no eos_token_id in its vocabulary: "
+                                             "give the separator with --doc-sep ID");
+        *sep = (int32_t)d->eos_token_id;
+        return SHARD_OK;
+    }
+    char *end;
+    errno = 0;
+    long long v = strtoll(text, &end, 10);
+    if (errno || end == text || *end || v < 0 || v >= d->vocab)
+        return shard_fail(SHARD_E_USAGE, "--doc-sep %.40s: expected a token id in [0, %lld)", text, (long long)d->vocab);
+    *sep = (int32_t)v;
     return SHARD_OK;
 }
 

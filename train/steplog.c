@@ -61,7 +61,8 @@ static void log_line(FILE *f, const step_result *r, int bytes)
     log_num(f, "grad_norm", r->grad_norm, "%.17g");
     log_num(f, "tokens_per_s", r->tokens_per_s, "%.1f");
     log_num(f, "elapsed_s", r->elapsed, "%.3f");
-    fprintf(f, ",\"tokens\":%llu,\"skipped\":%s", (unsigned long long)r->tokens, r->skipped ? "true" : "false");
+    fprintf(f, ",\"tokens\":%llu,\"targets\":%llu,\"skipped\":%s", (unsigned long long)r->tokens,
+            (unsigned long long)r->targets, r->skipped || r->empty ? "true" : "false");
     if (bytes)
         fprintf(f, ",\"bytes_tp\":%llu,\"bytes_cp\":%llu,\"bytes_pp\":%llu,\"bytes_dp\":%llu",
                 (unsigned long long)r->bytes.tp, (unsigned long long)r->bytes.cp, (unsigned long long)r->bytes.pp,

@@ -32,10 +32,12 @@ typedef struct {
 typedef struct {
     int64_t step;          /* steps done, this one included */
     uint64_t tokens;       /* tokens seen by the run */
-    double loss;           /* the mean over the step's B*S target tokens */
+    double loss;           /* the mean over the step's counted targets (NaN: none) */
+    uint64_t targets;      /* the step's counted targets (B*S without documents or masks) */
     double grad_norm;
     float lr;
     int skipped;           /* the loss or the norm was not finite: no update */
+    int empty;             /* no counted target: no update (loss null) */
     double seconds;        /* the step's passes and update (not the validation) */
     double tokens_per_s;
     double elapsed;        /* since the run started in this process */

@@ -232,6 +232,7 @@ typedef struct {
     int64_t sliding_window;  /* 0: none */
     double initializer_range;
     int64_t pad_token_id;    /* -1 when absent, null, or outside the vocabulary */
+    int64_t eos_token_id;    /* the same; a list's first id (the end of text; --documents' default separator) */
     shard_dtype torch_dtype; /* SHARD_DT_INVALID when config.json names none */
 } shard_model_desc;
 

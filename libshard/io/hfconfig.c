@@ -108,6 +108,12 @@ static shard_status parse_rope_scaling(ctx *c, shard_model_desc *d)
     return SHARD_OK;
 }
 
+/* a token id of the config, -1 when absent, null, or outside the vocabulary */
+static int64_t token_id(const json_t *v, int64_t vocab)
+{
+    return json_is_integer(v) && json_integer_value(v) >= 0 && json_integer_value(v) < vocab ? json_integer_value(v) : -1;
+}
+
 static shard_status parse(ctx *c, shard_model_desc *d)
 {
     memset(d, 0, sizeof *d);
@@ -171,9 +177,9 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     if (drop != 0) return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"attention_dropout\" = %g: dropout is not supported", c->path, drop);
     /* the padding token (transformers zeroes its embedding row at initialization);
      * informational, so an unusual value is kept as "none" rather than refused */
-    json_t *pad = json_object_get(r, "pad_token_id");
-    d->pad_token_id = json_is_integer(pad) && json_integer_value(pad) >= 0 && json_integer_value(pad) < d->vocab
-                          ? json_integer_value(pad) : -1;
+    d->pad_token_id = token_id(json_object_get(r, "pad_token_id"), d->vocab);
+    json_t *eos = json_object_get(r, "eos_token_id"); /* Llama 3: a list, the end of text first */
+    d->eos_token_id = token_id(json_is_array(eos) ? json_array_get(eos, 0) : eos, d->vocab);
     int64_t ptp;
     TRY(get_int(c, r, "pretraining_tp", 1, 1, 1024, &ptp)); /* the same function split differently: accepted */
 

@@ -31,7 +31,8 @@ class ModelDesc(ctypes.Structure):
          ("rope_factor", ctypes.c_double), ("rope_low_freq_factor", ctypes.c_double),
          ("rope_high_freq_factor", ctypes.c_double), ("rope_original_max_positions", ctypes.c_int64),
          ("tie_word_embeddings", ctypes.c_int), ("sliding_window", ctypes.c_int64),
-         ("initializer_range", ctypes.c_double), ("pad_token_id", ctypes.c_int64), ("torch_dtype", ctypes.c_int)]
+         ("initializer_range", ctypes.c_double), ("pad_token_id", ctypes.c_int64), ("eos_token_id", ctypes.c_int64),
+         ("torch_dtype", ctypes.c_int)]
 
 
 class TensorSpec(ctypes.Structure):

@@ -49,8 +49,8 @@ SIGNATURES = {
     "op_rope_table": (None, [P, P, P, I, P, I]),
     "op_rope_forward": (None, [P, P, P, I, I, I, I]),
     "op_rope_backward": (None, [P, P, P, I, I, I, I]),
-    "op_attention_forward": (None, [P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
-    "op_attention_backward": (None, [P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
+    "op_attention_forward": (None, [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
+    "op_attention_backward": (None, [P, P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
     "op_attention_merge": (None, [P, P, P, P, I, I, I, I]),
     "op_swiglu_forward": (None, [P, P, P, SZ]),
     "op_swiglu_backward": (None, [P, P, P, P, P, SZ]),
@@ -310,7 +310,7 @@ class Attn:
         out = np.full((B, Tq, nh, hd), np.nan, np.float32)
         lse = np.full((B, nh, Tq), np.nan, np.float32)
         lib.op_attention_forward(ptr(out), ptr(lse), ptr(f32(self.q)), ptr(f32(k)), ptr(f32(v)),
-                                 ptr(self.qpos), ptr(i32(kpos)), B, Tq, len(kpos), nh, nkv, hd,
+                                 ptr(self.qpos), ptr(i32(kpos)), None, None, B, Tq, len(kpos), nh, nkv, hd,
                                  self.window)
         return out, lse
 
@@ -318,7 +318,7 @@ class Attn:
         B, Tq, _, nh, nkv, hd = self.dims
         lib.op_attention_backward(ptr(dq), ptr(dk), ptr(dv), ptr(f32(self.g)), ptr(f32(self.q)),
                                   ptr(f32(k)), ptr(f32(v)), ptr(out), ptr(lse), ptr(self.qpos),
-                                  ptr(i32(kpos)), B, Tq, len(kpos), nh, nkv, hd, self.window)
+                                  ptr(i32(kpos)), None, None, B, Tq, len(kpos), nh, nkv, hd, self.window)
 
 
 def check_lse(lse, ref, what):

@@ -166,7 +166,7 @@ static double attn_loss(void *p)
 {
     attn_ctx *c = p;
     float out[AQN], lse[ALN];
-    op_attention_forward(out, lse, c->q, c->k, c->v, c->pos, c->pos, AB, AT, AT, ANH, ANKV,
+    op_attention_forward(out, lse, c->q, c->k, c->v, c->pos, c->pos, NULL, NULL, AB, AT, AT, ANH, ANKV,
                          AHD, c->window);
     return dotd(out, c->dout, AQN);
 }
@@ -184,9 +184,9 @@ static void attn_fd_case(int window)
     c.window = window;
 
     float out[AQN], lse[ALN];
-    op_attention_forward(out, lse, c.q, c.k, c.v, c.pos, c.pos, AB, AT, AT, ANH, ANKV, AHD, window);
+    op_attention_forward(out, lse, c.q, c.k, c.v, c.pos, c.pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD, window);
     float dq[AQN] = {0}, dk[AKN] = {0}, dv[AKN] = {0}, fq[AQN], fk[AKN], fv[AKN];
-    op_attention_backward(dq, dk, dv, c.dout, c.q, c.k, c.v, out, lse, c.pos, c.pos, AB, AT, AT,
+    op_attention_backward(dq, dk, dv, c.dout, c.q, c.k, c.v, out, lse, c.pos, c.pos, NULL, NULL, AB, AT, AT,
                           ANH, ANKV, AHD, window);
     fd_grad(fq, c.q, AQN, attn_loss, &c, FD_H);
     fd_grad(fk, c.k, AKN, attn_loss, &c, FD_H);
@@ -225,9 +225,9 @@ static void test_attention_merge_identity(void **state)
 
     for (int window = 0; window <= 3; window += 3) {
         float out[AQN], lse[ALN], o1[AQN], l1[ALN], o2[AQN], l2[ALN];
-        op_attention_forward(out, lse, q, k, v, pos, pos, AB, AT, AT, ANH, ANKV, AHD, window);
-        op_attention_forward(o1, l1, q, k, v, pos, pos, AB, AT, cut, ANH, ANKV, AHD, window);
-        op_attention_forward(o2, l2, q, k + cut * kv_row, v + cut * kv_row, pos, pos + cut, AB,
+        op_attention_forward(out, lse, q, k, v, pos, pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD, window);
+        op_attention_forward(o1, l1, q, k, v, pos, pos, NULL, NULL, AB, AT, cut, ANH, ANKV, AHD, window);
+        op_attention_forward(o2, l2, q, k + cut * kv_row, v + cut * kv_row, pos, pos + cut, NULL, NULL, AB,
                              AT, rest, ANH, ANKV, AHD, window);
         int dead1 = 0, dead2 = 0;
         for (int i = 0; i < ALN; i++) {
