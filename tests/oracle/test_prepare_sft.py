@@ -176,13 +176,14 @@ def test_generation_template_itself(tmp_path, toks, capsys):
 
 def test_prompt_completion(tmp_path, toks, capsys):
     tok = toks["qwen"][1]
-    pairs = [("Q: what is two plus three?\n", "A: five."),  # the prompt's tokens are a prefix of the whole's
-             ("Answer: ", "yes"),  # " yes" is one token in the whole: the two are tokenized apart
-             ("", "the cat sat."), ("héllo", " wörld<|endoftext|>")]  # already ends with the eos
+    pairs = [("", "the cat sat."),
+             ("Q: what is two plus three?\n", "A: five."),  # the prompt's tokens are a prefix of the whole's
+             ("answer ", "five"),  # " five" is one token in the whole: the two are tokenized apart
+             ("héllo", " wörld<|endoftext|>")]  # already ends with the eos
     rc, o, e, t, m, _ = prepare(tmp_path, "qwen", toks, [{"prompt": p, "completion": c} for p, c in pairs], capsys)
     assert rc == 0, e
     enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
-    assert enc("Answer: ") != enc("Answer: yes")[:len(enc("Answer: "))]
+    assert enc("answer ") != enc("answer five")[:len(enc("answer "))]
     want_t, want_m = [], []
     for p, c in pairs:
         ids = enc(p + c) if enc(p + c)[:len(enc(p))] == enc(p) else enc(p) + enc(c)
@@ -191,7 +192,7 @@ def test_prompt_completion(tmp_path, toks, capsys):
         want_m += [0] * len(enc(p)) + [1] * (len(ids) - len(enc(p)) + len(tail))
     assert t == want_t and m == want_m
     texts = [tok.decode(t[a:b], clean_up_tokenization_spaces=False) for a, b in runs(m)]
-    assert texts == ["A: five.<|endoftext|>", "yes<|endoftext|>", "the cat sat.<|endoftext|>",
+    assert texts == ["the cat sat.<|endoftext|>", "A: five.<|endoftext|>", "five<|endoftext|>",
                      " wörld<|endoftext|>"]
 
 
