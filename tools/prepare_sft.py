@@ -136,7 +136,8 @@ def chat_batch(tok, items):
 
 
 def chat_examples(tok, items):
-    """chat_batch, with a template failure put on its line."""
+    """chat_batch, with a template failure (jinja's, the template's raise_exception)
+    put on its line by rendering the batch again one example at a time."""
     if tok.chat_template is None:
         raise BadLine(items[0][0], "a messages line, but the tokenizer has no chat template")
     try:
@@ -144,16 +145,16 @@ def chat_examples(tok, items):
     except BadLine:
         raise
     except Exception:
-        pass
-    out = []
-    for it in items:
-        try:
-            out.extend(chat_batch(tok, [it]))
-        except BadLine:
-            raise
-        except Exception as e:
-            raise BadLine(it[0], "the chat template failed: %s: %s" % (type(e).__name__, e))
-    return out
+        return [ex for it in items for ex in chat_one(tok, it)]
+
+
+def chat_one(tok, item):
+    try:
+        return chat_batch(tok, [item])
+    except BadLine:
+        raise
+    except Exception as e:
+        raise BadLine(item[0], "the chat template failed: %s: %s" % (type(e).__name__, e))
 
 
 def text_examples(tok, items):
