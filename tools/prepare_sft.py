@@ -17,24 +17,28 @@ Input: one JSON object per line of IN.jsonl (blank lines are skipped), either
       if the model wants one), and the boundary is the prompt's own token count; where
       tokenizing the prompt alone is not a prefix of tokenizing the concatenation (a
       token straddles the boundary), the two are tokenized separately and concatenated.
-Other keys of an object are ignored. Each example ends with the tokenizer's eos token
+Other keys of an object are ignored (but not both forms in one). Each example ends with the tokenizer's eos token
 (appended unless the example already ends with it); the eos is a target when the token
 before it is one. The examples are packed in file order into one stream.
 
 Chat masking (the prefix method): for the assistant message i, P_i is the rendering of
-messages[:i] with add_generation_prompt=True and F_i that of messages[:i+1]; the tokens
+messages[:i] with add_generation_prompt=True and F_i that of messages[:i+1], both token
+ids (apply_chat_template(..., tokenize=True), a batch of examples per call); the tokens
 F_i[len(P_i):] (the turn's content and the template's end of turn) are targets. P_i must
 be a prefix of F_i and F_i a prefix of the whole conversation's rendering, else the line
 is an error (the template is not prefix-stable, e.g. one that drops earlier reasoning).
+So is a line the template refuses (raise_exception, e.g. roles that must alternate).
+{% generation %} markers, where a template has them, are not needed and change nothing.
 
 Outputs: llm.c's header of 256 little-endian int32 (magic 20240520 version 1 with uint16
 tokens when len(tokenizer) <= 65536, else magic 20240801 version 7 with uint32), then the
 tokens; the mask file has the same header with magic 20241201 version 1 and the token
 count, then one uint8 per token: 1 = the token is a target (predicted from the tokens
-before it), 0 = not. The stream is held in memory (3 bytes a token) until written.
+before it), 0 = not. The stream is held in memory (3 or 5 bytes a token) until written.
 
 A bad line stops the run with `prepare_sft: error: IN.jsonl:LINE: what` on stderr and
-exit 3; usage errors exit 2, I/O errors 1. On a terminal, stderr shows the progress; the
+exit 3; usage errors (a tokenizer without an eos token too) exit 2, I/O errors (a
+tokenizer that cannot be loaded too) 1. On a terminal, stderr shows the progress; the
 last line on stdout counts examples, tokens and target tokens.
 """
 import argparse

@@ -308,3 +308,15 @@ def test_cli(tmp_path, toks):
     p = subprocess.run(cmd + ["--tokenizer", str(toks["qwen"][0]), str(tmp_path / "missing.jsonl"),
                               str(tmp_path / "o.bin")], capture_output=True, text=True)
     assert p.returncode == 1 and p.stderr.startswith("prepare_sft: error: %s" % (tmp_path / "missing.jsonl")), p.stderr
+
+
+def test_tokenizer_without_eos(tmp_path, capsys):
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(tm.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(str(tmp_path / "t"))
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a", "completion": "a"}\n')
+    with pytest.raises(SystemExit) as e:
+        prepare_sft.main(["--tokenizer", str(tmp_path / "t"), str(tmp_path / "in.jsonl"), str(tmp_path / "o.bin")])
+    assert e.value.code == 2 and "the tokenizer has no eos token" in capsys.readouterr().err
