@@ -15,13 +15,26 @@ import sys
 import numpy as np
 
 
+def header(magic, version, count):
+    """llm.c's file header: 256 little-endian int32, the first three magic, version, count."""
+    h = np.zeros(256, dtype="<i4")
+    h[0], h[1], h[2] = magic, version, count
+    return h.tobytes()
+
+
 def write_tokens(path, toks, vocab):
     u16 = vocab <= 65536
-    header = np.zeros(256, dtype="<i4")
-    header[0], header[1], header[2] = (20240520, 1, len(toks)) if u16 else (20240801, 7, len(toks))
     with open(path, "wb") as f:
-        f.write(header.tobytes())
+        f.write(header(*((20240520, 1) if u16 else (20240801, 7)), len(toks)))
         f.write(np.asarray(toks, dtype="<u2" if u16 else "<u4").tobytes())
+
+
+def write_mask(path, mask):
+    """The loss mask of a token file: magic 20241201 version 1, then one uint8 per token
+    (1: the token is a target, 0: not)."""
+    with open(path, "wb") as f:
+        f.write(header(20241201, 1, len(mask)))
+        f.write(np.asarray(mask, dtype=np.uint8).tobytes())
 
 
 def main(argv=None):

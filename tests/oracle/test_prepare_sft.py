@@ -1,0 +1,322 @@
+"""tools/prepare_sft.py against transformers: the token stream is apply_chat_template's
+(or the tokenizer's) token by token, the mask marks exactly the assistant turns (checked
+against the template's {% generation %} markers and by decoding the spans), the headers,
+and every bad line's error. Tokenizers are trained here (no network)."""
+import json
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "tools"))
+import prepare_sft  # noqa: E402
+import tokenize_hf  # noqa: E402
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|begin_of_text|>", "<|start_header_id|>",
+            "<|end_header_id|>", "<|eot_id|>", "<s>", "</s>", "[INST]", "[/INST]"]
+WORDS = ("the cat sat on a mat and then it ran to the big red house where an old dog slept all day "
+         "what is two plus three answer five please explain why sky blue light scatters more at short "
+         "wavelengths you are helpful assistant héllo wörld ünïcödé naïve café").split()
+
+# Qwen2-Instruct's template (a default system prompt when the first message is not one).
+QWEN = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+        "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+        "{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}{% endfor %}"
+        "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# The same rendering with {% generation %} markers around the assistant turns.
+QWEN_GEN = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+            "{{ '<|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n' }}{% endif %}"
+            "{{ '<|im_start|>' + message['role'] + '\\n' }}{% if message['role'] == 'assistant' %}"
+            "{% generation %}{{ message['content'] + '<|im_end|>\\n' }}{% endgeneration %}"
+            "{% else %}{{ message['content'] + '<|im_end|>\\n' }}{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+# Llama-3-Instruct's template (bos, header ids, <|eot_id|> which is also the eos).
+LLAMA3 = ("{% set loop_messages = messages %}{% for message in loop_messages %}"
+          "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'"
+          "+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+          "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}"
+          "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}")
+# Mistral-Instruct-v0.1-style: raises unless the roles alternate user/assistant.
+MISTRAL = ("{{ bos_token }}{% for message in messages %}"
+           "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+           "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+           "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+           "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
+STYLES = {"qwen": (QWEN, "<|endoftext|>", "<|im_end|>\n"), "qwen_gen": (QWEN_GEN, "<|endoftext|>", "<|im_end|>\n"),
+          "llama3": (LLAMA3, "<|eot_id|>", "<|eot_id|>"), "mistral": (MISTRAL, "</s>", "</s>"),
+          "none": (None, "<|endoftext|>", "")}
+
+
+@pytest.fixture(scope="session")
+def toks(tmp_path_factory):
+    """A byte-level BPE saved once per chat template: {style: (folder, tokenizer)}."""
+    from tokenizers import Tokenizer, decoders, models as tm, pre_tokenizers, trainers
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    tk = Tokenizer(tm.BPE())
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tk.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
+        vocab_size=500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    out = {}
+    for style, (tmpl, eos, _) in STYLES.items():
+        d = tmp_path_factory.mktemp("tok_" + style)
+        PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, bos_token="<|begin_of_text|>",
+                                chat_template=tmpl).save_pretrained(str(d))
+        out[style] = (d, AutoTokenizer.from_pretrained(str(d), local_files_only=True))
+    return out
+
+
+def sentence(rng, n):
+    return " ".join(rng.choice(WORDS) for _ in range(n)) + rng.choice([".", "?", "!\n", "\n\n- item"])
+
+
+def conversation(rng):
+    msgs = [{"role": "system", "content": sentence(rng, 6)}] if rng.random() < 0.5 else []
+    for _ in range(rng.randint(1, 3)):
+        msgs += [{"role": "user", "content": sentence(rng, rng.randint(1, 12))},
+                 {"role": "assistant", "content": sentence(rng, rng.randint(1, 12))}]
+    if rng.random() < 0.3:
+        msgs.append({"role": "user", "content": sentence(rng, 4)})  # ends with a prompt: no target at the end
+    return {"messages": msgs}
+
+
+def ids_of(r):
+    return list(r["input_ids"] if hasattr(r, "keys") else r)
+
+
+def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl"):
+    """Run the tool in-process on lines (str or objects): (rc, stdout, stderr, tokens, mask, headers)."""
+    src = tmp_path / name
+    src.write_bytes(b"".join((x if isinstance(x, bytes) else
+                              (x if isinstance(x, str) else json.dumps(x)).encode()) + b"\n" for x in lines))
+    out = tmp_path / "out.bin"
+    try:
+        prepare_sft.main(["--tokenizer", str(toks[style][0]), str(src), str(out)])
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    o, e = capsys.readouterr()
+    if rc:
+        return rc, o, e, None, None, None
+    raw, mraw = out.read_bytes(), (tmp_path / "out.mask.bin").read_bytes()
+    h, mh = np.frombuffer(raw[:1024], "<i4"), np.frombuffer(mraw[:1024], "<i4")
+    t = np.frombuffer(raw[1024:], "<u2" if h[0] == 20240520 else "<u4")
+    return rc, o, e, t.tolist(), np.frombuffer(mraw[1024:], np.uint8).tolist(), (h, mh)
+
+
+def runs(mask):
+    """The [start, end) spans of the 1s."""
+    m = np.concatenate([[0], np.asarray(mask, np.int8), [0]])
+    d = np.flatnonzero(np.diff(m))
+    return list(zip(d[::2], d[1::2]))
+
+
+def expected_chat(tok, ex):
+    ids = ids_of(tok.apply_chat_template(ex["messages"], tokenize=True))
+    return ids if ids[-1] == tok.eos_token_id else ids + [tok.eos_token_id]
+
+
+@pytest.mark.parametrize("style", ["qwen", "llama3"])
+def test_chat_tokens_and_spans(tmp_path, toks, capsys, style):
+    rng = random.Random(7)
+    exs = [conversation(rng) for _ in range(40)]
+    tok, eot = toks[style][1], STYLES[style][2]
+    rc, o, e, t, m, (h, mh) = prepare(tmp_path, style, toks, exs, capsys)
+    assert rc == 0, e
+    want = [i for ex in exs for i in expected_chat(tok, ex)]
+    assert t == want and len(m) == len(t)
+    assert (h[0], h[1], h[2]) == (20240520, 1, len(t)) and (mh[0], mh[1], mh[2]) == (20241201, 1, len(t))
+    assert not h[3:].any() and not mh[3:].any() and set(m) <= {0, 1}
+    # decoding the target spans gives the assistant contents, each with its end of turn
+    # (and the appended eos, a target after a target)
+    got = [tok.decode(t[a:b], clean_up_tokenization_spaces=False) for a, b in runs(m)]
+    spans = []
+    for ex in exs:
+        msgs = ex["messages"]
+        for k, msg in enumerate(msgs):
+            if msg["role"] == "assistant":
+                c = (msg["content"].strip() if style == "llama3" else msg["content"]) + eot
+                last = k == len(msgs) - 1
+                spans.append(c + (tok.eos_token if last and eot != tok.eos_token else ""))
+    assert got == spans
+    assert o.strip().endswith("%d examples, %d tokens, %d target tokens (vocabulary %d)" % (
+        len(exs), len(t), sum(m), len(tok)))
+
+
+def test_chat_mask_matches_generation_markers(tmp_path, toks, capsys):
+    """The prefix method (template without markers) against transformers' own
+    return_assistant_tokens_mask on the same rendering with {% generation %} markers."""
+    rng = random.Random(3)
+    exs = [conversation(rng) for _ in range(30)]
+    rc, _, e, t, m, _ = prepare(tmp_path, "qwen", toks, exs, capsys)
+    assert rc == 0, e
+    gen = toks["qwen_gen"][1]
+    want_t, want_m = [], []
+    for ex in exs:
+        r = gen.apply_chat_template(ex["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        ids, am = list(r["input_ids"]), list(r["assistant_masks"])
+        want_t += ids + [gen.eos_token_id]
+        want_m += am + [am[-1]]
+    assert t == want_t and m == want_m
+
+
+def test_generation_template_itself(tmp_path, toks, capsys):
+    rng = random.Random(5)
+    exs = [conversation(rng) for _ in range(10)]
+    a = prepare(tmp_path, "qwen", toks, exs, capsys)
+    b = prepare(tmp_path, "qwen_gen", toks, exs, capsys)
+    assert a[0] == b[0] == 0 and a[3:5] == b[3:5]
+
+
+def test_prompt_completion(tmp_path, toks, capsys):
+    tok = toks["qwen"][1]
+    pairs = [("", "the cat sat."),
+             ("Q: what is two plus three?\n", "A: five."),  # the prompt's tokens are a prefix of the whole's
+             ("answer ", "five"),  # " five" is one token in the whole: the two are tokenized apart
+             ("héllo", " wörld<|endoftext|>")]  # already ends with the eos
+    rc, o, e, t, m, _ = prepare(tmp_path, "qwen", toks, [{"prompt": p, "completion": c} for p, c in pairs], capsys)
+    assert rc == 0, e
+    enc = lambda s: tok(s, add_special_tokens=False)["input_ids"]
+    assert enc("answer ") != enc("answer five")[:len(enc("answer "))]
+    want_t, want_m = [], []
+    for p, c in pairs:
+        ids = enc(p + c) if enc(p + c)[:len(enc(p))] == enc(p) else enc(p) + enc(c)
+        tail = [] if ids[-1] == tok.eos_token_id else [tok.eos_token_id]
+        want_t += ids + tail
+        want_m += [0] * len(enc(p)) + [1] * (len(ids) - len(enc(p)) + len(tail))
+    assert t == want_t and m == want_m
+    texts = [tok.decode(t[a:b], clean_up_tokenization_spaces=False) for a, b in runs(m)]
+    assert texts == ["the cat sat.<|endoftext|>", "A: five.<|endoftext|>", "five<|endoftext|>",
+                     " wörld<|endoftext|>"]
+
+
+def test_mixed_file_blank_lines_and_batches(tmp_path, toks, capsys, monkeypatch):
+    """Both forms interleaved, blank lines skipped, batch boundaries anywhere."""
+    monkeypatch.setattr(prepare_sft, "BATCH", 7)
+    rng = random.Random(11)
+    tok = toks["llama3"][1]
+    exs = [conversation(rng) if rng.random() < 0.5 else
+           {"prompt": sentence(rng, 5), "completion": " " + sentence(rng, 3), "id": 1} for _ in range(50)]
+    lines = []
+    for ex in exs:
+        lines += [ex] + ([""] if rng.random() < 0.3 else []) + (["   \t"] if rng.random() < 0.1 else [])
+    rc, _, e, t, m, _ = prepare(tmp_path, "llama3", toks, [""] + lines, capsys)
+    assert rc == 0, e
+    want_t = []
+    for ex in exs:
+        if "messages" in ex:
+            ids = expected_chat(tok, ex)
+        else:
+            ids = tok(ex["prompt"] + ex["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+        want_t += ids
+    assert t == want_t
+    monkeypatch.setattr(prepare_sft, "BATCH", 1024)
+    one = prepare(tmp_path, "llama3", toks, lines, capsys)
+    assert (one[3], one[4]) == (t, m)
+
+
+BAD = [
+    ('{"messages": [', "not JSON"),
+    (b'{"prompt": "\xff", "completion": "x"}', "not JSON"),
+    ("[1, 2]", "not a JSON object"),
+    ('{"text": "hello"}', "neither"),
+    ('{"prompt": "only a prompt"}', "neither"),
+    ('{"messages": "hi"}', "messages must be a list"),
+    ('{"messages": []}', "empty messages"),
+    ('{"messages": [{"role": "user", "content": 5}, {"role": "assistant", "content": "x"}]}', "message 0"),
+    ('{"messages": [{"role": "user"}, {"role": "assistant", "content": "x"}]}', "message 0"),
+    ('{"messages": ["user"]}', "message 0"),
+    ('{"messages": [{"role": "user", "content": "a"}, {"role": "robot", "content": "b"}]}', "unknown role 'robot'"),
+    ('{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "b"}]}', "no assistant turn"),
+    ('{"prompt": 1, "completion": "x"}', "must be strings"),
+    ('{"prompt": "p", "completion": ""}', "empty completion"),
+    ('{"prompt": "p", "completion": "c", "messages": []}', "both forms"),
+    # Qwen's default system prompt is not in the rendering of the empty prefix
+    ('{"messages": [{"role": "assistant", "content": "hi"}]}', "not prefix-stable at message 0"),
+]
+
+
+@pytest.mark.parametrize("line,what", BAD)
+def test_bad_lines(tmp_path, toks, capsys, line, what):
+    good = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    rc, o, e, *_ = prepare(tmp_path, "qwen", toks, [good, "", line, good], capsys)
+    src = tmp_path / "in.jsonl"
+    assert rc == 3 and e.count("\n") == 1, e
+    assert e.startswith("prepare_sft: error: %s:3: " % src) and what in e, e
+    assert not (tmp_path / "out.bin").exists()
+
+
+def test_template_errors(tmp_path, toks, capsys):
+    alt = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
+    rc, _, e, t, m, _ = prepare(tmp_path, "mistral", toks, [{"messages": alt}] * 3, capsys)
+    assert rc == 0 and t == expected_chat(toks["mistral"][1], {"messages": alt}) * 3, e
+    rc, _, e, *_ = prepare(tmp_path, "mistral", toks, [{"messages": alt}] * 4 + [{"messages": bad}, {"messages": alt}],
+                           capsys)
+    assert rc == 3 and ":5: the chat template failed" in e and "must alternate" in e, e
+    rc, _, e, *_ = prepare(tmp_path, "none", toks, [{"prompt": "a", "completion": "b"}, {"messages": alt}], capsys)
+    assert rc == 3 and ":2: a messages line, but the tokenizer has no chat template" in e, e
+
+
+def test_uint32_tokens(tmp_path, capsys):
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    vocab = {"<unk>": 0, "</s>": 1, **{"w%d" % i: i + 2 for i in range(70000)}}
+    tk = Tokenizer(tm.WordLevel(vocab, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>").save_pretrained(
+        str(tmp_path / "big"))
+    (tmp_path / "in.jsonl").write_text(json.dumps({"prompt": "w5 w69000", "completion": " w69999"}) + "\n")
+    prepare_sft.main(["--tokenizer", str(tmp_path / "big"), str(tmp_path / "in.jsonl"), str(tmp_path / "o")])
+    raw, mraw = (tmp_path / "o").read_bytes(), (tmp_path / "o.mask.bin").read_bytes()
+    assert np.frombuffer(raw[:12], "<i4").tolist() == [20240801, 7, 4]
+    assert np.frombuffer(raw[1024:], "<u4").tolist() == [7, 69002, 70001, 1] and len(raw) == 1024 + 16
+    assert np.frombuffer(mraw[:12], "<i4").tolist() == [20241201, 1, 4] and list(mraw[1024:]) == [0, 0, 1, 1]
+    assert "1 examples, 4 tokens, 2 target tokens (vocabulary 70002)" in capsys.readouterr().out
+
+
+def test_writers(tmp_path):
+    for vocab, magic, dt in ((65536, (20240520, 1), "<u2"), (65537, (20240801, 7), "<u4")):
+        tokenize_hf.write_tokens(tmp_path / "t.bin", [0, 65535, 7], vocab)
+        raw = (tmp_path / "t.bin").read_bytes()
+        assert np.frombuffer(raw[:1024], "<i4").tolist() == [*magic, 3] + [0] * 253
+        assert np.frombuffer(raw[1024:], dt).tolist() == [0, 65535, 7]
+    tokenize_hf.write_mask(tmp_path / "m.bin", [1, 0, 1, 1])
+    raw = (tmp_path / "m.bin").read_bytes()
+    assert np.frombuffer(raw[:1024], "<i4").tolist() == [20241201, 1, 4] + [0] * 253 and raw[1024:] == b"\1\0\1\1"
+
+
+def test_progress_on_a_terminal(tmp_path, toks, capsys, monkeypatch):
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, _, e, *_ = prepare(tmp_path, "qwen", toks, [{"prompt": "a", "completion": "b"}] * 3, capsys)
+    assert rc == 0 and e.startswith("\rprepare_sft: 3 examples, ") and "MB/s" in e and e.endswith("\n"), e
+
+
+def test_cli(tmp_path, toks):
+    """The script end to end: the files, the exit codes of a usage and an I/O error."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"prompt": "the cat", "completion": " sat."}) + "\n")
+    cmd = [sys.executable, str(ROOT / "tools" / "prepare_sft.py")]
+    p = subprocess.run(cmd + ["--tokenizer", str(toks["qwen"][0]), str(src), str(tmp_path / "o.bin")],
+                       capture_output=True, text=True)
+    assert p.returncode == 0 and (tmp_path / "o.mask.bin").exists() and p.stderr == "", p.stderr
+    assert subprocess.run(cmd + [str(src)], capture_output=True).returncode == 2
+    p = subprocess.run(cmd + ["--tokenizer", str(toks["qwen"][0]), str(tmp_path / "missing.jsonl"),
+                              str(tmp_path / "o.bin")], capture_output=True, text=True)
+    assert p.returncode == 1 and p.stderr.startswith("prepare_sft: error: %s" % (tmp_path / "missing.jsonl")), p.stderr
+
+
+def test_tokenizer_without_eos(tmp_path, capsys):
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(tm.WordLevel({"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tk, unk_token="<unk>").save_pretrained(str(tmp_path / "t"))
+    (tmp_path / "in.jsonl").write_text('{"prompt": "a", "completion": "a"}\n')
+    with pytest.raises(SystemExit) as e:
+        prepare_sft.main(["--tokenizer", str(tmp_path / "t"), str(tmp_path / "in.jsonl"), str(tmp_path / "o.bin")])
+    assert e.value.code == 2 and "the tokenizer has no eos token" in capsys.readouterr().err
