@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """prepare_sft: chat or prompt/completion examples -> smp's token file and loss mask.
 
-    python tools/prepare_sft.py --tokenizer HF_DIR IN.jsonl OUT.bin
+    python tools/prepare_sft.py --tokenizer HF_DIR [--sep TOKEN] IN.jsonl OUT.bin
 
 Writes OUT.bin (the tokens) and OUT.mask.bin (OUT with its .bin suffix replaced by
 .mask.bin; .mask.bin is appended when OUT does not end in .bin). The tokenizer is loaded
@@ -17,9 +17,15 @@ Input: one JSON object per line of IN.jsonl (blank lines are skipped), either
       if the model wants one), and the boundary is the prompt's own token count; where
       tokenizing the prompt alone is not a prefix of tokenizing the concatenation (a
       token straddles the boundary), the two are tokenized separately and concatenated.
-Other keys of an object are ignored (but not both forms in one). Each example ends with the tokenizer's eos token
-(appended unless the example already ends with it); the eos is a target when the token
-before it is one. The examples are packed in file order into one stream.
+Other keys of an object are ignored (but not both forms in one). Each example ends with the
+separator, by default the tokenizer's eos token (--sep TOKEN: another token of the
+vocabulary), appended unless the example already ends with it; it is a target when the
+token before it is one. The examples are packed in file order into one stream, for
+`smp-train --documents --doc-sep ID` (the last line printed gives the ID). The separator
+must not occur inside an example, or --documents would cut the example there: many chat
+templates end every turn with the eos (Llama-3's <|eot_id|>, Qwen2-Instruct's
+<|im_end|>), and then a line is refused with a hint to pass --sep (e.g. <|end_of_text|> or
+<|endoftext|>, a token that only ends texts).
 
 Chat masking (the prefix method): for the assistant message i, P_i is the rendering of
 messages[:i] with add_generation_prompt=True and F_i that of messages[:i+1], both token
@@ -172,8 +178,9 @@ def text_examples(tok, items):
     return [(list(w), [0] * len(p) + [1] * (len(w) - len(p))) for p, w in zip(ps, wholes)]
 
 
-def examples(tok, batch):
-    """(ids, mask) of each (line, kind, data) in batch, in order, each ended by the eos."""
+def examples(tok, batch, sep):
+    """(ids, mask) of each (line, kind, data) in batch, in order, each ended by the
+    separator (token id sep), which occurs nowhere else in it."""
     done = {}
     for kind, fn in (("chat", chat_examples), ("text", text_examples)):
         idx = [k for k, b in enumerate(batch) if b[1] == kind]
@@ -182,9 +189,13 @@ def examples(tok, batch):
     out = []
     for k in range(len(batch)):
         ids, mask = done[k]
-        if not ids or ids[-1] != tok.eos_token_id:
+        if sep in ids[:-1]:
+            raise BadLine(batch[k][0], "the separator %s (id %d) occurs inside the example: smp-train --documents "
+                                       "would cut it there; pass --sep with a token the examples never contain"
+                          % (tok.convert_ids_to_tokens(sep), sep))
+        if not ids or ids[-1] != sep:
             mask.append(mask[-1] if mask else 0)
-            ids.append(tok.eos_token_id)
+            ids.append(sep)
         out.append((ids, mask))
     return out
 
@@ -218,12 +229,12 @@ class Stream:
         self.n, self.targets, self.examples = self.n + len(ids), self.targets + int(m.sum()), self.examples + len(exs)
 
 
-def convert(tok, path, stream):
+def convert(tok, path, stream, sep):
     tty, t0 = sys.stderr.isatty(), time.time()
     with open(path, "rb") as f:
         try:
             for batch, pos in read_batches(f):
-                stream.add(examples(tok, batch))
+                stream.add(examples(tok, batch, sep))
                 if tty:
                     mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
                     print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
@@ -243,6 +254,7 @@ def mask_path(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
+    ap.add_argument("--sep", help="the token that ends each example (default: the tokenizer's eos token)")
     ap.add_argument("input", help="JSON lines: chat messages or prompt/completion")
     ap.add_argument("out", help="the token file; the mask goes next to it (.mask.bin)")
     a = ap.parse_args(argv)
@@ -251,11 +263,14 @@ def main(argv=None):
         tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
     except (OSError, ValueError) as e:
         fail("%s: cannot load the tokenizer: %s" % (a.tokenizer, e), 1)
-    if tok.eos_token_id is None:
-        fail("%s: the tokenizer has no eos token" % a.tokenizer, 2)
+    if a.sep is None and tok.eos_token_id is None:
+        fail("%s: the tokenizer has no eos token: give the separator with --sep TOKEN" % a.tokenizer, 2)
+    sep = tok.eos_token_id if a.sep is None else tok.convert_tokens_to_ids(a.sep)
+    if a.sep is not None and (sep is None or sep == tok.unk_token_id or tok.convert_ids_to_tokens(sep) != a.sep):
+        fail("--sep %s: not a token of the tokenizer's vocabulary" % a.sep, 2)
     stream = Stream(len(tok))
     try:
-        convert(tok, a.input, stream)
+        convert(tok, a.input, stream, sep)
         if stream.n > 2**31 - 1:
             fail("more than 2^31-1 tokens: split the input", 1)
         toks = np.concatenate(stream.toks) if stream.toks else np.zeros(0, stream.dtype)
@@ -265,7 +280,7 @@ def main(argv=None):
     except OSError as e:
         fail("%s: %s" % (e.filename or a.input, e.strerror or e), 1)
     print(f"{a.out}: {stream.examples} examples, {stream.n} tokens, {stream.targets} target tokens "
-          f"(vocabulary {len(tok)})")
+          f"(vocabulary {len(tok)}); separator {tok.convert_ids_to_tokens(sep)}: smp-train --documents --doc-sep {sep}")
 
 
 if __name__ == "__main__":

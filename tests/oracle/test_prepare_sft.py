@@ -46,9 +46,11 @@ MISTRAL = ("{{ bos_token }}{% for message in messages %}"
            "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
            "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
            "{% else %}{{ message['content'] + eos_token }}{% endif %}{% endfor %}")
-STYLES = {"qwen": (QWEN, "<|endoftext|>", "<|im_end|>\n"), "qwen_gen": (QWEN_GEN, "<|endoftext|>", "<|im_end|>\n"),
-          "llama3": (LLAMA3, "<|eot_id|>", "<|eot_id|>"), "mistral": (MISTRAL, "</s>", "</s>"),
-          "none": (None, "<|endoftext|>", "")}
+# style: (template, eos, end of turn, the separator; --sep where the eos ends turns too)
+STYLES = {"qwen": (QWEN, "<|endoftext|>", "<|im_end|>\n", "<|endoftext|>"),
+          "qwen_gen": (QWEN_GEN, "<|endoftext|>", "<|im_end|>\n", "<|endoftext|>"),
+          "llama3": (LLAMA3, "<|eot_id|>", "<|eot_id|>", "<|endoftext|>"), "mistral": (MISTRAL, "</s>", "</s>", "</s>"),
+          "none": (None, "<|endoftext|>", "", "<|endoftext|>")}
 
 
 @pytest.fixture(scope="session")
@@ -62,7 +64,7 @@ def toks(tmp_path_factory):
     tk.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
         vocab_size=500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     out = {}
-    for style, (tmpl, eos, _) in STYLES.items():
+    for style, (tmpl, eos, _, _) in STYLES.items():
         d = tmp_path_factory.mktemp("tok_" + style)
         PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, bos_token="<|begin_of_text|>",
                                 chat_template=tmpl).save_pretrained(str(d))
@@ -88,14 +90,20 @@ def ids_of(r):
     return list(r["input_ids"] if hasattr(r, "keys") else r)
 
 
-def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl"):
-    """Run the tool in-process on lines (str or objects): (rc, stdout, stderr, tokens, mask, headers)."""
+def sep_of(style, toks):
+    return toks[style][1].convert_tokens_to_ids(STYLES[style][3])
+
+
+def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl", sep=True):
+    """Run the tool in-process on lines (str or objects), with the style's --sep where it
+    is not the eos: (rc, stdout, stderr, tokens, mask, headers)."""
     src = tmp_path / name
     src.write_bytes(b"".join((x if isinstance(x, bytes) else
                               (x if isinstance(x, str) else json.dumps(x)).encode()) + b"\n" for x in lines))
     out = tmp_path / "out.bin"
     try:
-        prepare_sft.main(["--tokenizer", str(toks[style][0]), str(src), str(out)])
+        extra = ["--sep", STYLES[style][3]] if sep and STYLES[style][3] != STYLES[style][1] else []
+        prepare_sft.main(["--tokenizer", str(toks[style][0]), *extra, str(src), str(out)])
         rc = 0
     except SystemExit as e:
         rc = e.code
@@ -115,19 +123,19 @@ def runs(mask):
     return list(zip(d[::2], d[1::2]))
 
 
-def expected_chat(tok, ex):
+def expected_chat(tok, ex, sep):
     ids = ids_of(tok.apply_chat_template(ex["messages"], tokenize=True))
-    return ids if ids[-1] == tok.eos_token_id else ids + [tok.eos_token_id]
+    return ids if ids[-1] == sep else ids + [sep]
 
 
 @pytest.mark.parametrize("style", ["qwen", "llama3"])
 def test_chat_tokens_and_spans(tmp_path, toks, capsys, style):
     rng = random.Random(7)
     exs = [conversation(rng) for _ in range(40)]
-    tok, eot = toks[style][1], STYLES[style][2]
+    tok, eot, sep = toks[style][1], STYLES[style][2], STYLES[style][3]
     rc, o, e, t, m, (h, mh) = prepare(tmp_path, style, toks, exs, capsys)
     assert rc == 0, e
-    want = [i for ex in exs for i in expected_chat(tok, ex)]
+    want = [i for ex in exs for i in expected_chat(tok, ex, sep_of(style, toks))]
     assert t == want and len(m) == len(t)
     assert (h[0], h[1], h[2]) == (20240520, 1, len(t)) and (mh[0], mh[1], mh[2]) == (20241201, 1, len(t))
     assert not h[3:].any() and not mh[3:].any() and set(m) <= {0, 1}
@@ -141,10 +149,22 @@ def test_chat_tokens_and_spans(tmp_path, toks, capsys, style):
             if msg["role"] == "assistant":
                 c = (msg["content"].strip() if style == "llama3" else msg["content"]) + eot
                 last = k == len(msgs) - 1
-                spans.append(c + (tok.eos_token if last and eot != tok.eos_token else ""))
+                spans.append(c + (sep if last and eot != sep else ""))
     assert got == spans
-    assert o.strip().endswith("%d examples, %d tokens, %d target tokens (vocabulary %d)" % (
-        len(exs), len(t), sum(m), len(tok)))
+    assert "%d examples, %d tokens, %d target tokens (vocabulary %d); separator %s: smp-train --documents --doc-sep %d" % (
+        len(exs), len(t), sum(m), len(tok), sep, sep_of(style, toks)) in o
+
+
+def test_separator_inside_an_example_is_refused(tmp_path, toks, capsys):
+    """Llama-3's eos ends every turn: as the separator it would cut the examples."""
+    ex = {"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    rc, _, e, *_ = prepare(tmp_path, "llama3", toks, [ex, ex], capsys, sep=False)
+    assert rc == 3 and ":1: the separator <|eot_id|>" in e and "--sep" in e, e
+    src = tmp_path / "in.jsonl"
+    for bad in ("<|nope|>", "zzzzqqq"):
+        with pytest.raises(SystemExit) as x:
+            prepare_sft.main(["--tokenizer", str(toks["llama3"][0]), "--sep", bad, str(src), str(tmp_path / "o.bin")])
+        assert x.value.code == 2 and "--sep" in capsys.readouterr().err
 
 
 def test_chat_mask_matches_generation_markers(tmp_path, toks, capsys):
@@ -209,9 +229,9 @@ def test_mixed_file_blank_lines_and_batches(tmp_path, toks, capsys, monkeypatch)
     want_t = []
     for ex in exs:
         if "messages" in ex:
-            ids = expected_chat(tok, ex)
+            ids = expected_chat(tok, ex, sep_of("llama3", toks))
         else:
-            ids = tok(ex["prompt"] + ex["completion"], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+            ids = tok(ex["prompt"] + ex["completion"], add_special_tokens=False)["input_ids"] + [sep_of("llama3", toks)]
         want_t += ids
     assert t == want_t
     monkeypatch.setattr(prepare_sft, "BATCH", 1024)
@@ -254,7 +274,7 @@ def test_template_errors(tmp_path, toks, capsys):
     alt = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]
     rc, _, e, t, m, _ = prepare(tmp_path, "mistral", toks, [{"messages": alt}] * 3, capsys)
-    assert rc == 0 and t == expected_chat(toks["mistral"][1], {"messages": alt}) * 3, e
+    assert rc == 0 and t == expected_chat(toks["mistral"][1], {"messages": alt}, sep_of("mistral", toks)) * 3, e
     rc, _, e, *_ = prepare(tmp_path, "mistral", toks, [{"messages": alt}] * 4 + [{"messages": bad}, {"messages": alt}],
                            capsys)
     assert rc == 3 and ":5: the chat template failed" in e and "must alternate" in e, e
