@@ -11,8 +11,8 @@ document (as DataCollatorWithFlattening does) and tokens whose mask byte is 0.
 - the gradients of a packed, masked batch (--dump-grads, 1 and 2 microbatches) equal
   autograd's within 1e-4;
 - every parallel layout (cp=2/4 with documents crossing chunk and rank boundaries, pp,
-  tp with sequence parallelism, dp, mixes) tracks the single-rank run within 2e-4;
-  resume is bit-exact;
+  tp with sequence parallelism, dp, mixes; FP8 delayed scaling at cp=2) tracks the
+  single-rank run within 2e-4; recomputation and resume are bit-exact;
 - a step without a counted target logs "loss": null and leaves the weights alone;
 - bad masks and flags: one error line, exit 3 (naming both files when the counts differ)
   or 2.
@@ -221,6 +221,23 @@ def test_layouts_match_one_rank(psetup, layout, micro, extra):
     assert_tracks(rows, ref, 2e-4, f"documents {layout} microbatches {micro}")
     vals = [(r["val_loss"], q["val_loss"]) for r, q in zip(rows, ref) if "val_loss" in q]
     assert len(vals) == 2 and max(rel(a, b) for a, b in vals) < 2e-4
+
+
+@pytest.mark.parametrize("recompute", ["attention", "full"])
+def test_recompute_is_bit_exact(psetup, recompute):
+    tmp, args, refs = psetup
+    out = tmp / f"recompute-{recompute}"
+    run("smp-train", *args(out), "--steps", 6, "--recompute", recompute, check=0)
+    assert [(r["loss"], r["grad_norm"]) for r in read_log(out / "log.jsonl")] == \
+        [(q["loss"], q["grad_norm"]) for q in refs[1]]
+
+
+def test_fp8_context_parallel_matches_one_rank(psetup):
+    tmp, args, _ = psetup
+    one, two = tmp / "fp8-1", tmp / "fp8-cp2"
+    run("smp-train", *args(one), "--steps", 6, "--fp8", "delayed", check=0)
+    mpirun(2, *args(two), "--steps", 6, "--fp8", "delayed", "--layout", "cp=2")
+    assert_tracks(read_log(two / "log.jsonl"), read_log(one / "log.jsonl"), 2e-4, "documents fp8 delayed cp=2")
 
 
 def test_resume_is_bit_exact(psetup):
