@@ -97,11 +97,12 @@ struct dev_ops {
     void (*rope_forward)(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
     void (*rope_backward)(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
     void (*attention_forward)(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
-                              const int32_t *qpos, const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv,
-                              int hd, int window);
+                              const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc,
+                              int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
     void (*attention_backward)(dev *d, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                                const void *v, const void *out, const float *lse, const int32_t *qpos,
-                               const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
+                               const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int B, int Tq, int Tk,
+                               int nh, int nkv, int hd, int window);
     void (*attention_merge)(dev *d, void *out, float *lse, const void *out2, const float *lse2, int B, int T, int nh,
                             int hd);
     void (*swiglu_forward)(dev *d, void *out, const void *gate, const void *up, size_t n);

@@ -73,14 +73,19 @@ void op_rope_backward(float *dx, const float *cos_t, const float *sin_t,
 
 /* ---- causal GQA attention with log-sum-exp ------------------------------------
  * q [B, Tq, nh, hd], k and v [B, Tk, nkv, hd] (nh a multiple of nkv; query head h
- * reads kv head h / (nh/nkv)). qpos[Tq], kpos[Tk]: absolute positions. A key is
- * visible when kpos <= qpos and (window <= 0 or qpos - kpos < window) (Mistral's
- * sliding window). Scale 1/sqrt(hd).
+ * reads kv head h / (nh/nkv)). qpos[Tq], kpos[Tk]: absolute positions, shared by
+ * the B sequences. qdoc [B, Tq], kdoc [B, Tk] (row b*T + t): per-token document ids
+ * of packed sequences (callers use the position of the document's first token), or
+ * NULL for both: one document per sequence. Key j is visible from query i of
+ * sequence b when kpos[j] <= qpos[i], (window <= 0 or qpos[i] - kpos[j] < window)
+ * (Mistral's sliding window) and (no documents or qdoc[b,i] == kdoc[b,j]).
+ * Scale 1/sqrt(hd).
  * out [B, Tq, nh, hd]; lse [B, nh, Tq] = log sum_k exp(score) over visible keys
  * (-INFINITY and out = 0 when none is visible: ring attention merges such partial
  * results). */
 void op_attention_forward(float *out, float *lse, const float *q, const float *k,
                           const float *v, const int32_t *qpos, const int32_t *kpos,
+                          const int32_t *qdoc, const int32_t *kdoc,
                           int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
 /* Backward of one (q-block, kv-block) pair given the FINAL out and lse of the
  * q rows (after any ring merge), so each kv block's share is computed alone.
@@ -89,6 +94,7 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v,
                            const float *out, const float *lse,
                            const int32_t *qpos, const int32_t *kpos,
+                           const int32_t *qdoc, const int32_t *kdoc,
                            int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
 /* Merge a partial result (out2, lse2) into (out, lse) in place, by log-sum-exp. */
 void op_attention_merge(float *out, float *lse, const float *out2, const float *lse2,

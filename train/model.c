@@ -484,7 +484,7 @@ static void cp_pass(model *m, const void *send, void *recv, size_t n)
 static void attention_forward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
-    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, B, T, T, m->nh, m->nkv, m->hd,
+    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, NULL, NULL, B, T, T, m->nh, m->nkv, m->hd,
                            m->window);
     if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
@@ -496,7 +496,7 @@ static void attention_forward(model *m, layer_acts *a)
         void *t = cur; cur = nxt; nxt = t;
         const int src = (r - j + C) % C;
         OPS->attention_forward(DV, m->ring_out, m->ring_lse, a->q, cur, AT(cur, nk), m->pos_d,
-                               m->cp_pos_d + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd, m->window);
+                               m->cp_pos_d + (size_t)src * T, NULL, NULL, B, T, T, m->nh, m->nkv, m->hd, m->window);
         OPS->attention_merge(DV, a->att, a->lse, m->ring_out, m->ring_lse, B, T, m->nh, m->hd);
     }
 }
@@ -510,7 +510,7 @@ static void attention_backward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
     OPS->attention_backward(DV, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos_d, m->pos_d,
-                            B, T, T, m->nh, m->nkv, m->hd, m->window);
+                            NULL, NULL, B, T, T, m->nh, m->nkv, m->hd, m->window);
     if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
     void *cur = m->ring[0], *nxt = m->ring[1];
@@ -522,7 +522,7 @@ static void attention_backward(model *m, layer_acts *a)
         void *t = cur; cur = nxt; nxt = t;
         const int src = (r - j + C) % C;
         OPS->attention_backward(DV, m->dq, AT(cur, 2 * nk), AT(cur, 3 * nk), m->datt, a->q, cur, AT(cur, nk), a->att,
-                                a->lse, m->pos_d, m->cp_pos_d + (size_t)src * T, B, T, T, m->nh, m->nkv, m->hd,
+                                a->lse, m->pos_d, m->cp_pos_d + (size_t)src * T, NULL, NULL, B, T, T, m->nh, m->nkv, m->hd,
                                 m->window);
     }
     cp_pass(m, AT(cur, 2 * nk), AT(nxt, 2 * nk), 2 * nk); /* to the owner, r + 1; ours from r - 1 */
