@@ -101,13 +101,25 @@ __device__ __forceinline__ TokRange warp_tok_range(const int32_t *pos, const int
     if (doc) warp_int_range(doc, i0, n, T, r.dmin, r.dmax);
     return r;
 }
-/* The ranges of a block's tile, tokens t0 .. t0+n, and of this warp's 16-row strip
- * of it (the mma kernels) */
-__device__ __forceinline__ void tile_tok_ranges(const int32_t *pos, const int32_t *doc, int t0, int n, int T,
-                                                TokRange &blk, TokRange &wrp)
+/* The kernels keep the ranges of their own tile in shared memory, one copy per warp
+ * (no block barrier): registers are what they lack, and a range is read once per
+ * tile of the other side. A block's tile and this warp's 16-row strip of it (the
+ * mma kernels). */
+struct TileRanges {
+    TokRange blk, wrp;
+};
+/* dst = r, this warp's copy in shared memory; by a warp. */
+template <typename R> __device__ __forceinline__ void warp_keep(R &dst, const R &r)
 {
-    blk = warp_tok_range(pos, doc, t0, n, T);
-    wrp = warp_tok_range(pos, doc, t0 + (threadIdx.x >> 5) * 16, 16, T);
+    if ((threadIdx.x & 31) == 0) dst = r;
+    __syncwarp();
+}
+/* r (this warp's) for tokens t0 .. t0+n; by a warp. */
+__device__ __forceinline__ void tile_tok_ranges(const int32_t *pos, const int32_t *doc, int t0, int n, int T,
+                                                TileRanges &r)
+{
+    const TokRange blk = warp_tok_range(pos, doc, t0, n, T);
+    warp_keep(r, {blk, warp_tok_range(pos, doc, t0 + (threadIdx.x >> 5) * 16, 16, T)});
 }
 /* No query of q sees a key of k0 .. k0+n (keys < Tk); by a warp. */
 __device__ __forceinline__ bool keys_hidden(const int32_t *kpos, const int32_t *kdoc, int k0, int n, int Tk,

@@ -117,15 +117,16 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
     const int r0 = q0 + warp * 16 + gq, r1 = r0 + 8;
     const int qp0 = tok_at(qpos, r0, Tq, INT_MIN), qp1 = tok_at(qpos, r1, Tq, INT_MIN);
     const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
-    TokRange bq, wq;
-    tile_tok_ranges(qpos, qdoc, q0, F_BQ, Tq, bq, wq);
+    __shared__ TileRanges sR[F_WARPS];
+    const TileRanges &qr = sR[warp];
+    tile_tok_ranges(qpos, qdoc, q0, F_BQ, Tq, sR[warp]);
 
     float o[DT][4];
     frag_zero(o);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     uint32_t qf[KS][4];
     tile_pipeline(
-        (Tk + F_BK - 1) / F_BK, [&](int j) { return keys_hidden(kpos, kdoc, j * F_BK, F_BK, Tk, bq, window); },
+        (Tk + F_BK - 1) / F_BK, [&](int j) { return keys_hidden(kpos, kdoc, j * F_BK, F_BK, Tk, qr.blk, window); },
         [&](int j, int buf) {
             load_kv_tile<HD, F_BK>(sK, sV, sKp, sKd, buf, kb, vb, ks, kpos, kdoc, j * F_BK, Tk, tid, NTHR);
         },
@@ -136,8 +137,8 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
         },
         [&](int j, int buf) {
             const TokRange kr = warp_tok_range(kpos, kdoc, j * F_BK, F_BK, Tk);
-            if (attn_skip(wq, kr, window)) return;
-            const bool full = (j + 1) * F_BK <= Tk && attn_full(wq, kr, window);
+            if (attn_skip(qr.wrp, kr, window)) return;
+            const bool full = (j + 1) * F_BK <= Tk && attn_full(qr.wrp, kr, window);
             const bf16 *cK = sK + buf * F_BK * LD, *cV = sV + buf * F_BK * LD;
             float s[NT][4];
             frag_zero(s);
@@ -236,14 +237,15 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
     qdoc = doc_row(qdoc, b, Tq);
     kdoc = doc_row(kdoc, b, Tk);
     const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
-    TokRange bq, wq;
-    tile_tok_ranges(qpos, qdoc, q0, BQ_BQ, Tq, bq, wq);
+    __shared__ TileRanges sR[BQ_WARPS];
+    const TileRanges &qr = sR[warp];
+    tile_tok_ranges(qpos, qdoc, q0, BQ_BQ, Tq, sR[warp]);
 
     float acc[DT][4];
     frag_zero(acc);
     uint32_t qf[KS][4], gf[KS][4];
     tile_pipeline(
-        (Tk + BK - 1) / BK, [&](int j) { return keys_hidden(kpos, kdoc, j * BK, BK, Tk, bq, window); },
+        (Tk + BK - 1) / BK, [&](int j) { return keys_hidden(kpos, kdoc, j * BK, BK, Tk, qr.blk, window); },
         [&](int j, int buf) {
             load_kv_tile<HD, BK>(sK, sV, sKp, sKd, buf, kb, vb, ks, kpos, kdoc, j * BK, Tk, tid, NTHR);
         },
@@ -254,7 +256,7 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
             frag_ld_a_rows(gf, sG, warp * 16, LD, lane);
         },
         [&](int j, int buf) {
-            if (keys_hidden(kpos, kdoc, j * BK, BK, Tk, wq, window)) return;
+            if (keys_hidden(kpos, kdoc, j * BK, BK, Tk, qr.wrp, window)) return;
             const bf16 *cK = sK + buf * BK * LD, *cV = sV + buf * BK * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);
@@ -341,8 +343,9 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
     const int kr0 = k0 + warp * 16 + gq, kr1 = kr0 + 8;
     const int kp0 = tok_at(kpos, kr0, Tk, INT_MAX), kp1 = tok_at(kpos, kr1, Tk, INT_MAX);
     const int kd0 = tok_at(kdoc, kr0, Tk, 0), kd1 = tok_at(kdoc, kr1, Tk, 0);
-    TokRange bk, wk;
-    tile_tok_ranges(kpos, kdoc, k0, BK_BKV, Tk, bk, wk);
+    __shared__ TileRanges sR[BK_WARPS];
+    const TileRanges &kr = sR[warp];
+    tile_tok_ranges(kpos, kdoc, k0, BK_BKV, Tk, sR[warp]);
 
     /* item i: query head g*rep + i/nqt, query tile i%nqt */
     const int nqt = (Tq + BQ - 1) / BQ;
@@ -370,10 +373,10 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
     frag_zero(ak);
     frag_zero(av);
     tile_pipeline(
-        rep * nqt, [&](int i) { return queries_hidden(qpos, qdoc, (i % nqt) * BQ, BQ, Tq, bk, window); }, load_q,
+        rep * nqt, [&](int i) { return queries_hidden(qpos, qdoc, (i % nqt) * BQ, BQ, Tq, kr.blk, window); }, load_q,
         [] {}, /* K and V land with the first item */
         [&](int it, int buf) {
-            if (queries_hidden(qpos, qdoc, (it % nqt) * BQ, BQ, Tq, wk, window)) return;
+            if (queries_hidden(qpos, qdoc, (it % nqt) * BQ, BQ, Tq, kr.wrp, window)) return;
             const bf16 *cQ = sQ + buf * BQ * LD, *cG = sG + buf * BQ * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);

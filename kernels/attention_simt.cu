@@ -54,7 +54,9 @@ __global__ void __launch_bounds__(S_WARPS * 32)
     qdoc = doc_row(qdoc, b, Tq);
     kdoc = doc_row(kdoc, b, Tk);
     simt_load_rows(sQ, hd, qb, qs, q0, S_BQ, Tq, hd);
-    const TokRange qr = warp_tok_range(qpos, qdoc, q0, S_BQ, Tq);
+    __shared__ TokRange sR[S_WARPS];
+    const TokRange &qr = sR[warp];
+    warp_keep(sR[warp], warp_tok_range(qpos, qdoc, q0, S_BQ, Tq));
     int qp[S_RPW], qd[S_RPW];
 #pragma unroll
     for (int i = 0; i < S_RPW; i++) {
@@ -132,7 +134,9 @@ __global__ void __launch_bounds__(S_WARPS * 32)
     qdoc = doc_row(qdoc, b, Tq);
     kdoc = doc_row(kdoc, b, Tk);
     simt_load_rows2(sQ, hd, q + qoff, sG, hd, dout + qoff, qs, q0, S_BQ, Tq, hd);
-    const TokRange qr = warp_tok_range(qpos, qdoc, q0, S_BQ, Tq);
+    __shared__ TokRange sR[S_WARPS];
+    const TokRange &qr = sR[warp];
+    warp_keep(sR[warp], warp_tok_range(qpos, qdoc, q0, S_BQ, Tq));
     int qp[S_RPW], qd[S_RPW];
     float L[S_RPW], D[S_RPW], acc[S_RPW][NPL];
 #pragma unroll
@@ -196,7 +200,9 @@ __global__ void __launch_bounds__(S_WARPS * 32)
     qdoc = doc_row(qdoc, b, Tq);
     kdoc = doc_row(kdoc, b, Tk);
     simt_load_rows2(sK, hd, k + koff, sV, hd, v + koff, ks, k0, S_BKV, Tk, hd);
-    const TokRange kr = warp_tok_range(kpos, kdoc, k0, S_BKV, Tk);
+    __shared__ TokRange sR[S_WARPS];
+    const TokRange &kr = sR[warp];
+    warp_keep(sR[warp], warp_tok_range(kpos, kdoc, k0, S_BKV, Tk));
     int kp[S_RPW], kd[S_RPW];
     float ak[S_RPW][NPL], av[S_RPW][NPL];
 #pragma unroll
