@@ -407,7 +407,8 @@ static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, 
     if (e != cudaSuccess) return e;
     dim3 grid((s.Tq + F_BQ - 1) / F_BQ, s.nh, s.B);
     SMP_LAUNCH(kern, grid, F_WARPS * 32, smem, stream, (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k,
-               (const bf16 *)v, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.window, LOG2E_F / sqrtf((float)HD));
+               (const bf16 *)v, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.window,
+               LOG2E_F / sqrtf((float)HD));
     return smp_cuda_launched("cuda_op_attention_forward");
 }
 
@@ -425,14 +426,14 @@ static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const
     if (s.Tq > 0) {
         dim3 grid((s.Tq + BQ_BQ - 1) / BQ_BQ, s.nh, s.B);
         SMP_LAUNCH(kq, grid, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q,
-                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv,
-                   s.window, scale, scale_log2);
+                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk,
+                   s.nh, s.nkv, s.window, scale, scale_log2);
     }
     if (s.Tk > 0) {
         dim3 grid((s.Tk + BK_BKV - 1) / BK_BKV, s.nkv, s.B);
         SMP_LAUNCH(kkv, grid, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
-                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv,
-                   s.window, scale, scale_log2);
+                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk,
+                   s.nh, s.nkv, s.window, scale, scale_log2);
     }
     return smp_cuda_launched("cuda_op_attention_backward");
 }

@@ -333,13 +333,14 @@ static cudaError_t bwd_simt(void *dq, void *dk, void *dv, const void *dout, cons
     if (s.Tq > 0) {
         dim3 grid((s.Tq + S_BQ - 1) / S_BQ, s.nh, s.B);
         SMP_LAUNCH(kq, grid, S_WARPS * 32, sq, stream, (T *)dq, (const T *)dout, (const T *)q, (const T *)k,
-                   (const T *)v, (const T *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.hd, s.window, scale);
+                   (const T *)v, (const T *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.hd,
+                   s.window, scale);
     }
     if (s.Tk > 0) {
         dim3 grid((s.Tk + S_BKV - 1) / S_BKV, s.nkv, s.B);
         SMP_LAUNCH(kkv, grid, S_WARPS * 32, skv, stream, (T *)dk, (T *)dv, (const T *)dout, (const T *)q,
-                   (const T *)k, (const T *)v, (const T *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.hd,
-                   s.window, scale);
+                   (const T *)k, (const T *)v, (const T *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh,
+                   s.nkv, s.hd, s.window, scale);
     }
     return smp_cuda_launched("cuda_op_attention_backward");
 }
@@ -347,7 +348,8 @@ static cudaError_t bwd_simt(void *dq, void *dk, void *dv, const void *dout, cons
 cudaError_t attn_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
                               cudaDataType_t dt, cudaStream_t stream)
 {
-    return dt == CUDA_R_32F ? fwd_simt<float>(out, lse, q, k, v, s, stream) : fwd_simt<bf16>(out, lse, q, k, v, s, stream);
+    return dt == CUDA_R_32F ? fwd_simt<float>(out, lse, q, k, v, s, stream)
+                            : fwd_simt<bf16>(out, lse, q, k, v, s, stream);
 }
 
 cudaError_t attn_simt_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,

@@ -458,7 +458,8 @@ static void test_errors(void)
     char msg[512];
     snprintf(msg, sizeof msg, "%s", dg.errmsg);
     dg.ops->add(&dg, o.g, x.g, x.g, 64);
-    dg.ops->attention_forward(&dg, o.g, l.g, x.g, x.g, x.g, NULL, NULL, NULL, NULL, 1, 1, 1, 1, 1, 400, 0); /* not recorded */
+    /* not recorded */
+    dg.ops->attention_forward(&dg, o.g, l.g, x.g, x.g, x.g, NULL, NULL, NULL, NULL, 1, 1, 1, 1, 1, 400, 0);
     shard_status s = dg.ops->sync(&dg);
     printf("     (message: %s)\n", msg);
     const int kept = first && s == first && !strcmp(msg, dg.errmsg);

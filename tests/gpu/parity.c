@@ -390,7 +390,8 @@ static void test_attention(const attn_case *c)
     /* bf16-representable inputs: one C reference serves both storage dtypes */
     float *q = randu(nq, -2.0f, 2.0f, BF16), *k = randu(nk, -2.0f, 2.0f, BF16), *v = randn(nk, 1.0f, BF16);
     float *out = hfloats(nq), *lse = hfloats(nl);
-    op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window);
+    op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd,
+                         c->window);
     /* backward inputs: dout, the (rounded) forward output, and accumulators */
     float *g = randn(nq, 1.0f, BF16), *o_in = copy_of(out, nq);
     round_to(o_in, nq, BF16);
