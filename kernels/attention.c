@@ -10,11 +10,6 @@
 #include <math.h>
 #include <string.h>
 
-static inline int visible(int32_t qp, int32_t kp, int window)
-{
-    return kp <= qp && (window <= 0 || (int64_t)qp - kp < window);
-}
-
 static inline float dot(const float *a, const float *b, int n)
 {
     float s = 0.0f;
@@ -32,23 +27,25 @@ typedef struct {
     int group;   /* nh / nkv: query head h reads kv head h / group */
     float scale; /* 1 / sqrt(hd) */
     const int32_t *qpos, *kpos;
-    const int32_t *qdoc, *kdoc; /* [B, Tq], [B, Tk]; NULL: one document */
+    const int32_t *qdoc, *kdoc; /* [B, Tq], [B, Tk], or NULL: one document */
 } attn_shape;
 
 static attn_shape shape_of(const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
-                           const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv, int hd,
-                           int window)
+                           const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv,
+                           int hd, int window)
 {
     attn_shape s = {B, Tq, Tk, nh, nkv, hd, window, nh / nkv, 1.0f / sqrtf((float)hd),
                     qpos, kpos, qdoc, kdoc};
     return s;
 }
 
-/* key j visible from query i of sequence b */
-static inline int sees(const attn_shape *s, int b, int i, int j)
+/* Key j is visible from query i of sequence b: causal, in the window, same document. */
+static inline int visible(const attn_shape *s, int b, int i, int j)
 {
-    return visible(s->qpos[i], s->kpos[j], s->window) &&
-           (!s->qdoc || s->qdoc[(size_t)b * s->Tq + i] == s->kdoc[(size_t)b * s->Tk + j]);
+    const int32_t qp = s->qpos[i], kp = s->kpos[j];
+    if (s->qdoc && s->qdoc[(size_t)b * s->Tq + i] != s->kdoc[(size_t)b * s->Tk + j])
+        return 0;
+    return kp <= qp && (s->window <= 0 || (int64_t)qp - kp < s->window);
 }
 
 static inline size_t row_at(const attn_shape *s, int b, int T, int t, int heads, int h)
@@ -86,7 +83,7 @@ static void fwd_row(const attn_shape *s, const void *args, int b, int h, int i)
     float m = -INFINITY, l = 0.0f; /* running max and sum of exp(s - m) */
     memset(o, 0, (size_t)hd * sizeof(float)); /* o holds sum p * v */
     for (int j = 0; j < s->Tk; j++) {
-        if (!sees(s, b, i, j))
+        if (!visible(s, b, i, j))
             continue;
         const size_t kvoff = row_at(s, b, s->Tk, j, s->nkv, kvh);
         float sc = dot(qi, a->k + kvoff, hd) * s->scale;
@@ -143,7 +140,7 @@ static void dq_row(const attn_shape *s, const void *args, int b, int h, int i)
     const float D = dot(gi, a->out + qoff, hd);
     const int kvh = h / s->group;
     for (int j = 0; j < s->Tk; j++) {
-        if (!sees(s, b, i, j))
+        if (!visible(s, b, i, j))
             continue;
         const size_t kvoff = row_at(s, b, s->Tk, j, s->nkv, kvh);
         float p = expf(dot(qi, a->k + kvoff, hd) * s->scale - L);
@@ -192,7 +189,7 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                         int have_D = 0;
                         float D = 0.0f;
                         for (int j = j0; j < j1; j++) {
-                            if (!sees(&s, b, i, j))
+                            if (!visible(&s, b, i, j))
                                 continue;
                             if (!have_D) {
                                 D = dot(gi, out + qoff, hd);

@@ -21,32 +21,34 @@ static bool use_mma(cudaDataType_t dt, int hd, const void *a, const void *b, con
 }
 
 extern "C" cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v,
-                                                 const int32_t *qpos, const int32_t *kpos, int B, int Tq, int Tk,
-                                                 int nh, int nkv, int hd, int window, cudaDataType_t dt,
-                                                 cudaStream_t stream)
+                                                 const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
+                                                 const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv, int hd,
+                                                 int window, cudaDataType_t dt, cudaStream_t stream)
 {
     ATTN_ARGS_CHECK();
     if (B == 0 || Tq == 0) return cudaSuccess;
     SMP_ARG(out && lse && q && qpos && (Tk == 0 || (k && v && kpos)), "NULL pointer");
+    SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
     SMP_ARG((Tq + S_BQ - 1) / S_BQ <= INT_MAX, "Tq=%d too large", Tq);
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window};
-    if (use_mma(dt, hd, out, q, k, v, q, q)) return attn_mma_forward(out, lse, q, k, v, qpos, kpos, s, stream);
-    return attn_simt_forward(out, lse, q, k, v, qpos, kpos, s, dt, stream);
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc};
+    if (use_mma(dt, hd, out, q, k, v, q, q)) return attn_mma_forward(out, lse, q, k, v, s, stream);
+    return attn_simt_forward(out, lse, q, k, v, s, dt, stream);
 }
 
 extern "C" cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, const void *dout, const void *q,
                                                   const void *k, const void *v, const void *out, const float *lse,
-                                                  const int32_t *qpos, const int32_t *kpos, int B, int Tq, int Tk,
-                                                  int nh, int nkv, int hd, int window, cudaDataType_t dt,
-                                                  cudaStream_t stream)
+                                                  const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
+                                                  const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv, int hd,
+                                                  int window, cudaDataType_t dt, cudaStream_t stream)
 {
     ATTN_ARGS_CHECK();
     if (B == 0 || Tq == 0 || Tk == 0) return cudaSuccess;
     SMP_ARG(dq && dk && dv && dout && q && k && v && out && lse && qpos && kpos, "NULL pointer");
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window};
+    SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc};
     if (use_mma(dt, hd, dq, dk, dv, dout, q, k) && use_mma(dt, hd, v, out, q, q, q, q))
-        return attn_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, stream);
-    return attn_simt_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, dt, stream);
+        return attn_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
+    return attn_simt_backward(dq, dk, dv, dout, q, k, v, out, lse, s, dt, stream);
 }
 
 extern "C" cudaError_t cuda_op_attention_merge(void *out, float *lse, const void *out2, const float *lse2, int B, int T,

@@ -2,8 +2,9 @@
  *
  * Contract: kernels/ops.h (op_attention_*), reference: kernels/attention.c.
  * q/out [B,Tq,nh,hd], k/v [B,Tk,nkv,hd], lse [B,nh,Tq]; query head h reads kv
- * head h / (nh/nkv); key j is visible from query i when kpos[j] <= qpos[i] and
- * (window <= 0 or qpos[i] - kpos[j] < window).
+ * head h / (nh/nkv); key j is visible from query i of sequence b when kpos[j] <=
+ * qpos[i], (window <= 0 or qpos[i] - kpos[j] < window) and the documents agree,
+ * qdoc[b,i] == kdoc[b,j] (no documents, qdoc = kdoc = NULL, reads as document 0).
  *
  * Two implementations, one contract, one file each:
  *  - attention_mma.cu, tensor cores (bf16, hd 32/64/128): FlashAttention-2's scheme
@@ -22,9 +23,11 @@
  *    kernels lack. Also the log-sum-exp merge.
  * attention.cu checks the arguments and picks one (the launchers at the end here).
  * Tiles are skipped when no (query, key) pair in them can be visible, from the
- * min/max of the positions in the tile: correct for any positions, and the causal
- * triangle and the sliding-window band for sorted ones (context-parallel shards
- * pass their global positions). No S x S matrix exists.
+ * min/max of the positions and of the document ids in the tile: correct for any
+ * positions and ids, and the causal triangle, the sliding-window band and the
+ * block diagonal of the documents for sorted ones (context-parallel shards pass
+ * their global positions; a shard's two chunks are each sorted, not the pair).
+ * No S x S matrix exists.
  *
  * Here: visibility, position ranges, shared-memory layouts, the SIMT tile loads;
  * for the mma kernels the fragment addressing and packing, the tile products, and
@@ -41,68 +44,100 @@ __device__ __forceinline__ int imin(int a, int b) { return a < b ? a : b; }
 __device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
 
 /* ------------------------------------------------------------- visibility */
-__device__ __forceinline__ bool attn_visible(int qp, int kp, int window)
+__device__ __forceinline__ bool attn_visible(int qp, int kp, int qd, int kd, int window)
 {
-    return kp <= qp && (window <= 0 || (long long)qp - kp < window);
+    return kp <= qp && qd == kd && (window <= 0 || (long long)qp - kp < window);
 }
-/* No pair (query in [qmin,qmax], key in [kmin,kmax]) can be visible. */
-__device__ __forceinline__ bool attn_skip(int qmin, int qmax, int kmin, int kmax, int window)
+/* The sequence's row of a [B][T] document-id array (NULL stays NULL: no documents) */
+__device__ __forceinline__ const int32_t *doc_row(const int32_t *doc, int b, int T)
 {
-    return kmin > qmax || (window > 0 && (long long)qmin - kmax >= window);
+    return doc ? doc + (size_t)b * T : nullptr;
 }
-/* Every pair is visible. */
-__device__ __forceinline__ bool attn_full(int qmin, int qmax, int kmin, int kmax, int window)
+/* a[i] (0 where a is NULL: the one document), `fill` where i >= T */
+__device__ __forceinline__ int tok_at(const int32_t *a, int i, int T, int fill)
 {
-    return kmax <= qmin && (window <= 0 || (long long)qmax - kmin < window);
+    return i >= T ? fill : a ? a[i] : 0;
 }
-/* min and max of pos[i0 .. i0+n) restricted to i < T, over a warp (n <= 64);
+/* The [min, max] of the positions and of the document ids of a tile's tokens
+ * (positions (INT_MAX, INT_MIN) when it has none) */
+struct TokRange {
+    int pmin, pmax, dmin, dmax;
+};
+/* No pair (query of q, key of k) can be visible. */
+__device__ __forceinline__ bool attn_skip(const TokRange &q, const TokRange &k, int window)
+{
+    return k.pmin > q.pmax || (window > 0 && (long long)q.pmin - k.pmax >= window) || k.dmin > q.dmax ||
+           k.dmax < q.dmin;
+}
+/* Every pair is visible: one and the same document on both sides. */
+__device__ __forceinline__ bool attn_full(const TokRange &q, const TokRange &k, int window)
+{
+    return k.pmax <= q.pmin && (window <= 0 || (long long)q.pmax - k.pmin < window) && q.dmin == q.dmax &&
+           k.dmin == k.dmax && q.dmin == k.dmin;
+}
+/* min and max of a[i0 .. i0+n) restricted to i < T, over a warp (n <= 64);
  * (INT_MAX, INT_MIN) when empty. */
-__device__ __forceinline__ void warp_pos_range(const int32_t *pos, int i0, int n, int T, int &pmin, int &pmax)
+__device__ __forceinline__ void warp_int_range(const int32_t *a, int i0, int n, int T, int &amin, int &amax)
 {
     const int lane = threadIdx.x & 31;
     int mn = INT_MAX, mx = INT_MIN;
     for (int r = lane; r < n; r += 32) {
         int i = i0 + r;
         if (i < T) {
-            int p = pos[i];
+            int p = a[i];
             mn = imin(mn, p);
             mx = imax(mx, p);
         }
     }
-    pmin = warp_min_i(mn);
-    pmax = warp_max_i(mx);
+    amin = warp_min_i(mn);
+    amax = warp_max_i(mx);
 }
-/* The ranges of the positions of a block's tile, pos[t0 .. t0+n), and of this warp's
- * 16-row strip of it (the mma kernels) */
-__device__ __forceinline__ void tile_pos_ranges(const int32_t *pos, int t0, int n, int T, int &bmin, int &bmax,
-                                                int &wmin, int &wmax)
+/* The TokRange of tokens [i0, i0+n) (< T) of positions pos and documents doc (a
+ * sequence's row, or NULL: [0, 0]), over a warp */
+__device__ __forceinline__ TokRange warp_tok_range(const int32_t *pos, const int32_t *doc, int i0, int n, int T)
 {
-    warp_pos_range(pos, t0, n, T, bmin, bmax);
-    warp_pos_range(pos, t0 + (threadIdx.x >> 5) * 16, 16, T, wmin, wmax);
+    TokRange r = {0, 0, 0, 0};
+    warp_int_range(pos, i0, n, T, r.pmin, r.pmax);
+    if (doc) warp_int_range(doc, i0, n, T, r.dmin, r.dmax);
+    return r;
 }
-/* No query of [qmin, qmax] sees a key of kpos[k0 .. k0+n) (keys < Tk); by a warp. */
-__device__ __forceinline__ bool keys_hidden(const int32_t *kpos, int k0, int n, int Tk, int qmin, int qmax, int window)
+/* The kernels keep the ranges of their own tile in shared memory, one copy per warp
+ * (no block barrier): registers are what they lack, and a range is read once per
+ * tile of the other side. A block's tile and this warp's 16-row strip of it (the
+ * mma kernels). */
+struct TileRanges {
+    TokRange blk, wrp;
+};
+/* dst = r, this warp's copy in shared memory; by a warp. */
+template <typename R> __device__ __forceinline__ void warp_keep(R &dst, const R &r)
 {
-    int kmin, kmax;
-    warp_pos_range(kpos, k0, n, Tk, kmin, kmax);
-    return attn_skip(qmin, qmax, kmin, kmax, window);
+    if ((threadIdx.x & 31) == 0) dst = r;
+    __syncwarp();
 }
-/* No query of qpos[q0 .. q0+n) (queries < Tq) sees a key of [kmin, kmax]; by a warp. */
-__device__ __forceinline__ bool queries_hidden(const int32_t *qpos, int q0, int n, int Tq, int kmin, int kmax,
-                                               int window)
+/* r (this warp's) for tokens t0 .. t0+n; by a warp. */
+__device__ __forceinline__ void tile_tok_ranges(const int32_t *pos, const int32_t *doc, int t0, int n, int T,
+                                                TileRanges &r)
 {
-    int qmin, qmax;
-    warp_pos_range(qpos, q0, n, Tq, qmin, qmax);
-    return attn_skip(qmin, qmax, kmin, kmax, window);
+    const TokRange blk = warp_tok_range(pos, doc, t0, n, T);
+    warp_keep(r, {blk, warp_tok_range(pos, doc, t0 + (threadIdx.x >> 5) * 16, 16, T)});
 }
-/* pos[i0 + r] into dst[r] for r < n, `fill` where i0 + r >= T; by thread tid of nthreads. */
-__device__ __forceinline__ void load_pos(int *dst, const int32_t *pos, int i0, int n, int T, int fill, int tid,
+/* No query of q sees a key of k0 .. k0+n (keys < Tk); by a warp. */
+__device__ __forceinline__ bool keys_hidden(const int32_t *kpos, const int32_t *kdoc, int k0, int n, int Tk,
+                                            const TokRange &q, int window)
+{
+    return attn_skip(q, warp_tok_range(kpos, kdoc, k0, n, Tk), window);
+}
+/* No query of q0 .. q0+n (queries < Tq) sees a key of k; by a warp. */
+__device__ __forceinline__ bool queries_hidden(const int32_t *qpos, const int32_t *qdoc, int q0, int n, int Tq,
+                                               const TokRange &k, int window)
+{
+    return attn_skip(warp_tok_range(qpos, qdoc, q0, n, Tq), k, window);
+}
+/* tok_at(a, i0 + r, T, fill) into dst[r] for r < n; by thread tid of nthreads. */
+__device__ __forceinline__ void load_tok(int *dst, const int32_t *a, int i0, int n, int T, int fill, int tid,
                                          int nthreads)
 {
-    for (int r = tid; r < n; r += nthreads) {
-        const int i = i0 + r;
-        dst[r] = i < T ? pos[i] : fill;
-    }
+    for (int r = tid; r < n; r += nthreads) dst[r] = tok_at(a, i0 + r, T, fill);
 }
 
 /* -------------------------------------------------- shared-memory layouts */
@@ -173,14 +208,16 @@ template <typename T> __device__ __forceinline__ float simt_row_dot(const T *a, 
     for (int d = threadIdx.x & 31; d < hd; d += 32) s += to_f(a[d]) * to_f(b[d]);
     return warp_sum(s);
 }
-/* P and dS of this lane's (query, key) pair (positions qp, kp), from the query's row
+/* P and dS of this lane's (query, key) pair (positions qp, kp, documents qd, kd),
+ * from the query's row
  * q and dout row g and the key's rows k and v (hd columns): P = exp(q.k scale - L)
  * where visible, else 0; dS = P (g.v - D) scale. False, in the whole warp, when no
  * lane's pair is visible (nothing to add). */
-__device__ __forceinline__ bool simt_p_ds(int qp, int kp, int window, const float *q, const float *k, const float *g,
-                                          const float *v, int hd, float L, float D, float scale, float &p, float &ds)
+__device__ __forceinline__ bool simt_p_ds(int qp, int kp, int qd, int kd, int window, const float *q, const float *k,
+                                          const float *g, const float *v, int hd, float L, float D, float scale,
+                                          float &p, float &ds)
 {
-    const bool vis = attn_visible(qp, kp, window);
+    const bool vis = attn_visible(qp, kp, qd, kd, window);
     if (!__any_sync(0xffffffffu, vis)) return false;
     float s = 0.0f, dp = 0.0f;
     for (int d = 0; d < hd; d++) {
@@ -468,22 +505,24 @@ __device__ __forceinline__ void tile_pipeline(int n, Skip skip, Load load, First
 }
 
 /* ============================================================ launchers */
-/* The shape of one call; attention.cu has checked it (and the pointers). */
+/* The shape of one call and what decides visibility (device pointers; qdoc, kdoc
+ * [B][T] or both NULL); attention.cu has checked them. */
 struct AttnShape {
     int B, Tq, Tk, nh, nkv, hd, window;
+    const int32_t *qpos, *kpos, *qdoc, *kdoc;
 };
 /* attention_mma.cu: hd 32, 64 or 128, bf16, every pointer 16-byte aligned */
-cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const int32_t *qpos,
-                             const int32_t *kpos, const AttnShape &s, cudaStream_t stream);
+cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                             cudaStream_t stream);
 cudaError_t attn_mma_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                              const void *v, const void *out, const float *lse, const int32_t *qpos,
-                              const int32_t *kpos, const AttnShape &s, cudaStream_t stream);
+                              const void *v, const void *out, const float *lse, const AttnShape &s,
+                              cudaStream_t stream);
 /* attention_simt.cu: any hd <= 256, fp32 or bf16 */
-cudaError_t attn_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v, const int32_t *qpos,
-                              const int32_t *kpos, const AttnShape &s, cudaDataType_t dt, cudaStream_t stream);
+cudaError_t attn_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                              cudaDataType_t dt, cudaStream_t stream);
 cudaError_t attn_simt_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                               const void *v, const void *out, const float *lse, const int32_t *qpos,
-                               const int32_t *kpos, const AttnShape &s, cudaDataType_t dt, cudaStream_t stream);
+                               const void *v, const void *out, const float *lse, const AttnShape &s,
+                               cudaDataType_t dt, cudaStream_t stream);
 cudaError_t attn_simt_merge(void *out, float *lse, const void *out2, const float *lse2, int T, int nh, int hd,
                             size_t rows, cudaDataType_t dt, cudaStream_t stream);
 

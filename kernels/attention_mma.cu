@@ -8,28 +8,30 @@
 /* a block of 8 warps owns 128 query rows of one head (16 per warp, Q in registers) */
 enum { F_WARPS = 8, F_BQ = F_WARPS * 16, F_BK = 64 };
 
-/* Q [F_BQ][LD], K and V [2][F_BK][LD], key positions [2][F_BK] */
+/* Q [F_BQ][LD], K and V [2][F_BK][LD], key positions and documents [2][F_BK] */
 struct FwdSmem {
-    int q, k, v, kp, bytes;
+    int q, k, v, kp, kd, bytes;
 };
 template <int HD> __host__ __device__ constexpr FwdSmem fwd_smem()
 {
     SmemLayout s;
     const int q = s.add<bf16>(F_BQ * (HD + 8)), k = s.add<bf16>(2 * F_BK * (HD + 8)),
-              v = s.add<bf16>(2 * F_BK * (HD + 8)), kp = s.add<int>(2 * F_BK);
-    return {q, k, v, kp, s.bytes};
+              v = s.add<bf16>(2 * F_BK * (HD + 8)), kp = s.add<int>(2 * F_BK), kd = s.add<int>(2 * F_BK);
+    return {q, k, v, kp, kd, s.bytes};
 }
 
 /* Key tile k0.. (BK keys) into buffer buf of the [2][BK][LD] tiles sK, sV (cp.async)
- * and of the [2][BK] positions sKp (INT_MAX past Tk) */
+ * and of the [2][BK] positions sKp (INT_MAX past Tk) and documents sKd */
 template <int HD, int BK>
-__device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, int *sKp, int buf, const bf16 *kb, const bf16 *vb,
-                                             size_t ks, const int32_t *kpos, int k0, int Tk, int tid, int nthreads)
+__device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, int *sKp, int *sKd, int buf, const bf16 *kb,
+                                             const bf16 *vb, size_t ks, const int32_t *kpos, const int32_t *kdoc,
+                                             int k0, int Tk, int tid, int nthreads)
 {
     constexpr int LD = HD + 8;
     load_tile_async<HD, BK>(sK + buf * BK * LD, kb, ks, k0, Tk, tid, nthreads);
     load_tile_async<HD, BK>(sV + buf * BK * LD, vb, ks, k0, Tk, tid, nthreads);
-    load_pos(sKp + buf * BK, kpos, k0, BK, Tk, INT_MAX, tid, nthreads);
+    load_tok(sKp + buf * BK, kpos, k0, BK, Tk, INT_MAX, tid, nthreads);
+    load_tok(sKd + buf * BK, kdoc, k0, BK, Tk, 0, tid, nthreads);
 }
 
 /* One key tile of the online softmax of the two rows a thread holds, r0 (accumulator
@@ -38,8 +40,8 @@ __device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, int *sKp, int b
  * max m0, m1 (log2 units) and sum l0, l1 take them in, the output o is rescaled. */
 template <int NT, int DT>
 __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT][4], float &m0, float &m1, float &l0,
-                                               float &l1, const int *kp, int qp0, int qp1, bool full, int window,
-                                               float scale_log2, int tq)
+                                               float &l1, const int *kp, const int *kd, int qp0, int qp1, int qd0,
+                                               int qd1, bool full, int window, float scale_log2, int tq)
 {
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -48,9 +50,9 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
         for (int e = 0; e < 2; e++) {
             float a = s[nt][e] * scale_log2, c = s[nt][2 + e] * scale_log2;
             if (!full) {
-                const int p = kp[nt * 8 + tq * 2 + e];
-                if (!attn_visible(qp0, p, window)) a = -INFINITY;
-                if (!attn_visible(qp1, p, window)) c = -INFINITY;
+                const int p = kp[nt * 8 + tq * 2 + e], d = kd[nt * 8 + tq * 2 + e];
+                if (!attn_visible(qp0, p, qd0, d, window)) a = -INFINITY;
+                if (!attn_visible(qp1, p, qd1, d, window)) c = -INFINITY;
             }
             s[nt][e] = a;
             s[nt][2 + e] = c;
@@ -90,13 +92,14 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
 template <int HD>
 __global__ void __launch_bounds__(F_WARPS * 32, 1)
     attn_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const int32_t *qpos,
-                 const int32_t *kpos, int Tq, int Tk, int nh, int nkv, int window, float scale_log2)
+                 const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int Tq, int Tk, int nh, int nkv,
+                 int window, float scale_log2)
 {
     constexpr int LD = HD + 8, NT = F_BK / 8, KS = HD / 16, DT = HD / 8, NTHR = F_WARPS * 32;
     constexpr FwdSmem L = fwd_smem<HD>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
-    int *sKp = smem_at<int>(smem, L.kp);
+    int *sKp = smem_at<int>(smem, L.kp), *sKd = smem_at<int>(smem, L.kd);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
     const int h = blockIdx.y, b = blockIdx.z, g = h / (nh / nkv);
@@ -109,34 +112,40 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
     load_tile_async<HD, F_BQ>(sQ, qb, qs, q0, Tq, tid, NTHR);
     cp_async_commit();
 
+    qdoc = doc_row(qdoc, b, Tq);
+    kdoc = doc_row(kdoc, b, Tk);
     const int r0 = q0 + warp * 16 + gq, r1 = r0 + 8;
-    const int qp0 = r0 < Tq ? qpos[r0] : INT_MIN, qp1 = r1 < Tq ? qpos[r1] : INT_MIN;
-    int bqmin, bqmax, wqmin, wqmax;
-    tile_pos_ranges(qpos, q0, F_BQ, Tq, bqmin, bqmax, wqmin, wqmax);
+    const int qp0 = tok_at(qpos, r0, Tq, INT_MIN), qp1 = tok_at(qpos, r1, Tq, INT_MIN);
+    const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
+    __shared__ TileRanges sR[F_WARPS];
+    const TileRanges &qr = sR[warp];
+    tile_tok_ranges(qpos, qdoc, q0, F_BQ, Tq, sR[warp]);
 
     float o[DT][4];
     frag_zero(o);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     uint32_t qf[KS][4];
     tile_pipeline(
-        (Tk + F_BK - 1) / F_BK, [&](int j) { return keys_hidden(kpos, j * F_BK, F_BK, Tk, bqmin, bqmax, window); },
-        [&](int j, int buf) { load_kv_tile<HD, F_BK>(sK, sV, sKp, buf, kb, vb, ks, kpos, j * F_BK, Tk, tid, NTHR); },
+        (Tk + F_BK - 1) / F_BK, [&](int j) { return keys_hidden(kpos, kdoc, j * F_BK, F_BK, Tk, qr.blk, window); },
+        [&](int j, int buf) {
+            load_kv_tile<HD, F_BK>(sK, sV, sKp, sKd, buf, kb, vb, ks, kpos, kdoc, j * F_BK, Tk, tid, NTHR);
+        },
         [&] {
             cp_async_wait<1>(); /* Q has landed */
             __syncthreads();
             frag_ld_a_rows(qf, sQ, warp * 16, LD, lane);
         },
         [&](int j, int buf) {
-            int kmin, kmax;
-            warp_pos_range(kpos, j * F_BK, F_BK, Tk, kmin, kmax);
-            if (attn_skip(wqmin, wqmax, kmin, kmax, window)) return;
-            const bool full = (j + 1) * F_BK <= Tk && attn_full(wqmin, wqmax, kmin, kmax, window);
+            const TokRange kr = warp_tok_range(kpos, kdoc, j * F_BK, F_BK, Tk);
+            if (attn_skip(qr.wrp, kr, window)) return;
+            const bool full = (j + 1) * F_BK <= Tk && attn_full(qr.wrp, kr, window);
             const bf16 *cK = sK + buf * F_BK * LD, *cV = sV + buf * F_BK * LD;
             float s[NT][4];
             frag_zero(s);
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) mma_qk(kk * 16, LD, lane, qk_term(s, qf[kk], cK));
-            online_softmax(s, o, m0, m1, l0, l1, sKp + buf * F_BK, qp0, qp1, full, window, scale_log2, tq);
+            online_softmax(s, o, m0, m1, l0, l1, sKp + buf * F_BK, sKd + buf * F_BK, qp0, qp1, qd0, qd1, full, window,
+                           scale_log2, tq);
             mma_pv(LD, lane, pv_term(o, s, cV));
         });
     l0 = quad_sum(l0);
@@ -155,31 +164,33 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
 enum { BQ_WARPS = 4, BQ_BQ = BQ_WARPS * 16 };
 template <int HD> struct DqCfg { static constexpr int BK = HD >= 128 ? 32 : 64; };
 
-/* Q and dout [BQ_BQ][LD], K and V [2][BK][LD], key positions [2][BK] */
+/* Q and dout [BQ_BQ][LD], K and V [2][BK][LD], key positions and documents [2][BK] */
 struct DqSmem {
-    int q, g, k, v, kp, bytes;
+    int q, g, k, v, kp, kd, bytes;
 };
 template <int HD> __host__ __device__ constexpr DqSmem dq_smem()
 {
     constexpr int BK = DqCfg<HD>::BK;
     SmemLayout s;
     const int q = s.add<bf16>(BQ_BQ * (HD + 8)), g = s.add<bf16>(BQ_BQ * (HD + 8)),
-              k = s.add<bf16>(2 * BK * (HD + 8)), v = s.add<bf16>(2 * BK * (HD + 8)), kp = s.add<int>(2 * BK);
-    return {q, g, k, v, kp, s.bytes};
+              k = s.add<bf16>(2 * BK * (HD + 8)), v = s.add<bf16>(2 * BK * (HD + 8)), kp = s.add<int>(2 * BK),
+              kd = s.add<int>(2 * BK);
+    return {q, g, k, v, kp, kd, s.bytes};
 }
 
 /* dS = P (dP - D) in place of s, P = exp2(s * scale_log2 - L), 0 where not visible */
 template <int NT>
-__device__ __forceinline__ void dq_ds(float (&s)[NT][4], const float (&dp)[NT][4], const int *kp, int qp0, int qp1,
-                                      float L0, float L1, float D0, float D1, int window, float scale_log2, int tq)
+__device__ __forceinline__ void dq_ds(float (&s)[NT][4], const float (&dp)[NT][4], const int *kp, const int *kd,
+                                      int qp0, int qp1, int qd0, int qd1, float L0, float L1, float D0, float D1,
+                                      int window, float scale_log2, int tq)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int p = kp[nt * 8 + tq * 2 + e];
-            const float p0 = attn_visible(qp0, p, window) ? exp2f(s[nt][e] * scale_log2 - L0) : 0.0f;
-            const float p1 = attn_visible(qp1, p, window) ? exp2f(s[nt][2 + e] * scale_log2 - L1) : 0.0f;
+            const int p = kp[nt * 8 + tq * 2 + e], d = kd[nt * 8 + tq * 2 + e];
+            const float p0 = attn_visible(qp0, p, qd0, d, window) ? exp2f(s[nt][e] * scale_log2 - L0) : 0.0f;
+            const float p1 = attn_visible(qp1, p, qd1, d, window) ? exp2f(s[nt][2 + e] * scale_log2 - L1) : 0.0f;
             s[nt][e] = p0 * (dp[nt][e] - D0);
             s[nt][2 + e] = p1 * (dp[nt][2 + e] - D1);
         }
@@ -189,15 +200,15 @@ __device__ __forceinline__ void dq_ds(float (&s)[NT][4], const float (&dp)[NT][4
 template <int HD>
 __global__ void __launch_bounds__(BQ_WARPS * 32)
     attn_bwd_dq_mma(bf16 *dq, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *out,
-                    const float *lse, const int32_t *qpos, const int32_t *kpos, int Tq, int Tk, int nh, int nkv,
-                    int window, float scale, float scale_log2)
+                    const float *lse, const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
+                    const int32_t *kdoc, int Tq, int Tk, int nh, int nkv, int window, float scale, float scale_log2)
 {
     constexpr int BK = DqCfg<HD>::BK, LD = HD + 8, NT = BK / 8, KS = HD / 16, DT = HD / 8, NTHR = BQ_WARPS * 32;
     constexpr DqSmem L = dq_smem<HD>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sG = smem_at<bf16>(smem, L.g);
     bf16 *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
-    int *sKp = smem_at<int>(smem, L.kp);
+    int *sKp = smem_at<int>(smem, L.kp), *sKd = smem_at<int>(smem, L.kd);
     __shared__ float sDr[BQ_BQ];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;
@@ -223,15 +234,21 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
     const float D0 = sDr[warp * 16 + gq], D1 = sDr[warp * 16 + gq + 8];
     const int qp0 = (r0 < Tq && L0 != INFINITY) ? qpos[r0] : INT_MIN;
     const int qp1 = (r1 < Tq && L1 != INFINITY) ? qpos[r1] : INT_MIN;
-    int bqmin, bqmax, wqmin, wqmax;
-    tile_pos_ranges(qpos, q0, BQ_BQ, Tq, bqmin, bqmax, wqmin, wqmax);
+    qdoc = doc_row(qdoc, b, Tq);
+    kdoc = doc_row(kdoc, b, Tk);
+    const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
+    __shared__ TileRanges sR[BQ_WARPS];
+    const TileRanges &qr = sR[warp];
+    tile_tok_ranges(qpos, qdoc, q0, BQ_BQ, Tq, sR[warp]);
 
     float acc[DT][4];
     frag_zero(acc);
     uint32_t qf[KS][4], gf[KS][4];
     tile_pipeline(
-        (Tk + BK - 1) / BK, [&](int j) { return keys_hidden(kpos, j * BK, BK, Tk, bqmin, bqmax, window); },
-        [&](int j, int buf) { load_kv_tile<HD, BK>(sK, sV, sKp, buf, kb, vb, ks, kpos, j * BK, Tk, tid, NTHR); },
+        (Tk + BK - 1) / BK, [&](int j) { return keys_hidden(kpos, kdoc, j * BK, BK, Tk, qr.blk, window); },
+        [&](int j, int buf) {
+            load_kv_tile<HD, BK>(sK, sV, sKp, sKd, buf, kb, vb, ks, kpos, kdoc, j * BK, Tk, tid, NTHR);
+        },
         [&] {
             cp_async_wait<1>(); /* Q and dout have landed */
             __syncthreads();
@@ -239,7 +256,7 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
             frag_ld_a_rows(gf, sG, warp * 16, LD, lane);
         },
         [&](int j, int buf) {
-            if (keys_hidden(kpos, j * BK, BK, Tk, wqmin, wqmax, window)) return;
+            if (keys_hidden(kpos, kdoc, j * BK, BK, Tk, qr.wrp, window)) return;
             const bf16 *cK = sK + buf * BK * LD, *cV = sV + buf * BK * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);
@@ -247,7 +264,7 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) /* S = Q K^T, dP = dO V^T */
                 mma_qk(kk * 16, LD, lane, qk_term(s, qf[kk], cK), qk_term(dp, gf[kk], cV));
-            dq_ds(s, dp, sKp + buf * BK, qp0, qp1, L0, L1, D0, D1, window, scale_log2, tq);
+            dq_ds(s, dp, sKp + buf * BK, sKd + buf * BK, qp0, qp1, qd0, qd1, L0, L1, D0, D1, window, scale_log2, tq);
             mma_pv(LD, lane, pv_term(acc, s, cK)); /* dQ += dS K */
         });
     frag_add_rows(dq + qoff, qs, r0, r1, Tq, acc, scale, tq);
@@ -260,9 +277,9 @@ enum { BK_WARPS = 4, BK_BKV = BK_WARPS * 16 };
 template <int HD> struct DkvCfg { static constexpr int BQ = HD >= 128 ? 32 : 64; };
 
 /* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; per query row lse (log2 units, +inf:
- * none), D and position, [2][BQ] each */
+ * none), D, position and document, [2][BQ] each */
 struct DkvSmem {
-    int k, v, q, g, l, d, qp, bytes;
+    int k, v, q, g, l, d, qp, qd, bytes;
 };
 template <int HD> __host__ __device__ constexpr DkvSmem dkv_smem()
 {
@@ -270,25 +287,26 @@ template <int HD> __host__ __device__ constexpr DkvSmem dkv_smem()
     SmemLayout s;
     const int k = s.add<bf16>(BK_BKV * (HD + 8)), v = s.add<bf16>(BK_BKV * (HD + 8)),
               q = s.add<bf16>(2 * BQ * (HD + 8)), g = s.add<bf16>(2 * BQ * (HD + 8)), l = s.add<float>(2 * BQ),
-              d = s.add<float>(2 * BQ), qp = s.add<int>(2 * BQ);
-    return {k, v, q, g, l, d, qp, s.bytes};
+              d = s.add<float>(2 * BQ), qp = s.add<int>(2 * BQ), qd = s.add<int>(2 * BQ);
+    return {k, v, q, g, l, d, qp, qd, s.bytes};
 }
 
-/* P^T and dS^T = P^T (dP^T - D) in place of s and dp (keys kp0, kp1 of this thread's
- * rows; per query column its position, lse and D) */
+/* P^T and dS^T = P^T (dP^T - D) in place of s and dp (keys kp0, kp1 of documents
+ * kd0, kd1 in this thread's rows; per query column its position, document, lse and D) */
 template <int NT>
-__device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], const int *qp, const float *Ls,
-                                         const float *Ds, int kp0, int kp1, int window, float scale_log2, int tq)
+__device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], const int *qp, const int *qd,
+                                         const float *Ls, const float *Ds, int kp0, int kp1, int kd0, int kd1,
+                                         int window, float scale_log2, int tq)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int c = nt * 8 + tq * 2 + e;
-            const int p = qp[c];
+            const int p = qp[c], d = qd[c];
             const float L = Ls[c], D = Ds[c];
-            const float p0 = attn_visible(p, kp0, window) ? exp2f(s[nt][e] * scale_log2 - L) : 0.0f;
-            const float p1 = attn_visible(p, kp1, window) ? exp2f(s[nt][2 + e] * scale_log2 - L) : 0.0f;
+            const float p0 = attn_visible(p, kp0, d, kd0, window) ? exp2f(s[nt][e] * scale_log2 - L) : 0.0f;
+            const float p1 = attn_visible(p, kp1, d, kd1, window) ? exp2f(s[nt][2 + e] * scale_log2 - L) : 0.0f;
             s[nt][e] = p0;
             s[nt][2 + e] = p1;
             dp[nt][e] = p0 * (dp[nt][e] - D);
@@ -300,8 +318,9 @@ __device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], 
 template <int HD>
 __global__ void __launch_bounds__(BK_WARPS * 32)
     attn_bwd_dkv_mma(bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v,
-                     const bf16 *out, const float *lse, const int32_t *qpos, const int32_t *kpos, int Tq, int Tk,
-                     int nh, int nkv, int window, float scale, float scale_log2)
+                     const bf16 *out, const float *lse, const int32_t *qpos, const int32_t *kpos,
+                     const int32_t *qdoc, const int32_t *kdoc, int Tq, int Tk, int nh, int nkv, int window,
+                     float scale, float scale_log2)
 {
     constexpr int BQ = DkvCfg<HD>::BQ, LD = HD + 8, NT = BQ / 8, KS = HD / 16, DT = HD / 8, NTHR = BK_WARPS * 32;
     constexpr DkvSmem L = dkv_smem<HD>();
@@ -309,7 +328,7 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
     bf16 *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sG = smem_at<bf16>(smem, L.g);
     float *sL = smem_at<float>(smem, L.l), *sD = smem_at<float>(smem, L.d);
-    int *sQp = smem_at<int>(smem, L.qp);
+    int *sQp = smem_at<int>(smem, L.qp), *sQd = smem_at<int>(smem, L.qd);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int k0 = blockIdx.x * BK_BKV, g = blockIdx.y, b = blockIdx.z, rep = nh / nkv;
     const size_t qs = (size_t)nh * HD, ks = (size_t)nkv * HD;
@@ -319,10 +338,14 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
     load_tile_async<HD, BK_BKV>(sV, v + koff, ks, k0, Tk, tid, NTHR);
     cp_async_commit();
 
+    qdoc = doc_row(qdoc, b, Tq);
+    kdoc = doc_row(kdoc, b, Tk);
     const int kr0 = k0 + warp * 16 + gq, kr1 = kr0 + 8;
-    const int kp0 = kr0 < Tk ? kpos[kr0] : INT_MAX, kp1 = kr1 < Tk ? kpos[kr1] : INT_MAX;
-    int bkmin, bkmax, wkmin, wkmax;
-    tile_pos_ranges(kpos, k0, BK_BKV, Tk, bkmin, bkmax, wkmin, wkmax);
+    const int kp0 = tok_at(kpos, kr0, Tk, INT_MAX), kp1 = tok_at(kpos, kr1, Tk, INT_MAX);
+    const int kd0 = tok_at(kdoc, kr0, Tk, 0), kd1 = tok_at(kdoc, kr1, Tk, 0);
+    __shared__ TileRanges sR[BK_WARPS];
+    const TileRanges &kr = sR[warp];
+    tile_tok_ranges(kpos, kdoc, k0, BK_BKV, Tk, sR[warp]);
 
     /* item i: query head g*rep + i/nqt, query tile i%nqt */
     const int nqt = (Tq + BQ - 1) / BQ;
@@ -341,6 +364,7 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
                 sD[buf * BQ + r] = d;
                 sL[buf * BQ + r] = Lr;
                 sQp[buf * BQ + r] = (row < Tq && Lr != INFINITY) ? qpos[row] : INT_MIN;
+                sQd[buf * BQ + r] = tok_at(qdoc, row, Tq, 0);
             }
         }
     };
@@ -349,10 +373,10 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
     frag_zero(ak);
     frag_zero(av);
     tile_pipeline(
-        rep * nqt, [&](int i) { return queries_hidden(qpos, (i % nqt) * BQ, BQ, Tq, bkmin, bkmax, window); }, load_q,
+        rep * nqt, [&](int i) { return queries_hidden(qpos, qdoc, (i % nqt) * BQ, BQ, Tq, kr.blk, window); }, load_q,
         [] {}, /* K and V land with the first item */
         [&](int it, int buf) {
-            if (queries_hidden(qpos, (it % nqt) * BQ, BQ, Tq, wkmin, wkmax, window)) return;
+            if (queries_hidden(qpos, qdoc, (it % nqt) * BQ, BQ, Tq, kr.wrp, window)) return;
             const bf16 *cQ = sQ + buf * BQ * LD, *cG = sG + buf * BQ * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);
@@ -364,7 +388,8 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
                 frag_ld_a(vf, sV, warp * 16, kk * 16, LD, lane);
                 mma_qk(kk * 16, LD, lane, qk_term(s, kf, cQ), qk_term(dp, vf, cG));
             }
-            dkv_p_ds(s, dp, sQp + buf * BQ, sL + buf * BQ, sD + buf * BQ, kp0, kp1, window, scale_log2, tq);
+            dkv_p_ds(s, dp, sQp + buf * BQ, sQd + buf * BQ, sL + buf * BQ, sD + buf * BQ, kp0, kp1, kd0, kd1, window,
+                     scale_log2, tq);
             mma_pv(LD, lane, pv_term(av, s, cG), pv_term(ak, dp, cQ)); /* dV += P^T dO, dK += dS^T Q */
         });
     frag_add_rows(dk + koff, ks, kr0, kr1, Tk, ak, scale, tq);
@@ -373,8 +398,8 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
 
 /* ============================================================ launchers */
 template <int HD>
-static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, const void *v, const int32_t *qpos,
-                           const int32_t *kpos, const AttnShape &s, cudaStream_t stream)
+static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                           cudaStream_t stream)
 {
     auto kern = attn_fwd_mma<HD>;
     constexpr size_t smem = fwd_smem<HD>().bytes;
@@ -382,14 +407,14 @@ static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, 
     if (e != cudaSuccess) return e;
     dim3 grid((s.Tq + F_BQ - 1) / F_BQ, s.nh, s.B);
     SMP_LAUNCH(kern, grid, F_WARPS * 32, smem, stream, (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k,
-               (const bf16 *)v, qpos, kpos, s.Tq, s.Tk, s.nh, s.nkv, s.window, LOG2E_F / sqrtf((float)HD));
+               (const bf16 *)v, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.window,
+               LOG2E_F / sqrtf((float)HD));
     return smp_cuda_launched("cuda_op_attention_forward");
 }
 
 template <int HD>
 static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k, const void *v,
-                           const void *out, const float *lse, const int32_t *qpos, const int32_t *kpos,
-                           const AttnShape &s, cudaStream_t stream)
+                           const void *out, const float *lse, const AttnShape &s, cudaStream_t stream)
 {
     const float scale = 1.0f / sqrtf((float)HD), scale_log2 = scale * LOG2E_F;
     auto kq = attn_bwd_dq_mma<HD>;
@@ -401,35 +426,35 @@ static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const
     if (s.Tq > 0) {
         dim3 grid((s.Tq + BQ_BQ - 1) / BQ_BQ, s.nh, s.B);
         SMP_LAUNCH(kq, grid, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q,
-                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, qpos, kpos, s.Tq, s.Tk, s.nh, s.nkv,
-                   s.window, scale, scale_log2);
+                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk,
+                   s.nh, s.nkv, s.window, scale, scale_log2);
     }
     if (s.Tk > 0) {
         dim3 grid((s.Tk + BK_BKV - 1) / BK_BKV, s.nkv, s.B);
         SMP_LAUNCH(kkv, grid, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
-                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, qpos, kpos, s.Tq, s.Tk, s.nh, s.nkv,
-                   s.window, scale, scale_log2);
+                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk,
+                   s.nh, s.nkv, s.window, scale, scale_log2);
     }
     return smp_cuda_launched("cuda_op_attention_backward");
 }
 
-cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const int32_t *qpos,
-                             const int32_t *kpos, const AttnShape &s, cudaStream_t stream)
+cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                             cudaStream_t stream)
 {
     switch (s.hd) {
-    case 32: return fwd_mma<32>(out, lse, q, k, v, qpos, kpos, s, stream);
-    case 64: return fwd_mma<64>(out, lse, q, k, v, qpos, kpos, s, stream);
-    default: return fwd_mma<128>(out, lse, q, k, v, qpos, kpos, s, stream);
+    case 32: return fwd_mma<32>(out, lse, q, k, v, s, stream);
+    case 64: return fwd_mma<64>(out, lse, q, k, v, s, stream);
+    default: return fwd_mma<128>(out, lse, q, k, v, s, stream);
     }
 }
 
 cudaError_t attn_mma_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                              const void *v, const void *out, const float *lse, const int32_t *qpos,
-                              const int32_t *kpos, const AttnShape &s, cudaStream_t stream)
+                              const void *v, const void *out, const float *lse, const AttnShape &s,
+                              cudaStream_t stream)
 {
     switch (s.hd) {
-    case 32: return bwd_mma<32>(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, stream);
-    case 64: return bwd_mma<64>(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, stream);
-    default: return bwd_mma<128>(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, stream);
+    case 32: return bwd_mma<32>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
+    case 64: return bwd_mma<64>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
+    default: return bwd_mma<128>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
     }
 }

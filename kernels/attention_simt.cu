@@ -6,31 +6,43 @@
 
 /* The shared memory of the three kernels: fp32 tiles, rows padded to hd + 1 where a
  * lane reads a row of its own.
- * Q [S_BQ][hd], K [S_BK][hd+1], V [S_BK][hd], key positions [S_BK] */
-__host__ __device__ inline SmemParts<4> simt_fwd_smem(int hd)
+ * Q [S_BQ][hd], K [S_BK][hd+1], V [S_BK][hd], key positions and documents [S_BK] */
+__host__ __device__ inline SmemParts<5> simt_fwd_smem(int hd)
 {
-    return {{S_BQ * hd, S_BK * (hd + 1), S_BK * hd, S_BK}};
+    return {{S_BQ * hd, S_BK * (hd + 1), S_BK * hd, S_BK, S_BK}};
 }
-/* Q, dout [S_BQ][hd], K, V [S_BK][hd+1], key positions [S_BK] */
-__host__ __device__ inline SmemParts<5> simt_dq_smem(int hd)
+/* Q, dout [S_BQ][hd], K, V [S_BK][hd+1], key positions and documents [S_BK] */
+__host__ __device__ inline SmemParts<6> simt_dq_smem(int hd)
 {
-    return {{S_BQ * hd, S_BQ * hd, S_BK * (hd + 1), S_BK * (hd + 1), S_BK}};
+    return {{S_BQ * hd, S_BQ * hd, S_BK * (hd + 1), S_BK * (hd + 1), S_BK, S_BK}};
 }
-/* K, V [S_BKV][hd], Q, dout [S_BQ2][hd+1]; lse, D, query positions [S_BQ2] */
-__host__ __device__ inline SmemParts<7> simt_dkv_smem(int hd)
+/* K, V [S_BKV][hd], Q, dout [S_BQ2][hd+1]; lse, D, query positions and documents [S_BQ2] */
+__host__ __device__ inline SmemParts<8> simt_dkv_smem(int hd)
 {
-    return {{S_BKV * hd, S_BKV * hd, S_BQ2 * (hd + 1), S_BQ2 * (hd + 1), S_BQ2, S_BQ2, S_BQ2}};
+    return {{S_BKV * hd, S_BKV * hd, S_BQ2 * (hd + 1), S_BQ2 * (hd + 1), S_BQ2, S_BQ2, S_BQ2, S_BQ2}};
+}
+
+/* Key tile k0.. into the shared positions sKp and documents sKd (by the first S_BK threads) */
+__device__ __forceinline__ void simt_load_key_toks(int *sKp, int *sKd, const int32_t *kpos, const int32_t *kdoc,
+                                                   int k0, int Tk)
+{
+    const int t = threadIdx.x;
+    if (t < S_BK) {
+        sKp[t] = tok_at(kpos, k0 + t, Tk, INT_MAX);
+        sKd[t] = tok_at(kdoc, k0 + t, Tk, 0);
+    }
 }
 
 template <typename T, int NPL>
 __global__ void __launch_bounds__(S_WARPS * 32)
     attn_fwd_simt(T *out, float *lse, const T *q, const T *k, const T *v, const int32_t *qpos, const int32_t *kpos,
-                  int Tq, int Tk, int nh, int nkv, int hd, int window, float scale)
+                  const int32_t *qdoc, const int32_t *kdoc, int Tq, int Tk, int nh, int nkv, int hd, int window,
+                  float scale)
 {
     SMP_DYN_SMEM(float, sm);
-    const SmemParts<4> P = simt_fwd_smem(hd);
+    const SmemParts<5> P = simt_fwd_smem(hd);
     float *sQ = sm, *sK = sQ + P.n[0], *sV = sK + P.n[1];
-    int *sKp = reinterpret_cast<int *>(sV + P.n[2]);
+    int *sKp = reinterpret_cast<int *>(sV + P.n[2]), *sKd = sKp + P.n[3];
     const int ldk = hd + 1;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int q0 = blockIdx.x * S_BQ, h = blockIdx.y, b = blockIdx.z, g = h / (nh / nkv);
@@ -39,14 +51,18 @@ __global__ void __launch_bounds__(S_WARPS * 32)
     const T *kb = k + (size_t)b * Tk * ks + (size_t)g * hd;
     const T *vb = v + (size_t)b * Tk * ks + (size_t)g * hd;
 
+    qdoc = doc_row(qdoc, b, Tq);
+    kdoc = doc_row(kdoc, b, Tk);
     simt_load_rows(sQ, hd, qb, qs, q0, S_BQ, Tq, hd);
-    int qmin, qmax;
-    warp_pos_range(qpos, q0, S_BQ, Tq, qmin, qmax);
-    int qp[S_RPW];
+    __shared__ TokRange sR[S_WARPS];
+    const TokRange &qr = sR[warp];
+    warp_keep(sR[warp], warp_tok_range(qpos, qdoc, q0, S_BQ, Tq));
+    int qp[S_RPW], qd[S_RPW];
 #pragma unroll
     for (int i = 0; i < S_RPW; i++) {
         int row = q0 + warp * S_RPW + i;
-        qp[i] = row < Tq ? qpos[row] : INT_MIN;
+        qp[i] = tok_at(qpos, row, Tq, INT_MIN);
+        qd[i] = tok_at(qdoc, row, Tq, 0);
     }
     float o[S_RPW][NPL], m[S_RPW], l[S_RPW];
 #pragma unroll
@@ -57,18 +73,18 @@ __global__ void __launch_bounds__(S_WARPS * 32)
         for (int e = 0; e < NPL; e++) o[i][e] = 0.0f;
     }
     for (int k0 = 0; k0 < Tk; k0 += S_BK) {
-        if (keys_hidden(kpos, k0, S_BK, Tk, qmin, qmax, window)) continue; /* same in every warp */
+        if (keys_hidden(kpos, kdoc, k0, S_BK, Tk, qr, window)) continue; /* same in every warp */
         __syncthreads(); /* the previous tile is consumed (and sQ written, the first time) */
         simt_load_rows2(sK, ldk, kb, sV, hd, vb, ks, k0, S_BK, Tk, hd);
-        if (tid < S_BK) sKp[tid] = k0 + tid < Tk ? kpos[k0 + tid] : INT_MAX;
+        simt_load_key_toks(sKp, sKd, kpos, kdoc, k0, Tk);
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < S_RPW; i++) {
-            const float *qr = sQ + (warp * S_RPW + i) * hd;
+            const float *qrow = sQ + (warp * S_RPW + i) * hd;
             float s = 0.0f;
-            for (int d = 0; d < hd; d++) s += qr[d] * sK[lane * ldk + d];
+            for (int d = 0; d < hd; d++) s += qrow[d] * sK[lane * ldk + d];
             s *= scale;
-            const bool vis = attn_visible(qp[i], sKp[lane], window);
+            const bool vis = attn_visible(qp[i], sKp[lane], qd[i], sKd[lane], window);
             s = vis ? s : -INFINITY;
             const float mt = warp_max(s);
             if (mt == -INFINITY) continue; /* nothing visible for this row here (warp-uniform) */
@@ -100,13 +116,13 @@ __global__ void __launch_bounds__(S_WARPS * 32)
 template <typename T, int NPL>
 __global__ void __launch_bounds__(S_WARPS * 32)
     attn_bwd_dq_simt(T *dq, const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,
-                     const int32_t *qpos, const int32_t *kpos, int Tq, int Tk, int nh, int nkv, int hd, int window,
-                     float scale)
+                     const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int Tq,
+                     int Tk, int nh, int nkv, int hd, int window, float scale)
 {
     SMP_DYN_SMEM(float, sm);
-    const SmemParts<5> P = simt_dq_smem(hd);
+    const SmemParts<6> P = simt_dq_smem(hd);
     float *sQ = sm, *sG = sQ + P.n[0], *sK = sG + P.n[1], *sV = sK + P.n[2];
-    int *sKp = reinterpret_cast<int *>(sV + P.n[3]);
+    int *sKp = reinterpret_cast<int *>(sV + P.n[3]), *sKd = sKp + P.n[4];
     const int ldk = hd + 1;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int q0 = blockIdx.x * S_BQ, h = blockIdx.y, b = blockIdx.z, g = h / (nh / nkv);
@@ -115,15 +131,19 @@ __global__ void __launch_bounds__(S_WARPS * 32)
     const T *kb = k + (size_t)b * Tk * ks + (size_t)g * hd;
     const T *vb = v + (size_t)b * Tk * ks + (size_t)g * hd;
 
+    qdoc = doc_row(qdoc, b, Tq);
+    kdoc = doc_row(kdoc, b, Tk);
     simt_load_rows2(sQ, hd, q + qoff, sG, hd, dout + qoff, qs, q0, S_BQ, Tq, hd);
-    int qmin, qmax;
-    warp_pos_range(qpos, q0, S_BQ, Tq, qmin, qmax);
-    int qp[S_RPW];
+    __shared__ TokRange sR[S_WARPS];
+    const TokRange &qr = sR[warp];
+    warp_keep(sR[warp], warp_tok_range(qpos, qdoc, q0, S_BQ, Tq));
+    int qp[S_RPW], qd[S_RPW];
     float L[S_RPW], D[S_RPW], acc[S_RPW][NPL];
 #pragma unroll
     for (int i = 0; i < S_RPW; i++) {
         const int row = q0 + warp * S_RPW + i;
         qp[i] = INT_MIN; /* rows past Tq and rows with lse = -inf see nothing */
+        qd[i] = tok_at(qdoc, row, Tq, 0);
         L[i] = 0.0f;
         D[i] = 0.0f;
         if (row < Tq) {
@@ -138,17 +158,17 @@ __global__ void __launch_bounds__(S_WARPS * 32)
         for (int e = 0; e < NPL; e++) acc[i][e] = 0.0f;
     }
     for (int k0 = 0; k0 < Tk; k0 += S_BK) {
-        if (keys_hidden(kpos, k0, S_BK, Tk, qmin, qmax, window)) continue;
+        if (keys_hidden(kpos, kdoc, k0, S_BK, Tk, qr, window)) continue;
         __syncthreads();
         simt_load_rows2(sK, ldk, kb, sV, ldk, vb, ks, k0, S_BK, Tk, hd);
-        if (tid < S_BK) sKp[tid] = k0 + tid < Tk ? kpos[k0 + tid] : INT_MAX;
+        simt_load_key_toks(sKp, sKd, kpos, kdoc, k0, Tk);
         __syncthreads();
 #pragma unroll
         for (int i = 0; i < S_RPW; i++) {
-            const float *qr = sQ + (warp * S_RPW + i) * hd, *gr = sG + (warp * S_RPW + i) * hd;
+            const float *qrow = sQ + (warp * S_RPW + i) * hd, *gr = sG + (warp * S_RPW + i) * hd;
             float p, ds;
-            if (!simt_p_ds(qp[i], sKp[lane], window, qr, sK + lane * ldk, gr, sV + lane * ldk, hd, L[i], D[i], scale,
-                           p, ds))
+            if (!simt_p_ds(qp[i], sKp[lane], qd[i], sKd[lane], window, qrow, sK + lane * ldk, gr, sV + lane * ldk, hd,
+                           L[i], D[i], scale, p, ds))
                 continue;
             simt_acc_rows<S_BK>(acc[i], ds, sK, ldk, hd);
         }
@@ -163,29 +183,33 @@ __global__ void __launch_bounds__(S_WARPS * 32)
 template <typename T, int NPL>
 __global__ void __launch_bounds__(S_WARPS * 32)
     attn_bwd_dkv_simt(T *dk, T *dv, const T *dout, const T *q, const T *k, const T *v, const T *out, const float *lse,
-                      const int32_t *qpos, const int32_t *kpos, int Tq, int Tk, int nh, int nkv, int hd, int window,
-                      float scale)
+                      const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int Tq,
+                      int Tk, int nh, int nkv, int hd, int window, float scale)
 {
     SMP_DYN_SMEM(float, sm);
-    const SmemParts<7> P = simt_dkv_smem(hd);
+    const SmemParts<8> P = simt_dkv_smem(hd);
     float *sK = sm, *sV = sK + P.n[0], *sQ = sV + P.n[1], *sG = sQ + P.n[2];
     float *sL = sG + P.n[3], *sD = sL + P.n[4];
-    int *sQp = reinterpret_cast<int *>(sD + P.n[5]);
+    int *sQp = reinterpret_cast<int *>(sD + P.n[5]), *sQd = sQp + P.n[6];
     const int ldq = hd + 1;
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int k0 = blockIdx.x * S_BKV, g = blockIdx.y, b = blockIdx.z, rep = nh / nkv;
     const size_t qs = (size_t)nh * hd, ks = (size_t)nkv * hd;
     const size_t koff = (size_t)b * Tk * ks + (size_t)g * hd;
 
+    qdoc = doc_row(qdoc, b, Tq);
+    kdoc = doc_row(kdoc, b, Tk);
     simt_load_rows2(sK, hd, k + koff, sV, hd, v + koff, ks, k0, S_BKV, Tk, hd);
-    int kmin, kmax;
-    warp_pos_range(kpos, k0, S_BKV, Tk, kmin, kmax);
-    int kp[S_RPW];
+    __shared__ TokRange sR[S_WARPS];
+    const TokRange &kr = sR[warp];
+    warp_keep(sR[warp], warp_tok_range(kpos, kdoc, k0, S_BKV, Tk));
+    int kp[S_RPW], kd[S_RPW];
     float ak[S_RPW][NPL], av[S_RPW][NPL];
 #pragma unroll
     for (int i = 0; i < S_RPW; i++) {
         const int key = k0 + warp * S_RPW + i;
-        kp[i] = key < Tk ? kpos[key] : INT_MAX;
+        kp[i] = tok_at(kpos, key, Tk, INT_MAX);
+        kd[i] = tok_at(kdoc, key, Tk, 0);
 #pragma unroll
         for (int e = 0; e < NPL; e++) ak[i][e] = av[i][e] = 0.0f;
     }
@@ -193,7 +217,7 @@ __global__ void __launch_bounds__(S_WARPS * 32)
         const int h = g * rep + hh;
         const size_t qoff = (size_t)b * Tq * qs + (size_t)h * hd;
         for (int q0 = 0; q0 < Tq; q0 += S_BQ2) {
-            if (queries_hidden(qpos, q0, S_BQ2, Tq, kmin, kmax, window)) continue;
+            if (queries_hidden(qpos, qdoc, q0, S_BQ2, Tq, kr, window)) continue;
             __syncthreads();
             simt_load_rows2(sQ, ldq, q + qoff, sG, ldq, dout + qoff, qs, q0, S_BQ2, Tq, hd);
             for (int r = warp; r < S_BQ2; r += S_WARPS) { /* lse, D and position per query row */
@@ -209,15 +233,16 @@ __global__ void __launch_bounds__(S_WARPS * 32)
                     sD[r] = dd;
                     sL[r] = Lr;
                     sQp[r] = p;
+                    sQd[r] = tok_at(qdoc, row, Tq, 0);
                 }
             }
             __syncthreads();
 #pragma unroll
             for (int i = 0; i < S_RPW; i++) {
-                const float *kr = sK + (warp * S_RPW + i) * hd, *vr = sV + (warp * S_RPW + i) * hd;
+                const float *krow = sK + (warp * S_RPW + i) * hd, *vr = sV + (warp * S_RPW + i) * hd;
                 float p, ds;
-                if (!simt_p_ds(sQp[lane], kp[i], window, kr, sQ + lane * ldq, vr, sG + lane * ldq, hd, sL[lane],
-                               sD[lane], scale, p, ds))
+                if (!simt_p_ds(sQp[lane], kp[i], sQd[lane], kd[i], window, krow, sQ + lane * ldq, vr, sG + lane * ldq,
+                               hd, sL[lane], sD[lane], scale, p, ds))
                     continue;
                 for (int c = 0; c < S_BQ2; c++) {
                     const float pc = __shfl_sync(0xffffffffu, p, c), dc = __shfl_sync(0xffffffffu, ds, c);
@@ -279,23 +304,22 @@ template <typename K> static K for_hd(int hd, K npl1, K npl2, K npl4, K npl8)
 }
 
 template <typename T>
-static cudaError_t fwd_simt(void *out, float *lse, const void *q, const void *k, const void *v, const int32_t *qpos,
-                            const int32_t *kpos, const AttnShape &s, cudaStream_t stream)
+static cudaError_t fwd_simt(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                            cudaStream_t stream)
 {
     auto kern = for_hd(s.hd, attn_fwd_simt<T, 1>, attn_fwd_simt<T, 2>, attn_fwd_simt<T, 4>, attn_fwd_simt<T, 8>);
     const size_t smem = simt_fwd_smem(s.hd).bytes();
     cudaError_t e = smp_cuda_smem_optin((const void *)kern, smem, "cuda_op_attention_forward");
     if (e != cudaSuccess) return e;
     dim3 grid((s.Tq + S_BQ - 1) / S_BQ, s.nh, s.B);
-    SMP_LAUNCH(kern, grid, S_WARPS * 32, smem, stream, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, qpos,
-               kpos, s.Tq, s.Tk, s.nh, s.nkv, s.hd, s.window, 1.0f / sqrtf((float)s.hd));
+    SMP_LAUNCH(kern, grid, S_WARPS * 32, smem, stream, (T *)out, lse, (const T *)q, (const T *)k, (const T *)v, s.qpos,
+               s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.hd, s.window, 1.0f / sqrtf((float)s.hd));
     return smp_cuda_launched("cuda_op_attention_forward");
 }
 
 template <typename T>
 static cudaError_t bwd_simt(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                            const void *v, const void *out, const float *lse, const int32_t *qpos, const int32_t *kpos,
-                            const AttnShape &s, cudaStream_t stream)
+                            const void *v, const void *out, const float *lse, const AttnShape &s, cudaStream_t stream)
 {
     const float scale = 1.0f / sqrtf((float)s.hd);
     auto kq = for_hd(s.hd, attn_bwd_dq_simt<T, 1>, attn_bwd_dq_simt<T, 2>, attn_bwd_dq_simt<T, 4>,
@@ -309,30 +333,31 @@ static cudaError_t bwd_simt(void *dq, void *dk, void *dv, const void *dout, cons
     if (s.Tq > 0) {
         dim3 grid((s.Tq + S_BQ - 1) / S_BQ, s.nh, s.B);
         SMP_LAUNCH(kq, grid, S_WARPS * 32, sq, stream, (T *)dq, (const T *)dout, (const T *)q, (const T *)k,
-                   (const T *)v, (const T *)out, lse, qpos, kpos, s.Tq, s.Tk, s.nh, s.nkv, s.hd, s.window, scale);
+                   (const T *)v, (const T *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.hd,
+                   s.window, scale);
     }
     if (s.Tk > 0) {
         dim3 grid((s.Tk + S_BKV - 1) / S_BKV, s.nkv, s.B);
         SMP_LAUNCH(kkv, grid, S_WARPS * 32, skv, stream, (T *)dk, (T *)dv, (const T *)dout, (const T *)q,
-                   (const T *)k, (const T *)v, (const T *)out, lse, qpos, kpos, s.Tq, s.Tk, s.nh, s.nkv, s.hd,
-                   s.window, scale);
+                   (const T *)k, (const T *)v, (const T *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh,
+                   s.nkv, s.hd, s.window, scale);
     }
     return smp_cuda_launched("cuda_op_attention_backward");
 }
 
-cudaError_t attn_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v, const int32_t *qpos,
-                              const int32_t *kpos, const AttnShape &s, cudaDataType_t dt, cudaStream_t stream)
+cudaError_t attn_simt_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                              cudaDataType_t dt, cudaStream_t stream)
 {
-    return dt == CUDA_R_32F ? fwd_simt<float>(out, lse, q, k, v, qpos, kpos, s, stream)
-                            : fwd_simt<bf16>(out, lse, q, k, v, qpos, kpos, s, stream);
+    return dt == CUDA_R_32F ? fwd_simt<float>(out, lse, q, k, v, s, stream)
+                            : fwd_simt<bf16>(out, lse, q, k, v, s, stream);
 }
 
 cudaError_t attn_simt_backward(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
-                               const void *v, const void *out, const float *lse, const int32_t *qpos,
-                               const int32_t *kpos, const AttnShape &s, cudaDataType_t dt, cudaStream_t stream)
+                               const void *v, const void *out, const float *lse, const AttnShape &s,
+                               cudaDataType_t dt, cudaStream_t stream)
 {
-    return dt == CUDA_R_32F ? bwd_simt<float>(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, stream)
-                            : bwd_simt<bf16>(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, s, stream);
+    return dt == CUDA_R_32F ? bwd_simt<float>(dq, dk, dv, dout, q, k, v, out, lse, s, stream)
+                            : bwd_simt<bf16>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
 }
 
 cudaError_t attn_simt_merge(void *out, float *lse, const void *out2, const float *lse2, int T, int nh, int hd,

@@ -73,11 +73,13 @@ void op_rope_backward(float *dx, const float *cos_t, const float *sin_t,
 
 /* ---- causal GQA attention with log-sum-exp ------------------------------------
  * q [B, Tq, nh, hd], k and v [B, Tk, nkv, hd] (nh a multiple of nkv; query head h
- * reads kv head h / (nh/nkv)). qpos[Tq], kpos[Tk]: absolute positions. A key is
- * visible when kpos <= qpos and (window <= 0 or qpos - kpos < window) (Mistral's
- * sliding window) and, with documents, of the query's document: qdoc [B, Tq] and
- * kdoc [B, Tk] are the document ids of sequence b's tokens (NULL: one document per
- * sequence). Scale 1/sqrt(hd).
+ * reads kv head h / (nh/nkv)). qpos[Tq], kpos[Tk]: absolute positions, shared by
+ * the B sequences. qdoc [B, Tq], kdoc [B, Tk] (row b*T + t): per-token document ids
+ * of packed sequences (callers use the position of the document's first token), or
+ * NULL for both: one document per sequence. Key j is visible from query i of
+ * sequence b when kpos[j] <= qpos[i], (window <= 0 or qpos[i] - kpos[j] < window)
+ * (Mistral's sliding window) and (no documents or qdoc[b,i] == kdoc[b,j]).
+ * Scale 1/sqrt(hd).
  * out [B, Tq, nh, hd]; lse [B, nh, Tq] = log sum_k exp(score) over visible keys
  * (-INFINITY and out = 0 when none is visible: ring attention merges such partial
  * results). */

@@ -79,19 +79,22 @@ cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin
 
 /* ---- causal GQA attention with log-sum-exp (flash style) ----------------------------
  * As ops.h: q/out [B,Tq,nh,hd], k/v [B,Tk,nkv,hd] (dt), lse [B,nh,Tq] fp32,
- * qpos[Tq]/kpos[Tk] device int32, window <= 0 for none. No S x S matrix is ever
+ * qpos[Tq]/kpos[Tk] device int32, qdoc[B,Tq]/kdoc[B,Tk] device int32 document ids
+ * or NULL for both, window <= 0 for none. No S x S matrix is ever
  * stored. bf16 with hd in {32, 64, 128} and 16-byte aligned tensors runs on the
  * tensor cores (mma.sync); every other case (fp32, other hd up to 256) runs a
  * portable fp32 kernel. hd <= 256. Backward: dq, dk, dv accumulated (dt), needs
  * the FINAL out and lse; deterministic (no atomics). */
 cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k,
                                       const void *v, const int32_t *qpos, const int32_t *kpos,
+                                      const int32_t *qdoc, const int32_t *kdoc,
                                       int B, int Tq, int Tk, int nh, int nkv, int hd, int window,
                                       cudaDataType_t dt, cudaStream_t stream);
 cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, const void *dout,
                                        const void *q, const void *k, const void *v,
                                        const void *out, const float *lse,
                                        const int32_t *qpos, const int32_t *kpos,
+                                       const int32_t *qdoc, const int32_t *kdoc,
                                        int B, int Tq, int Tk, int nh, int nkv, int hd, int window,
                                        cudaDataType_t dt, cudaStream_t stream);
 cudaError_t cuda_op_attention_merge(void *out, float *lse, const void *out2, const float *lse2,

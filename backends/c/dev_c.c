@@ -98,8 +98,9 @@ static void c_rope_backward(dev *d, void *dx, const float *cos_t, const float *s
     op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd);
 }
 static void c_attention_forward(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
-                                const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc,
-                                int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
+                                const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
+                                const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv,
+                                int hd, int window)
 {
     op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
 }

@@ -203,17 +203,20 @@ static void cu_rope_backward(dev *d, void *dx, const float *cos_t, const float *
     cu_op(d, cuda_op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd, DT, ST));
 }
 static void cu_attention_forward(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
-                                 const int32_t *qpos, const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv,
+                                 const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
+                                 const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv,
                                  int hd, int window)
 {
-    cu_op(d, cuda_op_attention_forward(out, lse, q, k, v, qpos, kpos, B, Tq, Tk, nh, nkv, hd, window, DT, ST));
+    cu_op(d, cuda_op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window, DT,
+                                       ST));
 }
 static void cu_attention_backward(dev *d, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                                   const void *v, const void *out, const float *lse, const int32_t *qpos,
-                                  const int32_t *kpos, int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
+                                  const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int B, int Tq, int Tk,
+                                  int nh, int nkv, int hd, int window)
 {
-    cu_op(d, cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, B, Tq, Tk, nh, nkv, hd,
-                                        window, DT, ST));
+    cu_op(d, cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh,
+                                        nkv, hd, window, DT, ST));
 }
 static void cu_attention_merge(dev *d, void *out, float *lse, const void *out2, const float *lse2, int B, int T,
                                int nh, int hd)

@@ -438,13 +438,14 @@ static void bench_attention()
         char name[96];
         snprintf(name, sizeof name, "attention fwd bf16 B=%d T=%d nh=%d nkv=%d hd=%d", c.B, T, nh, c.nkv, hd);
         double ms = time_ms(name, [&] {
-            return cuda_op_attention_forward(o, lse, q, k, v, pos, pos, c.B, T, T, nh, c.nkv, hd, 0, CUDA_R_16BF, 0);
+            return cuda_op_attention_forward(o, lse, q, k, v, pos, pos, NULL, NULL, c.B, T, T, nh, c.nkv, hd, 0,
+                                             CUDA_R_16BF, 0);
         });
         report_flops(name, ms, fl);
         snprintf(name, sizeof name, "attention bwd bf16 B=%d T=%d nh=%d nkv=%d hd=%d", c.B, T, nh, c.nkv, hd);
         ms = time_ms(name, [&] {
-            return cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, pos, pos, c.B, T, T, nh, c.nkv, hd, 0,
-                                              CUDA_R_16BF, 0);
+            return cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, pos, pos, NULL, NULL, c.B, T, T, nh,
+                                              c.nkv, hd, 0, CUDA_R_16BF, 0);
         });
         report_flops(name, ms, 2.5 * fl);
     }
@@ -454,7 +455,8 @@ static void bench_attention()
         float *qf = rand_f32(n, 2.0f), *kf = rand_f32(n, 2.0f), *vf = rand_f32(n), *of = rand_f32(n);
         const double fl = 4.0 * B * nhs * (double)Ts * Ts * hd / 2.0;
         double ms = time_ms("attention fwd f32", [&] {
-            return cuda_op_attention_forward(of, lse, qf, kf, vf, pos, pos, B, Ts, Ts, nhs, nhs, hd, 0, CUDA_R_32F, 0);
+            return cuda_op_attention_forward(of, lse, qf, kf, vf, pos, pos, NULL, NULL, B, Ts, Ts, nhs, nhs, hd, 0,
+                                             CUDA_R_32F, 0);
         });
         report_flops("attention fwd f32 (portable) B=1 T=1024 nh=8 hd=128", ms, fl);
         cudaFree(qf);

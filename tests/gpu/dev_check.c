@@ -210,7 +210,8 @@ static void test_attention(int B, int T, int nh, int nkv, int hd, int window)
     for (int t = 0; t < T; t++) pos[t] = t;
     pair qp = I32(pos, T), q = ACT(randn(nq, 1.0f, 1), nq), k = ACT(randn(nk, 1.0f, 1), nk);
     pair v = ACT(randn(nk, 1.0f, 1), nk), o = ACT(NULL, nq), lse = F32(NULL, nl);
-    CALL2(attention_forward, S(o), S(lse), S(q), S(k), S(v), S(qp), S(qp), B, T, T, nh, nkv, hd, window);
+    CALL2(attention_forward, S(o), S(lse), S(q), S(k), S(v), S(qp), S(qp), NULL, NULL, B, T, T, nh, nkv, hd,
+          window);
     cmp_act("forward", o);
     cmp_f32("forward lse", lse);
     /* backward from the same final out and lse on both sides (the C ones) */
@@ -219,8 +220,8 @@ static void test_attention(int B, int T, int nh, int nkv, int hd, int window)
         for (size_t i = 0; i < nq; i++) oc[i] = shard_bf16_to_f32(shard_f32_to_bf16(oc[i]));
     pair o2 = ACT(oc, nq), l2 = F32(lc, nl), g = ACT(randn(nq, 1.0f, 1), nq);
     pair dq = ACT(randn(nq, 0.1f, 1), nq), dk = ACT(randn(nk, 0.1f, 1), nk), dv = ACT(randn(nk, 0.1f, 1), nk);
-    CALL2(attention_backward, S(dq), S(dk), S(dv), S(g), S(q), S(k), S(v), S(o2), S(l2), S(qp), S(qp), B, T, T, nh,
-          nkv, hd, window);
+    CALL2(attention_backward, S(dq), S(dk), S(dv), S(g), S(q), S(k), S(v), S(o2), S(l2), S(qp), S(qp), NULL, NULL, B,
+          T, T, nh, nkv, hd, window);
     cmp_act("backward dq", dq);
     cmp_act("backward dk", dk);
     cmp_act("backward dv", dv);
@@ -452,12 +453,13 @@ static void test_errors(void)
     if (!begin("errors", "a failing op is recorded, later ops run, sync reports it")) return;
     pair x = ACT(randn(64, 1.0f, 1), 64), o = ACT(NULL, 64), l = F32(NULL, 8);
     /* head dim 300 exceeds the attention kernels' 256 */
-    dg.ops->attention_forward(&dg, o.g, l.g, x.g, x.g, x.g, NULL, NULL, 1, 1, 1, 1, 1, 300, 0);
+    dg.ops->attention_forward(&dg, o.g, l.g, x.g, x.g, x.g, NULL, NULL, NULL, NULL, 1, 1, 1, 1, 1, 300, 0);
     shard_status first = dg.err;
     char msg[512];
     snprintf(msg, sizeof msg, "%s", dg.errmsg);
     dg.ops->add(&dg, o.g, x.g, x.g, 64);
-    dg.ops->attention_forward(&dg, o.g, l.g, x.g, x.g, x.g, NULL, NULL, 1, 1, 1, 1, 1, 400, 0); /* not recorded */
+    /* not recorded */
+    dg.ops->attention_forward(&dg, o.g, l.g, x.g, x.g, x.g, NULL, NULL, NULL, NULL, 1, 1, 1, 1, 1, 400, 0);
     shard_status s = dg.ops->sync(&dg);
     printf("     (message: %s)\n", msg);
     const int kept = first && s == first && !strcmp(msg, dg.errmsg);

@@ -307,8 +307,14 @@ static void test_rope(cudaDataType_t dt, int B, int T, int nh, int hd, int far)
 enum { POS_CAUSAL, POS_LATER_Q, POS_ZIGZAG, POS_FUTURE, POS_RANDOM };
 static const char *posname[] = {"causal", "q-after-kv", "zigzag", "kv-in-future", "random"};
 
+/* packed documents: none; random lengths (about 8 per sequence, fewer in the second);
+ * boundaries on the tile edges (every 64 positions, 32 in the second sequence);
+ * one-token documents (with some of two tokens in the first sequence) */
+enum { DOC_NONE, DOC_RANDOM, DOC_TILE_EDGE, DOC_ONE_TOKEN };
+static const char *docname[] = {"", " docs-random", " docs-on-tile-edges", " docs-one-token"};
+
 typedef struct {
-    int B, Tq, Tk, nh, nkv, hd, window, pos;
+    int B, Tq, Tk, nh, nkv, hd, window, pos, docs;
 } attn_case;
 
 static void make_positions(const attn_case *c, int32_t *qpos, int32_t *kpos)
@@ -340,25 +346,59 @@ static void make_positions(const attn_case *c, int32_t *qpos, int32_t *kpos)
     }
 }
 
+/* Does a document of sequence b begin at position p? */
+static int doc_begins(const attn_case *c, int b, int p)
+{
+    switch (c->docs) {
+    case DOC_RANDOM: return rng_u64() % (uint64_t)(4 + c->Tq / (8 - 3 * (b & 1))) == 0;
+    case DOC_TILE_EDGE: return p % (b & 1 ? 32 : 64) == 0;
+    default: return b & 1 || p % 4 != 3;
+    }
+}
+
+/* qdoc [B][Tq], kdoc [B][Tk]: per sequence, the first position of each token's
+ * document (positions are >= 0) */
+static void make_docs(const attn_case *c, const int32_t *qpos, const int32_t *kpos, int32_t *qdoc, int32_t *kdoc)
+{
+    int32_t P = 1;
+    for (int i = 0; i < c->Tq; i++) P = qpos[i] >= P ? qpos[i] + 1 : P;
+    for (int j = 0; j < c->Tk; j++) P = kpos[j] >= P ? kpos[j] + 1 : P;
+    int32_t *start = (int32_t *)hmalloc((size_t)P * 4);
+    for (int b = 0; b < c->B; b++) {
+        for (int32_t p = 0, s = 0; p < P; p++) start[p] = s = (p == 0 || doc_begins(c, b, p)) ? p : s;
+        for (int i = 0; i < c->Tq; i++) qdoc[(size_t)b * c->Tq + i] = start[qpos[i]];
+        for (int j = 0; j < c->Tk; j++) kdoc[(size_t)b * c->Tk + j] = start[kpos[j]];
+    }
+}
+
 static void test_attention(const attn_case *c)
 {
-    TEST_BEGIN("attention B=%d Tq=%d Tk=%d nh=%d nkv=%d hd=%d win=%d %s", c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd,
-               c->window, posname[c->pos]);
+    TEST_BEGIN("attention B=%d Tq=%d Tk=%d nh=%d nkv=%d hd=%d win=%d %s%s", c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd,
+               c->window, posname[c->pos], docname[c->docs]);
     const size_t nq = (size_t)c->B * c->Tq * c->nh * c->hd, nk = (size_t)c->B * c->Tk * c->nkv * c->hd;
     const size_t nl = (size_t)c->B * c->nh * c->Tq;
     int32_t *qpos = (int32_t *)hmalloc((size_t)c->Tq * 4), *kpos = (int32_t *)hmalloc((size_t)c->Tk * 4);
     make_positions(c, qpos, kpos);
+    int32_t *qdoc = NULL, *kdoc = NULL, *d_qdoc = NULL, *d_kdoc = NULL;
+    if (c->docs != DOC_NONE) {
+        qdoc = (int32_t *)hmalloc((size_t)c->B * c->Tq * 4);
+        kdoc = (int32_t *)hmalloc((size_t)c->B * c->Tk * 4);
+        make_docs(c, qpos, kpos, qdoc, kdoc);
+        d_qdoc = to_dev_i32(qdoc, (size_t)c->B * c->Tq);
+        d_kdoc = to_dev_i32(kdoc, (size_t)c->B * c->Tk);
+    }
     /* bf16-representable inputs: one C reference serves both storage dtypes */
     float *q = randu(nq, -2.0f, 2.0f, BF16), *k = randu(nk, -2.0f, 2.0f, BF16), *v = randn(nk, 1.0f, BF16);
     float *out = hfloats(nq), *lse = hfloats(nl);
-    op_attention_forward(out, lse, q, k, v, qpos, kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window);
+    op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd,
+                         c->window);
     /* backward inputs: dout, the (rounded) forward output, and accumulators */
     float *g = randn(nq, 1.0f, BF16), *o_in = copy_of(out, nq);
     round_to(o_in, nq, BF16);
     float *dq = randn(nq, 0.1f, BF16), *dk = randn(nk, 0.1f, BF16), *dv = randn(nk, 0.1f, BF16);
     float *dq0 = copy_of(dq, nq), *dk0 = copy_of(dk, nk), *dv0 = copy_of(dv, nk);
-    op_attention_backward(dq, dk, dv, g, q, k, v, o_in, lse, qpos, kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd,
-                          c->window);
+    op_attention_backward(dq, dk, dv, g, q, k, v, o_in, lse, qpos, kpos, qdoc, kdoc, c->B, c->Tq, c->Tk, c->nh,
+                          c->nkv, c->hd, c->window);
     int32_t *d_qpos = to_dev_i32(qpos, c->Tq), *d_kpos = to_dev_i32(kpos, c->Tk);
     float *d_lse = (float *)dmalloc(nl * 4);
     for (int di = 0; di < 2; di++) {
@@ -367,8 +407,8 @@ static void test_attention(const attn_case *c)
         void *d_q = to_dev(q, nq, dt), *d_k = to_dev(k, nk, dt), *d_v = to_dev(v, nk, dt);
         void *d_out = dmalloc(nq * esize(dt));
         poison(d_lse, nl * 4);
-        CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, c->B, c->Tq, c->Tk, c->nh, c->nkv,
-                                          c->hd, c->window, dt, 0));
+        CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B, c->Tq,
+                                          c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
         snprintf(what, sizeof what, "%s fwd out", dtname(dt));
         compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
         snprintf(what, sizeof what, "%s fwd lse", dtname(dt));
@@ -377,8 +417,8 @@ static void test_attention(const attn_case *c)
         void *d_g = to_dev(g, nq, dt), *d_o = to_dev(o_in, nq, dt);
         void *d_dq = to_dev(dq0, nq, dt), *d_dk = to_dev(dk0, nk, dt), *d_dv = to_dev(dv0, nk, dt);
         CK(cudaMemcpy(d_lse, lse, nl * 4, cudaMemcpyHostToDevice));
-        CK_SYNC(cuda_op_attention_backward(d_dq, d_dk, d_dv, d_g, d_q, d_k, d_v, d_o, d_lse, d_qpos, d_kpos, c->B, c->Tq,
-                                           c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
+        CK_SYNC(cuda_op_attention_backward(d_dq, d_dk, d_dv, d_g, d_q, d_k, d_v, d_o, d_lse, d_qpos, d_kpos, d_qdoc,
+                                           d_kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
         const double tb = dt == F32 ? 2e-5 : 2e-2;
         snprintf(what, sizeof what, "%s bwd dq", dtname(dt));
         compare_dev(what, d_dq, dt, dq, nq, tb);
@@ -814,34 +854,46 @@ static void test_attention_cases(void)
     enum { FULL, QUICK };
     static const struct {
         int run;
-        attn_case c; /* B, Tq, Tk, nh, nkv, hd, window, positions */
+        attn_case c; /* B, Tq, Tk, nh, nkv, hd, window, positions, documents */
     } cases[] = {
-        {QUICK, {1, 37, 37, 2, 2, 64, 0, POS_CAUSAL}},
-        {QUICK, {1, 70, 70, 4, 2, 32, 0, POS_CAUSAL}},
-        {QUICK, {1, 130, 130, 4, 1, 128, 0, POS_CAUSAL}},
-        {QUICK, {2, 40, 40, 2, 1, 64, 16, POS_CAUSAL}},
-        {QUICK, {1, 48, 80, 2, 2, 64, 0, POS_LATER_Q}},
-        {QUICK, {1, 64, 64, 2, 1, 32, 0, POS_ZIGZAG}},
-        {QUICK, {1, 20, 30, 2, 2, 64, 0, POS_FUTURE}},
-        {QUICK, {1, 33, 41, 4, 2, 32, 0, POS_RANDOM}},
-        {QUICK, {1, 29, 29, 2, 1, 48, 0, POS_CAUSAL}},
-        {QUICK, {1, 21, 21, 2, 2, 80, 7, POS_CAUSAL}},
-        {FULL, {2, 37, 37, 4, 4, 64, 0, POS_CAUSAL}},
-        {FULL, {1, 100, 100, 8, 4, 64, 0, POS_CAUSAL}},
-        {FULL, {1, 130, 130, 8, 2, 128, 0, POS_CAUSAL}},
-        {FULL, {1, 257, 257, 4, 1, 128, 0, POS_CAUSAL}},
-        {FULL, {2, 77, 77, 4, 2, 32, 16, POS_CAUSAL}},
-        {FULL, {1, 300, 300, 4, 2, 128, 64, POS_CAUSAL}},
-        {FULL, {1, 64, 96, 4, 1, 128, 0, POS_LATER_Q}},
-        {FULL, {1, 200, 200, 4, 2, 64, 0, POS_ZIGZAG}},
-        {FULL, {1, 50, 70, 4, 2, 128, 0, POS_FUTURE}},
-        {FULL, {1, 91, 113, 4, 2, 64, 0, POS_RANDOM}},
-        {FULL, {1, 75, 75, 2, 1, 48, 0, POS_CAUSAL}},
-        {FULL, {1, 66, 66, 4, 2, 80, 9, POS_CAUSAL}},
-        {FULL, {1, 40, 40, 2, 2, 256, 0, POS_CAUSAL}},
-        {FULL, {1, 1024, 1024, 4, 2, 128, 0, POS_CAUSAL}},
-        {FULL, {1, 4096, 4096, 4, 1, 128, 0, POS_CAUSAL}},
-        {FULL, {1, 4096, 4096, 8, 2, 128, 512, POS_CAUSAL}},
+        {QUICK, {1, 37, 37, 2, 2, 64, 0, POS_CAUSAL, DOC_NONE}},
+        {QUICK, {1, 70, 70, 4, 2, 32, 0, POS_CAUSAL, DOC_NONE}},
+        {QUICK, {1, 130, 130, 4, 1, 128, 0, POS_CAUSAL, DOC_NONE}},
+        {QUICK, {2, 40, 40, 2, 1, 64, 16, POS_CAUSAL, DOC_NONE}},
+        {QUICK, {1, 48, 80, 2, 2, 64, 0, POS_LATER_Q, DOC_NONE}},
+        {QUICK, {1, 64, 64, 2, 1, 32, 0, POS_ZIGZAG, DOC_NONE}},
+        {QUICK, {1, 20, 30, 2, 2, 64, 0, POS_FUTURE, DOC_NONE}},
+        {QUICK, {1, 33, 41, 4, 2, 32, 0, POS_RANDOM, DOC_NONE}},
+        {QUICK, {1, 29, 29, 2, 1, 48, 0, POS_CAUSAL, DOC_NONE}},
+        {QUICK, {1, 21, 21, 2, 2, 80, 7, POS_CAUSAL, DOC_NONE}},
+        {QUICK, {2, 96, 96, 4, 2, 64, 0, POS_CAUSAL, DOC_RANDOM}},
+        {QUICK, {2, 64, 64, 2, 1, 32, 0, POS_ZIGZAG, DOC_RANDOM}},
+        {QUICK, {2, 48, 80, 2, 2, 32, 0, POS_LATER_Q, DOC_RANDOM}},
+        {QUICK, {2, 33, 41, 2, 1, 48, 0, POS_RANDOM, DOC_RANDOM}},
+        {QUICK, {2, 160, 160, 2, 1, 64, 0, POS_CAUSAL, DOC_TILE_EDGE}},
+        {QUICK, {2, 40, 40, 2, 2, 64, 8, POS_CAUSAL, DOC_ONE_TOKEN}},
+        {FULL, {2, 37, 37, 4, 4, 64, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 100, 100, 8, 4, 64, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 130, 130, 8, 2, 128, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 257, 257, 4, 1, 128, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {2, 77, 77, 4, 2, 32, 16, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 300, 300, 4, 2, 128, 64, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 64, 96, 4, 1, 128, 0, POS_LATER_Q, DOC_NONE}},
+        {FULL, {1, 200, 200, 4, 2, 64, 0, POS_ZIGZAG, DOC_NONE}},
+        {FULL, {1, 50, 70, 4, 2, 128, 0, POS_FUTURE, DOC_NONE}},
+        {FULL, {1, 91, 113, 4, 2, 64, 0, POS_RANDOM, DOC_NONE}},
+        {FULL, {1, 75, 75, 2, 1, 48, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 66, 66, 4, 2, 80, 9, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 40, 40, 2, 2, 256, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 1024, 1024, 4, 2, 128, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 4096, 4096, 4, 1, 128, 0, POS_CAUSAL, DOC_NONE}},
+        {FULL, {1, 4096, 4096, 8, 2, 128, 512, POS_CAUSAL, DOC_NONE}},
+        {FULL, {2, 200, 200, 4, 2, 64, 0, POS_ZIGZAG, DOC_RANDOM}},
+        {FULL, {2, 91, 113, 4, 2, 80, 0, POS_RANDOM, DOC_RANDOM}},
+        {FULL, {2, 300, 300, 4, 2, 128, 64, POS_CAUSAL, DOC_TILE_EDGE}},
+        {FULL, {1, 77, 77, 4, 2, 32, 9, POS_CAUSAL, DOC_ONE_TOKEN}},
+        {FULL, {1, 1024, 1024, 4, 2, 128, 0, POS_CAUSAL, DOC_RANDOM}},
+        {FULL, {2, 1024, 1024, 4, 1, 64, 0, POS_ZIGZAG, DOC_RANDOM}},
     };
     for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++)
         if (cases[i].run == (quick ? QUICK : FULL)) test_attention(&cases[i].c);

@@ -270,8 +270,10 @@ def test_rope(lib, hd, theta, scaling):
 
 # ---- attention --------------------------------------------------------------------
 
-def attention_ref(q, k, v, qpos, kpos, window):
-    """float64 torch: q [B,Tq,nh,hd], k/v [B,Tk,nkv,hd] -> out [B,Tq,nh,hd], lse [B,nh,Tq]."""
+def attention_ref(q, k, v, qpos, kpos, window, qdoc=None, kdoc=None):
+    """float64 torch: q [B,Tq,nh,hd], k/v [B,Tk,nkv,hd] -> out [B,Tq,nh,hd], lse [B,nh,Tq].
+    qdoc [B,Tq], kdoc [B,Tk]: document ids (None: one document); the mask is explicit,
+    causal & window & same document."""
     nh, nkv, hd = q.shape[2], k.shape[2], q.shape[3]
     qh = q.transpose(1, 2)                                    # [B, nh, Tq, hd]
     kh = k.transpose(1, 2).repeat_interleave(nh // nkv, 1)    # HF repeat_kv: head h reads h // group
@@ -281,6 +283,9 @@ def attention_ref(q, k, v, qpos, kpos, window):
     vis = kp <= qp
     if window > 0:
         vis = vis & (qp - kp < window)
+    if qdoc is not None:                                      # [B, 1, Tq, Tk]
+        qd, kd = torch.tensor(qdoc, dtype=torch.long), torch.tensor(kdoc, dtype=torch.long)
+        vis = vis & (qd[:, None, :, None] == kd[:, None, None, :])
     s = s.masked_fill(~vis, -math.inf)
     lse = torch.logsumexp(s, -1)                              # -inf where nothing is visible
     p = torch.where(vis, torch.exp(s - lse.clamp_min(-1e300)[..., None]), torch.zeros(()).double())
@@ -291,34 +296,39 @@ def attention_ref(q, k, v, qpos, kpos, window):
 class Attn:
     """One attention problem: random q, k, v, dout and the torch reference."""
 
-    def __init__(self, seed, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window):
+    def __init__(self, seed, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, qdoc=None, kdoc=None):
         r = rng(seed)
         self.dims = (B, Tq, Tk, nh, nkv, hd)
         self.qpos, self.kpos, self.window = i32(qpos), i32(kpos), window
+        self.qdoc, self.kdoc = (None, None) if qdoc is None else (i32(qdoc), i32(kdoc))
         self.q = r.standard_normal((B, Tq, nh, hd)) * 1.5
         self.k = r.standard_normal((B, Tk, nkv, hd)) * 1.5
         self.v = r.standard_normal((B, Tk, nkv, hd))
         self.g = r.standard_normal((B, Tq, nh, hd))
         Q, K, Vt = t64(self.q, True), t64(self.k, True), t64(self.v, True)
-        out, lse = attention_ref(Q, K, Vt, self.qpos, self.kpos, window)
+        out, lse = attention_ref(Q, K, Vt, self.qpos, self.kpos, window, self.qdoc, self.kdoc)
         (out * t64(self.g)).sum().backward()
         self.out_ref, self.lse_ref = out.detach().numpy(), lse.detach().numpy()
         self.dq_ref, self.dk_ref, self.dv_ref = Q.grad.numpy(), K.grad.numpy(), Vt.grad.numpy()
 
-    def forward(self, lib, k, v, kpos):
+    def forward(self, lib, k, v, kpos, kdoc=None):
+        """kdoc: the documents of these keys (None: self.kdoc, or none)"""
         B, Tq, _, nh, nkv, hd = self.dims
+        kdoc = self.kdoc if kdoc is None else i32(kdoc)
         out = np.full((B, Tq, nh, hd), np.nan, np.float32)
         lse = np.full((B, nh, Tq), np.nan, np.float32)
         lib.op_attention_forward(ptr(out), ptr(lse), ptr(f32(self.q)), ptr(f32(k)), ptr(f32(v)),
-                                 ptr(self.qpos), ptr(i32(kpos)), None, None, B, Tq, len(kpos), nh, nkv, hd,
-                                 self.window)
+                                 ptr(self.qpos), ptr(i32(kpos)), ptr(self.qdoc), ptr(kdoc), B, Tq,
+                                 len(kpos), nh, nkv, hd, self.window)
         return out, lse
 
-    def backward(self, lib, k, v, kpos, out, lse, dq, dk, dv):
+    def backward(self, lib, k, v, kpos, out, lse, dq, dk, dv, kdoc=None):
         B, Tq, _, nh, nkv, hd = self.dims
+        kdoc = self.kdoc if kdoc is None else i32(kdoc)
         lib.op_attention_backward(ptr(dq), ptr(dk), ptr(dv), ptr(f32(self.g)), ptr(f32(self.q)),
                                   ptr(f32(k)), ptr(f32(v)), ptr(out), ptr(lse), ptr(self.qpos),
-                                  ptr(i32(kpos)), None, None, B, Tq, len(kpos), nh, nkv, hd, self.window)
+                                  ptr(i32(kpos)), ptr(self.qdoc), ptr(kdoc), B, Tq, len(kpos), nh, nkv,
+                                  hd, self.window)
 
 
 def check_lse(lse, ref, what):
@@ -327,8 +337,18 @@ def check_lse(lse, ref, what):
     close(np.where(dead, 0, lse), np.where(dead, 0, ref), what=what)
 
 
+def docs_of(pos, starts):
+    """[B, T] document ids of positions pos: per sequence b, the largest of starts[b]
+    (the first positions of its documents, sorted, starts[b][0] = 0) <= the position"""
+    return [[max(s for s in st if s <= p) for p in pos] for st in starts]
+
+
+ZIGZAG = list(range(8)) + list(range(24, 32))  # cp rank 0 of 2: chunks 0 and 3 of 4
+# per sequence: the first positions of its documents (one-token documents at 3 and 27)
+DOC_STARTS = [[0, 5, 26], [0, 3, 4, 20, 27, 28]]
+
 ATTN_CASES = {
-    # name: (B, Tq, Tk, nh, nkv, hd, qpos, kpos, window)
+    # name: (B, Tq, Tk, nh, nkv, hd, qpos, kpos, window[, doc starts per sequence])
     "causal_gqa3": (2, 13, 13, 6, 2, 16, list(range(13)), list(range(13)), 0),
     "gaps_window": (1, 11, 11, 6, 3, 10, [0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34],
                     [0, 1, 2, 3, 4, 5, 30, 31, 32, 33, 34], 4),
@@ -336,18 +356,27 @@ ATTN_CASES = {
     "q_tail": (2, 5, 17, 6, 6, 10, list(range(12, 17)), list(range(17)), 0),
     # the first queries precede every key: nothing visible, out 0 and lse -inf
     "none_visible": (1, 7, 9, 4, 2, 16, list(range(0, 14, 2)), list(range(5, 14)), 3),
+    # packed documents, split differently per sequence, on a cp rank's two chunks
+    "docs_zigzag": (2, 16, 16, 6, 2, 16, ZIGZAG, ZIGZAG, 0, DOC_STARTS),
+    "docs_window": (2, 16, 16, 6, 3, 10, ZIGZAG, ZIGZAG, 3, DOC_STARTS),
+    # keys of the other chunk: queries of a document that starts later see nothing
+    "docs_none_visible": (2, 8, 8, 4, 2, 16, list(range(24, 32)), list(range(8)), 0, DOC_STARTS),
 }
 
 
 @pytest.mark.parametrize("case", list(ATTN_CASES))
 def test_attention(lib, case):
-    B, Tq, Tk, nh, nkv, hd, qpos, kpos, window = ATTN_CASES[case]
-    a = Attn(5, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window)
+    B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, *starts = ATTN_CASES[case]
+    docs = (docs_of(qpos, starts[0]), docs_of(kpos, starts[0])) if starts else (None, None)
+    a = Attn(5, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, *docs)
     out, lse = a.forward(lib, a.k, a.v, a.kpos)
     close(out, a.out_ref, what="attention out")
     check_lse(lse, a.lse_ref, "attention lse")
-    if case == "none_visible":
+    if "none_visible" in case:
         assert np.isneginf(a.lse_ref).any() and not np.isneginf(a.lse_ref).all()
+    if starts:  # the documents hide pairs that positions alone would show
+        plain = attention_ref(t64(a.q), t64(a.k), t64(a.v), a.qpos, a.kpos, window)[1].numpy()
+        assert (np.isneginf(a.lse_ref) | (np.abs(a.lse_ref - plain) > 1e-6)).any()
 
     dq0, dk0, dv0 = (rng(6).standard_normal(x.shape) for x in (a.q, a.k, a.v))
     dq, dk, dv = f32(dq0), f32(dk0), f32(dv0)
@@ -357,16 +386,19 @@ def test_attention(lib, case):
     close(dv, dv0 + a.dv_ref, what="attention dv (+=)")
 
 
-@pytest.mark.parametrize("window", [0, 5])
-def test_attention_two_kv_blocks(lib, window):
+@pytest.mark.parametrize("window,docs", [(0, False), (5, False), (0, True)])
+def test_attention_two_kv_blocks(lib, window, docs):
     """Ring attention's step: each kv half alone, merged by lse, equals the full
     attention; the backward of each half (from the final out and lse) sums to the
     full backward."""
     B, T, nh, nkv, hd = 2, 15, 6, 3, 10
     pos = list(range(3, 3 + T))
-    a = Attn(7, B, T, T, nh, nkv, hd, pos, pos, window)
+    doc = np.array(docs_of(pos, [[0, 9], [0, 6, 7, 12]])) if docs else None
+    a = Attn(7, B, T, T, nh, nkv, hd, pos, pos, window, doc, doc)
     cut = 8  # queries before the cut see nothing of the second half: -inf partials
-    halves = [(a.k[:, :cut], a.v[:, :cut], a.kpos[:cut]), (a.k[:, cut:], a.v[:, cut:], a.kpos[cut:])]
+    kd = [None, None] if doc is None else [doc[:, :cut], doc[:, cut:]]
+    halves = [(a.k[:, :cut], a.v[:, :cut], a.kpos[:cut], kd[0]),
+              (a.k[:, cut:], a.v[:, cut:], a.kpos[cut:], kd[1])]
 
     out, lse = a.forward(lib, *halves[0])
     out2, lse2 = a.forward(lib, *halves[1])
@@ -385,9 +417,9 @@ def test_attention_two_kv_blocks(lib, window):
 
     dq = np.zeros(a.q.shape, np.float32)
     dks, dvs = [], []
-    for k, v, kpos in halves:
+    for k, v, kpos, kdoc in halves:
         dk, dv = np.zeros(k.shape, np.float32), np.zeros(v.shape, np.float32)
-        a.backward(lib, np.ascontiguousarray(k), np.ascontiguousarray(v), kpos, out, lse, dq, dk, dv)
+        a.backward(lib, np.ascontiguousarray(k), np.ascontiguousarray(v), kpos, out, lse, dq, dk, dv, kdoc)
         dks.append(dk)
         dvs.append(dv)
     close(dq, a.dq_ref, what="dq summed over kv blocks")

@@ -154,46 +154,63 @@ static void test_swiglu_fd(void **state)
 
 /* ---- attention -------------------------------------------------------------------- */
 
-enum { AB = 1, AT = 6, ANH = 4, ANKV = 2, AHD = 4 };
+enum { AB = 1, AT = 6, ANH = 4, ANKV = 2, AHD = 4, AMAXB = 2 };
 enum { AQN = AB * AT * ANH * AHD, AKN = AB * AT * ANKV * AHD, ALN = AB * ANH * AT };
 typedef struct {
-    float q[AQN], k[AKN], v[AKN], dout[AQN];
+    float q[AMAXB * AQN], k[AMAXB * AKN], v[AMAXB * AKN], dout[AMAXB * AQN];
     int32_t pos[AT];
-    int window;
+    const int32_t *doc; /* [B][AT] for queries and keys alike, or NULL */
+    int B, window;
 } attn_ctx;
 
 static double attn_loss(void *p)
 {
     attn_ctx *c = p;
-    float out[AQN], lse[ALN];
-    op_attention_forward(out, lse, c->q, c->k, c->v, c->pos, c->pos, NULL, NULL, AB, AT, AT, ANH, ANKV,
-                         AHD, c->window);
-    return dotd(out, c->dout, AQN);
+    float out[AMAXB * AQN], lse[AMAXB * ALN];
+    op_attention_forward(out, lse, c->q, c->k, c->v, c->pos, c->pos, c->doc, c->doc, c->B, AT,
+                         AT, ANH, ANKV, AHD, c->window);
+    return dotd(out, c->dout, (size_t)c->B * AQN);
+}
+
+/* Random q, k, v, dout of B sequences at the positions of two cp chunks. */
+static void attn_ctx_init(attn_ctx *c, uint64_t seed, int B, const int32_t *doc, int window)
+{
+    rng_seed(seed);
+    fill(c->q, (size_t)B * AQN, 1.5f);
+    fill(c->k, (size_t)B * AKN, 1.5f);
+    fill(c->v, (size_t)B * AKN, 1.0f);
+    fill(c->dout, (size_t)B * AQN, 1.0f);
+    const int32_t pos[AT] = {0, 1, 2, 7, 8, 9}; /* two chunks, as a cp rank holds */
+    memcpy(c->pos, pos, sizeof pos);
+    c->doc = doc;
+    c->B = B;
+    c->window = window;
+}
+
+/* The backward of c against finite differences of its forward; out and lse kept. */
+static void attn_fd_check(attn_ctx *c, float *out, float *lse)
+{
+    const size_t nq = (size_t)c->B * AQN, nk = (size_t)c->B * AKN;
+    op_attention_forward(out, lse, c->q, c->k, c->v, c->pos, c->pos, c->doc, c->doc, c->B, AT, AT,
+                         ANH, ANKV, AHD, c->window);
+    float dq[AMAXB * AQN] = {0}, dk[AMAXB * AKN] = {0}, dv[AMAXB * AKN] = {0};
+    float fq[AMAXB * AQN], fk[AMAXB * AKN], fv[AMAXB * AKN];
+    op_attention_backward(dq, dk, dv, c->dout, c->q, c->k, c->v, out, lse, c->pos, c->pos, c->doc,
+                          c->doc, c->B, AT, AT, ANH, ANKV, AHD, c->window);
+    fd_grad(fq, c->q, nq, attn_loss, c, FD_H);
+    fd_grad(fk, c->k, nk, attn_loss, c, FD_H);
+    fd_grad(fv, c->v, nk, attn_loss, c, FD_H);
+    check_close("attention dq", dq, fq, nq, FD_TOL, 1e-3);
+    check_close("attention dk", dk, fk, nk, FD_TOL, 1e-3);
+    check_close("attention dv", dv, fv, nk, FD_TOL, 1e-3);
 }
 
 static void attn_fd_case(int window)
 {
-    rng_seed(3 + (uint64_t)window);
     attn_ctx c;
-    fill(c.q, AQN, 1.5f);
-    fill(c.k, AKN, 1.5f);
-    fill(c.v, AKN, 1.0f);
-    fill(c.dout, AQN, 1.0f);
-    const int32_t pos[AT] = {0, 1, 2, 7, 8, 9}; /* two chunks, as a cp rank holds */
-    memcpy(c.pos, pos, sizeof pos);
-    c.window = window;
-
+    attn_ctx_init(&c, 3 + (uint64_t)window, AB, NULL, window);
     float out[AQN], lse[ALN];
-    op_attention_forward(out, lse, c.q, c.k, c.v, c.pos, c.pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD, window);
-    float dq[AQN] = {0}, dk[AKN] = {0}, dv[AKN] = {0}, fq[AQN], fk[AKN], fv[AKN];
-    op_attention_backward(dq, dk, dv, c.dout, c.q, c.k, c.v, out, lse, c.pos, c.pos, NULL, NULL, AB, AT, AT,
-                          ANH, ANKV, AHD, window);
-    fd_grad(fq, c.q, AQN, attn_loss, &c, FD_H);
-    fd_grad(fk, c.k, AKN, attn_loss, &c, FD_H);
-    fd_grad(fv, c.v, AKN, attn_loss, &c, FD_H);
-    check_close("attention dq", dq, fq, AQN, FD_TOL, 1e-3);
-    check_close("attention dk", dk, fk, AKN, FD_TOL, 1e-3);
-    check_close("attention dv", dv, fv, AKN, FD_TOL, 1e-3);
+    attn_fd_check(&c, out, lse);
 }
 
 static void test_attention_fd(void **state)
@@ -206,6 +223,47 @@ static void test_attention_window_fd(void **state)
 {
     (void)state;
     attn_fd_case(2);
+}
+
+/* Packed documents, split differently in the two sequences (ids: the position of
+ * the document's first token; positions 3..6 are another rank's). Sequence 0 ends
+ * with a one-token document, so that row's out is its own v exactly. */
+static void test_attention_docs_fd(void **state)
+{
+    (void)state;
+    const int32_t doc[AMAXB * AT] = {0, 0, 2, 5, 5, 9, /* */ 0, 0, 0, 0, 8, 8};
+    attn_ctx c;
+    attn_ctx_init(&c, 11, AMAXB, doc, 0);
+    float out[AMAXB * AQN], lse[AMAXB * ALN];
+    attn_fd_check(&c, out, lse);
+    for (int h = 0; h < ANH; h++)
+        for (int d = 0; d < AHD; d++)
+            assert_true(out[((AT - 1) * ANH + h) * AHD + d] ==
+                        c.v[((AT - 1) * ANKV + h / (ANH / ANKV)) * AHD + d]);
+}
+
+/* No documents is one document per sequence: the same bits as any one id for all. */
+static void test_attention_one_doc_bits(void **state)
+{
+    (void)state;
+    int32_t same[AMAXB * AT];
+    for (int i = 0; i < AMAXB * AT; i++)
+        same[i] = 3;
+    attn_ctx c;
+    attn_ctx_init(&c, 13, AMAXB, NULL, 2);
+    float o1[AMAXB * AQN], l1[AMAXB * ALN], o2[AMAXB * AQN], l2[AMAXB * ALN];
+    float g1[3][AMAXB * AQN] = {{0}}, g2[3][AMAXB * AQN] = {{0}};
+    for (int pass = 0; pass < 2; pass++) {
+        const int32_t *doc = pass ? same : NULL;
+        float *o = pass ? o2 : o1, *l = pass ? l2 : l1, (*g)[AMAXB * AQN] = pass ? g2 : g1;
+        op_attention_forward(o, l, c.q, c.k, c.v, c.pos, c.pos, doc, doc, AMAXB, AT, AT, ANH, ANKV,
+                             AHD, c.window);
+        op_attention_backward(g[0], g[1], g[2], c.dout, c.q, c.k, c.v, o, l, c.pos, c.pos, doc, doc,
+                              AMAXB, AT, AT, ANH, ANKV, AHD, c.window);
+    }
+    assert_memory_equal(o1, o2, sizeof o1);
+    assert_memory_equal(l1, l2, sizeof l1);
+    assert_memory_equal(g1, g2, sizeof g1);
 }
 
 /* Splitting the keys in two, attending to each part and merging by log-sum-exp gives
@@ -225,10 +283,12 @@ static void test_attention_merge_identity(void **state)
 
     for (int window = 0; window <= 3; window += 3) {
         float out[AQN], lse[ALN], o1[AQN], l1[ALN], o2[AQN], l2[ALN];
-        op_attention_forward(out, lse, q, k, v, pos, pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD, window);
-        op_attention_forward(o1, l1, q, k, v, pos, pos, NULL, NULL, AB, AT, cut, ANH, ANKV, AHD, window);
-        op_attention_forward(o2, l2, q, k + cut * kv_row, v + cut * kv_row, pos, pos + cut, NULL, NULL, AB,
-                             AT, rest, ANH, ANKV, AHD, window);
+        op_attention_forward(out, lse, q, k, v, pos, pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD,
+                             window);
+        op_attention_forward(o1, l1, q, k, v, pos, pos, NULL, NULL, AB, AT, cut, ANH, ANKV, AHD,
+                             window);
+        op_attention_forward(o2, l2, q, k + cut * kv_row, v + cut * kv_row, pos, pos + cut, NULL,
+                             NULL, AB, AT, rest, ANH, ANKV, AHD, window);
         int dead1 = 0, dead2 = 0;
         for (int i = 0; i < ALN; i++) {
             dead1 += isinf(l1[i]) && l1[i] < 0;
@@ -315,6 +375,8 @@ int main(void)
         cmocka_unit_test(test_swiglu_fd),
         cmocka_unit_test(test_attention_fd),
         cmocka_unit_test(test_attention_window_fd),
+        cmocka_unit_test(test_attention_docs_fd),
+        cmocka_unit_test(test_attention_one_doc_bits),
         cmocka_unit_test(test_attention_merge_identity),
         cmocka_unit_test(test_xent_fd),
     };
