@@ -115,8 +115,11 @@ shard_status runcfg_doc_sep(const shard_model_desc *d, const char *text, int32_t
 
 char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
 {
-    json_t *files = json_array();
-    for (int i = 0; i < ds->nfiles; i++) json_array_append_new(files, json_string(ds->files[i].path));
+    json_t *files = json_array(), *masks = ds->masked ? json_array() : json_null();
+    for (int i = 0; i < ds->nfiles; i++) {
+        json_array_append_new(files, json_string(ds->files[i].path));
+        if (ds->masked) json_array_append_new(masks, json_string(ds->files[i].mpath));
+    }
     json_t *t = json_object();
     json_object_set_new(t, "step", json_integer(c->step));
     json_object_set_new(t, "tokens", json_integer((json_int_t)c->tokens));
@@ -132,9 +135,13 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f
                                                   (double)c->beta1, "beta2", (double)c->beta2, "eps", (double)c->eps,
                                                   "weight_decay", (double)c->wd, "clip", (double)c->clip,
                                                   "weight_decay_applies_to", "matrices"));
-    json_object_set_new(t, "data", json_pack("{s:o,s:I,s:o,s:s}", "files", files, "sequences", (json_int_t)ds->nseq,
-                                             "seed", c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
-                                             "order", c->shuffle ? "shuffled" : "sequential"));
+    /* what the run read its targets with (a record: the flags give them on resume, as --data) */
+    json_object_set_new(t, "data", json_pack("{s:o,s:I,s:o,s:s,s:o,s:o}", "files", files, "sequences",
+                                             (json_int_t)ds->nseq, "seed",
+                                             c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
+                                             "order", c->shuffle ? "shuffled" : "sequential", "loss_masks", masks,
+                                             "document_separator",
+                                             ds->documents ? json_integer(ds->sep) : json_null()));
     /* the only randomness of a run is the data order: epoch e's permutation comes
      * from a generator seeded by (seed, e), so (seed, position) is the whole state */
     json_object_set_new(t, "rng", json_pack("{s:s,s:o,s:I}", "generator", "xoshiro256** seeded by splitmix64(seed, epoch)",

@@ -87,8 +87,10 @@ void steplog_step(steplog *l, const step_result *r, int64_t steps)
     l->ema_dt = l->ema_dt > 0 ? 0.9 * l->ema_dt + 0.1 * r->seconds : r->seconds;
     char eta[32];
     fmt_eta(eta, sizeof eta, l->ema_dt * (double)(steps - r->step));
-    fprintf(stderr, "\r\033[Kstep %lld/%lld  loss %.4f  lr %.3g  %.0f tok/s  ETA %s", (long long)r->step,
-            (long long)steps, r->loss, r->lr, r->tokens_per_s, eta);
+    char loss[32] = "--"; /* a step without counted targets has none */
+    if (isfinite(r->loss)) snprintf(loss, sizeof loss, "%.4f", r->loss);
+    fprintf(stderr, "\r\033[Kstep %lld/%lld  loss %s  lr %.3g  %.0f tok/s  ETA %s", (long long)r->step,
+            (long long)steps, loss, r->lr, r->tokens_per_s, eta);
     if (!isnan(r->val_loss)) fprintf(stderr, "  val %.4f", r->val_loss);
 }
 

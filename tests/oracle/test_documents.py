@@ -163,8 +163,8 @@ def test_gradients_match_autograd(tmp_path, case, micro):
 
 
 # ---------------------------------------------------------------- every layout
-models.CASES.setdefault("llama-no-eos", ("llama", dict(vocab_size=101, hidden_size=32, intermediate_size=64,
-                                                       num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2,
+models.CASES.setdefault("llama-no-eos", ("llama", dict(vocab_size=101, hidden_size=48, intermediate_size=88,
+                                                       num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=2,
                                                        eos_token_id=None), torch.float32, {}))
 PCASE = "llama-tp-kv2"  # 8 heads, 2 kv heads (test_parallel_cp's)
 models.CASES.setdefault(PCASE, ("llama", dict(vocab_size=103, hidden_size=32, intermediate_size=70,
@@ -247,6 +247,8 @@ def test_resume_is_bit_exact(psetup):
     run("smp-train", *args(a, ckpt=a), check=0)  # the run folder: its latest, step 3
     rows = read_log(a / "log.jsonl")
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(q["loss"], q["grad_norm"]) for q in refs[1]]
+    st = json.loads((a / "step-000006" / "smp.json").read_text())["training"]
+    assert st["data"]["document_separator"] == SEP and len(st["data"]["loss_masks"]) == 1
 
 
 # ---------------------------------------------------------------- steps without targets
@@ -270,6 +272,7 @@ def test_step_without_targets_logs_null_and_keeps_the_weights(tmp_path):
             np.testing.assert_array_equal(after[name], before[name], err_msg=name)
     st = json.loads((out / "step-000001" / "smp.json").read_text())["training"]
     assert st["step"] == 1 and st["optimizer_step"] == 0
+    assert st["data"]["loss_masks"] == [str(mfile)] and st["data"]["document_separator"] is None
 
 
 # ---------------------------------------------------------------- bad inputs
