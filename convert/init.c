@@ -1,6 +1,7 @@
 /* smp-convert init: a new model from config.json, initialized as transformers'
  * LlamaPreTrainedModel._init_weights does: every linear and the embedding from
- * N(0, initializer_range), the padding token's embedding row zero, norms one.
+ * N(0, initializer_range), the padding token's embedding row zero, norms one, biases
+ * zero (Qwen2PreTrainedModel too).
  *
  * The random numbers are counter-based (a hash of seed, tensor and element index,
  * then Box-Muller), so any piece of any tensor is computed on its own: the same
@@ -47,7 +48,7 @@ shard_status init_fill(void *ctx, const shard_box *sub, void *dst, shard_dtype d
         for (int64_t c0 = 0; c0 < rowlen; c0 += 4096) {
             int64_t m = rowlen - c0 < 4096 ? rowlen - c0 : 4096;
             for (int64_t c = 0; c < m; c++) {
-                if (it->ones) row[c] = 1.0f;
+                if (it->constant) row[c] = it->value;
                 else if (it->zero_row >= 0 && nd == 2 && idx[0] == it->zero_row) row[c] = 0.0f;
                 else row[c] = (float)(it->std * init_normal(it->seed, it->tensor_id, flat + (uint64_t)(c0 + c)));
             }

@@ -7,7 +7,8 @@ typedef struct {
     const shard_tensor_spec *spec;
     uint64_t seed, tensor_id; /* tensor_id: a hash of the tensor's name */
     double std;
-    int ones;                 /* norms */
+    int constant;             /* 1: every element is value (norms 1, biases 0), else N(0, std) */
+    float value;
     int64_t zero_row;         /* the padding token's embedding row, or -1 */
 } init_tensor;
 

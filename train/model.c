@@ -1,4 +1,4 @@
-/* train/model.c: the Llama/Mistral model of one rank, forward and backward (see model.h). */
+/* train/model.c: the model of one rank (Llama, Mistral, Qwen2, Qwen3), forward and backward (see model.h). */
 #include "model.h"
 
 #include <math.h>
@@ -35,7 +35,8 @@ static const struct {
 } LAYER_FIELD[] = {
     FIELD(SHARD_T_Q, q), FIELD(SHARD_T_K, k), FIELD(SHARD_T_V, v), FIELD(SHARD_T_O, o), FIELD(SHARD_T_GATE, gate),
     FIELD(SHARD_T_UP, up), FIELD(SHARD_T_DOWN, down), FIELD(SHARD_T_NORM_ATTN, norm_attn),
-    FIELD(SHARD_T_NORM_MLP, norm_mlp),
+    FIELD(SHARD_T_NORM_MLP, norm_mlp), FIELD(SHARD_T_Q_BIAS, q_bias), FIELD(SHARD_T_K_BIAS, k_bias),
+    FIELD(SHARD_T_V_BIAS, v_bias), FIELD(SHARD_T_Q_NORM, q_norm), FIELD(SHARD_T_K_NORM, k_norm),
 };
 #undef FIELD
 
@@ -220,7 +221,9 @@ void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
 
 /* every backend buffer of a layer's activations, in a fixed order */
 #define LAYER_BUFS(a) {(void **)&(a)->x, (void **)&(a)->rstd1, &(a)->xn1, &(a)->q, &(a)->k, &(a)->v, &(a)->att, \
-                       (void **)&(a)->lse, &(a)->xmid, (void **)&(a)->rstd2, &(a)->xn2, &(a)->gate, &(a)->up, &(a)->act}
+                       (void **)&(a)->lse, &(a)->xmid, (void **)&(a)->rstd2, &(a)->xn2, &(a)->gate, &(a)->up, &(a)->act, \
+                       &(a)->q_pre, &(a)->k_pre, (void **)&(a)->rstd_q, (void **)&(a)->rstd_k}
+enum { NBUFS = 18 }; /* the entries of LAYER_BUFS */
 
 static void free_layer(model *m, layer_acts *a)
 {
@@ -255,7 +258,7 @@ static void free_acts(model *m)
     void **bufs[] = {(void **)&m->cos_t, (void **)&m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv, &m->datt,
                      &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
-                     (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d};
+                     (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
@@ -323,9 +326,10 @@ static void layer_sizes(const model *m, size_t *n, size_t *es)
 {
     const size_t N = (size_t)m->B * m->T, H = (size_t)m->H, F = (size_t)m->F, e = m->dev->es, f = sizeof(float);
     const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd;
-    const size_t nn[] = {N * H, N, N * H, N * QD, N * KD, N * KD, N * QD, (size_t)m->B * m->nh * m->T, N * H, N, N * H,
-                         N * F, N * F, N * F};
-    const size_t ee[] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e};
+    const size_t qk = m->d.qk_norm ? 1 : 0; /* the q/k norm's tensors: none elsewhere */
+    const size_t nn[NBUFS] = {N * H, N, N * H, N * QD, N * KD, N * KD, N * QD, (size_t)m->B * m->nh * m->T, N * H, N,
+                              N * H, N * F, N * F, N * F, qk * N * QD, qk * N * KD, qk * N * m->nh, qk * N * m->nkv};
+    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f};
     memcpy(n, nn, sizeof nn);
     memcpy(es, ee, sizeof ee);
 }
@@ -359,7 +363,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     ok &= m->slots != NULL;
     if (ok) m->nslots = nslots;
     const size_t NV = m->last ? N * Vl : 0, NL = m->last ? N : 0;
-    size_t ln[14], les[14];
+    size_t ln[NBUFS], les[NBUFS];
     layer_sizes(m, ln, les);
     for (int k = 0; ok && k < nslots; k++) {
         act_slot *sl = &m->slots[k];
@@ -368,8 +372,8 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         for (int l = m->l0; ok && l < m->l1; l++) {
             layer_acts *a = &sl->acts[l];
             void **all[] = LAYER_BUFS(a);
-            for (int j = 0; ok && j < 14; j++)
-                if (kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
+            for (int j = 0; ok && j < NBUFS; j++)
+                if (ln[j] && kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
         }
         A(sl->xL, N * H, e); A(sl->rstdf, NL, f); A(sl->xnf, m->last ? N * H : 0, e); A(sl->logits, NV, e);
         A(sl->rowmax, NL, f); A(sl->sumexp, 2 * NL, f); A(sl->losses, NL, f);
@@ -377,12 +381,13 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     if (ok && m->recompute != RECOMPUTE_NONE && m->l0 < m->l1) { /* one shared set of what is recomputed */
         layer_acts *a = &m->rc;
         void **all[] = LAYER_BUFS(a);
-        for (int j = 1; ok && j < 14; j++)
-            if (!kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
+        for (int j = 1; ok && j < NBUFS; j++)
+            if (ln[j] && !kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
     }
     A(m->cos_t, N * m->hd, f); A(m->sin_t, N * m->hd, f); A(m->rpos_d, N, sizeof(int32_t));
     A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
     A(m->datt, N * QD, e); A(m->dgate, N * F, e); A(m->dup, N * F, e); A(m->dact, N * F, e); A(m->dlogits, NV, e);
+    if (m->d.qk_norm) A(m->dqk_pre, N * (QD + KD), e);
     A(m->tok_d, N, sizeof(int32_t)); A(m->tgt_d, N, sizeof(int32_t));
     if (sp_on(m)) A(m->sp_loc, N / (size_t)m->tp_size * H, e);
     const int C = m->cp_size > 1 ? m->cp_size : 1;
@@ -579,9 +584,20 @@ static void fwd_attention(model *m, int l, layer_acts *a)
     } else {
         OPS->rmsnorm_forward(DV, a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
     }
-    lin_fwd(m, l, LIN_Q, a->q, a->xn1, w->q, N, H, QD);
-    lin_fwd(m, l, LIN_K, a->k, a->xn1, w->k, N, H, KD);
+    /* with the q/k norm, the projections go to q_pre/k_pre and the norm to q/k */
+    void *q = m->d.qk_norm ? a->q_pre : a->q, *k = m->d.qk_norm ? a->k_pre : a->k;
+    lin_fwd(m, l, LIN_Q, q, a->xn1, w->q, N, H, QD);
+    lin_fwd(m, l, LIN_K, k, a->xn1, w->k, N, H, KD);
     lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
+    if (m->d.qkv_bias) {
+        OPS->bias_forward(DV, q, w->q_bias, N, QD);
+        OPS->bias_forward(DV, k, w->k_bias, N, KD);
+        OPS->bias_forward(DV, a->v, w->v_bias, N, KD);
+    }
+    if (m->d.qk_norm) { /* RMSNorm over head_dim: one row per (token, head) */
+        OPS->rmsnorm_forward(DV, a->q, a->rstd_q, q, w->q_norm, N * m->nh, hd, m->eps);
+        OPS->rmsnorm_forward(DV, a->k, a->rstd_k, k, w->k_norm, N * m->nkv, hd, m->eps);
+    }
     OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, 1, N, m->nh, hd); /* a table row per token */
     OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, 1, N, m->nkv, hd);
     attention_forward(m, a);
@@ -688,6 +704,21 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
     return OPS->xent_loss(DV, m->losses, m->rowmax, m->sumexp, m->target_logit, tgt, N);
 }
 
+/* Qwen3: back through the per-head RMSNorm of q and k: *dq and *dk (the gradients of
+ * the normed q and k) become those of the projections' outputs, in m->dqk_pre */
+static void qk_norm_backward(model *m, int l, const layer_acts *a, void **dq, void **dk)
+{
+    const size_t N = (size_t)m->B * m->T, QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd;
+    void *dqp = m->dqk_pre, *dkp = AT(m->dqk_pre, N * QD);
+    const layer_params *w = &m->lw[l];
+    layer_grads *g = &m->lg[l];
+    OPS->zero(DV, m->dqk_pre, N * (QD + KD) * DV->es); /* backward ops accumulate */
+    OPS->rmsnorm_backward(DV, dqp, g->q_norm, *dq, a->q_pre, w->q_norm, a->rstd_q, (int)N * m->nh, m->hd);
+    OPS->rmsnorm_backward(DV, dkp, g->k_norm, *dk, a->k_pre, w->k_norm, a->rstd_k, (int)N * m->nkv, m->hd);
+    *dq = dqp;
+    *dk = dkp;
+}
+
 void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale)
 {
     const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
@@ -748,9 +779,16 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         attention_backward(m, a);
         OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, 1, N, m->nh, hd);
         OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, 1, N, m->nkv, hd);
+        void *dq = m->dq, *dk = m->dk; /* the gradients of the projections' outputs */
+        if (m->d.qk_norm) qk_norm_backward(m, l, a, &dq, &dk);
+        if (m->d.qkv_bias) {
+            OPS->bias_backward(DV, g->q_bias, dq, N, QD);
+            OPS->bias_backward(DV, g->k_bias, dk, N, KD);
+            OPS->bias_backward(DV, g->v_bias, m->dv, N, KD);
+        }
         OPS->zero(DV, m->dxn, NH * e);
-        lin_bwd(m, l, LIN_Q, m->dxn, g->q, m->dq, a->xn1, w->q, N, H, QD);
-        lin_bwd(m, l, LIN_K, m->dxn, g->k, m->dk, a->xn1, w->k, N, H, KD);
+        lin_bwd(m, l, LIN_Q, m->dxn, g->q, dq, a->xn1, w->q, N, H, QD);
+        lin_bwd(m, l, LIN_K, m->dxn, g->k, dk, a->xn1, w->k, N, H, KD);
         lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
         else tp_sum(m, m->dxn, NH);

@@ -39,9 +39,13 @@ typedef struct fp8_state fp8_state; /* the FP8 recipe of the blocks' linear laye
  * layer tensor role, the same names in both */
 typedef struct {
     void *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
+    void *q_bias, *k_bias, *v_bias; /* Qwen2; NULL in the other families */
+    void *q_norm, *k_norm;          /* Qwen3 [head_dim]; NULL in the others */
 } layer_params;
 typedef struct {
     float *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
+    float *q_bias, *k_bias, *v_bias;
+    float *q_norm, *k_norm;
 } layer_grads;
 
 /* Activation recomputation: what backward recomputes instead of keeping.
@@ -66,6 +70,9 @@ typedef struct {
     void *xn2;       /* [N,H] */
     void *gate, *up; /* [N,F] */
     void *act;       /* [N,F] silu(gate) * up */
+    /* the per-head q/k norm (Qwen3; empty otherwise): q and k before it, and its rstd */
+    void *q_pre, *k_pre;     /* [N,nh*hd], [N,nkv*hd] */
+    float *rstd_q, *rstd_k;  /* [N*nh], [N*nkv] */
 } layer_acts;
 
 /* The activations of one microbatch in flight (a pipeline stage keeps up to
@@ -136,6 +143,7 @@ typedef struct {
                                 (the ring skips the others' attention) */
     /* backward scratch */
     void *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
+    void *dqk_pre;           /* [N*(nh+nkv)*hd] the gradients of q and k before the q/k norm (Qwen3) */
     /* FP8 (NULL when off) */
     fp8_state *fp8;
     /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed

@@ -190,13 +190,19 @@ static int is_norm(const shard_tensor_spec *t)
     return t->role == SHARD_T_NORM_ATTN || t->role == SHARD_T_NORM_MLP || t->role == SHARD_T_NORM_FINAL;
 }
 
-/* sequence parallelism: each tp rank's norm weight gradients cover only its tokens;
- * one all-reduce over tp of all the stage's norms (packed) makes them whole */
-static shard_status sp_norm_grads(par_ctx *p, model *m)
+/* weight gradients that are partial on each tp rank: the per-head q/k norms' (each
+ * rank's heads) and, with sequence parallelism, the norms' (each rank's tokens) */
+static int tp_partial(const model *m, const shard_tensor_spec *t)
+{
+    return t->role == SHARD_T_Q_NORM || t->role == SHARD_T_K_NORM || (m->sp && is_norm(t));
+}
+
+/* one all-reduce over tp of all the stage's partial gradients (packed) makes them whole */
+static shard_status tp_sum_partial_grads(par_ctx *p, model *m)
 {
     size_t n = 0;
     for (size_t i = 0; i < m->ntensors; i++)
-        if (is_norm(&m->spec[i])) n += m->numel[i];
+        if (tp_partial(m, &m->spec[i])) n += m->numel[i];
     if (!n) return SHARD_OK;
     dev *d = p->dev;
     if (!p->normbuf) {
@@ -206,14 +212,14 @@ static shard_status sp_norm_grads(par_ctx *p, model *m)
     float *buf = p->normbuf;
     size_t k = 0;
     for (size_t i = 0; i < m->ntensors; i++)
-        if (is_norm(&m->spec[i])) {
+        if (tp_partial(m, &m->spec[i])) {
             d->ops->copy(d, buf + k, m->grads + m->offset[i], m->numel[i] * sizeof(float));
             k += m->numel[i];
         }
     shard_status s = shard_comm_allreduce(p->dg.tp, buf, n, SHARD_DT_F32, SHARD_OP_SUM);
     k = 0;
     for (size_t i = 0; !s && i < m->ntensors; i++)
-        if (is_norm(&m->spec[i])) {
+        if (tp_partial(m, &m->spec[i])) {
             d->ops->copy(d, m->grads + m->offset[i], buf + k, m->numel[i] * sizeof(float));
             k += m->numel[i];
         }
@@ -231,12 +237,15 @@ shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
                 return s;
     if (p->kv_rep > 1)
         for (int l = m->l0; l < m->l1; l++) {
-            size_t n = (size_t)m->nkv * m->hd * m->H;
+            const size_t n = (size_t)m->nkv * m->hd * m->H, nb = (size_t)m->nkv * m->hd;
             if ((s = shard_comm_allreduce(p->kvc, m->lg[l].k, n, SHARD_DT_F32, SHARD_OP_SUM)) ||
                 (s = shard_comm_allreduce(p->kvc, m->lg[l].v, n, SHARD_DT_F32, SHARD_OP_SUM)))
                 return s;
+            if (m->d.qkv_bias && ((s = shard_comm_allreduce(p->kvc, m->lg[l].k_bias, nb, SHARD_DT_F32, SHARD_OP_SUM)) ||
+                                  (s = shard_comm_allreduce(p->kvc, m->lg[l].v_bias, nb, SHARD_DT_F32, SHARD_OP_SUM))))
+                return s;
         }
-    if (m->sp && m->tp_size > 1 && (s = sp_norm_grads(p, m))) return s;
+    if (m->tp_size > 1 && (s = tp_sum_partial_grads(p, m))) return s;
     if (p->size == 1) { /* the single-rank trainer's norm, bit for bit */
         *sumsq = d->ops->sumsq(d, m->grads, m->nparams);
         return dev_status(d);

@@ -211,10 +211,11 @@ int shard_weights_indexed(const shard_weights *w); /* 1 when an index was used *
 /* ---------------------------------------------------------------- HF config */
 #define SHARD_NAME_MAX 256
 
-/* The model description smp trains: LlamaForCausalLM and MistralForCausalLM. */
+/* The model description smp trains: LlamaForCausalLM, MistralForCausalLM,
+ * Qwen2ForCausalLM and Qwen3ForCausalLM (the families: shard_family_of). */
 typedef struct {
-    char architecture[64];   /* "LlamaForCausalLM" or "MistralForCausalLM" */
-    char model_type[32];     /* "llama" or "mistral" */
+    char architecture[64];   /* "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", ... */
+    char model_type[32];     /* "llama", "mistral", "qwen2", "qwen3" */
     int64_t hidden;          /* hidden_size */
     int64_t intermediate;    /* intermediate_size */
     int64_t layers;          /* num_hidden_layers */
@@ -234,6 +235,8 @@ typedef struct {
     int64_t pad_token_id;    /* -1 when absent, null, or outside the vocabulary */
     int64_t eos_token_id;    /* the same; a list's first id (the end of text; --documents' default separator) */
     shard_dtype torch_dtype; /* SHARD_DT_INVALID when config.json names none */
+    int qkv_bias;            /* q, k and v projections have biases (Qwen2) */
+    int qk_norm;             /* RMSNorm of each query and key head before RoPE (Qwen3) */
 } shard_model_desc;
 
 /* Parse config.json (path names the file). Unsupported features are refused by
@@ -255,7 +258,10 @@ const char *shard_torch_dtype_name(shard_dtype dt);
  * layer's, then the final norm and the head; no lm_head when tied). */
 typedef enum {
     SHARD_T_EMBED, SHARD_T_Q, SHARD_T_K, SHARD_T_V, SHARD_T_O, SHARD_T_GATE, SHARD_T_UP,
-    SHARD_T_DOWN, SHARD_T_NORM_ATTN, SHARD_T_NORM_MLP, SHARD_T_NORM_FINAL, SHARD_T_HEAD
+    SHARD_T_DOWN, SHARD_T_NORM_ATTN, SHARD_T_NORM_MLP, SHARD_T_NORM_FINAL, SHARD_T_HEAD,
+    SHARD_T_Q_BIAS, SHARD_T_K_BIAS, SHARD_T_V_BIAS, /* [q width], [kv width] */
+    SHARD_T_Q_NORM, SHARD_T_K_NORM,                 /* [head_dim] */
+    SHARD_T_ROLES
 } shard_tensor_role;
 typedef struct {
     char name[SHARD_NAME_MAX];
@@ -264,6 +270,23 @@ typedef struct {
     int ndim;
     int64_t shape[2];
 } shard_tensor_spec;
+/* A family: its layer tensors by Hugging Face name ("%d": the layer) and role. */
+typedef struct {
+    const char *fmt;
+    shard_tensor_role role;
+} shard_layer_tensor;
+typedef struct {
+    const char *architecture, *model_type;
+    const shard_layer_tensor *layer;
+    size_t nlayer;
+    int sliding_window;      /* 1: config.json's sliding_window on every layer (Mistral); 2: only with
+                                use_sliding_window, which smp refuses (Qwen); 0: none */
+    int qkv_bias, qk_norm;   /* the shard_model_desc features the family always has */
+} shard_family;
+const shard_family *shard_family_of(const char *architecture); /* NULL: not supported */
+const char *shard_family_names(void);                          /* for messages */
+/* The shape of a tensor of role in d (the role table, partition.c); its ndim. */
+int shard_role_shape(const shard_model_desc *d, shard_tensor_role role, int64_t shape[2]);
 size_t shard_model_tensor_count(const shard_model_desc *d);
 void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *out);
 uint64_t shard_model_param_count(const shard_model_desc *d);

@@ -1,4 +1,6 @@
-/* config.json of LlamaForCausalLM / MistralForCausalLM -> shard_model_desc.
+/* config.json of a supported family (libshard/model/families.c: Llama, Mistral,
+ * Qwen2, Qwen3) -> shard_model_desc; transformers 4's keys and 5's (rope_parameters,
+ * dtype, layer_types) alike.
  *
  * Every field smp relies on is type- and range-checked. Settings that would change
  * the computation in a way smp does not implement are refused by name rather than
@@ -85,9 +87,19 @@ static shard_status refuse_true(ctx *c, const char *key, const char *why)
 
 #define TRY(x) do { shard_status s_ = (x); if (s_) return s_; } while (0)
 
+/* RoPE: transformers 5's "rope_parameters" {"rope_theta", "rope_type", ...}, or 4's
+ * "rope_theta" and "rope_scaling" {"rope_type" (or "type"), ...} */
 static shard_status parse_rope_scaling(ctx *c, shard_model_desc *d)
 {
-    json_t *rs = json_object_get(c->root, "rope_scaling");
+    json_t *rp = json_object_get(c->root, "rope_parameters");
+    if (rp && !json_is_null(rp) && !json_is_object(rp))
+        return shard_fail(SHARD_E_INVALID, "%s: \"rope_parameters\": expected an object or null", c->path);
+    json_t *rs = rp && json_is_object(rp) ? rp : json_object_get(c->root, "rope_scaling");
+    if (rs == rp && rp) {
+        ctx sub = {c->path, rp};
+        TRY(get_num(&sub, rp, "rope_theta", d->rope_theta, 1e-3, 1e30, &d->rope_theta));
+        if (!json_object_get(rp, "rope_type")) return SHARD_OK;
+    }
     if (!rs || json_is_null(rs)) return SHARD_OK;
     if (!json_is_object(rs)) return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": expected an object or null", c->path);
     json_t *t = json_object_get(rs, "rope_type");
@@ -108,6 +120,32 @@ static shard_status parse_rope_scaling(ctx *c, shard_model_desc *d)
     return SHARD_OK;
 }
 
+/* The sliding window: Mistral's on every layer ("sliding_window"); the Qwen families'
+ * only with "use_sliding_window" (then on layers from max_window_layers on, or as
+ * "layer_types" says): refused by name. Elsewhere a window is refused. */
+static shard_status parse_window(ctx *c, const shard_family *fam, shard_model_desc *d)
+{
+    json_t *r = c->root, *sw = json_object_get(r, "sliding_window"), *lt = json_object_get(r, "layer_types");
+    int use = 0;
+    TRY(get_bool(c, "use_sliding_window", 0, &use));
+    if (use)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"use_sliding_window\": true (a window on some layers, from "
+                                               "max_window_layers on) is not supported", c->path);
+    for (size_t i = 0; fam->sliding_window != 1 && json_is_array(lt) && i < json_array_size(lt); i++) {
+        json_t *k = json_array_get(lt, i);
+        if (!json_is_string(k)) return shard_fail(SHARD_E_INVALID, "%s: \"layer_types\": expected strings", c->path);
+        if (strcmp(json_string_value(k), "full_attention"))
+            return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"layer_types\"[%zu] \"%.40s\" is not supported (every layer "
+                                                   "must be \"full_attention\")", c->path, i, json_string_value(k));
+    }
+    if (!sw || json_is_null(sw) || fam->sliding_window == 2)
+        return SHARD_OK; /* the Qwen families keep a sliding_window that use_sliding_window leaves off */
+    if (!fam->sliding_window)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"sliding_window\" is set but %s has no sliding-window attention",
+                          c->path, fam->architecture);
+    return get_int(c, r, "sliding_window", INT64_MIN, 1, INT64_C(1) << 40, &d->sliding_window);
+}
+
 /* a token id of the config, -1 when absent, null, or outside the vocabulary */
 static int64_t token_id(const json_t *v, int64_t vocab)
 {
@@ -123,10 +161,11 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     if (!json_is_array(archs) || json_array_size(archs) != 1 || !json_is_string(json_array_get(archs, 0)))
         return shard_fail(SHARD_E_INVALID, "%s: \"architectures\": expected a list of one name", c->path);
     const char *arch = json_string_value(json_array_get(archs, 0));
-    const char *want_type;
-    if (strcmp(arch, "LlamaForCausalLM") == 0) want_type = "llama";
-    else if (strcmp(arch, "MistralForCausalLM") == 0) want_type = "mistral";
-    else return shard_fail(SHARD_E_UNSUPPORTED, "%s: architecture \"%.60s\" is not supported (smp supports LlamaForCausalLM and MistralForCausalLM)", c->path, arch);
+    const shard_family *fam = shard_family_of(arch);
+    if (!fam)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: architecture \"%.60s\" is not supported (smp supports %s)", c->path, arch,
+                          shard_family_names());
+    const char *want_type = fam->model_type;
     snprintf(d->architecture, sizeof d->architecture, "%s", arch);
     json_t *mt = json_object_get(r, "model_type");
     if (!json_is_string(mt)) return shard_fail(SHARD_E_INVALID, "%s: \"model_type\" missing or not a string", c->path);
@@ -158,17 +197,14 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     TRY(get_bool(c, "tie_word_embeddings", 0, &d->tie_word_embeddings));
     TRY(parse_rope_scaling(c, d));
 
-    json_t *sw = json_object_get(r, "sliding_window");
-    if (sw && !json_is_null(sw)) {
-        if (strcmp(want_type, "mistral") != 0)
-            return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"sliding_window\" is set but %s has no sliding-window attention", c->path, arch);
-        TRY(get_int(c, r, "sliding_window", INT64_MIN, 1, INT64_C(1) << 40, &d->sliding_window));
-    }
+    TRY(parse_window(c, fam, d));
     json_t *act = json_object_get(r, "hidden_act");
     if (act && !json_is_string(act)) return shard_fail(SHARD_E_INVALID, "%s: \"hidden_act\": expected a string", c->path);
     if (act && strcmp(json_string_value(act), "silu") != 0)
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"hidden_act\" \"%.40s\" is not supported (smp implements SwiGLU with silu)", c->path, json_string_value(act));
-    TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
+    d->qkv_bias = fam->qkv_bias; /* Qwen2's q, k, v always have biases (its config has no key) */
+    d->qk_norm = fam->qk_norm;
+    if (!d->qkv_bias) TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
     TRY(refuse_true(c, "mlp_bias", "smp's MLP projections have no bias"));
     if (json_object_get(r, "quantization_config"))
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"quantization_config\": quantized checkpoints are not supported", c->path);

@@ -1,4 +1,4 @@
-/* Boxes and the partition rules of the Llama family: which region of each global
+/* Boxes and the partition rules (the role table below): which region of each global
  * tensor a rank holds, and whether it is the rank that stores that region. */
 #include "../core/internal.h"
 
@@ -35,24 +35,63 @@ int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out)
     return 1;
 }
 
-/* The shape that role implies for d; ndim 0 for an unknown role. */
-static int expected_shape(const shard_model_desc *d, shard_tensor_role role, int64_t shape[2])
+/* The role table: each role's shape (in terms of the model's sizes) and its
+ * tensor-parallel split. Adding a role is a row here (and its use in the model). */
+typedef enum { D_NONE, D_V, D_H, D_F, D_QD, D_KD, D_HD } dim_of; /* vocab, hidden, ..., head_dim */
+typedef enum {
+    SPLIT_REPLICATED, /* every tp rank holds it whole; tp rank 0 writes */
+    SPLIT_ROWS,       /* blocks of ceil(rows / tp) (vocabulary, MLP) */
+    SPLIT_COLS,       /* blocks of ceil(cols / tp) (down_proj) */
+    SPLIT_QHEADS,     /* whole query heads along split_dim */
+    SPLIT_KVHEADS     /* whole kv heads along dim 0, replicated when fewer than tp */
+} split_rule;
+static const struct {
+    dim_of dims[2];
+    split_rule split;
+    int split_dim;
+    int per_layer;
+} ROLE[SHARD_T_ROLES] = {
+    [SHARD_T_EMBED] = {{D_V, D_H}, SPLIT_ROWS, 0, 0},
+    [SHARD_T_HEAD] = {{D_V, D_H}, SPLIT_ROWS, 0, 0},
+    [SHARD_T_NORM_FINAL] = {{D_H}, SPLIT_REPLICATED, 0, 0},
+    [SHARD_T_Q] = {{D_QD, D_H}, SPLIT_QHEADS, 0, 1},
+    [SHARD_T_K] = {{D_KD, D_H}, SPLIT_KVHEADS, 0, 1},
+    [SHARD_T_V] = {{D_KD, D_H}, SPLIT_KVHEADS, 0, 1},
+    [SHARD_T_O] = {{D_H, D_QD}, SPLIT_QHEADS, 1, 1},
+    [SHARD_T_GATE] = {{D_F, D_H}, SPLIT_ROWS, 0, 1},
+    [SHARD_T_UP] = {{D_F, D_H}, SPLIT_ROWS, 0, 1},
+    [SHARD_T_DOWN] = {{D_H, D_F}, SPLIT_COLS, 1, 1},
+    [SHARD_T_NORM_ATTN] = {{D_H}, SPLIT_REPLICATED, 0, 1},
+    [SHARD_T_NORM_MLP] = {{D_H}, SPLIT_REPLICATED, 0, 1},
+    [SHARD_T_Q_BIAS] = {{D_QD}, SPLIT_QHEADS, 0, 1},
+    [SHARD_T_K_BIAS] = {{D_KD}, SPLIT_KVHEADS, 0, 1},
+    [SHARD_T_V_BIAS] = {{D_KD}, SPLIT_KVHEADS, 0, 1},
+    [SHARD_T_Q_NORM] = {{D_HD}, SPLIT_REPLICATED, 0, 1},
+    [SHARD_T_K_NORM] = {{D_HD}, SPLIT_REPLICATED, 0, 1},
+};
+
+static int64_t size_of(const shard_model_desc *d, dim_of k)
 {
-    const int64_t H = d->hidden, F = d->intermediate, V = d->vocab;
-    const int64_t QD = d->heads * d->head_dim, KD = d->kv_heads * d->head_dim;
-    switch (role) {
-    case SHARD_T_EMBED: case SHARD_T_HEAD: shape[0] = V; shape[1] = H; return 2;
-    case SHARD_T_Q: shape[0] = QD; shape[1] = H; return 2;
-    case SHARD_T_K: case SHARD_T_V: shape[0] = KD; shape[1] = H; return 2;
-    case SHARD_T_O: shape[0] = H; shape[1] = QD; return 2;
-    case SHARD_T_GATE: case SHARD_T_UP: shape[0] = F; shape[1] = H; return 2;
-    case SHARD_T_DOWN: shape[0] = H; shape[1] = F; return 2;
-    case SHARD_T_NORM_ATTN: case SHARD_T_NORM_MLP: case SHARD_T_NORM_FINAL: shape[0] = H; return 1;
+    switch (k) {
+    case D_V: return d->vocab;
+    case D_H: return d->hidden;
+    case D_F: return d->intermediate;
+    case D_QD: return d->heads * d->head_dim;
+    case D_KD: return d->kv_heads * d->head_dim;
+    case D_HD: return d->head_dim;
+    default: return 0;
     }
-    return 0;
 }
 
-static int is_layer_role(shard_tensor_role r) { return r != SHARD_T_EMBED && r != SHARD_T_NORM_FINAL && r != SHARD_T_HEAD; }
+int shard_role_shape(const shard_model_desc *d, shard_tensor_role role, int64_t shape[2])
+{
+    if ((unsigned)role >= SHARD_T_ROLES || ROLE[role].dims[0] == D_NONE) return 0;
+    int nd = 0;
+    for (int k = 0; k < 2 && ROLE[role].dims[k] != D_NONE; k++) shape[nd++] = size_of(d, ROLE[role].dims[k]);
+    return nd;
+}
+
+static int is_layer_role(shard_tensor_role r) { return (unsigned)r < SHARD_T_ROLES && ROLE[r].per_layer; }
 
 /* Block r of n split over tp in blocks of ceil(n/tp): the last blocks may be short
  * or empty. */
@@ -77,7 +116,7 @@ static shard_status check_args(const shard_model_desc *d, const shard_layout *l,
     if (rank < 0 || rank >= shard_layout_size(l))
         return shard_fail(SHARD_E_USAGE, "partition: rank %d is out of range for %d ranks", rank, shard_layout_size(l));
     int64_t shape[2];
-    int nd = expected_shape(d, t->role, shape);
+    int nd = shard_role_shape(d, t->role, shape);
     if (nd == 0) return shard_fail(SHARD_E_USAGE, "partition: tensor \"%.*s\" has an unknown role %d", SHARD_NAME_MAX, t->name, (int)t->role);
     if (is_layer_role(t->role) ? (t->layer < 0 || t->layer >= d->layers) : t->layer != -1)
         return shard_fail(SHARD_E_USAGE, "partition: tensor \"%.*s\" has layer %d, out of range for its role", SHARD_NAME_MAX, t->name, t->layer);
@@ -112,24 +151,16 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
     /* Every cp and dp replica holds what cp=0,dp=0 holds; that one writes. */
     int writes = c.cp == 0 && c.dp == 0 && !copy;
     const int64_t hd = d->head_dim, nH = d->heads, nKV = d->kv_heads;
-    switch (t->role) {
-    case SHARD_T_EMBED: case SHARD_T_HEAD:
-        block(t->shape[0], tp, r, &b->off[0], &b->len[0]);
+    const int dim = ROLE[t->role].split_dim;
+    switch (ROLE[t->role].split) {
+    case SPLIT_ROWS: case SPLIT_COLS:
+        block(t->shape[dim], tp, r, &b->off[dim], &b->len[dim]);
         break;
-    case SHARD_T_GATE: case SHARD_T_UP:
-        block(t->shape[0], tp, r, &b->off[0], &b->len[0]);
-        break;
-    case SHARD_T_DOWN:
-        block(t->shape[1], tp, r, &b->off[1], &b->len[1]);
-        break;
-    case SHARD_T_Q: case SHARD_T_O: {
-        /* Whole query heads: rank r takes heads [r*nH/tp, (r+1)*nH/tp). */
-        int dim = t->role == SHARD_T_Q ? 0 : 1;
+    case SPLIT_QHEADS: /* whole query heads: rank r takes heads [r*nH/tp, (r+1)*nH/tp) */
         b->off[dim] = r * (nH / tp) * hd;
         b->len[dim] = (nH / tp) * hd;
         break;
-    }
-    case SHARD_T_K: case SHARD_T_V:
+    case SPLIT_KVHEADS:
         if (nKV >= tp) {
             b->off[0] = r * (nKV / tp) * hd;
             b->len[0] = (nKV / tp) * hd;
@@ -142,8 +173,8 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
             writes = writes && r % rep == 0;
         }
         break;
-    case SHARD_T_NORM_ATTN: case SHARD_T_NORM_MLP: case SHARD_T_NORM_FINAL:
-        writes = writes && r == 0; /* replicated over tp */
+    case SPLIT_REPLICATED:
+        writes = writes && r == 0;
         break;
     }
     out->holds = 1;

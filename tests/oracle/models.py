@@ -2,7 +2,7 @@
 import json
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
+import transformers
 
 CASES = {
     # name: (family, config kwargs, dtype, save kwargs)
@@ -21,14 +21,45 @@ CASES = {
     "llama-sharded": ("llama", dict(vocab_size=211, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                                     num_attention_heads=8, num_key_value_heads=4), torch.float32,
                       {"max_shard_size": "60KB"}),
+    # Qwen2: biases on q, k, v; rope_theta 1e6; tied on the small sizes
+    "qwen2-gqa-tied": ("qwen2", dict(vocab_size=89, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                     num_attention_heads=6, num_key_value_heads=2, rope_theta=1e6,
+                                     tie_word_embeddings=True), torch.bfloat16, {}),
+    "qwen2-untied": ("qwen2", dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=4, rope_theta=1e6), torch.float32, {}),
+    # Qwen3: per-head q/k RMSNorm, an explicit head_dim (not hidden / heads)
+    "qwen3-gqa-hd": ("qwen3", dict(vocab_size=91, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6),
+                     torch.float32, {}),
 }
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def available(name):
+    """transformers has the case's family (Qwen3 came with 4.51)"""
+    return hasattr(transformers, FAMILIES[CASES[name][0]] + "ForCausalLM")
+
+
+def classes(family):
+    p = FAMILIES[family]
+    return getattr(transformers, p + "Config"), getattr(transformers, p + "ForCausalLM")
 
 
 def make(name, path, seed=0):
     family, kw, dtype, save_kw = CASES[name]
     torch.manual_seed(seed)
-    cfg = (LlamaConfig if family == "llama" else MistralConfig)(**kw)
-    model = (LlamaForCausalLM if family == "llama" else MistralForCausalLM)(cfg).to(dtype)
+    config_cls, model_cls = classes(family)
+    model = model_cls(config_cls(**kw)).to(dtype)
+    if family == "qwen2":  # transformers zeroes the biases: random ones test their use
+        with torch.no_grad():
+            for layer in model.model.layers:
+                for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
+                    proj.bias.normal_(0, 0.5)
+    if family == "qwen3":  # and sets the q/k norms to one
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
+                layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
     model.save_pretrained(str(path), safe_serialization=True, **save_kw)
     return model
 

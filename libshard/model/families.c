@@ -1,69 +1,83 @@
-/* The tensors of the Llama family (LlamaForCausalLM, MistralForCausalLM), by
- * their Hugging Face names, and the check of a model folder against them. */
+/* The model families smp trains, as data: each family's architecture name, its
+ * layer tensors by their Hugging Face names and roles, and what sets it apart; and
+ * the check of a model folder against them. The shape of every role, and how each
+ * role is split over tensor-parallel ranks, are the role table of partition.c. */
 #include "../core/internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-enum { PER_LAYER = 9 };
+#define ATT "model.layers.%d.self_attn."
+#define LLAMA_LAYER \
+    {"model.layers.%d.input_layernorm.weight", SHARD_T_NORM_ATTN}, {ATT "q_proj.weight", SHARD_T_Q}, \
+    {ATT "k_proj.weight", SHARD_T_K}, {ATT "v_proj.weight", SHARD_T_V}, {ATT "o_proj.weight", SHARD_T_O}, \
+    {"model.layers.%d.post_attention_layernorm.weight", SHARD_T_NORM_MLP}, \
+    {"model.layers.%d.mlp.gate_proj.weight", SHARD_T_GATE}, {"model.layers.%d.mlp.up_proj.weight", SHARD_T_UP}, \
+    {"model.layers.%d.mlp.down_proj.weight", SHARD_T_DOWN}
 
-static const struct {
-    const char *fmt;
-    shard_tensor_role role;
-} LAYER[PER_LAYER] = {
-    {"model.layers.%d.input_layernorm.weight", SHARD_T_NORM_ATTN},
-    {"model.layers.%d.self_attn.q_proj.weight", SHARD_T_Q},
-    {"model.layers.%d.self_attn.k_proj.weight", SHARD_T_K},
-    {"model.layers.%d.self_attn.v_proj.weight", SHARD_T_V},
-    {"model.layers.%d.self_attn.o_proj.weight", SHARD_T_O},
-    {"model.layers.%d.post_attention_layernorm.weight", SHARD_T_NORM_MLP},
-    {"model.layers.%d.mlp.gate_proj.weight", SHARD_T_GATE},
-    {"model.layers.%d.mlp.up_proj.weight", SHARD_T_UP},
-    {"model.layers.%d.mlp.down_proj.weight", SHARD_T_DOWN},
+static const shard_layer_tensor LLAMA[] = {LLAMA_LAYER};
+/* Qwen2: biases on q, k and v (not o) */
+static const shard_layer_tensor QWEN2[] = {LLAMA_LAYER, {ATT "q_proj.bias", SHARD_T_Q_BIAS},
+                                           {ATT "k_proj.bias", SHARD_T_K_BIAS}, {ATT "v_proj.bias", SHARD_T_V_BIAS}};
+/* Qwen3: RMSNorm over head_dim of each query and key head, before RoPE */
+static const shard_layer_tensor QWEN3[] = {LLAMA_LAYER, {ATT "q_norm.weight", SHARD_T_Q_NORM},
+                                           {ATT "k_norm.weight", SHARD_T_K_NORM}};
+#define N_OF(a) (sizeof a / sizeof a[0])
+
+static const shard_family FAMILIES[] = {
+    {"LlamaForCausalLM", "llama", LLAMA, N_OF(LLAMA), 0, 0, 0},
+    {"MistralForCausalLM", "mistral", LLAMA, N_OF(LLAMA), 1, 0, 0},
+    {"Qwen2ForCausalLM", "qwen2", QWEN2, N_OF(QWEN2), 2, 1, 0},
+    {"Qwen3ForCausalLM", "qwen3", QWEN3, N_OF(QWEN3), 2, 0, 1},
 };
+
+const shard_family *shard_family_of(const char *architecture)
+{
+    for (size_t i = 0; i < N_OF(FAMILIES); i++)
+        if (!strcmp(FAMILIES[i].architecture, architecture)) return &FAMILIES[i];
+    return NULL;
+}
+
+const char *shard_family_names(void)
+{
+    return "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM";
+}
+
+/* d's family; its architecture was checked when it was parsed (Llama's otherwise) */
+static const shard_family *family(const shard_model_desc *d)
+{
+    const shard_family *f = shard_family_of(d->architecture);
+    return f ? f : &FAMILIES[0];
+}
 
 size_t shard_model_tensor_count(const shard_model_desc *d)
 {
-    return 2 + (size_t)d->layers * PER_LAYER + (d->tie_word_embeddings ? 0 : 1);
+    return 2 + (size_t)d->layers * family(d)->nlayer + (d->tie_word_embeddings ? 0 : 1);
 }
 
 void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *o)
 {
     memset(o, 0, sizeof *o);
-    const int64_t H = d->hidden, F = d->intermediate, V = d->vocab;
-    const int64_t QD = d->heads * d->head_dim, KD = d->kv_heads * d->head_dim;
+    const shard_family *f = family(d);
+    const size_t nl = (size_t)d->layers * f->nlayer;
     o->layer = -1;
-    o->ndim = 2;
-    size_t nl = (size_t)d->layers * PER_LAYER;
     if (i == 0) {
         snprintf(o->name, sizeof o->name, "model.embed_tokens.weight");
-        o->role = SHARD_T_EMBED; o->shape[0] = V; o->shape[1] = H;
-        return;
-    }
-    if (i <= nl) {
-        size_t k = i - 1;
-        o->layer = (int)(k / PER_LAYER);
-        o->role = LAYER[k % PER_LAYER].role;
-        snprintf(o->name, sizeof o->name, LAYER[k % PER_LAYER].fmt, o->layer);
-        switch (o->role) {
-        case SHARD_T_NORM_ATTN: case SHARD_T_NORM_MLP: o->ndim = 1; o->shape[0] = H; break;
-        case SHARD_T_Q: o->shape[0] = QD; o->shape[1] = H; break;
-        case SHARD_T_K: case SHARD_T_V: o->shape[0] = KD; o->shape[1] = H; break;
-        case SHARD_T_O: o->shape[0] = H; o->shape[1] = QD; break;
-        case SHARD_T_GATE: case SHARD_T_UP: o->shape[0] = F; o->shape[1] = H; break;
-        case SHARD_T_DOWN: o->shape[0] = H; o->shape[1] = F; break;
-        default: break;
-        }
-        return;
-    }
-    if (i == nl + 1) {
+        o->role = SHARD_T_EMBED;
+    } else if (i <= nl) {
+        const shard_layer_tensor *t = &f->layer[(i - 1) % f->nlayer];
+        o->layer = (int)((i - 1) / f->nlayer);
+        o->role = t->role;
+        snprintf(o->name, sizeof o->name, t->fmt, o->layer);
+    } else if (i == nl + 1) {
         snprintf(o->name, sizeof o->name, "model.norm.weight");
-        o->role = SHARD_T_NORM_FINAL; o->ndim = 1; o->shape[0] = H;
-        return;
+        o->role = SHARD_T_NORM_FINAL;
+    } else {
+        snprintf(o->name, sizeof o->name, "lm_head.weight");
+        o->role = SHARD_T_HEAD;
     }
-    snprintf(o->name, sizeof o->name, "lm_head.weight");
-    o->role = SHARD_T_HEAD; o->shape[0] = V; o->shape[1] = H;
+    o->ndim = shard_role_shape(d, o->role, o->shape);
 }
 
 uint64_t shard_model_param_count(const shard_model_desc *d)

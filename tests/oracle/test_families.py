@@ -1,0 +1,135 @@
+"""The model families beyond Llama and Mistral, against transformers (fp32, CPU):
+Qwen2ForCausalLM (biases on q, k, v; tied and untied) and Qwen3ForCausalLM (per-head
+q/k RMSNorm before RoPE, an explicit head_dim), as models.py saves them (random biases
+and norm gains, so that their use shows).
+
+- smp-eval's loss equals transformers' within 1e-5, and a checkpoint in another layout
+  gives the same (test_train's test, for these cases);
+- every gradient matches autograd within 1e-4;
+- 10 AdamW steps track torch.optim.AdamW;
+- every parallel layout (tp=2 and tp=4 with replicated kv heads, sequence parallelism,
+  pp=2, cp=2, dp=2, a mix) tracks the single-rank run within 2e-4;
+- `smp-convert init` initializes the biases to zero and the q/k norms to one;
+- config errors of these families are refused by name (exit 3).
+(The round trip hf2smp -> layouts -> reshard -> merge -> transformers is
+test_roundtrip's, over every case of models.py, these included.)
+"""
+import json
+
+import numpy as np
+import pytest
+
+import models
+import test_train
+from conftest import run
+from test_parallel import assert_tracks, layout_of, mpirun
+from test_train import datasets, make_ckpt, read_log, write_tokens
+
+CASES = ["qwen2-gqa-tied", "qwen2-untied", "qwen3-gqa-hd"]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_eval_matches_transformers(tmp_path, case):
+    test_train.test_eval_loss_matches_transformers(tmp_path, case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_gradients_match_autograd(tmp_path, case):
+    test_train.test_gradients_match_autograd(tmp_path, case, 2)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_adamw_steps_track_torch(tmp_path, case):
+    test_train.test_adamw_steps_track_torch(tmp_path, case)
+
+
+SEQ = 16
+COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
+
+
+@pytest.fixture(scope="module")
+def fsetup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("families")
+    data = write_tokens(tmp / "d.bin", np.random.default_rng(7).integers(0, 89, size=6000))
+    cks = {c: make_ckpt(tmp, c, sharp=True)[1] for c in CASES}
+
+    class Refs(dict):
+        def __missing__(self, key):
+            case, micro = key
+            out = tmp / f"ref-{case}-m{micro}"
+            run("smp-train", "--ckpt", cks[case], "--data", data, "--save-dir", out, "--steps", 6, "--microbatches",
+                micro, "--log", out / "log.jsonl", *COMMON, check=0)
+            self[key] = read_log(out / "log.jsonl")
+            return self[key]
+    return tmp, cks, data, Refs()
+
+
+@pytest.mark.parametrize("case,layout,micro,extra", [
+    ("qwen2-gqa-tied", "tp=2", 1, ["--sequence-parallel"]),
+    ("qwen2-gqa-tied", "tp=2,pp=2", 2, []),          # tied embeddings across stages
+    ("qwen2-untied", "tp=4", 1, []),                 # 4 kv heads over 4 ranks
+    ("qwen2-gqa-tied", "cp=2,dp=2", 1, []),
+    ("qwen3-gqa-hd", "tp=2", 1, []),
+    ("qwen3-gqa-hd", "tp=4", 1, ["--sequence-parallel"]),  # 2 kv heads < tp: replicated, their norms' sums
+    ("qwen3-gqa-hd", "pp=2,cp=2", 2, []),
+    ("qwen3-gqa-hd", "dp=2", 1, []),
+])
+def test_layouts_match_one_rank(fsetup, case, layout, micro, extra):
+    tmp, cks, data, refs = fsetup
+    lay = layout_of(layout)
+    out = tmp / f"run-{case}-{layout}"
+    mpirun(lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"], "--ckpt", cks[case], "--data", data, "--save-dir", out,
+           "--steps", 6, "--layout", layout, "--microbatches", micro, "--log", out / "log.jsonl", *extra, *COMMON)
+    assert_tracks(read_log(out / "log.jsonl"), refs[(case, micro * lay["dp"])], 2e-4, f"{case} {layout}")
+    assert run("smp-verify", out / "step-000006").returncode == 0
+
+
+@pytest.mark.parametrize("case", ["qwen2-gqa-tied", "qwen3-gqa-hd"])
+def test_init_biases_zero_norms_one(tmp_path, case):
+    hf = tmp_path / "hf"
+    models.make(case, hf)
+    run("smp-convert", "init", "--config", hf / "config.json", "--out", tmp_path / "ck", "--layout", "tp=2",
+        check=0)
+    got = datasets(tmp_path / "ck")
+    names = [n for n in got if n.startswith("params/")]
+    for name in names:
+        t = got[name]
+        if "_proj.bias" in name:
+            assert not np.any(t), name
+        elif "q_norm" in name or "k_norm" in name or "layernorm" in name or name.endswith("norm.weight"):
+            assert np.all(t == 1), name
+    assert any("_proj.bias" in n for n in names) == case.startswith("qwen2")
+    assert any("q_norm" in n for n in names) == case.startswith("qwen3")
+
+
+def _config(tmp_path, case, **edit):
+    hf = tmp_path / "hf"
+    models.make(case, hf)
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg.update(edit)
+    (hf / "config.json").write_text(json.dumps(cfg))
+    return hf
+
+
+@pytest.mark.parametrize("case,edit,words", [
+    ("qwen2-untied", {"use_sliding_window": True}, ["use_sliding_window"]),
+    ("qwen3-gqa-hd", {"use_sliding_window": True, "sliding_window": 8}, ["use_sliding_window"]),
+    ("qwen3-gqa-hd", {"layer_types": ["full_attention", "sliding_attention"]}, ["layer_types", "sliding_attention"]),
+    ("qwen3-gqa-hd", {"attention_bias": True}, ["attention_bias"]),
+    ("qwen2-untied", {"use_sliding_window": "yes"}, ["use_sliding_window", "true or false"]),
+    ("qwen2-untied", {"model_type": "llama"}, ["model_type", "qwen2"]),
+    ("qwen3-gqa-hd", {"hidden_act": "gelu"}, ["hidden_act"]),
+])
+def test_config_errors_are_refused_by_name(tmp_path, case, edit, words):
+    hf = _config(tmp_path, case, **edit)
+    p = run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3 and len(lines) == 1 and all(w in lines[0] for w in words), p.stderr
+    assert not (tmp_path / "ck").exists()
+
+
+def test_a_qwen2_window_left_off_is_accepted(tmp_path):
+    """Qwen2's configs carry sliding_window with use_sliding_window false: no window."""
+    hf = _config(tmp_path, "qwen2-untied", use_sliding_window=False, sliding_window=4, max_window_layers=1)
+    run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", check=0)
+    assert json.loads(run("smp-inspect", tmp_path / "ck", "--json", check=0).stdout)["config"]["sliding_window"] is None
