@@ -54,6 +54,15 @@ cudaError_t cuda_op_embedding_backward(float *dwte, const void *dout, const int3
                                        int N, int H, int vocab_start, int vocab_local,
                                        cudaDataType_t dt, cudaStream_t stream);
 
+/* ---- bias --------------------------------------------------------------------------
+ * out [N,C] (dt) += bias [C] (dt), in place, fp32 arithmetic. backward: dbias [C]
+ * (fp32, accumulated) += the column sums of dout [N,C] (dt); deterministic (no
+ * atomics: one thread per column and row slice, the slices added in a fixed order). */
+cudaError_t cuda_op_bias_forward(void *out, const void *bias, int N, int C, cudaDataType_t dt,
+                                 cudaStream_t stream);
+cudaError_t cuda_op_bias_backward(float *dbias, const void *dout, int N, int C, cudaDataType_t dt,
+                                  cudaStream_t stream);
+
 /* ---- RMSNorm ----------------------------------------------------------------------
  * out, inp, weight, dinp, dout: dt. rstd [N] fp32 (written). dweight [H] fp32
  * (accumulated); dinp or dweight may be NULL to skip it. */
