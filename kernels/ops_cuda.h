@@ -12,7 +12,7 @@
  *     (bf16 storage, fp32 arithmetic inside). The same dt applies to every `void *`
  *     tensor of the call unless the argument list names another dtype.
  *   - Small per-row statistics (rstd, lse, rowmax, sumexp, target_logit, losses),
- *     the RoPE tables, parameter gradients of rmsnorm and embedding, and the
+ *     the RoPE tables, parameter gradients of rmsnorm, embedding and bias, and the
  *     optimizer state are fp32 (`float *`).
  *   - Scalars that recipes compute on the device (fp8 scales, amax) are passed as
  *     device pointers, so that no step needs a host synchronization.
