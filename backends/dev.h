@@ -52,7 +52,7 @@ struct dev {
 
 /* The name of the entry point libsmp_cuda.so exports: const dev_ops *NAME(void). */
 #define DEV_CUDA_ENTRY "smp_dev_cuda_ops"
-#define DEV_ABI 1
+#define DEV_ABI 2
 
 struct dev_ops {
     int abi;                 /* DEV_ABI: a library built for another table is refused */
@@ -89,6 +89,9 @@ struct dev_ops {
     void (*linear_forward)(dev *d, void *out, const void *inp, const void *w, int N, int IN, int OUT);
     void (*linear_backward)(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w, int N,
                             int IN, int OUT);
+    /* out (dt) [N,C] += bias (dt) [C]; backward: dbias (fp32) [C] += the column sums of dout (dt) */
+    void (*bias_forward)(dev *d, void *out, const void *bias, int N, int C);
+    void (*bias_backward)(dev *d, float *dbias, const void *dout, int N, int C);
     void (*rmsnorm_forward)(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps);
     void (*rmsnorm_backward)(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                              const float *rstd, int N, int H);

@@ -41,6 +41,12 @@ void op_linear_forward(float *out, const float *inp, const float *weight,
 void op_linear_backward(float *dinp, float *dweight, const float *dout,
                         const float *inp, const float *weight, int N, int IN, int OUT);
 
+/* ---- bias: out[N, C] += bias[C] (in place); backward dbias[C] += the sum over the
+ * N rows of dout[N, C], each column's rows summed in order (the same bits for any
+ * thread count). Qwen2's q/k/v projections carry one. */
+void op_bias_forward(float *out, const float *bias, int N, int C);
+void op_bias_backward(float *dbias, const float *dout, int N, int C);
+
 /* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------
  * rstd[N] is saved for backward. */
 void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,

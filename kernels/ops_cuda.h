@@ -12,7 +12,7 @@
  *     (bf16 storage, fp32 arithmetic inside). The same dt applies to every `void *`
  *     tensor of the call unless the argument list names another dtype.
  *   - Small per-row statistics (rstd, lse, rowmax, sumexp, target_logit, losses),
- *     the RoPE tables, parameter gradients of rmsnorm and embedding, and the
+ *     the RoPE tables, parameter gradients of rmsnorm, embedding and bias, and the
  *     optimizer state are fp32 (`float *`).
  *   - Scalars that recipes compute on the device (fp8 scales, amax) are passed as
  *     device pointers, so that no step needs a host synchronization.
@@ -53,6 +53,15 @@ cudaError_t cuda_op_embedding_forward(void *out, const int32_t *tokens, const vo
 cudaError_t cuda_op_embedding_backward(float *dwte, const void *dout, const int32_t *tokens,
                                        int N, int H, int vocab_start, int vocab_local,
                                        cudaDataType_t dt, cudaStream_t stream);
+
+/* ---- bias --------------------------------------------------------------------------
+ * out [N,C] (dt) += bias [C] (dt), in place, fp32 arithmetic. backward: dbias [C]
+ * (fp32, accumulated) += the column sums of dout [N,C] (dt); deterministic (no
+ * atomics: one thread per column and row slice, the slices added in a fixed order). */
+cudaError_t cuda_op_bias_forward(void *out, const void *bias, int N, int C, cudaDataType_t dt,
+                                 cudaStream_t stream);
+cudaError_t cuda_op_bias_backward(float *dbias, const void *dout, int N, int C, cudaDataType_t dt,
+                                  cudaStream_t stream);
 
 /* ---- RMSNorm ----------------------------------------------------------------------
  * out, inp, weight, dinp, dout: dt. rstd [N] fp32 (written). dweight [H] fp32

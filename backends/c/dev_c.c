@@ -76,6 +76,14 @@ static void c_linear_backward(dev *d, void *dinp, float *dw, const void *dout, c
 {
     op_linear_backward(dinp, dw, dout, inp, w, N, IN, OUT);
 }
+static void c_bias_forward(dev *d, void *out, const void *bias, int N, int C)
+{
+    op_bias_forward(out, bias, N, C);
+}
+static void c_bias_backward(dev *d, float *dbias, const void *dout, int N, int C)
+{
+    op_bias_backward(dbias, dout, N, C);
+}
 static void c_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     op_rmsnorm_forward(out, rstd, inp, w, N, H, eps);
@@ -174,6 +182,7 @@ static const dev_ops C_OPS = {
     .upload = c_copy, .download = c_copy, .sync = c_sync,
     .embedding_forward = c_embedding_forward, .embedding_backward = c_embedding_backward,
     .linear_forward = c_linear_forward, .linear_backward = c_linear_backward,
+    .bias_forward = c_bias_forward, .bias_backward = c_bias_backward,
     .rmsnorm_forward = c_rmsnorm_forward, .rmsnorm_backward = c_rmsnorm_backward,
     .rope_table = c_rope_table, .rope_forward = c_rope_forward, .rope_backward = c_rope_backward,
     .attention_forward = c_attention_forward, .attention_backward = c_attention_backward,

@@ -181,6 +181,14 @@ static void cu_linear_backward(dev *d, void *dinp, float *dw, const void *dout, 
     /* the weight gradient accumulates in fp32 whatever the compute dtype */
     cu_op(d, cuda_op_linear_backward(cu_of(d)->gemm, dinp, dw, CUDA_R_32F, dout, inp, w, DT, N, IN, OUT, ST));
 }
+static void cu_bias_forward(dev *d, void *out, const void *bias, int N, int C)
+{
+    cu_op(d, cuda_op_bias_forward(out, bias, N, C, DT, ST));
+}
+static void cu_bias_backward(dev *d, float *dbias, const void *dout, int N, int C)
+{
+    cu_op(d, cuda_op_bias_backward(dbias, dout, N, C, DT, ST));
+}
 static void cu_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     cu_op(d, cuda_op_rmsnorm_forward(out, rstd, inp, w, N, H, eps, DT, ST));
@@ -289,6 +297,7 @@ static const dev_ops CU_OPS = {
     .copy = cu_copy, .upload = cu_upload, .download = cu_download, .sync = cu_sync,
     .embedding_forward = cu_embedding_forward, .embedding_backward = cu_embedding_backward,
     .linear_forward = cu_linear_forward, .linear_backward = cu_linear_backward,
+    .bias_forward = cu_bias_forward, .bias_backward = cu_bias_backward,
     .rmsnorm_forward = cu_rmsnorm_forward, .rmsnorm_backward = cu_rmsnorm_backward,
     .rope_table = cu_rope_table, .rope_forward = cu_rope_forward, .rope_backward = cu_rope_backward,
     .attention_forward = cu_attention_forward, .attention_backward = cu_attention_backward,

@@ -221,6 +221,13 @@ static void bench_ops()
     report_bw("rmsnorm fwd bf16 N=8192 H=4096", ms, 2.0 * nh * 2);
     ms = time_ms("rmsnorm bwd", [&] { return cuda_op_rmsnorm_backward(dx, dw, g, x, w, rstd, N, H, BF, 0); });
     report_bw("rmsnorm bwd bf16 N=8192 H=4096", ms, 4.0 * nh * 2);
+    ms = time_ms("bias fwd", [&] { return cuda_op_bias_forward(y, w, N, H, BF, 0); });
+    report_bw("bias fwd bf16 N=8192 C=4096", ms, 2.0 * nh * 2);
+    ms = time_ms("bias bwd", [&] { return cuda_op_bias_backward(dw, g, N, H, BF, 0); });
+    report_bw("bias bwd bf16->f32 N=8192 C=4096", ms, nh * 2.0);
+    /* a k/v bias: few columns, many rows (the same buffer as 65536 x 512) */
+    ms = time_ms("bias bwd kv", [&] { return cuda_op_bias_backward(dw, g, N * 8, 512, BF, 0); });
+    report_bw("bias bwd bf16->f32 N=65536 C=512", ms, nh * 2.0);
 
     {
         const int T = 4096, B = 2, nhd = 32, hd = 128;

@@ -166,6 +166,19 @@ static void test_linear(int N, int IN, int OUT)
     end();
 }
 
+static void test_bias(int N, int C)
+{
+    if (!begin("bias", "N=%d C=%d", N, C)) return;
+    const size_t n = (size_t)N * C;
+    pair y = ACT(randn(n, 1.0f, 1), n), b = ACT(randn(C, 1.0f, 1), C);
+    CALL2(bias_forward, S(y), S(b), N, C);
+    cmp_act("forward (in place)", y);
+    pair g = ACT(randn(n, 1.0f, 1), n), db = F32(randn(C, 1.0f, 0), C);
+    CALL2(bias_backward, S(db), S(g), N, C);
+    cmp_f32("backward dbias", db);
+    end();
+}
+
 static void test_rmsnorm(int N, int H)
 {
     if (!begin("rmsnorm", "N=%d H=%d", N, H)) return;
@@ -476,6 +489,8 @@ static void run_all(void)
     test_embedding(40, 64, 0, 30);
     test_linear(24, 64, 48);
     test_linear(8, 32, 64);
+    test_bias(24, 64);
+    test_bias(9, 37);
     test_rmsnorm(24, 64);
     test_rmsnorm(9, 64);
     test_rope(2, 12, 4, 16);

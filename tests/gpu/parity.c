@@ -244,6 +244,33 @@ static void test_embedding(cudaDataType_t dt, int N, int H, int vs, int vl)
     TEST_END();
 }
 
+/* ============================================================ bias */
+/* offset: the tensors off the 16-byte grid (by one element) */
+static void test_bias(cudaDataType_t dt, int N, int C, int offset)
+{
+    TEST_BEGIN("bias %s N=%d C=%d%s", dtname(dt), N, C, offset ? " unaligned" : "");
+    const size_t n = (size_t)N * C, off = (size_t)offset * esize(dt);
+    float *x = randn(n, 1.0f, dt), *b = randn(C, 1.0f, dt);
+    char *d_x = to_dev_off(x, n, dt, off), *d_b = to_dev_off(b, C, dt, off);
+    op_bias_forward(x, b, N, C);
+    CK_SYNC(cuda_op_bias_forward(d_x, d_b, N, C, dt, 0));
+    compare_dev("fwd out (in place)", d_x, dt, x, n, dt == F32 ? 0.0 : 1e-2);
+
+    float *g = randn(n, 1.0f, dt), *db0 = randn(C, 1.0f, F32), *db = copy_of(db0, C);
+    char *d_g = to_dev_off(g, n, dt, off);
+    float *d_db = (float *)to_dev(db0, C, F32), *d_db2 = (float *)to_dev(db0, C, F32);
+    op_bias_backward(db, g, N, C);
+    CK_SYNC(cuda_op_bias_backward(d_db, d_g, N, C, dt, 0));
+    compare_dev("bwd dbias (+=)", d_db, F32, db, C, 1e-5);
+    /* no atomics: a second run gives the same bits */
+    CK_SYNC(cuda_op_bias_backward(d_db2, d_g, N, C, dt, 0));
+    float *r1 = from_dev(d_db, C, F32), *r2 = from_dev(d_db2, C, F32);
+    size_t bad = 0;
+    for (int j = 0; j < C; j++) bad += memcmp(&r1[j], &r2[j], 4) != 0;
+    report("bwd dbias run to run (values differing)", (double)bad, 0.0);
+    TEST_END();
+}
+
 /* ============================================================ rmsnorm */
 static void test_rmsnorm(cudaDataType_t dt, int N, int H)
 {
@@ -813,6 +840,19 @@ static void test_per_dtype(cudaDataType_t dt)
     if (selected("embedding")) {
         test_embedding(dt, 77, 96, 10, 40);
         test_embedding(dt, 33, 50, 0, 60);
+    }
+    if (selected("bias")) {
+        test_bias(dt, 33, 96, 0);    /* 16-byte packs in the forward */
+        test_bias(dt, 7, 1001, 0);   /* C not a multiple of the pack or the 32-column tile */
+        test_bias(dt, 45, 64, 1);    /* unaligned */
+        test_bias(dt, 50, 1, 0);     /* C = 1 */
+        test_bias(dt, 1, 130, 0);    /* N = 1 */
+        test_bias(dt, 17, 33, 0);    /* N below the row slices, C one past a tile */
+        if (!quick) {
+            test_bias(dt, 4097, 896, 0);
+            test_bias(dt, 3000, 127, 1);
+            test_bias(dt, 8192, 1, 0);
+        }
     }
     if (selected("rmsnorm")) {
         test_rmsnorm(dt, 33, 96);

@@ -43,6 +43,8 @@ SIGNATURES = {
     "op_embedding_backward": (None, [P, P, P, I, I, I, I]),
     "op_linear_forward": (None, [P, P, P, I, I, I]),
     "op_linear_backward": (None, [P, P, P, P, P, I, I, I]),
+    "op_bias_forward": (None, [P, P, I, I]),
+    "op_bias_backward": (None, [P, P, I, I]),
     "op_rmsnorm_forward": (None, [P, P, P, P, I, I, F32]),
     "op_rmsnorm_backward": (None, [P, P, P, P, P, P, I, I]),
     "op_rope_inv_freq": (None, [P, I, ctypes.POINTER(RopeParams)]),
@@ -177,6 +179,27 @@ def test_linear(lib, N, IN, OUT):
     close(dw, dw0 + Wt.grad.numpy(), what="linear dweight untouched by NULL")
     lib.op_linear_backward(None, ptr(dw), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
     close(dw, dw0 + 2 * Wt.grad.numpy(), what="linear dweight twice")
+
+
+# ---- bias (Qwen2's q/k/v projections) ------------------------------------------------
+
+@pytest.mark.parametrize("N,C", [(7, 33), (130, 200), (1, 65), (9, 1)])
+def test_bias(lib, N, C):
+    r = rng(11)
+    x, b, g = r.standard_normal((N, C)) * 3, r.standard_normal(C), r.standard_normal((N, C))
+    X, B = t64(x, True), t64(b, True)
+    y = X + B  # F.linear's bias, broadcast over the rows
+    (y * t64(g)).sum().backward()
+
+    out = f32(x)  # in place
+    lib.op_bias_forward(ptr(out), ptr(f32(b)), N, C)
+    close(out, y, what="bias forward")
+
+    db0 = r.standard_normal(C)
+    db = f32(db0)
+    lib.op_bias_backward(ptr(db), ptr(f32(g)), N, C)
+    close(db, db0 + B.grad.numpy(), what="bias dbias (+=)")
+    np.testing.assert_array_equal(X.grad.numpy(), g)  # what the caller passes on as dinp
 
 
 # ---- RMSNorm -----------------------------------------------------------------------

@@ -1,6 +1,6 @@
 /* tests/unit/test_kernels.c: self-contained checks of the portable C ops that need
  * no Python: central finite differences against each backward (rmsnorm, swiglu,
- * attention, cross-entropy) on tiny shapes, and the attention log-sum-exp merge.
+ * bias, attention, cross-entropy) on tiny shapes, and the attention log-sum-exp merge.
  * The comparisons with torch live in tests/oracle/test_kernels.py. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -13,6 +13,10 @@
 #include <string.h>
 
 #include "ops.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 /* ---- helpers ------------------------------------------------------------------- */
 
@@ -119,6 +123,94 @@ static void test_rmsnorm_fd(void **state)
     fd_grad(fw, c.w, RN_H, rms_loss, &c, FD_H);
     check_close("rmsnorm dinp", dx, fx, RN_N * RN_H, FD_TOL, 1e-3);
     check_close("rmsnorm dweight", dw, fw, RN_H, FD_TOL, 1e-3);
+}
+
+/* ---- bias -------------------------------------------------------------------------- */
+
+/* C spans several of the backward's 64-column blocks and ends inside one */
+enum { BI_N = 5, BI_C = 131 };
+typedef struct {
+    float x[BI_N * BI_C], b[BI_C], dout[BI_N * BI_C];
+} bias_ctx;
+
+static double bias_loss(void *p)
+{
+    bias_ctx *c = p;
+    static float out[BI_N * BI_C];
+    memcpy(out, c->x, sizeof out);
+    op_bias_forward(out, c->b, BI_N, BI_C);
+    return dotd(out, c->dout, BI_N * BI_C);
+}
+
+static void test_bias(void **state)
+{
+    (void)state;
+    rng_seed(9);
+    bias_ctx c;
+    fill(c.x, BI_N * BI_C, 2.0f);
+    fill(c.b, BI_C, 1.5f);
+    fill(c.dout, BI_N * BI_C, 1.0f);
+
+    /* forward: in place, every row gets the bias, exactly */
+    static float out[BI_N * BI_C];
+    memcpy(out, c.x, sizeof out);
+    op_bias_forward(out, c.b, BI_N, BI_C);
+    for (int n = 0; n < BI_N; n++)
+        for (int j = 0; j < BI_C; j++)
+            assert_true(out[n * BI_C + j] == c.x[n * BI_C + j] + c.b[j]);
+
+    /* backward accumulates the column sums (fp32 rounding of a double sum) */
+    float db0[BI_C], db[BI_C], ref[BI_C], fb[BI_C];
+    fill(db0, BI_C, 1.0f);
+    memcpy(db, db0, sizeof db);
+    op_bias_backward(db, c.dout, BI_N, BI_C);
+    for (int j = 0; j < BI_C; j++) {
+        double s = 0.0;
+        for (int n = 0; n < BI_N; n++)
+            s += c.dout[n * BI_C + j];
+        ref[j] = db0[j] + (float)s;
+    }
+    check_close("bias dbias (+=)", db, ref, BI_C, 1e-6, 1e-3);
+
+    /* and it is the gradient of the forward */
+    float g[BI_C] = {0};
+    op_bias_backward(g, c.dout, BI_N, BI_C);
+    fd_grad(fb, c.b, BI_C, bias_loss, &c, FD_H);
+    check_close("bias dbias vs finite differences", g, fb, BI_C, FD_TOL, 1e-3);
+
+    /* N = 1 and C = 1 */
+    float one = 0.5f, col[3] = {1.0f, -2.0f, 4.0f}, d1 = 0.25f;
+    op_bias_forward(col, &one, 3, 1);
+    assert_true(col[0] == 1.5f && col[1] == -1.5f && col[2] == 4.5f);
+    op_bias_backward(&d1, col, 3, 1);
+    assert_true(d1 == 0.25f + 4.5f);
+    float row[BI_C];
+    memcpy(row, c.x, sizeof row);
+    op_bias_forward(row, c.b, 1, BI_C);
+    float drow[BI_C] = {0};
+    op_bias_backward(drow, row, 1, BI_C);
+    assert_memory_equal(drow, row, sizeof row);
+}
+
+/* the gradient's bits do not depend on the thread count */
+static void test_bias_threads(void **state)
+{
+    (void)state;
+#ifdef _OPENMP
+    enum { N = 300, C = 333 };
+    static float dout[N * C], d1[C], d4[C];
+    rng_seed(10);
+    fill(dout, (size_t)N * C, 1.0f);
+    int saved = omp_get_max_threads();
+    omp_set_num_threads(1);
+    op_bias_backward(d1, dout, N, C);
+    omp_set_num_threads(4);
+    op_bias_backward(d4, dout, N, C);
+    omp_set_num_threads(saved);
+    assert_memory_equal(d1, d4, sizeof d1);
+#else
+    skip();
+#endif
 }
 
 /* ---- SwiGLU ----------------------------------------------------------------------- */
@@ -373,6 +465,8 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm_fd),
         cmocka_unit_test(test_swiglu_fd),
+        cmocka_unit_test(test_bias),
+        cmocka_unit_test(test_bias_threads),
         cmocka_unit_test(test_attention_fd),
         cmocka_unit_test(test_attention_window_fd),
         cmocka_unit_test(test_attention_docs_fd),
