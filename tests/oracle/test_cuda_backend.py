@@ -18,6 +18,7 @@ tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
 - under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
   (bf16 collectives through libshard's MPI half-precision reductions) track the
   single-rank C run;
+- Qwen2 (bias kernels) and Qwen3 (q/k norms) on one rank in fp32 within 1e-4;
 - packed documents with loss masks (the attention kernels' document ids, the ring's
   skipped blocks): fp32 on one rank within 1e-4 and bf16 at cp=2 within 1e-2 of the C
   backend's run on the same data.
@@ -169,3 +170,22 @@ def test_cuda_documents_and_masks_track_c_backend(setup, tmp_path):
         rows = read_log(out / "log.jsonl")
         assert [r["targets"] for r in rows] == [r["targets"] for r in read_log(ref / "log.jsonl")]
         assert_tracks(rows, read_log(ref / "log.jsonl"), tol, f"cuda {dtype} {layout} documents vs C")
+
+
+@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd"])
+def test_cuda_families_track_c_backend(setup, tmp_path, case):
+    """Qwen2's biases (the bias kernels) and Qwen3's per-head q/k norms (RMSNorm rows of
+    head_dim) on the emulated CUDA backend, fp32, against the C backend"""
+    tmp, _, _, _, lib = setup
+    _, ck = make_ckpt(tmp_path, case, sharp=True)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(9).integers(0, 89, size=3000))
+    ref = tmp_path / "c"
+    run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", ref, "--steps", 4, "--log", ref / "log.jsonl",
+        *COMMON, check=0)
+    out = tmp_path / "cuda"
+    exe = str(BUILD / "bin" / "smp-train")
+    p = subprocess.run([exe, "--ckpt", str(ck), "--data", str(data), "--save-dir", str(out), "--steps", "4", "--log",
+                        str(out / "log.jsonl"), "--backend", "cuda", "--dtype", "fp32", *map(str, COMMON)],
+                       capture_output=True, text=True, env=env_for(lib), timeout=900)
+    assert p.returncode == 0, p.stderr
+    assert_tracks(read_log(out / "log.jsonl"), read_log(ref / "log.jsonl"), 1e-4, f"cuda fp32 {case} vs C")
