@@ -128,6 +128,11 @@ def _config(tmp_path, case, **edit):
     ("qwen2-untied", {"use_sliding_window": "yes"}, ["use_sliding_window", "true or false"]),
     ("qwen2-untied", {"model_type": "llama"}, ["model_type", "qwen2"]),
     ("qwen3-gqa-hd", {"hidden_act": "gelu"}, ["hidden_act"]),
+    ("qwen3-gqa-hd", {"layer_types": [1, 2]}, ["layer_types", "strings"]),
+    ("qwen2-untied", {"rope_parameters": [1e6]}, ["rope_parameters"]),
+    ("qwen2-untied", {"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}}, ["rope_theta"]),
+    ("qwen2-untied", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, ["yarn"]),
+    ("qwen3-gqa-hd", {"architectures": ["Qwen3MoeForCausalLM"]}, ["Qwen3MoeForCausalLM", "not supported"]),
 ])
 def test_config_errors_are_refused_by_name(tmp_path, case, edit, words):
     hf = _config(tmp_path, case, **edit)
@@ -142,3 +147,28 @@ def test_a_qwen2_window_left_off_is_accepted(tmp_path):
     hf = _config(tmp_path, "qwen2-untied", use_sliding_window=False, sliding_window=4, max_window_layers=1)
     assert json.loads(run("smp-inspect", hf, "--json", check=0).stdout)["config"]["sliding_window"] is None
     run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", "--layout", "pp=1", check=0)
+
+
+@pytest.mark.parametrize("case,edit,words", [
+    ("qwen2-untied", ("drop", "model.layers.1.self_attn.k_proj.bias"), ["k_proj.bias", "missing"]),
+    ("qwen3-gqa-hd", ("shape", "model.layers.0.self_attn.q_norm.weight"), ["q_norm.weight", "shape"]),
+    ("qwen2-untied", ("add", "model.layers.0.self_attn.o_proj.bias"), ["o_proj.bias", "not part of"]),
+])
+def test_weights_that_do_not_fit_the_family_are_refused(tmp_path, case, edit, words):
+    import torch
+    from safetensors.torch import load_file, save_file
+    hf = tmp_path / "hf"
+    models.make(case, hf)
+    w = load_file(str(hf / "model.safetensors"))
+    what, name = edit
+    if what == "drop":
+        del w[name]
+    elif what == "shape":
+        w[name] = torch.ones(w[name].numel() + 2, dtype=w[name].dtype)
+    else:
+        w[name] = torch.zeros(w["model.embed_tokens.weight"].shape[1])
+    save_file(w, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    p = run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", "--layout", "pp=1")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3 and len(lines) == 1 and all(x in lines[0] for x in words), p.stderr
+    assert not (tmp_path / "ck").exists()
