@@ -282,6 +282,22 @@ def rope_params(theta, scaling):
     return p
 
 
+def rope_tables(lib, emb, pos, rd, p):
+    """inv_freq [rd/2] and the tables [T, rd] of the op, checked against transformers'
+    rotary embedding module emb (whose rotated dims are rd); returns cos_t, sin_t."""
+    T = len(pos)
+    inv = np.empty(rd // 2, np.float32)
+    lib.op_rope_inv_freq(ptr(inv), rd, ctypes.byref(p))
+    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
+
+    cos_t, sin_t = np.empty((T, rd), np.float32), np.empty((T, rd), np.float32)
+    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), rd)
+    cos_hf, sin_hf = emb(torch.zeros(1, dtype=torch.float32), torch.tensor(pos[None, :], dtype=torch.long))
+    np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
+    np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")
+    return cos_t, sin_t
+
+
 @pytest.mark.parametrize("hd,theta,scaling", ROPE_CASES)
 def test_rope(lib, hd, theta, scaling):
     from transformers import LlamaConfig
@@ -297,17 +313,7 @@ def test_rope(lib, hd, theta, scaling):
     pos = i32([0, 1, 2, 3, 4, 31, 32, 33, 34, 35, 7000])
     T = len(pos)
 
-    inv = np.empty(hd // 2, np.float32)
-    p = rope_params(theta, scaling)
-    lib.op_rope_inv_freq(ptr(inv), hd, ctypes.byref(p))
-    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
-
-    cos_t, sin_t = np.empty((T, hd), np.float32), np.empty((T, hd), np.float32)
-    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), hd)
-    x_dummy = torch.zeros(1, dtype=torch.float32)
-    cos_hf, sin_hf = emb(x_dummy, torch.tensor(pos[None, :], dtype=torch.long))
-    np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
-    np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")
+    cos_t, sin_t = rope_tables(lib, emb, pos, hd, rope_params(theta, scaling))
 
     # rotation: apply_rotary_pos_emb works on [B, nh, T, hd]; the op on [B, T, nh, hd]
     r = rng(4)
@@ -344,16 +350,7 @@ def test_rope_partial(lib, hd, pct, base):
     pos = i32([0, 1, 2, 3, 31, 32, 33, 7000])
     T = len(pos)
 
-    inv = np.empty(rd // 2, np.float32)
-    p = rope_params(base, None)
-    lib.op_rope_inv_freq(ptr(inv), rd, ctypes.byref(p))
-    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
-
-    cos_t, sin_t = np.empty((T, rd), np.float32), np.empty((T, rd), np.float32)
-    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), rd)
-    cos_hf, sin_hf = emb(torch.zeros(1, dtype=torch.float32), torch.tensor(pos[None, :], dtype=torch.long))
-    np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
-    np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")
+    cos_t, sin_t = rope_tables(lib, emb, pos, rd, rope_params(base, None))
 
     # GPTNeoXAttention: q [B, nh, T, hd]; rotate q[..., :rd], cat the rest (float64 here)
     r = rng(12)
