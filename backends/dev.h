@@ -52,7 +52,7 @@ struct dev {
 
 /* The name of the entry point libsmp_cuda.so exports: const dev_ops *NAME(void). */
 #define DEV_CUDA_ENTRY "smp_dev_cuda_ops"
-#define DEV_ABI 2
+#define DEV_ABI 3
 
 struct dev_ops {
     int abi;                 /* DEV_ABI: a library built for another table is refused */
@@ -95,10 +95,18 @@ struct dev_ops {
     void (*rmsnorm_forward)(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps);
     void (*rmsnorm_backward)(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                              const float *rstd, int N, int H);
-    /* pos: backend int32 [T]; inv_freq: backend fp32 [hd/2] */
-    void (*rope_table)(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int hd);
-    void (*rope_forward)(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
-    void (*rope_backward)(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd);
+    /* LayerNorm with bias (b may be NULL); mean, rstd fp32 [N]; backward: dw, db fp32 [H] */
+    void (*layernorm_forward)(dev *d, void *out, float *mean, float *rstd, const void *inp, const void *w,
+                              const void *b, int N, int H, float eps);
+    void (*layernorm_backward)(dev *d, void *dinp, float *dw, float *db, const void *dout, const void *inp,
+                               const void *w, const float *mean, const float *rstd, int N, int H);
+    /* pos: backend int32 [T]; inv_freq: backend fp32 [rd/2]; tables [T, rd]. x: [B, T, nh, hd], its first
+     * rd (the rotary dim, even, <= hd) dims of each head rotated */
+    void (*rope_table)(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd);
+    void (*rope_forward)(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
+                         int rd);
+    void (*rope_backward)(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
+                          int rd);
     void (*attention_forward)(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
                               const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc,
                               int B, int Tq, int Tk, int nh, int nkv, int hd, int window);
@@ -111,6 +119,9 @@ struct dev_ops {
     void (*swiglu_forward)(dev *d, void *out, const void *gate, const void *up, size_t n);
     void (*swiglu_backward)(dev *d, void *dgate, void *dup, const void *dout, const void *gate, const void *up,
                             size_t n);
+    /* exact GELU; backward accumulates into dinp */
+    void (*gelu_forward)(dev *d, void *out, const void *inp, size_t n);
+    void (*gelu_backward)(dev *d, void *dinp, const void *dout, const void *inp, size_t n);
     /* y = a + b (dt); y may be a or b */
     void (*add)(dev *d, void *y, const void *a, const void *b, size_t n);
     void (*xent_rowmax)(dev *d, float *rowmax, float *target_logit, const void *logits, const int32_t *targets, int N,

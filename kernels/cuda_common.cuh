@@ -118,41 +118,51 @@ template <typename T, bool VEC, typename F> __device__ __forceinline__ void row_
 }
 
 /* ---------------------------------------------------------- element-wise maps */
-/* y[i] = f(a[i], b[i]) over n elements of T, arithmetic in fp32: a grid-stride loop,
- * in 16-byte packs when VEC (the three pointers aligned), the tail that does not fill
- * a pack in block 0. y may be a or b: each thread reads its elements before writing
- * them. F: a functor with `__device__ float operator()(float, float) const`. */
-template <typename T, bool VEC, typename F>
+/* y[i] = f(a[i], b[i]) over n elements of T (ACC: y[i] += f(a[i], b[i])), arithmetic
+ * in fp32: a grid-stride loop, in 16-byte packs when VEC (the three pointers aligned),
+ * the tail that does not fill a pack in block 0. y may be a or b: each thread reads its
+ * elements before writing them. F: a functor with
+ * `__device__ float operator()(float, float) const`. */
+template <bool ACC, typename T, typename F>
+__device__ __forceinline__ void map2_one(T *y, const T *a, const T *b, size_t i, F f)
+{
+    const float v = f(ld_f(a + i), ld_f(b + i));
+    st_f(y + i, ACC ? ld_f(y + i) + v : v);
+}
+template <typename T, bool VEC, bool ACC, typename F>
 __global__ void map2_kernel(T *y, const T *a, const T *b, size_t n, F f)
 {
     constexpr int V = VEC ? Pack<T>::N : 1;
     const size_t nv = n / V;
     for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < nv; i += (size_t)gridDim.x * blockDim.x) {
         if (VEC) {
-            Pack<T> p = ld_pack(a + i * V), q = ld_pack(b + i * V);
-            for (int e = 0; e < V; e++) p.v[e] = from_f<T>(f(to_f(p.v[e]), to_f(q.v[e])));
-            st_pack(y + i * V, p);
+            Pack<T> p = ld_pack(a + i * V), q = ld_pack(b + i * V), o = ACC ? ld_pack(y + i * V) : p;
+            for (int e = 0; e < V; e++) {
+                const float v = f(to_f(p.v[e]), to_f(q.v[e]));
+                o.v[e] = from_f<T>(ACC ? to_f(o.v[e]) + v : v);
+            }
+            st_pack(y + i * V, o);
         } else {
-            st_f(y + i, f(ld_f(a + i), ld_f(b + i)));
+            map2_one<ACC>(y, a, b, i, f);
         }
     }
     if (VEC && blockIdx.x == 0)
-        for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) st_f(y + i, f(ld_f(a + i), ld_f(b + i)));
+        for (size_t i = nv * V + threadIdx.x; i < n; i += blockDim.x) map2_one<ACC>(y, a, b, i, f);
 }
 /* map2_kernel on `stream`: blocks of 256 threads, at most 8 per multiprocessor;
- * fn names the op in the error message. */
-template <typename T, typename F>
+ * fn names the op in the error message. ACC: accumulate into y. */
+template <typename T, bool ACC = false, typename F>
 static inline cudaError_t map2_launch(void *y, const void *a, const void *b, size_t n, F f, cudaStream_t stream,
                                       const char *fn)
 {
     const int sms = smp_cuda_sm_count();
     const unsigned cap = (unsigned)(sms > 0 ? sms * 8 : 1024);
     if (smp_aligned16(y) && smp_aligned16(a) && smp_aligned16(b)) {
-        auto k = map2_kernel<T, true, F>;
+        auto k = map2_kernel<T, true, ACC, F>;
         SMP_LAUNCH(k, smp_blocks((n + Pack<T>::N - 1) / Pack<T>::N, 256, cap), 256, 0, stream, (T *)y, (const T *)a,
                    (const T *)b, n, f);
     } else {
-        auto k = map2_kernel<T, false, F>;
+        auto k = map2_kernel<T, false, ACC, F>;
         SMP_LAUNCH(k, smp_blocks(n, 256, cap), 256, 0, stream, (T *)y, (const T *)a, (const T *)b, n, f);
     }
     return smp_cuda_launched(fn);

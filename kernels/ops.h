@@ -48,18 +48,36 @@ void op_bias_forward(float *out, const float *bias, int N, int C);
 void op_bias_backward(float *dbias, const float *dout, int N, int C);
 
 /* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------
- * rstd[N] is saved for backward. */
+ * rstd[N] is saved for backward. backward: dinp or dweight may be NULL to skip it. */
 void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,
                         int N, int H, float eps);
 void op_rmsnorm_backward(float *dinp, float *dweight, const float *dout,
                          const float *inp, const float *weight, const float *rstd,
                          int N, int H);
 
-/* ---- RoPE, Hugging Face rotate_half convention --------------------------------
- * Table: cos/sin [T, head_dim] for the positions pos[T] (positions are explicit
+/* ---- LayerNorm (torch.nn.LayerNorm, GPT-NeoX): out = (x - mean) * rstd * weight + bias
+ * with rstd = 1/sqrt(var + eps), var the biased variance of the row (as torch).
+ * mean[N] and rstd[N] are written, for backward. bias may be NULL (none). backward
+ * accumulates into dinp [N,H], dweight [H] and dbias [H]; any of the three may be
+ * NULL to skip it. dweight and dbias: each column's rows summed in order (the same
+ * bits for any thread count). */
+void op_layernorm_forward(float *out, float *mean, float *rstd, const float *inp,
+                          const float *weight, const float *bias, int N, int H, float eps);
+void op_layernorm_backward(float *dinp, float *dweight, float *dbias, const float *dout,
+                           const float *inp, const float *weight, const float *mean,
+                           const float *rstd, int N, int H);
+
+/* ---- RoPE, Hugging Face rotate_half convention, optionally partial ---------------
+ * Only the first rotary_dim (even, 0 <= rotary_dim <= head_dim) dims of each head
+ * are rotated, rotate_half within those; the other head_dim - rotary_dim dims pass
+ * through (GPT-NeoX's rotary_pct < 1: rotary_dim = int(head_dim * rotary_pct)).
+ * rotary_dim == head_dim is Llama's full rotary embedding.
+ * Table: cos/sin [T, rotary_dim] for the positions pos[T] (positions are explicit
  * because a context-parallel rank holds two non-adjacent chunks of a sequence).
- * inv_freq[head_dim/2] comes from op_rope_inv_freq (rope_theta and the optional
- * "llama3" scaling). */
+ * inv_freq[rotary_dim/2] comes from op_rope_inv_freq(inv_freq, rotary_dim, p)
+ * (rope_theta, NeoX's rotary_emb_base, and the optional "llama3" scaling): as
+ * transformers, the frequencies of a partial rotary are those of a head of
+ * rotary_dim dims, 1 / theta^(2i / rotary_dim). */
 typedef struct {
     float theta;              /* rope_theta */
     int llama3;               /* 1: apply rope_scaling {"rope_type": "llama3"} */
@@ -68,14 +86,14 @@ typedef struct {
     float high_freq_factor;   /* llama3: high_freq_factor */
     float original_max_pos;   /* llama3: original_max_position_embeddings */
 } op_rope_params;
-void op_rope_inv_freq(float *inv_freq, int head_dim, const op_rope_params *p);
+void op_rope_inv_freq(float *inv_freq, int rotary_dim, const op_rope_params *p);
 void op_rope_table(float *cos_t, float *sin_t, const int32_t *pos, int T,
-                   const float *inv_freq, int head_dim);
+                   const float *inv_freq, int rotary_dim);
 /* x: [B, T, nh, head_dim], rotated in place. backward rotates dx by -angle, in place. */
 void op_rope_forward(float *x, const float *cos_t, const float *sin_t,
-                     int B, int T, int nh, int head_dim);
+                     int B, int T, int nh, int head_dim, int rotary_dim);
 void op_rope_backward(float *dx, const float *cos_t, const float *sin_t,
-                      int B, int T, int nh, int head_dim);
+                      int B, int T, int nh, int head_dim, int rotary_dim);
 
 /* ---- causal GQA attention with log-sum-exp ------------------------------------
  * q [B, Tq, nh, hd], k and v [B, Tk, nkv, hd] (nh a multiple of nkv; query head h
@@ -110,6 +128,11 @@ void op_attention_merge(float *out, float *lse, const float *out2, const float *
 void op_swiglu_forward(float *out, const float *gate, const float *up, size_t n);
 void op_swiglu_backward(float *dgate, float *dup, const float *dout,
                         const float *gate, const float *up, size_t n);
+
+/* ---- GELU, exact: out = x * Phi(x) = 0.5 x (1 + erf(x / sqrt 2)) (torch's default,
+ * GPT-NeoX's "gelu"). backward ACCUMULATES, as swiglu's: dinp[i] += dout[i] * gelu'(inp[i]). */
+void op_gelu_forward(float *out, const float *inp, size_t n);
+void op_gelu_backward(float *dinp, const float *dout, const float *inp, size_t n);
 
 /* ---- cross-entropy over a vocabulary shard -------------------------------------
  * logits [N, Vl] hold columns [vocab_start, vocab_start+Vl) of the full logits.

@@ -11,9 +11,9 @@
  *     caller are `void *` and take `cudaDataType_t dt`: CUDA_R_32F or CUDA_R_16BF
  *     (bf16 storage, fp32 arithmetic inside). The same dt applies to every `void *`
  *     tensor of the call unless the argument list names another dtype.
- *   - Small per-row statistics (rstd, lse, rowmax, sumexp, target_logit, losses),
- *     the RoPE tables, parameter gradients of rmsnorm, embedding and bias, and the
- *     optimizer state are fp32 (`float *`).
+ *   - Small per-row statistics (mean, rstd, lse, rowmax, sumexp, target_logit,
+ *     losses), the RoPE tables, parameter gradients of rmsnorm, layernorm, embedding
+ *     and bias, and the optimizer state are fp32 (`float *`).
  *   - Scalars that recipes compute on the device (fp8 scales, amax) are passed as
  *     device pointers, so that no step needs a host synchronization.
  *   - Every function returns cudaSuccess or an error code and never exits: bad
@@ -23,7 +23,7 @@
  *     next synchronizing call, as with any CUDA code.
  *   - No function allocates device memory, except cuda_gemm_create.
  *   - Results are deterministic run to run except where noted (embedding backward
- *     and rmsnorm's dweight use fp32 atomics across rows).
+ *     and the dweight / dbias of rmsnorm and layernorm use fp32 atomics across rows).
  */
 #ifndef SMP_KERNELS_OPS_CUDA_H
 #define SMP_KERNELS_OPS_CUDA_H
@@ -73,18 +73,31 @@ cudaError_t cuda_op_rmsnorm_backward(void *dinp, float *dweight, const void *dou
                                      const void *inp, const void *weight, const float *rstd,
                                      int N, int H, cudaDataType_t dt, cudaStream_t stream);
 
-/* ---- RoPE (HF rotate_half) ----------------------------------------------------------
- * cos_t/sin_t [T, head_dim] fp32 from pos[T] (device) and inv_freq[head_dim/2]
+/* ---- LayerNorm (torch.nn.LayerNorm) ---------------------------------------------------
+ * out, inp, weight, bias, dinp, dout: dt; bias may be NULL (none). mean, rstd [N] fp32
+ * (written). dweight, dbias [H] fp32 (accumulated, atomically across blocks as
+ * rmsnorm's dweight); any of dinp, dweight, dbias may be NULL to skip it. */
+cudaError_t cuda_op_layernorm_forward(void *out, float *mean, float *rstd, const void *inp,
+                                      const void *weight, const void *bias, int N, int H, float eps,
+                                      cudaDataType_t dt, cudaStream_t stream);
+cudaError_t cuda_op_layernorm_backward(void *dinp, float *dweight, float *dbias, const void *dout,
+                                       const void *inp, const void *weight, const float *mean,
+                                       const float *rstd, int N, int H, cudaDataType_t dt,
+                                       cudaStream_t stream);
+
+/* ---- RoPE (HF rotate_half, optionally partial as GPT-NeoX's) -------------------------
+ * cos_t/sin_t [T, rotary_dim] fp32 from pos[T] (device) and inv_freq[rotary_dim/2]
  * (device; compute it on the host with op_rope_inv_freq and copy it). x: dt,
- * [B,T,nh,head_dim], rotated in place; head_dim even. */
+ * [B,T,nh,head_dim], its first rotary_dim dims of each head rotated in place (the
+ * rest untouched); rotary_dim even, 0 <= rotary_dim <= head_dim. */
 cudaError_t cuda_op_rope_table(float *cos_t, float *sin_t, const int32_t *pos, int T,
-                               const float *inv_freq, int head_dim, cudaStream_t stream);
+                               const float *inv_freq, int rotary_dim, cudaStream_t stream);
 cudaError_t cuda_op_rope_forward(void *x, const float *cos_t, const float *sin_t,
-                                 int B, int T, int nh, int head_dim, cudaDataType_t dt,
-                                 cudaStream_t stream);
+                                 int B, int T, int nh, int head_dim, int rotary_dim,
+                                 cudaDataType_t dt, cudaStream_t stream);
 cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin_t,
-                                  int B, int T, int nh, int head_dim, cudaDataType_t dt,
-                                  cudaStream_t stream);
+                                  int B, int T, int nh, int head_dim, int rotary_dim,
+                                  cudaDataType_t dt, cudaStream_t stream);
 
 /* ---- causal GQA attention with log-sum-exp (flash style) ----------------------------
  * As ops.h: q/out [B,Tq,nh,hd], k/v [B,Tk,nkv,hd] (dt), lse [B,nh,Tq] fp32,
@@ -116,6 +129,13 @@ cudaError_t cuda_op_swiglu_forward(void *out, const void *gate, const void *up, 
 cudaError_t cuda_op_swiglu_backward(void *dgate, void *dup, const void *dout, const void *gate,
                                     const void *up, size_t n, cudaDataType_t dt,
                                     cudaStream_t stream);
+
+/* ---- GELU, exact (erf) ------------------------------------------------------------------
+ * out = gelu(inp) (written); backward: dinp += dout * gelu'(inp) (accumulated). */
+cudaError_t cuda_op_gelu_forward(void *out, const void *inp, size_t n, cudaDataType_t dt,
+                                 cudaStream_t stream);
+cudaError_t cuda_op_gelu_backward(void *dinp, const void *dout, const void *inp, size_t n,
+                                  cudaDataType_t dt, cudaStream_t stream);
 
 /* ---- cross-entropy over a vocabulary shard ---------------------------------------------
  * The steps of ops.h (rowmax -> tp all-reduce max -> sumexp -> tp all-reduce sums ->

@@ -598,8 +598,8 @@ static void fwd_attention(model *m, int l, layer_acts *a)
         OPS->rmsnorm_forward(DV, a->q, a->rstd_q, q, w->q_norm, N * m->nh, hd, m->eps);
         OPS->rmsnorm_forward(DV, a->k, a->rstd_k, k, w->k_norm, N * m->nkv, hd, m->eps);
     }
-    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, 1, N, m->nh, hd); /* a table row per token */
-    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, 1, N, m->nkv, hd);
+    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, 1, N, m->nh, hd, m->hd); /* a table row per token */
+    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, 1, N, m->nkv, hd, m->hd);
     attention_forward(m, a);
 }
 
@@ -777,8 +777,8 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         OPS->zero(DV, m->dk, (size_t)N * KD * e);
         OPS->zero(DV, m->dv, (size_t)N * KD * e);
         attention_backward(m, a);
-        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, 1, N, m->nh, hd);
-        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, 1, N, m->nkv, hd);
+        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, 1, N, m->nh, hd, m->hd);
+        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, 1, N, m->nkv, hd, m->hd);
         void *dq = m->dq, *dk = m->dk; /* the gradients of the projections' outputs */
         if (m->d.qk_norm) qk_norm_backward(m, l, a, &dq, &dk);
         if (m->d.qkv_bias) {

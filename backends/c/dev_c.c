@@ -93,17 +93,29 @@ static void c_rmsnorm_backward(dev *d, void *dinp, float *dw, const void *dout, 
 {
     op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, H);
 }
-static void c_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int hd)
+static void c_layernorm_forward(dev *d, void *out, float *mean, float *rstd, const void *inp, const void *w,
+                                const void *b, int N, int H, float eps)
 {
-    op_rope_table(cos_t, sin_t, pos, T, inv_freq, hd);
+    op_layernorm_forward(out, mean, rstd, inp, w, b, N, H, eps);
 }
-static void c_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
+static void c_layernorm_backward(dev *d, void *dinp, float *dw, float *db, const void *dout, const void *inp,
+                                 const void *w, const float *mean, const float *rstd, int N, int H)
 {
-    op_rope_forward(x, cos_t, sin_t, B, T, nh, hd);
+    op_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, H);
 }
-static void c_rope_backward(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
+static void c_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd)
 {
-    op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd);
+    op_rope_table(cos_t, sin_t, pos, T, inv_freq, rd);
+}
+static void c_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
+                           int rd)
+{
+    op_rope_forward(x, cos_t, sin_t, B, T, nh, hd, rd);
+}
+static void c_rope_backward(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
+                            int rd)
+{
+    op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd, rd);
 }
 static void c_attention_forward(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
                                 const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
@@ -132,6 +144,14 @@ static void c_swiglu_backward(dev *d, void *dgate, void *dup, const void *dout, 
                               size_t n)
 {
     op_swiglu_backward(dgate, dup, dout, gate, up, n);
+}
+static void c_gelu_forward(dev *d, void *out, const void *inp, size_t n)
+{
+    op_gelu_forward(out, inp, n);
+}
+static void c_gelu_backward(dev *d, void *dinp, const void *dout, const void *inp, size_t n)
+{
+    op_gelu_backward(dinp, dout, inp, n);
 }
 static void c_add(dev *d, void *y, const void *a, const void *b, size_t n)
 {
@@ -184,9 +204,11 @@ static const dev_ops C_OPS = {
     .linear_forward = c_linear_forward, .linear_backward = c_linear_backward,
     .bias_forward = c_bias_forward, .bias_backward = c_bias_backward,
     .rmsnorm_forward = c_rmsnorm_forward, .rmsnorm_backward = c_rmsnorm_backward,
+    .layernorm_forward = c_layernorm_forward, .layernorm_backward = c_layernorm_backward,
     .rope_table = c_rope_table, .rope_forward = c_rope_forward, .rope_backward = c_rope_backward,
     .attention_forward = c_attention_forward, .attention_backward = c_attention_backward,
     .attention_merge = c_attention_merge, .swiglu_forward = c_swiglu_forward, .swiglu_backward = c_swiglu_backward,
+    .gelu_forward = c_gelu_forward, .gelu_backward = c_gelu_backward,
     .add = c_add, .xent_rowmax = c_xent_rowmax, .xent_sumexp = c_xent_sumexp, .xent_loss = c_xent_loss,
     .xent_backward = c_xent_backward, .sumsq = c_sumsq, .scale = c_scale, .adamw = c_adamw,
     .fp8_reserve = c_fp8_reserve, .fp8_linear_forward = c_fp8_linear_forward, .fp8_linear_backward = c_fp8_linear_backward,

@@ -198,17 +198,29 @@ static void cu_rmsnorm_backward(dev *d, void *dinp, float *dw, const void *dout,
 {
     cu_op(d, cuda_op_rmsnorm_backward(dinp, dw, dout, inp, w, rstd, N, H, DT, ST));
 }
-static void cu_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int hd)
+static void cu_layernorm_forward(dev *d, void *out, float *mean, float *rstd, const void *inp, const void *w,
+                                 const void *b, int N, int H, float eps)
 {
-    cu_op(d, cuda_op_rope_table(cos_t, sin_t, pos, T, inv_freq, hd, ST));
+    cu_op(d, cuda_op_layernorm_forward(out, mean, rstd, inp, w, b, N, H, eps, DT, ST));
 }
-static void cu_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
+static void cu_layernorm_backward(dev *d, void *dinp, float *dw, float *db, const void *dout, const void *inp,
+                                  const void *w, const float *mean, const float *rstd, int N, int H)
 {
-    cu_op(d, cuda_op_rope_forward(x, cos_t, sin_t, B, T, nh, hd, DT, ST));
+    cu_op(d, cuda_op_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, H, DT, ST));
 }
-static void cu_rope_backward(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd)
+static void cu_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd)
 {
-    cu_op(d, cuda_op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd, DT, ST));
+    cu_op(d, cuda_op_rope_table(cos_t, sin_t, pos, T, inv_freq, rd, ST));
+}
+static void cu_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
+                            int rd)
+{
+    cu_op(d, cuda_op_rope_forward(x, cos_t, sin_t, B, T, nh, hd, rd, DT, ST));
+}
+static void cu_rope_backward(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
+                             int rd)
+{
+    cu_op(d, cuda_op_rope_backward(dx, cos_t, sin_t, B, T, nh, hd, rd, DT, ST));
 }
 static void cu_attention_forward(dev *d, void *out, float *lse, const void *q, const void *k, const void *v,
                                  const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
@@ -239,6 +251,14 @@ static void cu_swiglu_backward(dev *d, void *dgate, void *dup, const void *dout,
                                size_t n)
 {
     cu_op(d, cuda_op_swiglu_backward(dgate, dup, dout, gate, up, n, DT, ST));
+}
+static void cu_gelu_forward(dev *d, void *out, const void *inp, size_t n)
+{
+    cu_op(d, cuda_op_gelu_forward(out, inp, n, DT, ST));
+}
+static void cu_gelu_backward(dev *d, void *dinp, const void *dout, const void *inp, size_t n)
+{
+    cu_op(d, cuda_op_gelu_backward(dinp, dout, inp, n, DT, ST));
 }
 static void cu_add(dev *d, void *y, const void *a, const void *b, size_t n)
 {
@@ -299,10 +319,12 @@ static const dev_ops CU_OPS = {
     .linear_forward = cu_linear_forward, .linear_backward = cu_linear_backward,
     .bias_forward = cu_bias_forward, .bias_backward = cu_bias_backward,
     .rmsnorm_forward = cu_rmsnorm_forward, .rmsnorm_backward = cu_rmsnorm_backward,
+    .layernorm_forward = cu_layernorm_forward, .layernorm_backward = cu_layernorm_backward,
     .rope_table = cu_rope_table, .rope_forward = cu_rope_forward, .rope_backward = cu_rope_backward,
     .attention_forward = cu_attention_forward, .attention_backward = cu_attention_backward,
     .attention_merge = cu_attention_merge, .swiglu_forward = cu_swiglu_forward,
-    .swiglu_backward = cu_swiglu_backward, .add = cu_add, .xent_rowmax = cu_xent_rowmax,
+    .swiglu_backward = cu_swiglu_backward, .gelu_forward = cu_gelu_forward, .gelu_backward = cu_gelu_backward,
+    .add = cu_add, .xent_rowmax = cu_xent_rowmax,
     .xent_sumexp = cu_xent_sumexp, .xent_loss = cu_xent_loss, .xent_backward = cu_xent_backward,
     .sumsq = cu_sumsq, .scale = cu_scale, .adamw = cu_adamw,
     .fp8_reserve = cu_fp8_reserve, .fp8_linear_forward = cu_fp8_linear_forward,

@@ -232,7 +232,7 @@ static void bench_ops()
     {
         const int T = 4096, B = 2, nhd = 32, hd = 128;
         float *cs = rand_f32((size_t)T * hd), *sn = rand_f32((size_t)T * hd);
-        ms = time_ms("rope fwd", [&] { return cuda_op_rope_forward(x, cs, sn, B, T, nhd, hd, BF, 0); });
+        ms = time_ms("rope fwd", [&] { return cuda_op_rope_forward(x, cs, sn, B, T, nhd, hd, hd, BF, 0); });
         report_bw("rope fwd bf16 B=2 T=4096 nh=32 hd=128", ms, 2.0 * nh * 2);
         cudaFree(cs);
         cudaFree(sn);

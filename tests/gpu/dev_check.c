@@ -194,23 +194,46 @@ static void test_rmsnorm(int N, int H)
     end();
 }
 
-static void test_rope(int B, int T, int nh, int hd)
+static void test_layernorm(int N, int H)
 {
-    if (!begin("rope", "B=%d T=%d nh=%d hd=%d", B, T, nh, hd)) return;
+    if (!begin("layernorm", "N=%d H=%d", N, H)) return;
+    const size_t n = (size_t)N * H;
+    float *xh = randn(n, 2.0f, 0);
+    for (size_t i = 0; i < n; i++) xh[i] += 1.5f; /* an offset for the centering to remove */
+    if (dg.dt == SHARD_DT_BF16)
+        for (size_t i = 0; i < n; i++) xh[i] = shard_bf16_to_f32(shard_f32_to_bf16(xh[i]));
+    pair x = ACT(xh, n), w = ACT(randn(H, 1.0f, 1), H), b = ACT(randn(H, 1.0f, 1), H), y = ACT(NULL, n);
+    pair mean = F32(NULL, N), rstd = F32(NULL, N);
+    CALL2(layernorm_forward, S(y), S(mean), S(rstd), S(x), S(w), S(b), N, H, 1e-5f);
+    cmp_act("forward", y);
+    cmp_f32("forward mean", mean);
+    cmp_f32("forward rstd", rstd);
+    pair g = ACT(randn(n, 1.0f, 1), n), dx = ACT(randn(n, 1.0f, 1), n), dw = F32(randn(H, 1.0f, 0), H);
+    pair db = F32(randn(H, 1.0f, 0), H);
+    CALL2(layernorm_backward, S(dx), S(dw), S(db), S(g), S(x), S(w), S(mean), S(rstd), N, H);
+    cmp_act("backward dinp", dx);
+    cmp_f32("backward dweight", dw);
+    cmp_f32("backward dbias", db);
+    end();
+}
+
+static void test_rope(int B, int T, int nh, int hd, int rd)
+{
+    if (!begin("rope", "B=%d T=%d nh=%d hd=%d rd=%d", B, T, nh, hd, rd)) return;
     op_rope_params rp = {10000.0f, 0, 0, 0, 0, 0};
-    float *inv = hmalloc((size_t)hd / 2 * sizeof(float));
-    op_rope_inv_freq(inv, hd, &rp);
+    float *inv = hmalloc((size_t)rd / 2 * sizeof(float));
+    op_rope_inv_freq(inv, rd, &rp);
     int32_t *pos = hmalloc((size_t)T * 4);
     for (int t = 0; t < T; t++) pos[t] = 3 * t + 1;
-    pair p = I32(pos, T), f = F32(inv, hd / 2), cs = F32(NULL, (size_t)T * hd), sn = F32(NULL, (size_t)T * hd);
-    CALL2(rope_table, S(cs), S(sn), S(p), T, S(f), hd);
+    pair p = I32(pos, T), f = F32(inv, rd / 2), cs = F32(NULL, (size_t)T * rd), sn = F32(NULL, (size_t)T * rd);
+    CALL2(rope_table, S(cs), S(sn), S(p), T, S(f), rd);
     cmp("table cos", cs, 1e-5);
     cmp("table sin", sn, 1e-5);
     const size_t n = (size_t)B * T * nh * hd;
     pair x = ACT(randn(n, 1.0f, 1), n);
-    CALL2(rope_forward, S(x), S(cs), S(sn), B, T, nh, hd);
+    CALL2(rope_forward, S(x), S(cs), S(sn), B, T, nh, hd, rd);
     cmp_act("forward", x);
-    CALL2(rope_backward, S(x), S(cs), S(sn), B, T, nh, hd);
+    CALL2(rope_backward, S(x), S(cs), S(sn), B, T, nh, hd, rd);
     cmp_act("backward", x);
     end();
 }
@@ -256,6 +279,10 @@ static void test_elementwise(size_t n)
     CALL2(swiglu_backward, S(dg_), S(du), S(g), S(gt), S(up), n);
     cmp_act("swiglu backward dgate", dg_);
     cmp_act("swiglu backward dup", du);
+    CALL2(gelu_forward, S(y), S(gt), n);
+    cmp_act("gelu forward", y);
+    CALL2(gelu_backward, S(du), S(g), S(gt), n);
+    cmp_act("gelu backward dinp (+=)", du);
     CALL2(add, S(y), S(gt), S(up), n);
     cmp_act("add", y);
     CALL2(add, S(gt), S(gt), S(up), n);
@@ -493,8 +520,11 @@ static void run_all(void)
     test_bias(9, 37);
     test_rmsnorm(24, 64);
     test_rmsnorm(9, 64);
-    test_rope(2, 12, 4, 16);
-    test_rope(1, 20, 2, 32);
+    test_layernorm(24, 64);
+    test_layernorm(9, 37);
+    test_rope(2, 12, 4, 16, 16);
+    test_rope(1, 20, 2, 32, 32);
+    test_rope(2, 12, 4, 32, 8);
     test_attention(2, 20, 4, 2, 16, 0);
     test_attention(1, 40, 4, 2, 32, 0);
     test_attention(1, 33, 4, 2, 32, 5);

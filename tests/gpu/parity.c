@@ -296,36 +296,84 @@ static void test_rmsnorm(cudaDataType_t dt, int N, int H)
     TEST_END();
 }
 
-/* ============================================================ rope */
-static void test_rope(cudaDataType_t dt, int B, int T, int nh, int hd, int far)
+/* ============================================================ layernorm */
+/* shift: the rows' common offset (LayerNorm removes it; the variance is taken about
+ * the mean). with_bias 0: bias NULL. */
+static void test_layernorm(cudaDataType_t dt, int N, int H, float shift, int with_bias)
 {
-    TEST_BEGIN("rope %s B=%d T=%d nh=%d hd=%d%s", dtname(dt), B, T, nh, hd, far ? " far positions" : "");
+    TEST_BEGIN("layernorm %s N=%d H=%d shift=%g%s", dtname(dt), N, H, shift, with_bias ? "" : " no bias");
+    const size_t n = (size_t)N * H;
+    const float eps = 1e-5f;
+    float *x = randn(n, 1.0f, F32), *w = randu(H, 0.5f, 1.5f, dt), *b = with_bias ? randn(H, 1.0f, dt) : NULL;
+    for (size_t i = 0; i < n; i++) x[i] += shift;
+    round_to(x, n, dt);
+    float *out = hfloats(n), *mean = hfloats(N), *rstd = hfloats(N);
+    op_layernorm_forward(out, mean, rstd, x, w, b, N, H, eps);
+    void *d_x = to_dev(x, n, dt), *d_w = to_dev(w, H, dt), *d_b = b ? to_dev(b, H, dt) : NULL;
+    void *d_out = dmalloc(n * esize(dt));
+    float *d_mean = (float *)dmalloc((size_t)N * 4), *d_rstd = (float *)dmalloc((size_t)N * 4);
+    CK_SYNC(cuda_op_layernorm_forward(d_out, d_mean, d_rstd, d_x, d_w, d_b, N, H, eps, dt, 0));
+    compare_dev("fwd out", d_out, dt, out, n, tol_of(dt));
+    compare_dev("fwd mean", d_mean, F32, mean, N, 1e-5);
+    compare_dev("fwd rstd", d_rstd, F32, rstd, N, 1e-5);
+
+    float *g = randn(n, 1.0f, dt), *dx = randn(n, 1.0f, dt), *dw = randn(H, 1.0f, F32), *db = randn(H, 1.0f, F32);
+    void *d_g = to_dev(g, n, dt), *d_dx = to_dev(dx, n, dt);
+    float *d_dw = (float *)to_dev(dw, H, F32), *d_db = (float *)to_dev(db, H, F32);
+    CK(cudaMemcpy(d_mean, mean, (size_t)N * 4, cudaMemcpyHostToDevice)); /* the reference's statistics */
+    CK(cudaMemcpy(d_rstd, rstd, (size_t)N * 4, cudaMemcpyHostToDevice));
+    op_layernorm_backward(dx, dw, db, g, x, w, mean, rstd, N, H);
+    CK_SYNC(cuda_op_layernorm_backward(d_dx, d_dw, d_db, d_g, d_x, d_w, d_mean, d_rstd, N, H, dt, 0));
+    compare_dev("bwd dinp (+=)", d_dx, dt, dx, n, tol_of(dt));
+    compare_dev("bwd dweight (+=)", d_dw, F32, dw, H, 1e-5);
+    compare_dev("bwd dbias (+=)", d_db, F32, db, H, 1e-5);
+    /* NULL skips a gradient: dinp alone, then the parameter gradients alone */
+    op_layernorm_backward(dx, NULL, NULL, g, x, w, mean, rstd, N, H);
+    CK_SYNC(cuda_op_layernorm_backward(d_dx, NULL, NULL, d_g, d_x, d_w, d_mean, d_rstd, N, H, dt, 0));
+    compare_dev("bwd dinp alone", d_dx, dt, dx, n, tol_of(dt));
+    op_layernorm_backward(NULL, dw, db, g, x, w, mean, rstd, N, H);
+    CK_SYNC(cuda_op_layernorm_backward(NULL, d_dw, d_db, d_g, d_x, d_w, d_mean, d_rstd, N, H, dt, 0));
+    compare_dev("bwd dweight alone", d_dw, F32, dw, H, 1e-5);
+    compare_dev("bwd dbias alone", d_db, F32, db, H, 1e-5);
+    TEST_END();
+}
+
+/* ============================================================ rope */
+/* rd: the rotary dim (rd < hd: a partial rotary, GPT-NeoX's; the other dims must come
+ * back untouched, bit for bit) */
+static void test_rope(cudaDataType_t dt, int B, int T, int nh, int hd, int rd, int far)
+{
+    TEST_BEGIN("rope %s B=%d T=%d nh=%d hd=%d rd=%d%s", dtname(dt), B, T, nh, hd, rd, far ? " far positions" : "");
     op_rope_params p = {500000.0f, 1, 8.0f, 1.0f, 4.0f, 8192.0f};
-    float *inv = hfloats(hd / 2);
-    op_rope_inv_freq(inv, hd, &p);
+    float *inv = hfloats(rd / 2);
+    op_rope_inv_freq(inv, rd, &p);
     int32_t *pos = (int32_t *)hmalloc((size_t)T * 4);
     for (int t = 0; t < T; t++) pos[t] = far ? 100000 + 3 * t + (t > T / 2 ? 5000 : 0) : t;
-    float *cs = hfloats((size_t)T * hd), *sn = hfloats((size_t)T * hd);
-    op_rope_table(cs, sn, pos, T, inv, hd);
-    float *d_inv = (float *)to_dev(inv, hd / 2, F32);
+    float *cs = hfloats((size_t)T * rd), *sn = hfloats((size_t)T * rd);
+    op_rope_table(cs, sn, pos, T, inv, rd);
+    float *d_inv = (float *)to_dev(inv, rd / 2, F32);
     int32_t *d_pos = to_dev_i32(pos, T);
-    float *d_cs = (float *)dmalloc((size_t)T * hd * 4), *d_sn = (float *)dmalloc((size_t)T * hd * 4);
-    CK_SYNC(cuda_op_rope_table(d_cs, d_sn, d_pos, T, d_inv, hd, 0));
-    compare_dev("table cos", d_cs, F32, cs, (size_t)T * hd, 1e-6);
-    compare_dev("table sin", d_sn, F32, sn, (size_t)T * hd, 1e-6);
-    CK(cudaMemcpy(d_cs, cs, (size_t)T * hd * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(d_sn, sn, (size_t)T * hd * 4, cudaMemcpyHostToDevice));
+    float *d_cs = (float *)dmalloc((size_t)T * rd * 4), *d_sn = (float *)dmalloc((size_t)T * rd * 4);
+    CK_SYNC(cuda_op_rope_table(d_cs, d_sn, d_pos, T, d_inv, rd, 0));
+    compare_dev("table cos", d_cs, F32, cs, (size_t)T * rd, 1e-6);
+    compare_dev("table sin", d_sn, F32, sn, (size_t)T * rd, 1e-6);
+    CK(cudaMemcpy(d_cs, cs, (size_t)T * rd * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_sn, sn, (size_t)T * rd * 4, cudaMemcpyHostToDevice));
 
     const size_t n = (size_t)B * T * nh * hd;
-    float *x = randn(n, 1.0f, dt);
+    float *x = randn(n, 1.0f, dt), *x0 = copy_of(x, n);
     void *d_x = to_dev(x, n, dt);
-    op_rope_forward(x, cs, sn, B, T, nh, hd);
-    CK_SYNC(cuda_op_rope_forward(d_x, d_cs, d_sn, B, T, nh, hd, dt, 0));
+    op_rope_forward(x, cs, sn, B, T, nh, hd, rd);
+    CK_SYNC(cuda_op_rope_forward(d_x, d_cs, d_sn, B, T, nh, hd, rd, dt, 0));
     compare_dev("fwd", d_x, dt, x, n, tol_of(dt));
+    float *got = from_dev(d_x, n, dt);
+    size_t moved = 0;
+    for (size_t i = 0; i < n; i++) moved += (int)(i % (size_t)hd) >= rd && memcmp(&got[i], &x0[i], 4) != 0;
+    report("fwd dims past rd untouched (values differing)", (double)moved, 0.0);
     fill_normal(x, n, 1.0f, dt);
     upload(d_x, x, n, dt);
-    op_rope_backward(x, cs, sn, B, T, nh, hd);
-    CK_SYNC(cuda_op_rope_backward(d_x, d_cs, d_sn, B, T, nh, hd, dt, 0));
+    op_rope_backward(x, cs, sn, B, T, nh, hd, rd);
+    CK_SYNC(cuda_op_rope_backward(d_x, d_cs, d_sn, B, T, nh, hd, rd, dt, 0));
     compare_dev("bwd", d_x, dt, x, n, tol_of(dt));
     TEST_END();
 }
@@ -502,6 +550,24 @@ static void test_swiglu(cudaDataType_t dt, size_t n, int offset)
     compare_dev("add y = a + b", d_out, dt, y, n, dt == F32 ? 0.0 : 1e-2);
     compare_dev("add a += b", d_gt, dt, y, n, dt == F32 ? 0.0 : 1e-2);
     compare_dev("add b = y + b", d_up, dt, y2, n, dt == F32 ? 0.0 : 1e-2);
+    TEST_END();
+}
+
+/* ============================================================ gelu */
+static void test_gelu(cudaDataType_t dt, size_t n, int offset)
+{
+    TEST_BEGIN("gelu %s n=%zu%s", dtname(dt), n, offset ? " unaligned" : "");
+    float *x = randn(n, 3.0f, dt), *out = hfloats(n);
+    op_gelu_forward(out, x, n);
+    const size_t off = (size_t)offset * esize(dt); /* offset: pointers off the 16-byte grid */
+    char *d_x = to_dev_off(x, n, dt, off), *d_out = to_dev_off(NULL, n, dt, off);
+    CK_SYNC(cuda_op_gelu_forward(d_out, d_x, n, dt, 0));
+    compare_dev("fwd", d_out, dt, out, n, tol_of(dt));
+    float *g = randn(n, 1.0f, dt), *dx = randn(n, 1.0f, dt);
+    char *d_g = to_dev_off(g, n, dt, off), *d_dx = to_dev_off(dx, n, dt, off);
+    op_gelu_backward(dx, g, x, n);
+    CK_SYNC(cuda_op_gelu_backward(d_dx, d_g, d_x, n, dt, 0));
+    compare_dev("bwd dinp (+=)", d_dx, dt, dx, n, tol_of(dt));
     TEST_END();
 }
 
@@ -859,15 +925,36 @@ static void test_per_dtype(cudaDataType_t dt)
         test_rmsnorm(dt, 7, 1001);
         if (!quick) test_rmsnorm(dt, 300, 4096);
     }
+    if (selected("layernorm")) {
+        test_layernorm(dt, 33, 96, 0.0f, 1);    /* 16-byte packs */
+        test_layernorm(dt, 7, 1001, 3.0f, 1);   /* H not a multiple of the pack or the block */
+        test_layernorm(dt, 5, 37, -2.0f, 0);    /* no bias */
+        test_layernorm(dt, 1, 300, 0.5f, 1);    /* one row, H past one block of threads */
+        if (!quick) {
+            test_layernorm(dt, 300, 4096, 1.0f, 1);
+            test_layernorm(dt, 129, 2561, 0.0f, 1);
+        }
+    }
     if (selected("rope")) {
-        test_rope(dt, 2, 17, 3, 64, 0);
-        test_rope(dt, 1, 9, 2, 128, 1);
-        if (!quick) test_rope(dt, 2, 1024, 8, 128, 1);
+        test_rope(dt, 2, 17, 3, 64, 64, 0);
+        test_rope(dt, 1, 9, 2, 128, 128, 1);
+        test_rope(dt, 2, 17, 3, 64, 16, 0);     /* GPT-NeoX's rotary_pct = 0.25 */
+        test_rope(dt, 1, 13, 2, 80, 20, 1);     /* Pythia-like: head_dim 80, rotary 20 */
+        test_rope(dt, 1, 7, 3, 10, 6, 0);       /* odd half-widths */
+        if (!quick) {
+            test_rope(dt, 2, 1024, 8, 128, 128, 1);
+            test_rope(dt, 2, 1024, 8, 128, 32, 1);
+        }
     }
     if (selected("swiglu") || selected("add")) {
         test_swiglu(dt, 4096, 0);
         test_swiglu(dt, quick ? 5003 : 1000003, 0);
         test_swiglu(dt, 1001, 1);
+    }
+    if (selected("gelu")) {
+        test_gelu(dt, 4096, 0);
+        test_gelu(dt, quick ? 5003 : 1000003, 0);
+        test_gelu(dt, 1001, 1);
     }
     if (selected("xent")) {
         test_xent(dt, 37, 1000, 500);

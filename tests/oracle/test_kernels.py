@@ -1,7 +1,8 @@
 """The portable C ops (build/lib/libsmpkernels.so) against torch autograd.
 
 Every op's forward and backward is compared with a float64 torch reference on odd
-shapes; RoPE against transformers' own Llama code, FP8 against ml_dtypes.
+shapes; RoPE against transformers' own Llama code (the partial rotary against its
+GPT-NeoX code), FP8 against ml_dtypes.
 The library is found in $SMP_BUILD_LIB (else $SMP_BUILD/lib, as conftest.py; default
 <repo>/build/lib), so the same tests run on the BLAS build, a -DSMP_NO_BLAS build
 and the sanitizer build.
@@ -47,15 +48,19 @@ SIGNATURES = {
     "op_bias_backward": (None, [P, P, I, I]),
     "op_rmsnorm_forward": (None, [P, P, P, P, I, I, F32]),
     "op_rmsnorm_backward": (None, [P, P, P, P, P, P, I, I]),
+    "op_layernorm_forward": (None, [P, P, P, P, P, P, I, I, F32]),
+    "op_layernorm_backward": (None, [P, P, P, P, P, P, P, P, I, I]),
     "op_rope_inv_freq": (None, [P, I, ctypes.POINTER(RopeParams)]),
     "op_rope_table": (None, [P, P, P, I, P, I]),
-    "op_rope_forward": (None, [P, P, P, I, I, I, I]),
-    "op_rope_backward": (None, [P, P, P, I, I, I, I]),
+    "op_rope_forward": (None, [P, P, P, I, I, I, I, I]),
+    "op_rope_backward": (None, [P, P, P, I, I, I, I, I]),
     "op_attention_forward": (None, [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
     "op_attention_backward": (None, [P, P, P, P, P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
     "op_attention_merge": (None, [P, P, P, P, I, I, I, I]),
     "op_swiglu_forward": (None, [P, P, P, SZ]),
     "op_swiglu_backward": (None, [P, P, P, P, P, SZ]),
+    "op_gelu_forward": (None, [P, P, SZ]),
+    "op_gelu_backward": (None, [P, P, P, SZ]),
     "op_xent_rowmax": (None, [P, P, P, P, I, I, I]),
     "op_xent_sumexp": (None, [P, P, P, I, I]),
     "op_xent_loss": (D, [P, P, P, P, P, I]),
@@ -225,6 +230,36 @@ def test_rmsnorm(lib):
     close(dw, dw0 + Wt.grad.numpy(), what="rmsnorm dweight (+=)")
 
 
+# ---- LayerNorm (GPT-NeoX's) ----------------------------------------------------------
+
+@pytest.mark.parametrize("N,H,shift,bias", [(7, 33, 0.0, True), (5, 130, 4.0, True), (3, 1, 1.0, True),
+                                            (4, 65, -2.0, False)])
+def test_layernorm(lib, N, H, shift, bias):
+    r = rng(13)
+    eps = 1e-5
+    x = r.standard_normal((N, H)) * 3 + shift
+    w, b, g = r.standard_normal(H), r.standard_normal(H), r.standard_normal((N, H))
+    X, Wt, Bt = t64(x, True), t64(w, True), t64(b, True)
+    y = F.layer_norm(X, (H,), Wt, Bt if bias else None, eps)
+    (y * t64(g)).sum().backward()
+
+    out = np.full((N, H), np.nan, np.float32)
+    mean, rstd = np.full(N, np.nan, np.float32), np.full(N, np.nan, np.float32)
+    lib.op_layernorm_forward(ptr(out), ptr(mean), ptr(rstd), ptr(f32(x)), ptr(f32(w)),
+                             ptr(f32(b)) if bias else None, N, H, eps)
+    close(out, y, what="layernorm forward")
+    close(mean, X.mean(-1), what="layernorm mean")
+    close(rstd, torch.rsqrt(X.var(-1, unbiased=False) + eps), what="layernorm rstd (biased variance)")
+
+    dx0, dw0, db0 = r.standard_normal((N, H)), r.standard_normal(H), r.standard_normal(H)
+    dx, dw, db = f32(dx0), f32(dw0), f32(db0)
+    lib.op_layernorm_backward(ptr(dx), ptr(dw), ptr(db), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)),
+                              ptr(mean), ptr(rstd), N, H)
+    close(dx, dx0 + X.grad.numpy(), what="layernorm dinp (+=)")
+    close(dw, dw0 + Wt.grad.numpy(), what="layernorm dweight (+=)")
+    close(db, db0 + g.sum(0), what="layernorm dbias (+=)")
+
+
 # ---- RoPE (against transformers' Llama code) -----------------------------------------
 
 ROPE_CASES = [
@@ -247,6 +282,22 @@ def rope_params(theta, scaling):
     return p
 
 
+def rope_tables(lib, emb, pos, rd, p):
+    """inv_freq [rd/2] and the tables [T, rd] of the op, checked against transformers'
+    rotary embedding module emb (whose rotated dims are rd); returns cos_t, sin_t."""
+    T = len(pos)
+    inv = np.empty(rd // 2, np.float32)
+    lib.op_rope_inv_freq(ptr(inv), rd, ctypes.byref(p))
+    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
+
+    cos_t, sin_t = np.empty((T, rd), np.float32), np.empty((T, rd), np.float32)
+    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), rd)
+    cos_hf, sin_hf = emb(torch.zeros(1, dtype=torch.float32), torch.tensor(pos[None, :], dtype=torch.long))
+    np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
+    np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")
+    return cos_t, sin_t
+
+
 @pytest.mark.parametrize("hd,theta,scaling", ROPE_CASES)
 def test_rope(lib, hd, theta, scaling):
     from transformers import LlamaConfig
@@ -262,17 +313,7 @@ def test_rope(lib, hd, theta, scaling):
     pos = i32([0, 1, 2, 3, 4, 31, 32, 33, 34, 35, 7000])
     T = len(pos)
 
-    inv = np.empty(hd // 2, np.float32)
-    p = rope_params(theta, scaling)
-    lib.op_rope_inv_freq(ptr(inv), hd, ctypes.byref(p))
-    np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
-
-    cos_t, sin_t = np.empty((T, hd), np.float32), np.empty((T, hd), np.float32)
-    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), hd)
-    x_dummy = torch.zeros(1, dtype=torch.float32)
-    cos_hf, sin_hf = emb(x_dummy, torch.tensor(pos[None, :], dtype=torch.long))
-    np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
-    np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")
+    cos_t, sin_t = rope_tables(lib, emb, pos, hd, rope_params(theta, scaling))
 
     # rotation: apply_rotary_pos_emb works on [B, nh, T, hd]; the op on [B, T, nh, hd]
     r = rng(4)
@@ -284,11 +325,50 @@ def test_rope(lib, hd, theta, scaling):
     (y * t64(g)).sum().backward()
 
     xr = f32(x)
-    lib.op_rope_forward(ptr(xr), ptr(cos_t), ptr(sin_t), B, T, nh, hd)
+    lib.op_rope_forward(ptr(xr), ptr(cos_t), ptr(sin_t), B, T, nh, hd, hd)
     close(xr, y, what="rope forward")
     gr = f32(g)
-    lib.op_rope_backward(ptr(gr), ptr(cos_t), ptr(sin_t), B, T, nh, hd)
+    lib.op_rope_backward(ptr(gr), ptr(cos_t), ptr(sin_t), B, T, nh, hd, hd)
     close(gr, X.grad, what="rope backward")
+
+
+# ---- partial rotary (against transformers' GPT-NeoX code) ------------------------------
+
+@pytest.mark.parametrize("hd,pct,base", [(16, 0.25, 10000.0), (20, 0.5, 10000.0), (12, 1.0, 500.0),
+                                         (80, 0.25, 10000.0)])
+def test_rope_partial(lib, hd, pct, base):
+    """GPT-NeoX's rotary_pct: rotate the first rotary_ndims = int(head_dim * rotary_pct)
+    dims of each head (rotate_half within them), pass the rest through."""
+    from transformers import GPTNeoXConfig
+    from transformers.models.gpt_neox.modeling_gpt_neox import GPTNeoXRotaryEmbedding, apply_rotary_pos_emb
+
+    nh, B = 3, 2
+    rd = int(hd * pct)
+    cfg = GPTNeoXConfig(hidden_size=nh * hd, num_attention_heads=nh, rotary_pct=pct, rotary_emb_base=base,
+                        max_position_embeddings=8192)
+    emb = GPTNeoXRotaryEmbedding(config=cfg)
+    pos = i32([0, 1, 2, 3, 31, 32, 33, 7000])
+    T = len(pos)
+
+    cos_t, sin_t = rope_tables(lib, emb, pos, rd, rope_params(base, None))
+
+    # GPTNeoXAttention: q [B, nh, T, hd]; rotate q[..., :rd], cat the rest (float64 here)
+    r = rng(12)
+    x, g = r.standard_normal((B, T, nh, hd)), r.standard_normal((B, T, nh, hd))
+    X = t64(x, True)
+    q = X.transpose(1, 2)
+    q_rot, q_pass = q[..., :rd], q[..., rd:]
+    y, _ = apply_rotary_pos_emb(q_rot, q_rot, t64(cos_t)[None], t64(sin_t)[None])
+    y = torch.cat((y, q_pass), dim=-1).transpose(1, 2)
+    (y * t64(g)).sum().backward()
+
+    xr = f32(x)
+    lib.op_rope_forward(ptr(xr), ptr(cos_t), ptr(sin_t), B, T, nh, hd, rd)
+    close(xr, y, what="partial rope forward")
+    np.testing.assert_array_equal(xr[..., rd:], f32(x)[..., rd:])  # passed through, to the bit
+    gr = f32(g)
+    lib.op_rope_backward(ptr(gr), ptr(cos_t), ptr(sin_t), B, T, nh, hd, rd)
+    close(gr, X.grad, what="partial rope backward")
 
 
 # ---- attention --------------------------------------------------------------------
@@ -468,6 +548,27 @@ def test_swiglu(lib):
     lib.op_swiglu_backward(ptr(dg), ptr(du), ptr(f32(g)), ptr(f32(gate)), ptr(f32(up)), n)
     close(dg, dg0 + G.grad.numpy(), what="swiglu dgate (+=)")
     close(du, du0 + U.grad.numpy(), what="swiglu dup (+=)")
+
+
+# ---- GELU (exact, GPT-NeoX's hidden_act "gelu") ---------------------------------------
+
+def test_gelu(lib):
+    r = rng(14)
+    n = 7 * 33
+    x, g = r.standard_normal(n) * 4, r.standard_normal(n)
+    X = t64(x, True)
+    y = F.gelu(X)  # approximate="none": the erf form
+    (y * t64(g)).sum().backward()
+
+    out = np.full(n, np.nan, np.float32)
+    lib.op_gelu_forward(ptr(out), ptr(f32(x)), n)
+    close(out, y, what="gelu forward")
+    # not the tanh approximation ("gelu_new"): at these inputs it differs by more than the tolerance
+    assert np.abs(out - F.gelu(X, approximate="tanh").detach().numpy()).max() > 1e-4
+    dx0 = r.standard_normal(n)
+    dx = f32(dx0)
+    lib.op_gelu_backward(ptr(dx), ptr(f32(g)), ptr(f32(x)), n)
+    close(dx, dx0 + X.grad.numpy(), what="gelu dinp (+=)")
 
 
 # ---- vocab-parallel cross-entropy (tp=2 simulated) --------------------------------

@@ -1,6 +1,7 @@
 /* tests/unit/test_kernels.c: self-contained checks of the portable C ops that need
- * no Python: central finite differences against each backward (rmsnorm, swiglu,
- * bias, attention, cross-entropy) on tiny shapes, and the attention log-sum-exp merge.
+ * no Python: central finite differences against each backward (rmsnorm, layernorm,
+ * swiglu, gelu, bias, rope (partial too), attention, cross-entropy) on tiny shapes, and
+ * the attention log-sum-exp merge.
  * The comparisons with torch live in tests/oracle/test_kernels.py. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -125,6 +126,126 @@ static void test_rmsnorm_fd(void **state)
     check_close("rmsnorm dweight", dw, fw, RN_H, FD_TOL, 1e-3);
 }
 
+/* ---- LayerNorm ------------------------------------------------------------------- */
+
+enum { LN_N = 3, LN_H = 70 }; /* H spans two of the parameter gradients' column blocks */
+typedef struct {
+    float x[LN_N * LN_H], w[LN_H], b[LN_H], dout[LN_N * LN_H];
+} ln_ctx;
+
+static double ln_loss(void *p)
+{
+    ln_ctx *c = p;
+    static float out[LN_N * LN_H];
+    float mean[LN_N], rstd[LN_N];
+    op_layernorm_forward(out, mean, rstd, c->x, c->w, c->b, LN_N, LN_H, 1e-5f);
+    return dotd(out, c->dout, LN_N * LN_H);
+}
+
+static void test_layernorm_fd(void **state)
+{
+    (void)state;
+    rng_seed(11);
+    static ln_ctx c;
+    fill(c.x, LN_N * LN_H, 2.0f);
+    for (int i = 0; i < LN_N * LN_H; i++)
+        c.x[i] += 1.0f + (float)(i / LN_H); /* rows off zero: the centering matters */
+    fill(c.w, LN_H, 1.5f);
+    fill(c.b, LN_H, 1.0f);
+    fill(c.dout, LN_N * LN_H, 1.0f);
+
+    static float out[LN_N * LN_H];
+    float mean[LN_N], rstd[LN_N];
+    op_layernorm_forward(out, mean, rstd, c.x, c.w, c.b, LN_N, LN_H, 1e-5f);
+    for (int n = 0; n < LN_N; n++) { /* mean and rstd (biased variance) are what they say */
+        const float *x = c.x + n * LN_H;
+        double mu = 0.0, var = 0.0;
+        for (int j = 0; j < LN_H; j++)
+            mu += x[j];
+        mu /= LN_H;
+        for (int j = 0; j < LN_H; j++)
+            var += (x[j] - mu) * (x[j] - mu);
+        var /= LN_H;
+        assert_true(fabs(mean[n] - mu) < 1e-6 * fabs(mu) + 1e-7);
+        assert_true(fabs(rstd[n] - 1.0 / sqrt(var + 1e-5)) < 1e-5 * rstd[n]);
+        for (int j = 0; j < LN_H; j++) {
+            double y = (x[j] - mu) / sqrt(var + 1e-5) * c.w[j] + c.b[j];
+            assert_true(fabs(out[n * LN_H + j] - y) < 1e-5 * (1.0 + fabs(y)));
+        }
+    }
+    /* the gradients accumulate into what is there */
+    static float dx[LN_N * LN_H], fx[LN_N * LN_H];
+    float dw[LN_H], db[LN_H], fw[LN_H], fb[LN_H], dw0[LN_H], db0[LN_H];
+    fill(dx, LN_N * LN_H, 1.0f);
+    fill(dw0, LN_H, 1.0f);
+    fill(db0, LN_H, 1.0f);
+    memcpy(dw, dw0, sizeof dw);
+    memcpy(db, db0, sizeof db);
+    static float dx0[LN_N * LN_H];
+    memcpy(dx0, dx, sizeof dx);
+    op_layernorm_backward(dx, dw, db, c.dout, c.x, c.w, mean, rstd, LN_N, LN_H);
+    fd_grad(fx, c.x, LN_N * LN_H, ln_loss, &c, FD_H);
+    fd_grad(fw, c.w, LN_H, ln_loss, &c, FD_H);
+    fd_grad(fb, c.b, LN_H, ln_loss, &c, FD_H);
+    for (int i = 0; i < LN_N * LN_H; i++)
+        fx[i] += dx0[i];
+    for (int j = 0; j < LN_H; j++) {
+        fw[j] += dw0[j];
+        fb[j] += db0[j];
+    }
+    check_close("layernorm dinp (+=)", dx, fx, LN_N * LN_H, FD_TOL, 1e-3);
+    check_close("layernorm dweight (+=)", dw, fw, LN_H, FD_TOL, 1e-3);
+    check_close("layernorm dbias (+=)", db, fb, LN_H, FD_TOL, 1e-3);
+
+    /* NULL skips a gradient; the others are the same as with all three */
+    float dw2[LN_H], db2[LN_H];
+    memcpy(dw2, dw0, sizeof dw2);
+    memcpy(db2, db0, sizeof db2);
+    op_layernorm_backward(NULL, dw2, NULL, c.dout, c.x, c.w, mean, rstd, LN_N, LN_H);
+    op_layernorm_backward(NULL, NULL, db2, c.dout, c.x, c.w, mean, rstd, LN_N, LN_H);
+    assert_memory_equal(dw2, dw, sizeof dw);
+    assert_memory_equal(db2, db, sizeof db);
+    memcpy(dx, dx0, sizeof dx);
+    op_layernorm_backward(dx, NULL, NULL, c.dout, c.x, c.w, mean, rstd, LN_N, LN_H);
+    check_close("layernorm dinp alone", dx, fx, LN_N * LN_H, FD_TOL, 1e-3);
+
+    /* bias NULL: the same output less the bias */
+    static float out2[LN_N * LN_H];
+    op_layernorm_forward(out2, mean, rstd, c.x, c.w, NULL, LN_N, LN_H, 1e-5f);
+    for (int i = 0; i < LN_N * LN_H; i++)
+        assert_true(out2[i] + c.b[i % LN_H] == out[i]);
+}
+
+/* the bits of every output and gradient do not depend on the thread count */
+static void test_layernorm_threads(void **state)
+{
+    (void)state;
+#ifdef _OPENMP
+    enum { N = 97, H = 333 };
+    static float x[N * H], g[N * H], w[H], b[H], y[2][N * H], mean[2][N], rstd[2][N];
+    static float dx[2][N * H], dw[2][H], db[2][H];
+    rng_seed(12);
+    fill(x, (size_t)N * H, 3.0f);
+    fill(g, (size_t)N * H, 1.0f);
+    fill(w, H, 1.0f);
+    fill(b, H, 1.0f);
+    int saved = omp_get_max_threads();
+    for (int k = 0; k < 2; k++) {
+        omp_set_num_threads(k ? 4 : 1);
+        op_layernorm_forward(y[k], mean[k], rstd[k], x, w, b, N, H, 1e-5f);
+        op_layernorm_backward(dx[k], dw[k], db[k], g, x, w, mean[k], rstd[k], N, H);
+    }
+    omp_set_num_threads(saved);
+    assert_memory_equal(y[0], y[1], sizeof y[0]);
+    assert_memory_equal(rstd[0], rstd[1], sizeof rstd[0]);
+    assert_memory_equal(dx[0], dx[1], sizeof dx[0]);
+    assert_memory_equal(dw[0], dw[1], sizeof dw[0]);
+    assert_memory_equal(db[0], db[1], sizeof db[0]);
+#else
+    skip();
+#endif
+}
+
 /* ---- bias -------------------------------------------------------------------------- */
 
 /* C spans several of the backward's 64-column blocks and ends inside one */
@@ -211,6 +332,109 @@ static void test_bias_threads(void **state)
 #else
     skip();
 #endif
+}
+
+/* ---- RoPE, full and partial (GPT-NeoX's rotary_pct) ----------------------------- */
+
+enum { RP_T = 5, RP_NH = 2, RP_HD = 12, RP_RD = 4 };
+typedef struct {
+    float x[RP_T * RP_NH * RP_HD], dout[RP_T * RP_NH * RP_HD], cs[RP_T * RP_HD], sn[RP_T * RP_HD];
+    int rd;
+} rope_ctx;
+
+static double rope_loss(void *p)
+{
+    rope_ctx *c = p;
+    static float y[RP_T * RP_NH * RP_HD];
+    memcpy(y, c->x, sizeof y);
+    op_rope_forward(y, c->cs, c->sn, 1, RP_T, RP_NH, RP_HD, c->rd);
+    return dotd(y, c->dout, RP_T * RP_NH * RP_HD);
+}
+
+static void test_rope_fd(void **state)
+{
+    (void)state;
+    enum { NX = RP_T * RP_NH * RP_HD };
+    op_rope_params p = {10000.0f, 0, 0, 0, 0, 0};
+    int32_t pos[RP_T] = {0, 1, 7, 30, 31};
+    static rope_ctx c;
+    for (int k = 0; k < 2; k++) {
+        c.rd = k ? RP_RD : RP_HD;
+        rng_seed(13 + (uint64_t)k);
+        fill(c.x, NX, 1.0f);
+        fill(c.dout, NX, 1.0f);
+        float inv[RP_HD / 2];
+        op_rope_inv_freq(inv, c.rd, &p);
+        for (int i = 0; i < c.rd / 2; i++) /* 1 / theta^(2i / rotary_dim) */
+            assert_true(fabs(inv[i] - pow(10000.0, -2.0 * i / c.rd)) < 1e-6 * inv[i]);
+        op_rope_table(c.cs, c.sn, pos, RP_T, inv, c.rd);
+        static float y[NX], g[NX], fd[NX];
+        memcpy(y, c.x, sizeof y);
+        op_rope_forward(y, c.cs, c.sn, 1, RP_T, RP_NH, RP_HD, c.rd);
+        for (int i = 0; i < NX; i++) {
+            if (i % RP_HD >= c.rd)
+                assert_true(memcmp(&y[i], &c.x[i], 4) == 0); /* the pass-through dims, to the bit */
+        }
+        /* a rotation keeps each head's rotated part's norm */
+        for (int r = 0; r < RP_T * RP_NH; r++) {
+            double a = dotd(c.x + r * RP_HD, c.x + r * RP_HD, c.rd), b = dotd(y + r * RP_HD, y + r * RP_HD, c.rd);
+            assert_true(fabs(a - b) < 1e-5 * a);
+        }
+        memcpy(g, c.dout, sizeof g);
+        op_rope_backward(g, c.cs, c.sn, 1, RP_T, RP_NH, RP_HD, c.rd);
+        fd_grad(fd, c.x, NX, rope_loss, &c, FD_H);
+        check_close(k ? "partial rope backward" : "rope backward", g, fd, NX, FD_TOL, 1e-3);
+    }
+    /* a partial rotary is, on the rotated dims, the full rotary of a head of rotary_dim dims */
+    float inv[RP_RD / 2], cs[RP_T * RP_RD], sn[RP_T * RP_RD];
+    op_rope_inv_freq(inv, RP_RD, &p);
+    op_rope_table(cs, sn, pos, RP_T, inv, RP_RD);
+    static float y[NX], z[RP_T * RP_NH * RP_RD];
+    memcpy(y, c.x, sizeof y);
+    for (int r = 0; r < RP_T * RP_NH; r++)
+        memcpy(z + r * RP_RD, c.x + r * RP_HD, RP_RD * sizeof(float));
+    op_rope_forward(y, cs, sn, 1, RP_T, RP_NH, RP_HD, RP_RD);
+    op_rope_forward(z, cs, sn, 1, RP_T, RP_NH, RP_RD, RP_RD);
+    for (int r = 0; r < RP_T * RP_NH; r++)
+        assert_memory_equal(y + r * RP_HD, z + r * RP_RD, RP_RD * sizeof(float));
+}
+
+/* ---- GELU (exact) ----------------------------------------------------------------- */
+
+enum { GE_N = 41 };
+typedef struct {
+    float x[GE_N], dout[GE_N];
+} gelu_ctx;
+
+static double gelu_loss(void *p)
+{
+    gelu_ctx *c = p;
+    float out[GE_N];
+    op_gelu_forward(out, c->x, GE_N);
+    return dotd(out, c->dout, GE_N);
+}
+
+static void test_gelu_fd(void **state)
+{
+    (void)state;
+    rng_seed(14);
+    gelu_ctx c;
+    fill(c.x, GE_N, 4.0f);
+    fill(c.dout, GE_N, 1.0f);
+    float out[GE_N];
+    op_gelu_forward(out, c.x, GE_N);
+    for (int i = 0; i < GE_N; i++) { /* x Phi(x), the erf form */
+        double x = c.x[i], y = 0.5 * x * (1.0 + erf(x / sqrt(2.0)));
+        assert_true(fabs(out[i] - y) < 1e-6 * (1.0 + fabs(y)));
+    }
+    float d[GE_N], d0[GE_N], fd[GE_N];
+    fill(d0, GE_N, 1.0f);
+    memcpy(d, d0, sizeof d);
+    op_gelu_backward(d, c.dout, c.x, GE_N);
+    fd_grad(fd, c.x, GE_N, gelu_loss, &c, FD_H);
+    for (int i = 0; i < GE_N; i++)
+        fd[i] += d0[i];
+    check_close("gelu dinp (+=)", d, fd, GE_N, FD_TOL, 1e-3);
 }
 
 /* ---- SwiGLU ----------------------------------------------------------------------- */
@@ -464,7 +688,11 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_rmsnorm_fd),
+        cmocka_unit_test(test_layernorm_fd),
+        cmocka_unit_test(test_layernorm_threads),
+        cmocka_unit_test(test_rope_fd),
         cmocka_unit_test(test_swiglu_fd),
+        cmocka_unit_test(test_gelu_fd),
         cmocka_unit_test(test_bias),
         cmocka_unit_test(test_bias_threads),
         cmocka_unit_test(test_attention_fd),
