@@ -87,36 +87,39 @@ static shard_status refuse_true(ctx *c, const char *key, const char *why)
 
 #define TRY(x) do { shard_status s_ = (x); if (s_) return s_; } while (0)
 
-/* RoPE: transformers 5's "rope_parameters" {"rope_theta", "rope_type", ...}, or 4's
- * "rope_theta" and "rope_scaling" {"rope_type" (or "type"), ...} */
-static shard_status parse_rope_scaling(ctx *c, shard_model_desc *d)
+/* RoPE: transformers < 5 writes "rope_theta" and "rope_scaling" (null for the default
+ * rope); transformers >= 5 writes "rope_parameters" ({"rope_type", "rope_theta", and
+ * the scaling's fields}). As transformers reads them: a non-null "rope_scaling" wins over
+ * "rope_parameters", and a "rope_theta" inside the object over the top-level one. */
+static shard_status parse_rope(ctx *c, shard_model_desc *d)
 {
-    json_t *rp = json_object_get(c->root, "rope_parameters");
-    if (rp && !json_is_null(rp) && !json_is_object(rp))
-        return shard_fail(SHARD_E_INVALID, "%s: \"rope_parameters\": expected an object or null", c->path);
-    json_t *rs = rp && json_is_object(rp) ? rp : json_object_get(c->root, "rope_scaling");
-    if (rs == rp && rp) {
-        ctx sub = {c->path, rp};
-        TRY(get_num(&sub, rp, "rope_theta", d->rope_theta, 1e-3, 1e30, &d->rope_theta));
-        if (!json_object_get(rp, "rope_type")) return SHARD_OK;
+    const char *key = "rope_scaling";
+    json_t *rs = json_object_get(c->root, key);
+    if (!rs || json_is_null(rs)) {
+        key = "rope_parameters";
+        rs = json_object_get(c->root, key);
     }
-    if (!rs || json_is_null(rs)) return SHARD_OK;
-    if (!json_is_object(rs)) return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": expected an object or null", c->path);
+    if (rs && !json_is_null(rs) && !json_is_object(rs))
+        return shard_fail(SHARD_E_INVALID, "%s: \"%s\": expected an object or null", c->path, key);
+    TRY(get_num(c, c->root, "rope_theta", 10000.0, 1e-3, 1e30, &d->rope_theta));
+    if (!json_is_object(rs)) return SHARD_OK;
+    ctx sub = {c->path, rs};
+    TRY(get_num(&sub, rs, "rope_theta", d->rope_theta, 1e-3, 1e30, &d->rope_theta));
     json_t *t = json_object_get(rs, "rope_type");
     if (!t) t = json_object_get(rs, "type");
-    if (!json_is_string(t)) return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": \"rope_type\" missing or not a string", c->path);
+    if (!t && strcmp(key, "rope_parameters") == 0) return SHARD_OK; /* transformers' default: "default" */
+    if (!json_is_string(t)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\": \"rope_type\" missing or not a string", c->path, key);
     const char *type = json_string_value(t);
     if (strcmp(type, "default") == 0) return SHARD_OK;
     if (strcmp(type, "llama3") != 0)
-        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"rope_scaling\": rope type \"%s\" is not supported (smp supports \"llama3\" and \"default\")", c->path, type);
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"%s\": rope type \"%s\" is not supported (smp supports \"llama3\" and \"default\")", c->path, key, type);
     d->rope_llama3 = 1;
-    ctx sub = {c->path, rs};
     TRY(get_num(&sub, rs, "factor", NAN, 1e-6, 1e6, &d->rope_factor));
     TRY(get_num(&sub, rs, "low_freq_factor", NAN, 1e-6, 1e6, &d->rope_low_freq_factor));
     TRY(get_num(&sub, rs, "high_freq_factor", NAN, 1e-6, 1e6, &d->rope_high_freq_factor));
     TRY(get_int(&sub, rs, "original_max_position_embeddings", INT64_MIN, 1, DIM_MAX * 64, &d->rope_original_max_positions));
     if (d->rope_high_freq_factor <= d->rope_low_freq_factor)
-        return shard_fail(SHARD_E_INVALID, "%s: \"rope_scaling\": high_freq_factor must exceed low_freq_factor", c->path);
+        return shard_fail(SHARD_E_INVALID, "%s: \"%s\": high_freq_factor must exceed low_freq_factor", c->path, key);
     return SHARD_OK;
 }
 
@@ -192,10 +195,9 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     }
     if (d->head_dim % 2) return shard_fail(SHARD_E_INVALID, "%s: head_dim %lld is odd (RoPE needs pairs)", c->path, (long long)d->head_dim);
     TRY(get_num(c, r, "rms_norm_eps", 1e-6, 1e-30, 1.0, &d->rms_norm_eps));
-    TRY(get_num(c, r, "rope_theta", 10000.0, 1e-3, 1e30, &d->rope_theta));
     TRY(get_num(c, r, "initializer_range", 0.02, 0.0, 10.0, &d->initializer_range));
     TRY(get_bool(c, "tie_word_embeddings", 0, &d->tie_word_embeddings));
-    TRY(parse_rope_scaling(c, d));
+    TRY(parse_rope(c, d));
 
     TRY(parse_window(c, fam, d));
     json_t *act = json_object_get(r, "hidden_act");

@@ -132,15 +132,18 @@ def test_eval_matches_transformers(tmp_path, case):
         assert got["tokens"] == n, (flags, got, n)
         assert abs(got["loss"] - ref) <= 1e-5 * ref, (flags, got, ref)
     # the documents matter: the same targets seen through one causal stream (positions
-    # not restarted, no block mask) give a clearly other loss
+    # not restarted, no block mask) give a clearly other loss; and so does the plain causal
+    # mask with the restarted positions: transformers uses the custom 4-D mask as given
     ids, pos, am, lab = reference_inputs(toks, mask, SEQ, range(B), window, documents=True)
     ids0, pos0, am0, _ = reference_inputs(toks, mask, SEQ, range(B), window, documents=False)
+
+    def loss(x, m, p):
+        return F.cross_entropy(model(input_ids=x, attention_mask=m, position_ids=p).logits.reshape(-1, V),
+                               lab.reshape(-1), ignore_index=-100).item()
     with torch.no_grad():
-        ld = F.cross_entropy(model(input_ids=ids, attention_mask=am, position_ids=pos).logits.reshape(-1, V),
-                             lab.reshape(-1), ignore_index=-100).item()
-        l0 = F.cross_entropy(model(input_ids=ids0, attention_mask=am0, position_ids=pos0).logits.reshape(-1, V),
-                             lab.reshape(-1), ignore_index=-100).item()
+        ld, l0, lc = loss(ids, am, pos), loss(ids0, am0, pos0), loss(ids, am0, pos)
     assert abs(ld - l0) > 2e-4 * ld, (ld, l0)  # 20x the tolerance above
+    assert abs(ld - lc) > 2e-4 * ld, (ld, lc)
 
 
 # ---------------------------------------------------------------- gradients vs autograd

@@ -21,12 +21,14 @@ def test_inspect_describes_transformers_folders(tmp_path, case):
         assert c[key] == cfg[key], key
     assert c["head_dim"] == cfg.get("head_dim") or c["head_dim"] == cfg["hidden_size"] // cfg["num_attention_heads"]
     assert c["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"])
-    assert c["rope_theta"] == pytest.approx(cfg["rope_theta"])
+    # transformers >= 5 writes "rope_parameters" (rope_theta inside) and "dtype"; smp-inspect
+    # reports the older spelling: rope_theta, rope_scaling (null for the default rope), torch_dtype
+    rope = dict(cfg["rope_parameters"])
+    assert c["rope_theta"] == pytest.approx(rope.pop("rope_theta"))
     assert c["sliding_window"] == cfg.get("sliding_window")
-    assert c["torch_dtype"] == cfg["torch_dtype"]
-    if cfg.get("rope_scaling"):
-        for k, v in cfg["rope_scaling"].items():
-            assert c["rope_scaling"][k] == v
+    assert c["torch_dtype"] == cfg["dtype"]
+    if rope["rope_type"] != "default":
+        assert c["rope_scaling"] == rope
     else:
         assert c["rope_scaling"] is None
     # parameter count as torch counts unique parameters

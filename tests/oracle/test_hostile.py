@@ -140,6 +140,12 @@ CONFIG_CASES = {
     "unknown-rope-scaling": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
     "rope-scaling-not-object": dict(rope_scaling=[1, 2]),
     "llama3-missing-field": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
+    # the same in transformers 5's spelling: rope_parameters, dtype
+    "rope-parameters-theta-zero": dict(rope_parameters={"rope_type": "default", "rope_theta": 0}),
+    "unknown-rope-parameters": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    "rope-parameters-not-object": dict(rope_parameters=[1, 2]),
+    "llama3-parameters-missing-field": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
+    "unknown-dtype": dict(dtype="int4"),
     "attention-bias": dict(attention_bias=True),
     "mlp-bias": dict(mlp_bias=True),
     "gelu": dict(hidden_act="gelu"),

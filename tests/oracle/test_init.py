@@ -15,7 +15,7 @@ def config(tmp_path):
     cfg = LlamaConfig(vocab_size=211, hidden_size=96, intermediate_size=160, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2, initializer_range=0.05, pad_token_id=3)
     cfg.architectures = ["LlamaForCausalLM"]
-    cfg.torch_dtype = "float32"
+    cfg.dtype = "float32"
     (tmp_path / "cfg").mkdir()
     cfg.to_json_file(str(tmp_path / "cfg" / "config.json"))
     return cfg, tmp_path / "cfg" / "config.json"

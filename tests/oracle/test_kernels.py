@@ -305,7 +305,7 @@ def test_rope(lib, hd, theta, scaling):
 
     nh, B = 3, 2
     cfg = LlamaConfig(hidden_size=nh * hd, num_attention_heads=nh, num_key_value_heads=nh,
-                      head_dim=hd, rope_theta=theta, rope_scaling=scaling,
+                      head_dim=hd, rope_parameters=dict(scaling or {"rope_type": "default"}, rope_theta=theta),
                       max_position_embeddings=8192)
     emb = LlamaRotaryEmbedding(config=cfg)
     # explicit, non-contiguous positions (a context-parallel rank's two chunks) and a

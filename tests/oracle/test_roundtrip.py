@@ -45,10 +45,10 @@ def test_roundtrip_bit_for_bit(tmp_path, case):
     assert len(layouts) >= 6
     ids = torch.tensor([[1, 5, 7, 2, 9, 3]])
     from transformers import AutoModelForCausalLM
-    # the reference: the original folder loaded the same way (fp32: torch 1.13 has
-    # no fp16 matmul on the CPU; loading recomputes rope buffers in fp32 for both)
+    # the reference: the original folder loaded the same way (fp32 for both, the
+    # half-precision cases included; loading recomputes rope buffers in fp32 for both)
     with torch.no_grad():
-        ref_logits = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32)(ids).logits
+        ref_logits = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)(ids).logits
     for i, layout in enumerate(layouts):
         ck = tmp_path / f"ck{i}"
         run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", layout, check=0)
@@ -66,7 +66,7 @@ def test_roundtrip_bit_for_bit(tmp_path, case):
         for name in ["config.json", "generation_config.json", "tokenizer_config.json", "chat_template.jinja"]:
             assert (out / name).read_bytes() == (hf / name).read_bytes(), name
     # the export serves as it is: transformers loads it and gives the same logits
-    loaded = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ref_logits)
 

@@ -64,7 +64,7 @@ def vocab_of(case):
 
 
 def torch_model(hf):
-    return AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32, attn_implementation="eager")
+    return AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, attn_implementation="eager")
 
 
 def seqs_of(toks, S, idx):

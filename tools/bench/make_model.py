@@ -51,7 +51,7 @@ def main():
     H, F, V, L, nq, nkv = SIZES[size]
     os.makedirs(out)
     LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=nq,
-                num_key_value_heads=nkv, max_position_embeddings=4096, torch_dtype="bfloat16",
+                num_key_value_heads=nkv, max_position_embeddings=4096, dtype="bfloat16",
                 architectures=["LlamaForCausalLM"]).to_json_file(os.path.join(out, "config.json"))
     sh = shapes(H, F, V, L, nq, nkv)
     header, off = {"__metadata__": {"format": "pt"}}, 0

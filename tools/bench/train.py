@@ -27,7 +27,7 @@ import numpy as np, torch, torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
-model = AutoModelForCausalLM.from_pretrained(a["hf"], torch_dtype=torch.float32, attn_implementation="eager")
+model = AutoModelForCausalLM.from_pretrained(a["hf"], dtype=torch.float32, attn_implementation="eager")
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 toks = np.fromfile(a["data"], dtype="<u2", offset=1024).astype(np.int64)
 B, S = a["batch"], a["seq"]
@@ -82,8 +82,8 @@ def main():
         subprocess.run([str(BIN / "smp-convert"), "hf2smp", "--in", str(tmp / "hf"), "--out", str(tmp / "ck"),
                         "--layout", "pp=1"], check=True, capture_output=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-        # both sides get the same OpenBLAS kernels (Debian's torch calls OpenBLAS too;
-        # OpenBLAS 0.3.21 falls back to generic kernels on CPUs it does not know)
+        # smp's OpenBLAS gets the kernels of this CPU (OpenBLAS 0.3.21 falls back to generic
+        # kernels on CPUs it does not know); PyPI's torch brings its own BLAS (MKL on x86)
         if "OPENBLAS_CORETYPE" not in env:
             flags = set()
             for line in open("/proc/cpuinfo"):

@@ -33,7 +33,7 @@ raw = np.fromfile(val, dtype=np.uint8)
 toks = np.frombuffer(raw[1024:].tobytes(), dtype="<u2").astype(np.int64)
 ev = json.loads(evalj.read_text())
 B, S, nb = 4, 64, 4
-model = AutoModelForCausalLM.from_pretrained(str(out), torch_dtype=torch.float32)
+model = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
 losses = []
 with torch.no_grad():
     for i in range(nb):

@@ -10,7 +10,7 @@ import sys
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
-from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+from transformers.convert_slow_tokenizer import bytes_to_unicode  # GPT-2's byte -> character map
 
 CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
           "'<|im_end|>\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
