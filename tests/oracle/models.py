@@ -24,13 +24,16 @@ CASES = {
                       {"max_shard_size": "60KB"}),
     # Qwen2: biases on q, k, v; rope_theta 1e6; tied on the small sizes
     "qwen2-gqa-tied": ("qwen2", dict(vocab_size=89, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
-                                     num_attention_heads=6, num_key_value_heads=2, rope_theta=1e6,
-                                     tie_word_embeddings=True), torch.bfloat16, {}),
+                                     num_attention_heads=6, num_key_value_heads=2, tie_word_embeddings=True,
+                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                       torch.bfloat16, {}),
     "qwen2-untied": ("qwen2", dict(vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=4, rope_theta=1e6), torch.float32, {}),
+                                   num_attention_heads=4, num_key_value_heads=4,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}), torch.float32, {}),
     # Qwen3: per-head q/k RMSNorm, an explicit head_dim (not hidden / heads)
     "qwen3-gqa-hd": ("qwen3", dict(vocab_size=91, hidden_size=32, intermediate_size=72, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=1e6),
+                                   num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                   rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                      torch.float32, {}),
 }
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
