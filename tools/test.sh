@@ -45,7 +45,7 @@ for t in build/release/tests/test_* build/asan/tests/test_*; do
 done
 
 step "oracle tests (pytest)"
-SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider tests/oracle
+SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider --durations=15 tests/oracle
 rc=$?
 if [ $rc -eq 0 ]; then ok "pytest tests/oracle"; else bad "pytest tests/oracle (exit $rc)"; fi
 

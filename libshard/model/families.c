@@ -41,7 +41,12 @@ const shard_family *shard_family_of(const char *architecture)
 
 const char *shard_family_names(void)
 {
-    return "LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM and Qwen3ForCausalLM";
+    static char names[256]; /* "A, B and C", from the table */
+    if (!names[0])
+        for (size_t i = 0, k = 0; i < N_OF(FAMILIES) && k < sizeof names; i++)
+            k += (size_t)snprintf(names + k, sizeof names - k, "%s%s", i == 0 ? "" : i + 1 < N_OF(FAMILIES) ? ", " : " and ",
+                                  FAMILIES[i].architecture);
+    return names;
 }
 
 /* d's family; its architecture was checked when it was parsed (Llama's otherwise) */
