@@ -9,7 +9,7 @@ its checkpoints are the C backend's format. What it cannot show: speed, the real
 cuBLASLt and NCCL (under the emulator the communicator is MPI on host memory), the
 tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
 
-- fp32 compute: 6 steps log the C backend's losses within 1e-4 relative (the issue's
+- fp32 compute: 4 steps log the C backend's losses within 1e-4 relative (the issue's
   bound), gradient norms within 1e-3; bf16 (bf16 parameters and activations, fp32
   master weights): within 1e-2; FP8 delayed: within 5e-2 of the C backend's FP8;
 - --recompute full on CUDA gives the same losses as without, bit for bit;
@@ -42,7 +42,7 @@ models.CASES.setdefault("llama-cuda", ("llama", dict(vocab_size=128, hidden_size
                                                      num_key_value_heads=2), torch.float32, {}))
 CASE = "llama-cuda"
 COMMON = ["--batch", 4, "--seq", 32, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
-STEPS = 6
+STEPS = 4  # the emulator is slow: 4 steps (warmup 2, then the cosine) show the tracking
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +117,7 @@ def test_recompute_on_cuda_is_exact(setup):
     logs = {}
     for mode in ("none", "full"):
         out = tmp / f"cuda-rc-{mode}"
-        train(setup, out, "--steps", 3, "--backend", "cuda", "--dtype", "bf16", "--recompute", mode)
+        train(setup, out, "--steps", 2, "--backend", "cuda", "--dtype", "bf16", "--recompute", mode)
         logs[mode] = [(r["loss"], r["grad_norm"]) for r in read_log(out / "log.jsonl")]
     assert logs["full"] == logs["none"]
 
@@ -129,8 +129,8 @@ def test_checkpoints_move_between_backends(setup):
         out = tmp / f"move-{first}"
         a = ["--backend", first] + (["--dtype", "fp32"] if first == "cuda" else [])
         b = ["--backend", second] + (["--dtype", "fp32"] if second == "cuda" else [])
-        train(setup, out, "--steps", STEPS, "--stop-at", 3, *a)
-        assert run("smp-verify", out / "step-000003").returncode == 0
+        train(setup, out, "--steps", STEPS, "--stop-at", 2, *a)
+        assert run("smp-verify", out / "step-000002").returncode == 0
         exe = str(BUILD / "bin" / "smp-train")
         p = subprocess.run([exe, "--ckpt", str(out), "--data", str(data), "--save-dir", str(out), "--log",
                             str(out / "log.jsonl"), *b], capture_output=True, text=True, env=env_for(lib), timeout=900)
@@ -147,7 +147,7 @@ def test_checkpoints_move_between_backends(setup):
 ])
 def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
     tmp, ck, data, refs, lib = setup
-    steps = 4  # of the reference's schedule of STEPS
+    steps = 3  # of the reference's schedule of STEPS
     out = tmp / f"cuda-{layout}-{dtype}"
     train(setup, out, "--steps", STEPS, "--stop-at", steps, "--layout", layout, "--backend", "cuda", "--dtype", dtype,
           *extra, np_=np_)
