@@ -124,8 +124,10 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));
     if (val[O_DOCS] || val[O_DOC_SEP]) {
         int32_t sep;
+        int64_t given = -1;
         if (!val[O_DOCS]) OUT(cli_usage("--doc-sep is given without --documents"));
-        if ((s = runcfg_doc_sep(&m.d, val[O_DOC_SEP], &sep))) OUT(cli_usage("%s", shard_errmsg()));
+        if ((rc = cli_int("--doc-sep", val[O_DOC_SEP], 0, m.d.vocab - 1, &given))) goto done;
+        if ((s = runcfg_doc_sep(&m.d, given, &sep))) OUT(cli_usage("%s", shard_errmsg()));
         data_set_documents(&ds, sep);
         model_set_documents(&m, sep);
     }

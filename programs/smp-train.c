@@ -251,7 +251,10 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
     if (s) return set_up_failed(r, s);
     int rc = apply_flags(t, &r->c);
     if (rc) return rc;
-    if (t->a.documents && (s = runcfg_doc_sep(&r->m.d, t->v[O_DOC_SEP], &t->a.doc_sep))) return cli_usage("%s", shard_errmsg());
+    int64_t sep = -1;
+    if (t->a.documents && ((rc = cli_int("--doc-sep", t->v[O_DOC_SEP], 0, r->m.d.vocab - 1, &sep)) ||
+                           (s = runcfg_doc_sep(&r->m.d, sep, &t->a.doc_sep))))
+        return rc ? rc : cli_usage("%s", shard_errmsg());
     if ((s = runcfg_check(&r->c, &t->a.layout, &r->m.d))) return cli_usage("%s", shard_errmsg());
     if (r->resumed && r->c.step >= r->c.steps && !t->a.dump_grads) {
         if (P->rank == 0)

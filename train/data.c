@@ -64,16 +64,30 @@ static int32_t rd32(const uint8_t *p)
     return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
 }
 
-/* n bytes at off, all of them (a file that shrank since it was opened: an error) */
-static shard_status read_at(const data_file *f, void *buf, size_t n, uint64_t off)
+/* n bytes at off of fd (the file at path), all of them (a file that shrank since it
+ * was opened: an error) */
+static shard_status read_at(int fd, const char *path, void *buf, size_t n, uint64_t off)
 {
     for (size_t done = 0; done < n;) {
-        ssize_t r = pread(f->fd, (char *)buf + done, n - done, (off_t)(off + done));
+        ssize_t r = pread(fd, (char *)buf + done, n - done, (off_t)(off + done));
         if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", f->path, strerror(errno));
-        if (r == 0) return shard_fail(SHARD_E_IO, "%s: shorter than when it was opened (changed while in use)", f->path);
+        if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno));
+        if (r == 0) return shard_fail(SHARD_E_IO, "%s: shorter than when it was opened (changed while in use)", path);
         done += (size_t)r;
     }
+    return SHARD_OK;
+}
+
+/* the header's magic, version and count of a file of size bytes (what: its kind) */
+static shard_status read_header(int fd, const char *path, uint64_t size, const char *what, int32_t h[3])
+{
+    if (size < 1024)
+        return shard_fail(SHARD_E_INVALID, "%s: %llu bytes: too short for the 1024-byte header of %s", path,
+                          (unsigned long long)size, what);
+    uint8_t b[12];
+    shard_status s = read_at(fd, path, b, sizeof b, 0);
+    if (s) return s;
+    for (int k = 0; k < 3; k++) h[k] = rd32(b + 4 * k);
     return SHARD_OK;
 }
 
@@ -99,12 +113,9 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     uint64_t size;
     shard_status s = shard_open_regular(path, 0, &f->fd, &size); /* a FIFO or device: refused, not waited on */
     if (s) return s;
-    if (size < 1024)
-        return shard_fail(SHARD_E_INVALID, "%s: %llu bytes: too short for the 1024-byte header of an llm.c token file",
-                          path, (unsigned long long)size);
-    uint8_t h[12];
-    if ((s = read_at(f, h, sizeof h, 0))) return s;
-    int32_t magic = rd32(h), version = rd32(h + 4), count = rd32(h + 8);
+    int32_t h[3];
+    if ((s = read_header(f->fd, path, size, "an llm.c token file", h))) return s;
+    const int32_t magic = h[0], version = h[1], count = h[2];
     if (magic == DATA_MAGIC_U16 && version == 1) f->token_size = 2;
     else if (magic == DATA_MAGIC_U32 && version == 7) f->token_size = 4;
     else
@@ -123,7 +134,7 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
     for (uint64_t i = 0; i < f->ntokens && !s; i += block) {
         size_t n = f->ntokens - i < block ? (size_t)(f->ntokens - i) : block;
-        if (!(s = read_at(f, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size))) s = check_tokens(f, buf, i, n);
+        if (!(s = read_at(f->fd, f->path, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size))) s = check_tokens(f, buf, i, n);
     }
     free(buf);
     f->nseq = f->ntokens > 0 ? (f->ntokens - 1) / (uint64_t)S : 0;
@@ -198,10 +209,7 @@ static shard_status check_mask(const data_file *f, const uint8_t *m, uint64_t i0
 
 static shard_status read_mask_at(const data_file *f, uint8_t *buf, size_t n, uint64_t i0)
 {
-    data_file m = *f; /* read_at's messages name the mask file */
-    m.fd = f->mfd;
-    m.path = f->mpath;
-    shard_status s = read_at(&m, buf, n, 1024 + i0);
+    shard_status s = read_at(f->mfd, f->mpath, buf, n, 1024 + i0);
     return s ? s : check_mask(f, buf, i0, n);
 }
 
@@ -222,15 +230,9 @@ static shard_status add_mask(void *ctx, const char *path)
     uint64_t size;
     shard_status s = shard_open_regular(path, 0, &f->mfd, &size);
     if (s) return s;
-    uint8_t h[12];
-    data_file m = *f;
-    m.fd = f->mfd;
-    m.path = f->mpath;
-    if (size < 1024)
-        return shard_fail(SHARD_E_INVALID, "%s: %llu bytes: too short for the 1024-byte header of a loss mask file", path,
-                          (unsigned long long)size);
-    if ((s = read_at(&m, h, sizeof h, 0))) return s;
-    int32_t magic = rd32(h), version = rd32(h + 4), count = rd32(h + 8);
+    int32_t h[3];
+    if ((s = read_header(f->mfd, path, size, "a loss mask file", h))) return s;
+    const int32_t magic = h[0], version = h[1], count = h[2];
     if (magic != DATA_MAGIC_MASK || version != 1)
         return shard_fail(SHARD_E_INVALID, "%s: not a loss mask file (magic %d version %d; expected %d version 1)", path,
                           magic, version, DATA_MAGIC_MASK);
@@ -301,7 +303,7 @@ static shard_status fill_seq(data_set *ds, uint64_t seq, int32_t *in, int32_t *t
     const size_t n = (size_t)ds->S + 1, ts = (size_t)f->token_size;
     if (!ds->buf && !(ds->buf = malloc(n * 5))) return shard_fail(SHARD_E_NOMEM, "out of memory"); /* tokens, mask */
     uint8_t *mask = ds->buf + n * 4;
-    shard_status s = read_at(f, ds->buf, n * ts, 1024 + start * ts);
+    shard_status s = read_at(f->fd, f->path, ds->buf, n * ts, 1024 + start * ts);
     if (!s) s = check_tokens(f, ds->buf, start, n); /* the file may have changed since it was opened */
     if (!s && f->mpath) s = read_mask_at(f, mask, n, start);
     for (int t = 0; t < ds->S && !s; t++) {

@@ -1,10 +1,8 @@
 /* train/runcfg.c: a run's configuration (runcfg.h). */
 #include "runcfg.h"
 
-#include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
-#include <stdlib.h>
 #include <string.h>
 
 void runcfg_defaults(run_cfg *c, const shard_model_desc *d)
@@ -95,21 +93,12 @@ shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, cons
     return SHARD_OK;
 }
 
-shard_status runcfg_doc_sep(const shard_model_desc *d, const char *text, int32_t *sep)
+shard_status runcfg_doc_sep(const shard_model_desc *d, int64_t given, int32_t *sep)
 {
-    if (!text) {
-        if (d->eos_token_id < 0)
-            return shard_fail(SHARD_E_USAGE, "--documents: the model's config.json has no eos_token_id in its vocabulary: "
-                                             "give the separator with --doc-sep ID");
-        *sep = (int32_t)d->eos_token_id;
-        return SHARD_OK;
-    }
-    char *end;
-    errno = 0;
-    long long v = strtoll(text, &end, 10);
-    if (errno || end == text || *end || v < 0 || v >= d->vocab)
-        return shard_fail(SHARD_E_USAGE, "--doc-sep %.40s: expected a token id in [0, %lld)", text, (long long)d->vocab);
-    *sep = (int32_t)v;
+    if (given < 0 && d->eos_token_id < 0)
+        return shard_fail(SHARD_E_USAGE, "--documents: the model's config.json has no eos_token_id in its vocabulary: "
+                                         "give the separator with --doc-sep ID");
+    *sep = (int32_t)(given >= 0 ? given : d->eos_token_id);
     return SHARD_OK;
 }
 

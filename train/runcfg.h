@@ -47,9 +47,10 @@ shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar
 /* --fp8 on CUDA: the GEMMs' dimensions of this rank's model m (after par_setup)
  * multiples of 16. */
 shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, const model *m);
-/* --documents' separator: --doc-sep's text (NULL: the config's eos_token_id), a
- * token of d's vocabulary (SHARD_E_USAGE otherwise, or when there is neither). */
-shard_status runcfg_doc_sep(const shard_model_desc *d, const char *text, int32_t *sep);
+/* --documents' separator: --doc-sep's id (given, checked against d's vocabulary by
+ * the command; -1: not given), else the config's eos_token_id (SHARD_E_USAGE when
+ * there is neither). */
+shard_status runcfg_doc_sep(const shard_model_desc *d, int64_t given, int32_t *sep);
 /* Sequences of a microbatch on one replica: batch / dp / microbatches. */
 int runcfg_rows(const run_cfg *c, const shard_layout *l);
 

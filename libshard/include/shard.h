@@ -275,12 +275,14 @@ typedef struct {
     const char *fmt;
     shard_tensor_role role;
 } shard_layer_tensor;
+/* config.json's sliding_window: none; on every layer (Mistral); only with
+ * use_sliding_window, which smp refuses (Qwen) */
+typedef enum { SHARD_WINDOW_NONE, SHARD_WINDOW_ALL, SHARD_WINDOW_OPTIONAL } shard_window_rule;
 typedef struct {
     const char *architecture, *model_type;
     const shard_layer_tensor *layer;
     size_t nlayer;
-    int sliding_window;      /* 1: config.json's sliding_window on every layer (Mistral); 2: only with
-                                use_sliding_window, which smp refuses (Qwen); 0: none */
+    shard_window_rule sliding_window;
     int qkv_bias, qk_norm;   /* the shard_model_desc features the family always has */
 } shard_family;
 const shard_family *shard_family_of(const char *architecture); /* NULL: not supported */

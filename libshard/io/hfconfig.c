@@ -134,16 +134,16 @@ static shard_status parse_window(ctx *c, const shard_family *fam, shard_model_de
     if (use)
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"use_sliding_window\": true (a window on some layers, from "
                                                "max_window_layers on) is not supported", c->path);
-    for (size_t i = 0; fam->sliding_window != 1 && json_is_array(lt) && i < json_array_size(lt); i++) {
+    for (size_t i = 0; fam->sliding_window != SHARD_WINDOW_ALL && json_is_array(lt) && i < json_array_size(lt); i++) {
         json_t *k = json_array_get(lt, i);
         if (!json_is_string(k)) return shard_fail(SHARD_E_INVALID, "%s: \"layer_types\": expected strings", c->path);
         if (strcmp(json_string_value(k), "full_attention"))
             return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"layer_types\"[%zu] \"%.40s\" is not supported (every layer "
                                                    "must be \"full_attention\")", c->path, i, json_string_value(k));
     }
-    if (!sw || json_is_null(sw) || fam->sliding_window == 2)
+    if (!sw || json_is_null(sw) || fam->sliding_window == SHARD_WINDOW_OPTIONAL)
         return SHARD_OK; /* the Qwen families keep a sliding_window that use_sliding_window leaves off */
-    if (!fam->sliding_window)
+    if (fam->sliding_window == SHARD_WINDOW_NONE)
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"sliding_window\" is set but %s has no sliding-window attention",
                           c->path, fam->architecture);
     return get_int(c, r, "sliding_window", INT64_MIN, 1, INT64_C(1) << 40, &d->sliding_window);

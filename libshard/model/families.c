@@ -26,10 +26,10 @@ static const shard_layer_tensor QWEN3[] = {LLAMA_LAYER, {ATT "q_norm.weight", SH
 #define N_OF(a) (sizeof a / sizeof a[0])
 
 static const shard_family FAMILIES[] = {
-    {"LlamaForCausalLM", "llama", LLAMA, N_OF(LLAMA), 0, 0, 0},
-    {"MistralForCausalLM", "mistral", LLAMA, N_OF(LLAMA), 1, 0, 0},
-    {"Qwen2ForCausalLM", "qwen2", QWEN2, N_OF(QWEN2), 2, 1, 0},
-    {"Qwen3ForCausalLM", "qwen3", QWEN3, N_OF(QWEN3), 2, 0, 1},
+    {"LlamaForCausalLM", "llama", LLAMA, N_OF(LLAMA), SHARD_WINDOW_NONE, 0, 0},
+    {"MistralForCausalLM", "mistral", LLAMA, N_OF(LLAMA), SHARD_WINDOW_ALL, 0, 0},
+    {"Qwen2ForCausalLM", "qwen2", QWEN2, N_OF(QWEN2), SHARD_WINDOW_OPTIONAL, 1, 0},
+    {"Qwen3ForCausalLM", "qwen3", QWEN3, N_OF(QWEN3), SHARD_WINDOW_OPTIONAL, 0, 1},
 };
 
 const shard_family *shard_family_of(const char *architecture)
