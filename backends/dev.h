@@ -52,7 +52,7 @@ struct dev {
 
 /* The name of the entry point libsmp_cuda.so exports: const dev_ops *NAME(void). */
 #define DEV_CUDA_ENTRY "smp_dev_cuda_ops"
-#define DEV_ABI 4
+#define DEV_ABI 5
 
 struct dev_ops {
     int abi;                 /* DEV_ABI: a library built for another table is refused */
@@ -95,6 +95,18 @@ struct dev_ops {
     /* GPT-NeoX's fused qkv [N, nh, 3, hd] -> q, k, v [N, nh, hd] each (written); merge: the adjoint (written) */
     void (*qkv_split)(dev *d, void *q, void *k, void *v, const void *qkv, int N, int nh, int hd);
     void (*qkv_merge)(dev *d, void *dqkv, const void *dq, const void *dk, const void *dv, int N, int nh, int hd);
+    /* Mixture of experts (Mixtral, Qwen3-MoE): softmax + top-k routing of logits (dt) [N,E] into probs (fp32
+     * [N,E]), idx (int32 [N,k]) and wts (fp32 [N,k], renormalized when renorm); backward writes dlogits (dt) from
+     * dwts and dprobs (fp32, may be NULL). gather: xs[p] = x[rows[p]] (dt); combine: out[t] = sum_j wts[t,j]
+     * ys[slot[t,j]] (written); its backward writes dys and dwts (fp32); scatter_add: dx[t] += sum_j dxs[slot[t,j]] */
+    void (*moe_route)(dev *d, float *probs, int32_t *idx, float *wts, const void *logits, int N, int E, int k, int renorm);
+    void (*moe_route_backward)(dev *d, void *dlogits, const float *dwts, const float *dprobs, const float *probs,
+                               const int32_t *idx, int N, int E, int k, int renorm);
+    void (*moe_gather)(dev *d, void *xs, const void *x, const int32_t *rows, int M, int H);
+    void (*moe_combine)(dev *d, void *out, const void *ys, const float *wts, const int32_t *slot, int N, int k, int H);
+    void (*moe_combine_backward)(dev *d, void *dys, float *dwts, const void *dout, const void *ys, const float *wts,
+                                 const int32_t *slot, int N, int k, int H);
+    void (*moe_scatter_add)(dev *d, void *dx, const void *dxs, const int32_t *slot, int N, int k, int H);
     void (*rmsnorm_forward)(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps);
     void (*rmsnorm_backward)(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                              const float *rstd, int N, int H);

@@ -54,6 +54,27 @@ void op_bias_backward(float *dbias, const float *dout, int N, int C);
 void op_qkv_split(float *q, float *k, float *v, const float *qkv, int N, int nh, int hd);
 void op_qkv_merge(float *dqkv, const float *dq, const float *dk, const float *dv, int N, int nh, int hd);
 
+/* ---- Mixture of experts (Mixtral, Qwen3-MoE), fp32 -------------------------------
+ * route: per token row t, probs[t,:] = softmax(logits[t,:]) [N,E]; idx[t,0..k) the k
+ * experts of largest prob, descending (ties: the lower expert first); wts[t,j] =
+ * probs[t, idx[t,j]], divided by their sum when renorm (transformers'
+ * MixtralTopKRouter). All WRITTEN. backward WRITES dlogits [N,E] from dwts [N,k] and
+ * dprobs [N,E] (the load-balancing loss's gradient; may be NULL). */
+void op_moe_route(float *probs, int32_t *idx, float *wts, const float *logits, int N, int E, int k, int renorm);
+void op_moe_route_backward(float *dlogits, const float *dwts, const float *dprobs, const float *probs,
+                           const int32_t *idx, int N, int E, int k, int renorm);
+/* xs[p,:] = x[rows[p],:] for p < M (written): the tokens of each expert, packed */
+void op_moe_gather(float *xs, const float *x, const int32_t *rows, int M, int H);
+/* out[t,:] = sum_{j<k} wts[t*k+j] * ys[slot[t*k+j],:] (WRITTEN, j in order). slot is a
+ * permutation of 0..N*k-1: where token t's j-th expert put its row. backward WRITES
+ * dys[slot[t*k+j],:] = wts[t*k+j] * dout[t,:] and dwts[t*k+j] = dot(dout[t,:], that ys row) */
+void op_moe_combine(float *out, const float *ys, const float *wts, const int32_t *slot, int N, int k, int H);
+void op_moe_combine_backward(float *dys, float *dwts, const float *dout, const float *ys, const float *wts,
+                             const int32_t *slot, int N, int k, int H);
+/* gather's adjoint for the slot layout: dx[t,:] += sum_j dxs[slot[t*k+j],:] (ACCUMULATES,
+ * j in order per token: no atomics) */
+void op_moe_scatter_add(float *dx, const float *dxs, const int32_t *slot, int N, int k, int H);
+
 /* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------
  * rstd[N] is saved for backward. backward: dinp or dweight may be NULL to skip it. */
 void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,

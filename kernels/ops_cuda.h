@@ -72,6 +72,30 @@ cudaError_t cuda_op_qkv_split(void *q, void *k, void *v, const void *qkv, int N,
 cudaError_t cuda_op_qkv_merge(void *dqkv, const void *dq, const void *dk, const void *dv, int N, int nh,
                               int hd, cudaDataType_t dt, cudaStream_t stream);
 
+/* ---- Mixture of experts (Mixtral, Qwen3-MoE) -----------------------------------------
+ * route: logits [N,E] (dt) -> probs [N,E] (fp32), idx [N,k] (int32), wts [N,k] (fp32),
+ * all written; the same top-k and tie rule as op_moe_route (1 <= k <= E <= 1024,
+ * k <= 32). backward: dlogits [N,E] (dt, written) from dwts [N,k] and dprobs [N,E]
+ * (fp32; dprobs may be NULL). One warp per token row, fp32 arithmetic.
+ * gather: xs [M,H] (dt, written) = x[rows[p]] rows, copied exactly. combine: out [N,H]
+ * (dt, written) = sum_j wts[t,j] ys[slot[t,j]] (ys dt); backward writes dys (dt) and
+ * dwts (fp32); scatter_add: dx [N,H] (dt) += sum_j dxs[slot[t,j]]. One block per
+ * token, j in order: deterministic, no atomics. */
+cudaError_t cuda_op_moe_route(float *probs, int32_t *idx, float *wts, const void *logits, int N, int E, int k,
+                              int renorm, cudaDataType_t dt, cudaStream_t stream);
+cudaError_t cuda_op_moe_route_backward(void *dlogits, const float *dwts, const float *dprobs, const float *probs,
+                                       const int32_t *idx, int N, int E, int k, int renorm, cudaDataType_t dt,
+                                       cudaStream_t stream);
+cudaError_t cuda_op_moe_gather(void *xs, const void *x, const int32_t *rows, int M, int H, cudaDataType_t dt,
+                               cudaStream_t stream);
+cudaError_t cuda_op_moe_combine(void *out, const void *ys, const float *wts, const int32_t *slot, int N, int k,
+                                int H, cudaDataType_t dt, cudaStream_t stream);
+cudaError_t cuda_op_moe_combine_backward(void *dys, float *dwts, const void *dout, const void *ys, const float *wts,
+                                         const int32_t *slot, int N, int k, int H, cudaDataType_t dt,
+                                         cudaStream_t stream);
+cudaError_t cuda_op_moe_scatter_add(void *dx, const void *dxs, const int32_t *slot, int N, int k, int H,
+                                    cudaDataType_t dt, cudaStream_t stream);
+
 /* ---- RMSNorm ----------------------------------------------------------------------
  * out, inp, weight, dinp, dout: dt. rstd [N] fp32 (written). dweight [H] fp32
  * (accumulated); dinp or dweight may be NULL to skip it. */

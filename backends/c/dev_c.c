@@ -92,6 +92,33 @@ static void c_qkv_merge(dev *d, void *dqkv, const void *dq, const void *dk, cons
 {
     op_qkv_merge(dqkv, dq, dk, dv, N, nh, hd);
 }
+static void c_moe_route(dev *d, float *probs, int32_t *idx, float *wts, const void *logits, int N, int E, int k,
+                        int renorm)
+{
+    op_moe_route(probs, idx, wts, logits, N, E, k, renorm);
+}
+static void c_moe_route_backward(dev *d, void *dlogits, const float *dwts, const float *dprobs, const float *probs,
+                                 const int32_t *idx, int N, int E, int k, int renorm)
+{
+    op_moe_route_backward(dlogits, dwts, dprobs, probs, idx, N, E, k, renorm);
+}
+static void c_moe_gather(dev *d, void *xs, const void *x, const int32_t *rows, int M, int H)
+{
+    op_moe_gather(xs, x, rows, M, H);
+}
+static void c_moe_combine(dev *d, void *out, const void *ys, const float *wts, const int32_t *slot, int N, int k, int H)
+{
+    op_moe_combine(out, ys, wts, slot, N, k, H);
+}
+static void c_moe_combine_backward(dev *d, void *dys, float *dwts, const void *dout, const void *ys, const float *wts,
+                                   const int32_t *slot, int N, int k, int H)
+{
+    op_moe_combine_backward(dys, dwts, dout, ys, wts, slot, N, k, H);
+}
+static void c_moe_scatter_add(dev *d, void *dx, const void *dxs, const int32_t *slot, int N, int k, int H)
+{
+    op_moe_scatter_add(dx, dxs, slot, N, k, H);
+}
 static void c_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     op_rmsnorm_forward(out, rstd, inp, w, N, H, eps);
@@ -212,6 +239,9 @@ static const dev_ops C_OPS = {
     .linear_forward = c_linear_forward, .linear_backward = c_linear_backward,
     .bias_forward = c_bias_forward, .bias_backward = c_bias_backward,
     .qkv_split = c_qkv_split, .qkv_merge = c_qkv_merge,
+    .moe_route = c_moe_route, .moe_route_backward = c_moe_route_backward, .moe_gather = c_moe_gather,
+    .moe_combine = c_moe_combine, .moe_combine_backward = c_moe_combine_backward,
+    .moe_scatter_add = c_moe_scatter_add,
     .rmsnorm_forward = c_rmsnorm_forward, .rmsnorm_backward = c_rmsnorm_backward,
     .layernorm_forward = c_layernorm_forward, .layernorm_backward = c_layernorm_backward,
     .rope_table = c_rope_table, .rope_forward = c_rope_forward, .rope_backward = c_rope_backward,

@@ -197,6 +197,34 @@ static void cu_qkv_merge(dev *d, void *dqkv, const void *dq, const void *dk, con
 {
     cu_op(d, cuda_op_qkv_merge(dqkv, dq, dk, dv, N, nh, hd, DT, ST));
 }
+static void cu_moe_route(dev *d, float *probs, int32_t *idx, float *wts, const void *logits, int N, int E, int k,
+                         int renorm)
+{
+    cu_op(d, cuda_op_moe_route(probs, idx, wts, logits, N, E, k, renorm, DT, ST));
+}
+static void cu_moe_route_backward(dev *d, void *dlogits, const float *dwts, const float *dprobs, const float *probs,
+                                  const int32_t *idx, int N, int E, int k, int renorm)
+{
+    cu_op(d, cuda_op_moe_route_backward(dlogits, dwts, dprobs, probs, idx, N, E, k, renorm, DT, ST));
+}
+static void cu_moe_gather(dev *d, void *xs, const void *x, const int32_t *rows, int M, int H)
+{
+    cu_op(d, cuda_op_moe_gather(xs, x, rows, M, H, DT, ST));
+}
+static void cu_moe_combine(dev *d, void *out, const void *ys, const float *wts, const int32_t *slot, int N, int k,
+                           int H)
+{
+    cu_op(d, cuda_op_moe_combine(out, ys, wts, slot, N, k, H, DT, ST));
+}
+static void cu_moe_combine_backward(dev *d, void *dys, float *dwts, const void *dout, const void *ys, const float *wts,
+                                    const int32_t *slot, int N, int k, int H)
+{
+    cu_op(d, cuda_op_moe_combine_backward(dys, dwts, dout, ys, wts, slot, N, k, H, DT, ST));
+}
+static void cu_moe_scatter_add(dev *d, void *dx, const void *dxs, const int32_t *slot, int N, int k, int H)
+{
+    cu_op(d, cuda_op_moe_scatter_add(dx, dxs, slot, N, k, H, DT, ST));
+}
 static void cu_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     cu_op(d, cuda_op_rmsnorm_forward(out, rstd, inp, w, N, H, eps, DT, ST));
@@ -327,6 +355,9 @@ static const dev_ops CU_OPS = {
     .linear_forward = cu_linear_forward, .linear_backward = cu_linear_backward,
     .bias_forward = cu_bias_forward, .bias_backward = cu_bias_backward,
     .qkv_split = cu_qkv_split, .qkv_merge = cu_qkv_merge,
+    .moe_route = cu_moe_route, .moe_route_backward = cu_moe_route_backward, .moe_gather = cu_moe_gather,
+    .moe_combine = cu_moe_combine, .moe_combine_backward = cu_moe_combine_backward,
+    .moe_scatter_add = cu_moe_scatter_add,
     .rmsnorm_forward = cu_rmsnorm_forward, .rmsnorm_backward = cu_rmsnorm_backward,
     .layernorm_forward = cu_layernorm_forward, .layernorm_backward = cu_layernorm_backward,
     .rope_table = cu_rope_table, .rope_forward = cu_rope_forward, .rope_backward = cu_rope_backward,

@@ -48,6 +48,12 @@ SIGNATURES = {
     "op_bias_backward": (None, [P, P, I, I]),
     "op_qkv_split": (None, [P, P, P, P, I, I, I]),
     "op_qkv_merge": (None, [P, P, P, P, I, I, I]),
+    "op_moe_route": (None, [P, P, P, P, I, I, I, I]),
+    "op_moe_route_backward": (None, [P, P, P, P, P, I, I, I, I]),
+    "op_moe_gather": (None, [P, P, P, I, I]),
+    "op_moe_combine": (None, [P, P, P, P, I, I, I]),
+    "op_moe_combine_backward": (None, [P, P, P, P, P, P, I, I, I]),
+    "op_moe_scatter_add": (None, [P, P, P, I, I, I]),
     "op_rmsnorm_forward": (None, [P, P, P, P, I, I, F32]),
     "op_rmsnorm_backward": (None, [P, P, P, P, P, P, I, I]),
     "op_layernorm_forward": (None, [P, P, P, P, P, P, I, I, F32]),
@@ -228,6 +234,86 @@ def test_qkv(lib, N, nh, hd):
     dqkv = np.full((N, nh, 3, hd), np.nan, np.float32)
     lib.op_qkv_merge(ptr(dqkv), ptr(g[0]), ptr(g[1]), ptr(g[2]), N, nh, hd)
     np.testing.assert_array_equal(dqkv, X.grad.numpy(), err_msg="qkv merge vs autograd")
+
+
+# ---- Mixture of experts: routing, dispatch and combine --------------------------------
+
+def router_ref(z, idx, k, renorm):
+    """transformers' MixtralTopKRouter in float64 on the experts idx chose: softmax, the
+    chosen probs, divided by their sum when renorm"""
+    probs = F.softmax(z, dim=-1)
+    wts = probs.gather(1, torch.tensor(idx, dtype=torch.int64))
+    return probs, (wts / wts.sum(-1, keepdim=True) if renorm else wts)
+
+
+@pytest.mark.parametrize("renorm", [0, 1])
+@pytest.mark.parametrize("k", [1, 2])
+@pytest.mark.parametrize("E", [4, 8])
+@pytest.mark.parametrize("N", [1, 13])
+def test_moe_route(lib, N, E, k, renorm):
+    r = rng(30 + N + E + k + renorm)
+    z = f32(r.standard_normal((N, E)) * 2.0)  # random normal logits: no ties
+    probs = np.full((N, E), np.nan, np.float32)
+    wts = np.full((N, k), np.nan, np.float32)
+    idx = np.full((N, k), -1, np.int32)
+    lib.op_moe_route(ptr(probs), ptr(idx), ptr(wts), ptr(z), N, E, k, renorm)
+    p32 = F.softmax(torch.tensor(z).float(), dim=-1)  # the router's own fp32 path
+    tv, ti = torch.topk(p32, k, dim=-1)
+    np.testing.assert_array_equal(idx, ti.numpy().astype(np.int32), err_msg="moe route idx vs torch.topk")
+    if renorm:
+        tv = tv / tv.sum(-1, keepdim=True)
+    close(wts, tv, what="moe route wts vs the fp32 router")
+
+    Z = t64(z, grad=True)
+    p_ref, w_ref = router_ref(Z, idx, k, renorm)
+    close(probs, p_ref, what="moe route probs")
+    close(wts, w_ref, what="moe route wts")
+
+    g, gp = f32(r.standard_normal((N, k))), f32(r.standard_normal((N, E)))
+    for dprobs in (gp, None):
+        Z.grad = None
+        p_ref, w_ref = router_ref(Z, idx, k, renorm)
+        loss = (w_ref * t64(g)).sum() + ((p_ref * t64(dprobs)).sum() if dprobs is not None else 0.0)
+        loss.backward()
+        dz = np.full((N, E), np.nan, np.float32)  # written
+        lib.op_moe_route_backward(ptr(dz), ptr(g), ptr(dprobs), ptr(probs), ptr(idx), N, E, k, renorm)
+        what = f"moe route dlogits (dprobs {'given' if dprobs is not None else 'NULL'})"
+        if renorm and k == 1 and dprobs is None:  # the one weight is 1 whatever the logits
+            assert np.abs(dz).max() <= 1e-6 and np.abs(Z.grad.numpy()).max() <= 1e-12, what
+        else:
+            close(dz, Z.grad, what=what)
+
+
+@pytest.mark.parametrize("N,k,H", [(7, 2, 5), (1, 1, 3), (1, 2, 8), (33, 2, 17), (5, 8, 4)])
+def test_moe_combine(lib, N, k, H):
+    r = rng(40 + N + k + H)
+    S = N * k
+    slot = i32(r.permutation(S))  # where token t's j-th expert put its row
+    tok = torch.arange(S) // k  # the token of flat (t, j)
+    ys, wts, dout = f32(r.standard_normal((S, H))), f32(r.standard_normal((N, k))), f32(r.standard_normal((N, H)))
+    Y, W = t64(ys, grad=True), t64(wts, grad=True)
+    sl = torch.tensor(slot, dtype=torch.int64)
+    ref = torch.zeros(N, H, dtype=torch.float64).index_add_(0, tok, W.reshape(S, 1) * Y[sl])
+    (ref * t64(dout)).sum().backward()
+
+    out = np.full((N, H), np.nan, np.float32)
+    lib.op_moe_combine(ptr(out), ptr(ys), ptr(wts), ptr(slot), N, k, H)
+    close(out, ref, what="moe combine")
+    dys, dwts = np.full((S, H), np.nan, np.float32), np.full((N, k), np.nan, np.float32)
+    lib.op_moe_combine_backward(ptr(dys), ptr(dwts), ptr(dout), ptr(ys), ptr(wts), ptr(slot), N, k, H)
+    close(dys, Y.grad, what="moe combine dys vs autograd")
+    close(dwts, W.grad, what="moe combine dwts vs autograd")
+
+    # scatter_add accumulates each token's slot rows; gather copies rows exactly
+    dxs, dx0 = f32(r.standard_normal((S, H))), f32(r.standard_normal((N, H)))
+    want = t64(dx0).index_add_(0, tok, t64(dxs)[sl])
+    dx = dx0.copy()
+    lib.op_moe_scatter_add(ptr(dx), ptr(dxs), ptr(slot), N, k, H)
+    close(dx, want, what="moe scatter_add")
+    rows = i32(r.integers(0, N, size=S))
+    xs = np.full((S, H), np.nan, np.float32)
+    lib.op_moe_gather(ptr(xs), ptr(dout), ptr(rows), S, H)
+    np.testing.assert_array_equal(xs, dout[rows], err_msg="moe gather")
 
 
 # ---- RMSNorm -----------------------------------------------------------------------

@@ -1,7 +1,9 @@
 /* tests/unit/test_kernels.c: self-contained checks of the portable C ops that need
  * no Python: central finite differences against each backward (rmsnorm, layernorm,
  * swiglu, gelu, bias, rope (partial too), attention, cross-entropy) on tiny shapes,
- * the attention log-sum-exp merge, and GPT-NeoX's qkv split and its adjoint.
+ * the attention log-sum-exp merge, GPT-NeoX's qkv split and its adjoint, and the
+ * Mixture-of-Experts ops (routing against hand values and finite differences,
+ * gather / combine / scatter_add against hand values and their adjoint identities).
  * The comparisons with torch live in tests/oracle/test_kernels.py. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -368,6 +370,192 @@ static void test_qkv(void **state)
     assert_true(fabs(lhs - rhs) <= 1e-12 * (fabs(lhs) + 1.0));
 }
 
+/* ---- Mixture of experts ------------------------------------------------------------- */
+
+/* softmax in double, for the expectations */
+static void softmax_d(double *p, const float *z, int E)
+{
+    double m = z[0], s = 0.0;
+    for (int e = 1; e < E; e++) m = fmax(m, z[e]);
+    for (int e = 0; e < E; e++) s += p[e] = exp(z[e] - m);
+    for (int e = 0; e < E; e++) p[e] /= s;
+}
+
+static void test_moe_route(void **state)
+{
+    (void)state;
+    /* row 0: a clear order 1, 2, 0, 3; row 1: ties (experts 1 and 3, then 0 and 2) */
+    const float z[8] = {1.0f, 3.0f, 2.0f, 0.0f, 0.5f, 2.0f, 0.5f, 2.0f};
+    float probs[8], wts[6];
+    int32_t idx[6];
+    double p[4];
+    op_moe_route(probs, idx, wts, z, 2, 4, 2, 0);
+    for (int t = 0; t < 2; t++) {
+        softmax_d(p, z + 4 * t, 4);
+        for (int e = 0; e < 4; e++) assert_true(fabs(probs[4 * t + e] - p[e]) <= 1e-6 * p[e]);
+    }
+    assert_true(idx[0] == 1 && idx[1] == 2 && idx[2] == 1 && idx[3] == 3);
+    assert_true(wts[0] == probs[1] && wts[1] == probs[2] && wts[2] == probs[5] && wts[3] == probs[7]);
+
+    /* renorm: the chosen weights sum to 1; row 0's are sigmoid(+-1) */
+    op_moe_route(probs, idx, wts, z, 2, 4, 2, 1);
+    assert_true(fabs(wts[0] - 1.0 / (1.0 + exp(-1.0))) < 1e-6 && fabs(wts[1] - 1.0 / (1.0 + exp(1.0))) < 1e-6);
+    assert_true(fabs(wts[2] - 0.5) < 1e-7 && fabs(wts[3] - 0.5) < 1e-7);
+
+    /* k = 3 reaches into the second tie: the lower expert first; k = E takes them all */
+    op_moe_route(probs, idx, wts, z + 4, 1, 4, 3, 0);
+    assert_true(idx[0] == 1 && idx[1] == 3 && idx[2] == 0);
+    op_moe_route(probs, idx, wts, z + 4, 1, 4, 4, 1);
+    assert_true(idx[0] == 1 && idx[1] == 3 && idx[2] == 0 && idx[3] == 2);
+    assert_true(fabs(wts[0] - probs[1]) < 1e-7); /* renormalizing all of them changes little */
+}
+
+enum { MR_N = 3, MR_E = 6, MR_K = 2 };
+typedef struct {
+    float z[MR_N * MR_E], gw[MR_N * MR_K], gp[MR_N * MR_E];
+    int renorm, with_gp;
+} route_ctx;
+
+/* sum(wts * gw) + sum(probs * gp) */
+static double route_loss(void *p)
+{
+    route_ctx *c = p;
+    float probs[MR_N * MR_E], wts[MR_N * MR_K];
+    int32_t idx[MR_N * MR_K];
+    op_moe_route(probs, idx, wts, c->z, MR_N, MR_E, MR_K, c->renorm);
+    return dotd(wts, c->gw, MR_N * MR_K) + (c->with_gp ? dotd(probs, c->gp, MR_N * MR_E) : 0.0);
+}
+
+static void route_fd_case(route_ctx *c)
+{
+    float probs[MR_N * MR_E], wts[MR_N * MR_K], dz[MR_N * MR_E], fz[MR_N * MR_E];
+    int32_t idx[MR_N * MR_K];
+    op_moe_route(probs, idx, wts, c->z, MR_N, MR_E, MR_K, c->renorm);
+    memset(dz, 0xff, sizeof dz); /* written */
+    op_moe_route_backward(dz, c->gw, c->with_gp ? c->gp : NULL, probs, idx, MR_N, MR_E, MR_K, c->renorm);
+    fd_grad(fz, c->z, MR_N * MR_E, route_loss, c, FD_H);
+    check_close("moe route dlogits", dz, fz, MR_N * MR_E, FD_TOL, 1e-3);
+}
+
+static void test_moe_route_fd(void **state)
+{
+    (void)state;
+    rng_seed(21);
+    route_ctx c;
+    /* logits 0.4 apart (a permutation per row) plus noise: the top k stays put under +-h */
+    for (int t = 0; t < MR_N; t++)
+        for (int e = 0; e < MR_E; e++) c.z[t * MR_E + e] = 0.4f * (float)((5 * e + 2 * t) % MR_E) + urand(0.05f);
+    fill(c.gw, MR_N * MR_K, 1.0f);
+    fill(c.gp, MR_N * MR_E, 1.0f);
+    for (int renorm = 0; renorm < 2; renorm++)
+        for (int with_gp = 0; with_gp < 2; with_gp++) {
+            c.renorm = renorm, c.with_gp = with_gp;
+            route_fd_case(&c);
+        }
+}
+
+enum { MC_N = 3, MC_K = 2, MC_H = 5, MC_S = MC_N * MC_K };
+
+static void test_moe_gather(void **state)
+{
+    (void)state;
+    rng_seed(22);
+    float x[MC_N * MC_H], xs[4 * MC_H];
+    const int32_t rows[4] = {2, 0, 2, 1};
+    fill(x, MC_N * MC_H, 1.0f);
+    op_moe_gather(xs, x, rows, 4, MC_H);
+    for (int p = 0; p < 4; p++) assert_memory_equal(xs + p * MC_H, x + rows[p] * MC_H, MC_H * sizeof(float));
+}
+
+static void test_moe_combine(void **state)
+{
+    (void)state;
+    rng_seed(23);
+    /* token t's expert rows: a permutation of the 6 slots */
+    const int32_t slot[MC_S] = {4, 1, 0, 5, 3, 2};
+    float ys[MC_S * MC_H], wts[MC_S], out[MC_N * MC_H], dout[MC_N * MC_H], dys[MC_S * MC_H], dwts[MC_S];
+    fill(ys, MC_S * MC_H, 1.0f);
+    fill(wts, MC_S, 1.0f);
+    fill(dout, MC_N * MC_H, 1.0f);
+    memset(out, 0xff, sizeof out); /* written */
+    op_moe_combine(out, ys, wts, slot, MC_N, MC_K, MC_H);
+    for (int t = 0; t < MC_N; t++)
+        for (int h = 0; h < MC_H; h++) {
+            float want = 0.0f;
+            for (int j = 0; j < MC_K; j++) want += wts[t * MC_K + j] * ys[slot[t * MC_K + j] * MC_H + h];
+            assert_true(out[t * MC_H + h] == want);
+        }
+
+    memset(dys, 0xff, sizeof dys);
+    memset(dwts, 0xff, sizeof dwts);
+    op_moe_combine_backward(dys, dwts, dout, ys, wts, slot, MC_N, MC_K, MC_H);
+    for (int t = 0; t < MC_N; t++)
+        for (int j = 0; j < MC_K; j++) {
+            const int s = slot[t * MC_K + j];
+            for (int h = 0; h < MC_H; h++) assert_true(dys[s * MC_H + h] == wts[t * MC_K + j] * dout[t * MC_H + h]);
+            assert_true(fabs(dwts[t * MC_K + j] - dotd(dout + t * MC_H, ys + s * MC_H, MC_H)) < 1e-6);
+        }
+
+    /* adjoints: out is linear in ys and in wts, so <out, dout> = <ys, dys> = <wts, dwts> */
+    const double lhs = dotd(out, dout, MC_N * MC_H);
+    assert_true(fabs(lhs - dotd(ys, dys, MC_S * MC_H)) <= 1e-6 * (fabs(lhs) + 1.0));
+    assert_true(fabs(lhs - dotd(wts, dwts, MC_S)) <= 1e-6 * (fabs(lhs) + 1.0));
+}
+
+/* scatter_add is the adjoint of gathering each token into its slots */
+static void test_moe_scatter_add(void **state)
+{
+    (void)state;
+    rng_seed(24);
+    const int32_t slot[MC_S] = {4, 1, 0, 5, 3, 2};
+    int32_t rows[MC_S];
+    for (int i = 0; i < MC_S; i++) rows[slot[i]] = i / MC_K;
+    float x[MC_N * MC_H], xs[MC_S * MC_H], g[MC_S * MC_H], dx0[MC_N * MC_H], dx[MC_N * MC_H];
+    fill(x, MC_N * MC_H, 1.0f);
+    fill(g, MC_S * MC_H, 1.0f);
+    fill(dx0, MC_N * MC_H, 1.0f);
+    memcpy(dx, dx0, sizeof dx);
+    op_moe_scatter_add(dx, g, slot, MC_N, MC_K, MC_H);
+    for (int t = 0; t < MC_N; t++) /* accumulated */
+        for (int h = 0; h < MC_H; h++)
+            assert_true(dx[t * MC_H + h] ==
+                        dx0[t * MC_H + h] + (g[slot[t * MC_K] * MC_H + h] + g[slot[t * MC_K + 1] * MC_H + h]));
+    op_moe_gather(xs, x, rows, MC_S, MC_H);
+    memset(dx, 0, sizeof dx);
+    op_moe_scatter_add(dx, g, slot, MC_N, MC_K, MC_H);
+    const double lhs = dotd(xs, g, MC_S * MC_H), rhs = dotd(x, dx, MC_N * MC_H);
+    assert_true(fabs(lhs - rhs) <= 1e-6 * (fabs(lhs) + 1.0));
+}
+
+/* the routing and the combine's dot products do not depend on the thread count */
+static void test_moe_threads(void **state)
+{
+    (void)state;
+#ifdef _OPENMP
+    enum { N = 257, E = 8, K = 2, H = 33, S = N * K };
+    static float z[N * E], p[2][N * E], w[2][S], ys[S * H], dout[N * H], dys[S * H], dw[2][S];
+    static int32_t ix[2][S], slot[S];
+    rng_seed(25);
+    fill(z, N * E, 2.0f);
+    fill(dout, N * H, 1.0f);
+    fill(ys, S * H, 1.0f);
+    for (int i = 0; i < S; i++) slot[i] = S - 1 - i;
+    const int saved = omp_get_max_threads(), threads[2] = {1, 4};
+    for (int r = 0; r < 2; r++) {
+        omp_set_num_threads(threads[r]);
+        op_moe_route(p[r], ix[r], w[r], z, N, E, K, 1);
+        op_moe_combine_backward(dys, dw[r], dout, ys, w[r], slot, N, K, H);
+    }
+    omp_set_num_threads(saved);
+    assert_memory_equal(p[0], p[1], sizeof p[0]);
+    assert_memory_equal(ix[0], ix[1], sizeof ix[0]);
+    assert_memory_equal(w[0], w[1], sizeof w[0]);
+    assert_memory_equal(dw[0], dw[1], sizeof dw[0]);
+#else
+    skip();
+#endif
+}
+
 /* ---- RoPE, full and partial (GPT-NeoX's rotary_pct) ----------------------------- */
 
 enum { RP_T = 5, RP_NH = 2, RP_HD = 12, RP_RD = 4 };
@@ -730,6 +918,12 @@ int main(void)
         cmocka_unit_test(test_bias),
         cmocka_unit_test(test_bias_threads),
         cmocka_unit_test(test_qkv),
+        cmocka_unit_test(test_moe_route),
+        cmocka_unit_test(test_moe_route_fd),
+        cmocka_unit_test(test_moe_gather),
+        cmocka_unit_test(test_moe_combine),
+        cmocka_unit_test(test_moe_scatter_add),
+        cmocka_unit_test(test_moe_threads),
         cmocka_unit_test(test_attention_fd),
         cmocka_unit_test(test_attention_window_fd),
         cmocka_unit_test(test_attention_docs_fd),

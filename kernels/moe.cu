@@ -1,0 +1,272 @@
+/* kernels/moe.cu: Mixture-of-Experts routing, dispatch and combine (CUDA).
+ * route / route_backward: one warp per token row (E <= 1024 experts, so a lane holds
+ * at most 32 of them: its chosen set is one 32-bit mask); the top k come from k warp
+ * arg-max rounds under the order "larger prob, then lower expert", op_moe_route's tie
+ * rule. The backward keeps the row's probs gradient in shared memory (E floats per
+ * warp) so that the top-k terms can land on any lane's experts.
+ * combine, its backward and scatter_add: one block per token, the threads striding
+ * over H and each thread adding the k experts' rows in order j: deterministic, no
+ * atomics. gather: a grid-stride copy of whole rows, 16-byte units where they fit. */
+#include "cuda_common.cuh"
+
+enum { MOE_THREADS = 256, ROUTE_WARPS = 4, MOE_EMAX = 1024, MOE_KMAX = 32 };
+
+/* (p, e) before (q, f) in the top-k order */
+__device__ __forceinline__ bool moe_before(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
+
+/* the warp's first expert in the top-k order among those no lane has taken; every lane gets it */
+__device__ __forceinline__ void moe_argmax(const float *p, int E, uint32_t taken, float *bp, int *be)
+{
+    const int lane = threadIdx.x & 31;
+    float b = -1.0f; /* below any prob */
+    int i = INT_MAX;
+    for (int s = 0, e = lane; e < E; s++, e += 32)
+        if (!(taken >> s & 1u) && p[e] > b) b = p[e], i = e;
+    for (int o = 16; o > 0; o >>= 1) {
+        const float q = __shfl_xor_sync(0xffffffffu, b, o);
+        const int f = __shfl_xor_sync(0xffffffffu, i, o);
+        if (moe_before(q, f, b, i)) b = q, i = f;
+    }
+    *bp = b, *be = i;
+}
+
+template <typename T>
+__global__ void moe_route_kernel(float *probs, int32_t *idx, float *wts, const T *logits, int N, int E, int k,
+                                 int renorm)
+{
+    const int lane = threadIdx.x & 31, t = blockIdx.x * ROUTE_WARPS + (threadIdx.x >> 5);
+    if (t >= N) return; /* the whole warp */
+    const T *z = logits + (size_t)t * E;
+    float *p = probs + (size_t)t * E, m = -INFINITY, s = 0.0f;
+    for (int e = lane; e < E; e += 32) m = fmaxf(m, ld_f(z + e));
+    m = warp_max(m);
+    for (int e = lane; e < E; e += 32) s += p[e] = expf(ld_f(z + e) - m);
+    s = warp_sum(s);
+    for (int e = lane; e < E; e += 32) p[e] /= s; /* each lane rereads only its own writes */
+
+    uint32_t taken = 0;
+    float mine = 0.0f, sum = 0.0f;
+    int mine_e = 0;
+    for (int j = 0; j < k; j++) {
+        float b;
+        int e;
+        moe_argmax(p, E, taken, &b, &e);
+        if ((e & 31) == lane) taken |= 1u << (e >> 5);
+        if (lane == j) mine = b, mine_e = e;
+        sum += b; /* in j order, as the C op */
+    }
+    if (lane < k) {
+        idx[(size_t)t * k + lane] = mine_e;
+        wts[(size_t)t * k + lane] = renorm ? mine / sum : mine;
+    }
+}
+
+template <typename T>
+__global__ void moe_route_backward_kernel(T *dlogits, const float *dwts, const float *dprobs, const float *probs,
+                                          const int32_t *idx, int N, int E, int k, int renorm)
+{
+    SMP_DYN_SMEM(float, sm);
+    const int lane = threadIdx.x & 31, w = threadIdx.x >> 5, t = blockIdx.x * ROUTE_WARPS + w;
+    if (t >= N) return;
+    float *g = sm + (size_t)w * E; /* the probs' gradient */
+    const float *p = probs + (size_t)t * E;
+    for (int e = lane; e < E; e += 32) g[e] = dprobs ? dprobs[(size_t)t * E + e] : 0.0f;
+    __syncwarp();
+    int ej = 0;
+    float pj = 0.0f, c = 0.0f; /* lane j < k: expert j's index, prob and gradient */
+    if (lane < k) ej = idx[(size_t)t * k + lane], pj = p[ej], c = dwts[(size_t)t * k + lane];
+    if (renorm) {
+        const float s = warp_sum(pj), dot = warp_sum(c * (pj / s));
+        c = (c - dot) / s;
+    }
+    if (lane < k) g[ej] += c; /* distinct experts: no two lanes meet */
+    __syncwarp();
+    float dot = 0.0f;
+    for (int e = lane; e < E; e += 32) dot += p[e] * g[e];
+    dot = warp_sum(dot);
+    for (int e = lane; e < E; e += 32) st_f(dlogits + (size_t)t * E + e, p[e] * (g[e] - dot));
+}
+
+template <typename U>
+__global__ void moe_gather_kernel(U *xs, const U *x, const int32_t *rows, size_t n, int hu)
+{
+    for (size_t e = blockIdx.x * (size_t)blockDim.x + threadIdx.x; e < n; e += (size_t)gridDim.x * blockDim.x) {
+        const size_t r = e / (size_t)hu;
+        xs[e] = x[(size_t)rows[r] * hu + (e - r * hu)];
+    }
+}
+
+template <typename T>
+__global__ void moe_combine_kernel(T *out, const T *ys, const float *wts, const int32_t *slot, int k, int H)
+{
+    const size_t t = blockIdx.x;
+    const float *w = wts + t * k;
+    const int32_t *sl = slot + t * k;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < k; j++) acc += w[j] * ld_f(ys + (size_t)sl[j] * H + h);
+        st_f(out + t * H + h, acc);
+    }
+}
+
+template <typename T>
+__global__ void moe_combine_backward_kernel(T *dys, float *dwts, const T *dout, const T *ys, const float *wts,
+                                            const int32_t *slot, int k, int H)
+{
+    __shared__ float red[32];
+    const size_t t = blockIdx.x;
+    const T *g = dout + t * H;
+    for (int j = 0; j < k; j++) {
+        const size_t tj = t * k + j, r = (size_t)slot[tj] * H;
+        const float w = wts[tj];
+        float dot = 0.0f;
+        for (int h = threadIdx.x; h < H; h += blockDim.x) {
+            const float gh = ld_f(g + h);
+            st_f(dys + r + h, w * gh);
+            dot += gh * ld_f(ys + r + h);
+        }
+        dot = block_sum(dot, red);
+        if (threadIdx.x == 0) dwts[tj] = dot;
+    }
+}
+
+template <typename T>
+__global__ void moe_scatter_add_kernel(T *dx, const T *dxs, const int32_t *slot, int k, int H)
+{
+    const size_t t = blockIdx.x;
+    const int32_t *sl = slot + t * k;
+    for (int h = threadIdx.x; h < H; h += blockDim.x) {
+        float s = 0.0f;
+        for (int j = 0; j < k; j++) s += ld_f(dxs + (size_t)sl[j] * H + h);
+        st_f(dx + t * H + h, ld_f(dx + t * H + h) + s);
+    }
+}
+
+/* ------------------------------------------------------------------ launchers */
+#define MOE_DT_CHECK(dt) SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)(dt))
+#define MOE_ROUTE_SHAPE(N, E, k)                                                                            \
+    SMP_ARG((N) >= 0 && (k) >= 1 && (k) <= (E) && (E) <= MOE_EMAX && (k) <= MOE_KMAX,                   \
+            "bad shape N=%d E=%d k=%d (1 <= k <= E <= %d, k <= %d)", N, E, k, MOE_EMAX, MOE_KMAX)
+#define MOE_ROWS_SHAPE(N, k, H) SMP_ARG((N) >= 0 && (k) >= 1 && (H) > 0, "bad shape N=%d k=%d H=%d", N, k, H)
+
+static unsigned route_blocks(int N) { return (unsigned)((N + ROUTE_WARPS - 1) / ROUTE_WARPS); }
+
+extern "C" cudaError_t cuda_op_moe_route(float *probs, int32_t *idx, float *wts, const void *logits, int N, int E,
+                                         int k, int renorm, cudaDataType_t dt, cudaStream_t stream)
+{
+    MOE_ROUTE_SHAPE(N, E, k);
+    MOE_DT_CHECK(dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(probs && idx && wts && logits, "NULL pointer");
+    if (dt == CUDA_R_32F) {
+        auto kern = moe_route_kernel<float>;
+        SMP_LAUNCH(kern, route_blocks(N), 32 * ROUTE_WARPS, 0, stream, probs, idx, wts, (const float *)logits, N, E,
+                   k, renorm);
+    } else {
+        auto kern = moe_route_kernel<bf16>;
+        SMP_LAUNCH(kern, route_blocks(N), 32 * ROUTE_WARPS, 0, stream, probs, idx, wts, (const bf16 *)logits, N, E,
+                   k, renorm);
+    }
+    return smp_cuda_launched("cuda_op_moe_route");
+}
+
+extern "C" cudaError_t cuda_op_moe_route_backward(void *dlogits, const float *dwts, const float *dprobs,
+                                                  const float *probs, const int32_t *idx, int N, int E, int k,
+                                                  int renorm, cudaDataType_t dt, cudaStream_t stream)
+{
+    MOE_ROUTE_SHAPE(N, E, k);
+    MOE_DT_CHECK(dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(dlogits && dwts && probs && idx, "NULL pointer");
+    const size_t smem = (size_t)ROUTE_WARPS * E * sizeof(float);
+    if (dt == CUDA_R_32F) {
+        auto kern = moe_route_backward_kernel<float>;
+        SMP_LAUNCH(kern, route_blocks(N), 32 * ROUTE_WARPS, smem, stream, (float *)dlogits, dwts, dprobs, probs, idx,
+                   N, E, k, renorm);
+    } else {
+        auto kern = moe_route_backward_kernel<bf16>;
+        SMP_LAUNCH(kern, route_blocks(N), 32 * ROUTE_WARPS, smem, stream, (bf16 *)dlogits, dwts, dprobs, probs, idx,
+                   N, E, k, renorm);
+    }
+    return smp_cuda_launched("cuda_op_moe_route_backward");
+}
+
+template <typename U>
+static void gather_launch(void *xs, const void *x, const int32_t *rows, size_t n, int hu, cudaStream_t stream)
+{
+    const int sms = smp_cuda_sm_count();
+    const unsigned cap = (unsigned)(sms > 0 ? sms * 8 : 1024);
+    auto kern = moe_gather_kernel<U>;
+    SMP_LAUNCH(kern, smp_blocks(n, MOE_THREADS, cap), MOE_THREADS, 0, stream, (U *)xs, (const U *)x, rows, n, hu);
+}
+
+extern "C" cudaError_t cuda_op_moe_gather(void *xs, const void *x, const int32_t *rows, int M, int H,
+                                          cudaDataType_t dt, cudaStream_t stream)
+{
+    SMP_ARG(M >= 0 && H > 0, "bad shape M=%d H=%d", M, H);
+    MOE_DT_CHECK(dt);
+    if (M == 0) return cudaSuccess;
+    SMP_ARG(xs && x && rows, "NULL pointer");
+    const size_t es = dt == CUDA_R_32F ? 4 : 2, bytes = (size_t)H * es, n = (size_t)M * H;
+    if (bytes % 16 == 0 && smp_aligned16(xs) && smp_aligned16(x))
+        gather_launch<int4>(xs, x, rows, n * es / 16, (int)(bytes / 16), stream);
+    else if (es == 4)
+        gather_launch<uint32_t>(xs, x, rows, n, H, stream);
+    else
+        gather_launch<uint16_t>(xs, x, rows, n, H, stream);
+    return smp_cuda_launched("cuda_op_moe_gather");
+}
+
+extern "C" cudaError_t cuda_op_moe_combine(void *out, const void *ys, const float *wts, const int32_t *slot, int N,
+                                           int k, int H, cudaDataType_t dt, cudaStream_t stream)
+{
+    MOE_ROWS_SHAPE(N, k, H);
+    MOE_DT_CHECK(dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(out && ys && wts && slot, "NULL pointer");
+    if (dt == CUDA_R_32F) {
+        auto kern = moe_combine_kernel<float>;
+        SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (float *)out, (const float *)ys, wts, slot, k, H);
+    } else {
+        auto kern = moe_combine_kernel<bf16>;
+        SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (bf16 *)out, (const bf16 *)ys, wts, slot, k, H);
+    }
+    return smp_cuda_launched("cuda_op_moe_combine");
+}
+
+extern "C" cudaError_t cuda_op_moe_combine_backward(void *dys, float *dwts, const void *dout, const void *ys,
+                                                    const float *wts, const int32_t *slot, int N, int k, int H,
+                                                    cudaDataType_t dt, cudaStream_t stream)
+{
+    MOE_ROWS_SHAPE(N, k, H);
+    MOE_DT_CHECK(dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(dys && dwts && dout && ys && wts && slot, "NULL pointer");
+    if (dt == CUDA_R_32F) {
+        auto kern = moe_combine_backward_kernel<float>;
+        SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (float *)dys, dwts, (const float *)dout,
+                   (const float *)ys, wts, slot, k, H);
+    } else {
+        auto kern = moe_combine_backward_kernel<bf16>;
+        SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (bf16 *)dys, dwts, (const bf16 *)dout,
+                   (const bf16 *)ys, wts, slot, k, H);
+    }
+    return smp_cuda_launched("cuda_op_moe_combine_backward");
+}
+
+extern "C" cudaError_t cuda_op_moe_scatter_add(void *dx, const void *dxs, const int32_t *slot, int N, int k, int H,
+                                               cudaDataType_t dt, cudaStream_t stream)
+{
+    MOE_ROWS_SHAPE(N, k, H);
+    MOE_DT_CHECK(dt);
+    if (N == 0) return cudaSuccess;
+    SMP_ARG(dx && dxs && slot, "NULL pointer");
+    if (dt == CUDA_R_32F) {
+        auto kern = moe_scatter_add_kernel<float>;
+        SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (float *)dx, (const float *)dxs, slot, k, H);
+    } else {
+        auto kern = moe_scatter_add_kernel<bf16>;
+        SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (bf16 *)dx, (const bf16 *)dxs, slot, k, H);
+    }
+    return smp_cuda_launched("cuda_op_moe_scatter_add");
+}
