@@ -39,9 +39,18 @@ static const struct {
     FIELD(SHARD_T_V_BIAS, v_bias), FIELD(SHARD_T_Q_NORM, q_norm), FIELD(SHARD_T_K_NORM, k_norm),
     FIELD(SHARD_T_QKV, qkv), FIELD(SHARD_T_QKV_BIAS, qkv_bias), FIELD(SHARD_T_O_BIAS, o_bias),
     FIELD(SHARD_T_UP_BIAS, up_bias), FIELD(SHARD_T_DOWN_BIAS, down_bias), FIELD(SHARD_T_NORM_ATTN_BIAS, norm_attn_bias),
-    FIELD(SHARD_T_NORM_MLP_BIAS, norm_mlp_bias),
+    FIELD(SHARD_T_NORM_MLP_BIAS, norm_mlp_bias), FIELD(SHARD_T_ROUTER, router),
 };
 #undef FIELD
+
+/* an expert's tensor: its slot in the layer's view arrays */
+static void bind_expert(model *m, const shard_tensor_spec *t, void *p, float *g)
+{
+    const int k = t->role == SHARD_T_EXPERT_GATE ? 0 : t->role == SHARD_T_EXPERT_UP ? 1 : 2;
+    const size_t at = ((size_t)t->layer * 3 + (size_t)k) * (size_t)m->E + (size_t)t->expert;
+    m->ew[at] = p;
+    m->eg[at] = g;
+}
 
 /* point the per-tensor views at params/grads (offsets and sizes already set) */
 static shard_status bind(model *m)
@@ -52,7 +61,9 @@ static shard_status bind(model *m)
         const shard_tensor_spec *t = &m->spec[i];
         void *p = AT(m->params, m->offset[i]);
         float *g = m->grads + m->offset[i];
-        if (t->layer >= 0) {
+        if (t->expert >= 0) {
+            bind_expert(m, t, p, g);
+        } else if (t->layer >= 0) {
             *(void **)((char *)&m->lw[t->layer] + LAYER_FIELD[t->role].w) = p;
             *(float **)((char *)&m->lg[t->layer] + LAYER_FIELD[t->role].g) = g;
         } else if (t->role == SHARD_T_EMBED) {
@@ -92,6 +103,9 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->hd = (int)d->head_dim;
     m->rd = d->rotary_dim > 0 ? (int)d->rotary_dim : m->hd;
     m->window = (int)d->sliding_window;
+    m->E = (int)d->experts;
+    m->topk = (int)d->experts_per_tok;
+    m->FE = (int)d->moe_intermediate;
     m->vocab_start = 0;
     m->vocab_local = m->V;
     m->l0 = 0;
@@ -107,7 +121,15 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->lw = zalloc((size_t)m->L, sizeof *m->lw);
     m->lg = zalloc((size_t)m->L, sizeof *m->lg);
     m->inv_freq = zalloc((size_t)m->rd / 2, sizeof(float));
-    if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq) goto nomem;
+    m->ew = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->ew);
+    m->eg = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->eg);
+    if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq || !m->ew || !m->eg) goto nomem;
+    for (int l = 0; l < m->L && m->E; l++) { /* each layer's views of its experts' gate, up and down */
+        void **w = m->ew + (size_t)l * 3 * m->E;
+        float **g = m->eg + (size_t)l * 3 * m->E;
+        m->lw[l].egate = w; m->lw[l].eup = w + m->E; m->lw[l].edown = w + 2 * m->E;
+        m->lg[l].egate = g; m->lg[l].eup = g + m->E; m->lg[l].edown = g + 2 * m->E;
+    }
     size_t off = 0;
     for (size_t i = 0; i < m->ntensors; i++) {
         shard_model_tensor(d, i, &m->spec[i]);
@@ -158,6 +180,7 @@ shard_status model_localize(model *m, const shard_piece *pieces, int tp)
         case SHARD_T_K: m->nkv = (int)(b->len[0] / m->hd); break;
         case SHARD_T_QKV: m->nh = m->nkv = (int)(b->len[0] / (3 * m->hd)); break;
         case SHARD_T_UP: m->F = (int)b->len[0]; break;
+        case SHARD_T_EXPERT_UP: m->FE = (int)b->len[0]; break;
         default: break;
         }
     }
@@ -233,8 +256,9 @@ void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
 #define LAYER_BUFS(a) {(void **)&(a)->x, (void **)&(a)->rstd1, &(a)->xn1, &(a)->q, &(a)->k, &(a)->v, &(a)->att, \
                        (void **)&(a)->lse, &(a)->xmid, (void **)&(a)->rstd2, &(a)->xn2, &(a)->gate, &(a)->up, &(a)->act, \
                        &(a)->q_pre, &(a)->k_pre, (void **)&(a)->rstd_q, (void **)&(a)->rstd_k, \
-                       (void **)&(a)->mean1, (void **)&(a)->mean2}
-enum { NBUFS = 20 }; /* the entries of LAYER_BUFS */
+                       (void **)&(a)->mean1, (void **)&(a)->mean2, (void **)&(a)->probs, (void **)&(a)->wts, \
+                       (void **)&(a)->idx, (void **)&(a)->rows, (void **)&(a)->slot, &(a)->xs, &(a)->ys}
+enum { NBUFS = 27 }; /* the entries of LAYER_BUFS */
 
 static void free_layer(model *m, layer_acts *a)
 {
@@ -270,14 +294,16 @@ static void free_acts(model *m)
                      &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
                      (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre,
-                     &m->qkv, &m->dres};
+                     &m->qkv, &m->dres, &m->rlogits, (void **)&m->dwts, &m->dxs};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
     }
-    void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need};
+    void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need, m->eoff, m->hidx, m->hrows,
+                    m->hslot, m->hcur};
     for (size_t k = 0; k < sizeof host / sizeof *host; k++) free(host[k]);
     m->pos = m->cp_pos = m->rpos = m->doc = m->seq_scratch = NULL;
+    m->eoff = m->hidx = m->hrows = m->hslot = m->hcur = NULL;
     m->ring_need = NULL;
     m->act_bytes = 0;
 }
@@ -312,7 +338,7 @@ void model_free(model *m)
         dfree(m, m->grads);
         dfree(m, m->inv_freq_d);
     }
-    free(m->spec); free(m->offset); free(m->numel); free(m->lw); free(m->lg); free(m->inv_freq);
+    free(m->spec); free(m->offset); free(m->numel); free(m->lw); free(m->lg); free(m->inv_freq); free(m->ew); free(m->eg);
     free(m->hparams);
     fp8_free(m->fp8);
     memset(m, 0, sizeof *m);
@@ -329,10 +355,16 @@ static int kept(const model *m, const void *const *field, const layer_acts *a)
     if (m->recompute == RECOMPUTE_NONE || field == (const void *const *)&a->x) return 1;
     if (m->recompute == RECOMPUTE_FULL) return 0;
     /* attention: the MLP half stays */
-    return field == (const void *const *)&a->xmid || field == (const void *const *)&a->rstd2 ||
-           field == (const void *const *)&a->mean2 || field == (const void *const *)&a->xn2 ||
-           field == (const void *const *)&a->gate || field == (const void *const *)&a->up ||
-           field == (const void *const *)&a->act;
+    const void *const *mlp[] = {(const void *const *)&a->xmid, (const void *const *)&a->rstd2,
+                                (const void *const *)&a->mean2, (const void *const *)&a->xn2,
+                                (const void *const *)&a->gate, (const void *const *)&a->up,
+                                (const void *const *)&a->act, (const void *const *)&a->probs,
+                                (const void *const *)&a->wts, (const void *const *)&a->idx,
+                                (const void *const *)&a->rows, (const void *const *)&a->slot,
+                                (const void *const *)&a->xs, (const void *const *)&a->ys};
+    for (size_t k = 0; k < sizeof mlp / sizeof *mlp; k++)
+        if (field == mlp[k]) return 1;
+    return 0;
 }
 
 /* elements of each LAYER_BUFS entry, and its element size */
@@ -342,10 +374,12 @@ static void layer_sizes(const model *m, size_t *n, size_t *es)
     const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd;
     const size_t qk = m->d.qk_norm ? 1 : 0; /* the q/k norm's tensors: none elsewhere */
     const size_t gate = m->d.gelu_mlp ? 0 : 1, ln = m->d.layer_norm ? 1 : 0;
+    const size_t Nk = m->E ? N * (size_t)m->topk : 0, E = (size_t)m->E; /* the experts' rows: none elsewhere */
+    const size_t MF = m->E ? Nk * (size_t)m->FE : N * F, i = sizeof(int32_t);
     const size_t nn[NBUFS] = {N * H, N, N * H, N * QD, N * KD, N * KD, N * QD, (size_t)m->B * m->nh * m->T, N * H, N,
-                              N * H, gate * N * F, N * F, N * F, qk * N * QD, qk * N * KD, qk * N * m->nh, qk * N * m->nkv,
-                              ln * N, ln * N};
-    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f, f, f};
+                              N * H, gate * MF, MF, MF, qk * N * QD, qk * N * KD, qk * N * m->nh, qk * N * m->nkv,
+                              ln * N, ln * N, N * E, Nk, Nk, Nk, Nk, Nk * H, Nk * H};
+    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f, f, f, f, f, i, i, i, e, e};
     memcpy(n, nn, sizeof nn);
     memcpy(es, ee, sizeof ee);
 }
@@ -403,8 +437,13 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     }
     A(m->cos_t, N * m->hd, f); A(m->sin_t, N * m->hd, f); A(m->rpos_d, N, sizeof(int32_t));
     A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
-    A(m->datt, N * QD, e); A(m->dup, N * F, e); A(m->dact, N * F, e); A(m->dlogits, NV, e);
-    if (!m->d.gelu_mlp) A(m->dgate, N * F, e);
+    const size_t MF = m->E ? N * (size_t)m->topk * (size_t)m->FE : N * F; /* the MLP's rows: experts' or dense */
+    A(m->datt, N * QD, e); A(m->dup, MF, e); A(m->dact, MF, e); A(m->dlogits, NV, e);
+    if (!m->d.gelu_mlp) A(m->dgate, MF, e);
+    if (m->E) {
+        const size_t Nk = N * (size_t)m->topk;
+        A(m->rlogits, N * (size_t)m->E, e); A(m->dwts, Nk, f); A(m->dxs, Nk * H, e);
+    }
     if (m->d.qk_norm) A(m->dqk_pre, N * (QD + KD), e);
     if (m->d.fused_qkv) A(m->qkv, N * 3 * QD, e);
     if (m->d.parallel_residual) A(m->dres, model_local_rows(m) * H, e);
@@ -427,6 +466,13 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     m->rpos = zalloc(N, sizeof(int32_t));
     m->ring_need = zalloc((size_t)C, 1);
     ok &= m->pos && m->cp_pos && m->rpos && m->ring_need;
+    if (m->E) {
+        const size_t Nk = N * (size_t)m->topk;
+        m->eoff = zalloc((size_t)nslots * m->L * (m->E + 1), sizeof(int32_t));
+        m->hidx = zalloc(Nk, sizeof(int32_t)); m->hrows = zalloc(Nk, sizeof(int32_t));
+        m->hslot = zalloc(Nk, sizeof(int32_t)); m->hcur = zalloc((size_t)m->E, sizeof(int32_t));
+        ok &= m->eoff && m->hidx && m->hrows && m->hslot && m->hcur;
+    }
     if (m->docs) {
         m->doc = zalloc(N * C, sizeof(int32_t));
         m->seq_scratch = zalloc(2 * (size_t)T * C, sizeof(int32_t));
@@ -608,14 +654,11 @@ static void attention_backward(model *m, layer_acts *a)
 static layer_acts *work(model *m, int l)
 {
     if (m->recompute == RECOMPUTE_NONE) return &m->acts[l];
-    const layer_acts *a = &m->acts[l];
-    layer_acts *w = &m->wk;
+    layer_acts *a = &m->acts[l], *w = &m->wk;
     *w = m->rc;
-    w->x = a->x;
-    if (m->recompute == RECOMPUTE_ATTENTION) {
-        w->xmid = a->xmid; w->rstd2 = a->rstd2; w->mean2 = a->mean2; w->xn2 = a->xn2; w->gate = a->gate; w->up = a->up;
-        w->act = a->act;
-    }
+    void **own[] = LAYER_BUFS(a), **mine[] = LAYER_BUFS(w);
+    for (int j = 0; j < NBUFS; j++)
+        if (kept(m, (const void *const *)own[j], a)) *mine[j] = *own[j];
     return w;
 }
 
@@ -679,11 +722,114 @@ static void fwd_attention_out(model *m, int l, layer_acts *a)
     }
 }
 
-/* 3: gate, up, SwiGLU -> act; or up (and its bias), GELU */
+/* ---- a mixture of experts ------------------------------------------------------ */
+/* layer l's first row of each expert (and the end), in the current slot */
+static int32_t *expert_rows(const model *m, int l)
+{
+    return m->eoff + ((size_t)m->slot * m->L + (size_t)l) * (size_t)(m->E + 1);
+}
+
+/* Group the N*k (token, choice) pairs by expert, tokens in order within each (on the
+ * host: the counts size the experts' GEMMs): a->rows[p] is the token of row p,
+ * a->slot[t*k + j] the row of token t's choice j, off[e] expert e's first row. */
+static void moe_group(model *m, layer_acts *a, int32_t *off)
+{
+    const int N = m->B * m->T, k = m->topk, E = m->E, Nk = N * k;
+    const size_t bytes = (size_t)Nk * sizeof(int32_t);
+    const int32_t *idx = a->idx;
+    int32_t *rows = DV->cuda ? m->hrows : a->rows, *slot = DV->cuda ? m->hslot : a->slot;
+    if (DV->cuda) {
+        OPS->download(DV, m->hidx, a->idx, bytes);
+        idx = m->hidx;
+    }
+    memset(off, 0, (size_t)(E + 1) * sizeof(int32_t));
+    for (int p = 0; p < Nk; p++) off[idx[p] + 1]++;
+    for (int e = 0; e < E; e++) {
+        off[e + 1] += off[e];
+        m->hcur[e] = off[e];
+    }
+    for (int p = 0; p < Nk; p++) { /* p = t*k + j, in token order */
+        const int r = m->hcur[idx[p]]++;
+        rows[r] = p / k;
+        slot[p] = r;
+    }
+    if (DV->cuda) {
+        OPS->upload(DV, a->rows, m->hrows, bytes);
+        OPS->upload(DV, a->slot, m->hslot, bytes);
+    }
+}
+
+/* 3 (experts): the router's top-k, the routed rows of xn2, each expert's gate, up,
+ * SwiGLU and down into ys (the weighted sum of ys is part 4's) */
+static void fwd_moe(model *m, int l, layer_acts *a)
+{
+    const int N = m->B * m->T, H = m->H, E = m->E, k = m->topk, FE = m->FE, Nk = N * k;
+    const layer_params *w = &m->lw[l];
+    OPS->linear_forward(DV, m->rlogits, a->xn2, w->router, N, H, E);
+    OPS->moe_route(DV, a->probs, a->idx, a->wts, m->rlogits, N, E, k, m->d.norm_topk_prob);
+    int32_t *off = expert_rows(m, l);
+    moe_group(m, a, off);
+    OPS->moe_gather(DV, a->xs, a->xn2, a->rows, Nk, H);
+    for (int e = 0; e < E; e++) {
+        const int r0 = off[e], c = off[e + 1] - off[e];
+        if (!c) continue;
+        OPS->linear_forward(DV, AT(a->gate, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->egate[e], c, H, FE);
+        OPS->linear_forward(DV, AT(a->up, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->eup[e], c, H, FE);
+    }
+    OPS->swiglu_forward(DV, a->act, a->gate, a->up, (size_t)Nk * FE);
+    for (int e = 0; e < E; e++) {
+        const int r0 = off[e], c = off[e + 1] - off[e];
+        if (c) OPS->linear_forward(DV, AT(a->ys, (size_t)r0 * H), AT(a->act, (size_t)r0 * FE), w->edown[e], c, FE, H);
+    }
+}
+
+/* back through the experts from dout (all N rows: the gradient of the weighted sum);
+ * the gradient of xn2 is left in dxn: this rank's part of the experts' (summed over
+ * tp by the caller) and, on tp rank 0 only, the router's (every tp rank computes it
+ * whole) */
+static void bwd_moe(model *m, int l, const layer_acts *a, const void *dout)
+{
+    const int N = m->B * m->T, H = m->H, E = m->E, k = m->topk, FE = m->FE, Nk = N * k;
+    const size_t e_ = DV->es;
+    const layer_params *w = &m->lw[l];
+    layer_grads *g = &m->lg[l];
+    const int32_t *off = expert_rows(m, l);
+    OPS->moe_combine_backward(DV, m->dxs, m->dwts, dout, a->ys, a->wts, a->slot, N, k, H); /* dxs: dys first */
+    tp_reduce(m, m->dwts, (size_t)Nk, SHARD_DT_F32, SHARD_OP_SUM); /* ys are this rank's partial products */
+    OPS->zero(DV, m->dact, (size_t)Nk * FE * e_);
+    for (int e = 0; e < E; e++) {
+        const int r0 = off[e], c = off[e + 1] - off[e];
+        if (c) OPS->linear_backward(DV, AT(m->dact, (size_t)r0 * FE), g->edown[e], AT(m->dxs, (size_t)r0 * H),
+                                    AT(a->act, (size_t)r0 * FE), w->edown[e], c, FE, H);
+    }
+    OPS->zero(DV, m->dgate, (size_t)Nk * FE * e_);
+    OPS->zero(DV, m->dup, (size_t)Nk * FE * e_);
+    OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)Nk * FE);
+    OPS->zero(DV, m->dxs, (size_t)Nk * H * e_); /* dys is spent: now the gradient of xs */
+    for (int e = 0; e < E; e++) {
+        const int r0 = off[e], c = off[e + 1] - off[e];
+        if (!c) continue;
+        void *dxs = AT(m->dxs, (size_t)r0 * H);
+        const void *xs = AT(a->xs, (size_t)r0 * H);
+        OPS->linear_backward(DV, dxs, g->egate[e], AT(m->dgate, (size_t)r0 * FE), xs, w->egate[e], c, H, FE);
+        OPS->linear_backward(DV, dxs, g->eup[e], AT(m->dup, (size_t)r0 * FE), xs, w->eup[e], c, H, FE);
+    }
+    OPS->zero(DV, m->dxn, (size_t)N * H * e_);
+    OPS->moe_scatter_add(DV, m->dxn, m->dxs, a->slot, N, k, H);
+    OPS->moe_route_backward(DV, m->rlogits, m->dwts, NULL, a->probs, a->idx, N, E, k, m->d.norm_topk_prob);
+    const int first_tp = m->tp_size <= 1 || !m->tp || shard_comm_rank(m->tp) == 0;
+    OPS->linear_backward(DV, first_tp ? m->dxn : NULL, g->router, m->rlogits, a->xn2, w->router, N, H, E);
+}
+
+/* 3: gate, up, SwiGLU -> act; or up (and its bias), GELU; or the experts */
 static void fwd_mlp(model *m, int l, layer_acts *a)
 {
     const int N = m->B * m->T, H = m->H, F = m->F;
     const layer_params *w = &m->lw[l];
+    if (m->E) {
+        fwd_moe(m, l, a);
+        return;
+    }
     lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
     add_bias(m, a->up, w->up_bias, N, F);
     if (m->d.gelu_mlp) {
@@ -699,7 +845,8 @@ static void fwd_mlp_out(model *m, int l, layer_acts *a, void *xnext)
 {
     const int N = m->B * m->T, H = m->H, F = m->F, Nl = (int)model_local_rows(m);
     const size_t NlH = (size_t)Nl * H;
-    lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, m->lw[l].down, N, F, H);
+    if (m->E) OPS->moe_combine(DV, m->dxn, a->ys, a->wts, a->slot, N, m->topk, H); /* the k experts' weighted sum */
+    else lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, m->lw[l].down, N, F, H);
     if (sp_on(m)) {
         tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
         add_bias(m, m->sp_loc, m->lw[l].down_bias, Nl, H);
@@ -791,6 +938,10 @@ static void bwd_mlp(model *m, int l, const layer_acts *a, const void *dout)
     const size_t NF = (size_t)N * F, e = DV->es;
     const layer_params *w = &m->lw[l];
     layer_grads *g = &m->lg[l];
+    if (m->E) {
+        bwd_moe(m, l, a, dout);
+        return;
+    }
     OPS->zero(DV, m->dact, NF * e);
     lin_bwd(m, l, LIN_DOWN, m->dact, g->down, dout, a->act, w->down, N, F, H);
     OPS->zero(DV, m->dup, NF * e);

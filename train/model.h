@@ -45,12 +45,17 @@ typedef struct {
     /* GPT-NeoX (NULL in the others): the fused qkv projection (q, k, v NULL; gate NULL),
      * the biases of the linears and the LayerNorms' */
     void *qkv, *qkv_bias, *o_bias, *up_bias, *down_bias, *norm_attn_bias, *norm_mlp_bias;
+    /* a mixture of experts (gate, up, down NULL): the router [E, H] and each expert's */
+    void *router;
+    void **egate, **eup, **edown; /* [E] */
 } layer_params;
 typedef struct {
     float *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
     float *q_bias, *k_bias, *v_bias;
     float *q_norm, *k_norm;
     float *qkv, *qkv_bias, *o_bias, *up_bias, *down_bias, *norm_attn_bias, *norm_mlp_bias;
+    float *router;
+    float **egate, **eup, **edown;
 } layer_grads;
 
 /* Activation recomputation: what backward recomputes instead of keeping.
@@ -73,9 +78,17 @@ typedef struct {
     void *xmid;      /* [N,H] residual after attention */
     float *rstd2;    /* [N] */
     void *xn2;       /* [N,H] */
-    void *gate, *up; /* [N,F] (no gate in a GELU MLP) */
-    void *act;       /* [N,F] silu(gate) * up, or gelu(up) */
+    void *gate, *up; /* [N,F] (no gate in a GELU MLP); experts: [N*k, FE] the routed rows */
+    void *act;       /* [N,F] silu(gate) * up, or gelu(up); experts: [N*k, FE] */
     float *mean1, *mean2;    /* [N] LayerNorm's means (GPT-NeoX; empty otherwise) */
+    /* a mixture of experts (empty otherwise): the router's softmax, each token's k
+     * experts and weights; the N*k (token, choice) rows grouped by expert (rows: the
+     * token of each, slot: the row of each choice), xn2's rows in that order and the
+     * experts' outputs */
+    float *probs;            /* [N,E] */
+    float *wts;              /* [N,k] */
+    int32_t *idx, *rows, *slot; /* [N*k] */
+    void *xs, *ys;           /* [N*k, H] */
     /* the per-head q/k norm (Qwen3; empty otherwise): q and k before it, and its rstd */
     void *q_pre, *k_pre;     /* [N,nh*hd], [N,nkv*hd] */
     float *rstd_q, *rstd_k;  /* [N*nh], [N*nkv] */
@@ -94,6 +107,7 @@ typedef struct {
     shard_model_desc d;
     /* sizes of this rank's part (= global on one rank) */
     int V, H, F, L, nh, nkv, hd, rd, window; /* rd: the rotary dims of a head */
+    int E, topk, FE;         /* experts, per token, an expert's intermediate size (this rank's part) */
     int vocab_start, vocab_local;
     /* pipeline stage: layers [l0, l1); first: the embedding runs here; last: the
      * final norm, head and loss (one rank: 0, L, 1, 1) */
@@ -155,6 +169,14 @@ typedef struct {
     void *qkv;               /* [N*3*nh*hd] the fused projection's output, in backward its gradient (GPT-NeoX) */
     void *dres;              /* [local rows, H] the gradient of a layer's output, kept for the attention
                                 branch of a parallel residual (GPT-NeoX) */
+    /* a mixture of experts */
+    void **ew;               /* [L * 3 * E] the experts' weights' views (lw[l].egate ...) */
+    float **eg;              /* the same for the gradients */
+    void *rlogits;           /* [N,E] the router's logits; in backward their gradient */
+    float *dwts;             /* [N*k] */
+    void *dxs;               /* [N*k, H] the gradient of the experts' outputs, then of their inputs */
+    int32_t *eoff;           /* host [nslots][L][E+1]: each layer's first row of each expert */
+    int32_t *hidx, *hrows, *hslot, *hcur; /* host scratch of the grouping (CUDA) */
     /* FP8 (NULL when off) */
     fp8_state *fp8;
     /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed

@@ -187,10 +187,12 @@ static void block_of(const par_ctx *p, size_t i, int r, size_t *off, size_t *n)
 
 /* weight gradients that are partial on each tp rank: the per-head q/k norms' (each
  * rank's heads) and, with sequence parallelism, every other replicated tensor's
- * (the norms and GPT-NeoX's row-parallel biases: each rank's tokens) */
+ * (the norms and GPT-NeoX's row-parallel biases: each rank's tokens) but the
+ * router's (it routes all the tokens, after the all-gather) */
 static int tp_partial(const model *m, const shard_tensor_spec *t)
 {
-    return t->role == SHARD_T_Q_NORM || t->role == SHARD_T_K_NORM || (m->sp && shard_role_replicated(t->role));
+    return t->role == SHARD_T_Q_NORM || t->role == SHARD_T_K_NORM ||
+           (m->sp && shard_role_replicated(t->role) && t->role != SHARD_T_ROUTER);
 }
 
 /* one all-reduce over tp of all the stage's partial gradients (packed) makes them whole */

@@ -245,6 +245,16 @@ typedef struct {
     int gelu_mlp;            /* MLP down(gelu(up x)) (exact GELU) instead of SwiGLU */
     int parallel_residual;   /* x + attn(ln1 x) + mlp(ln2 x) instead of the two residuals in turn */
     int64_t rotary_dim;      /* dims of each head that RoPE rotates: head_dim, or int(head_dim * rotary_pct) */
+    /* Mixture of experts (Mixtral, Qwen3-MoE): every layer's MLP is `experts` SwiGLU
+     * experts of moe_intermediate each; a token goes to its experts_per_tok experts of
+     * highest router probability, weighted by those probabilities (renormalized to sum
+     * to one when norm_topk_prob) */
+    int64_t experts;         /* num_local_experts / num_experts; 0: a dense MLP */
+    int64_t experts_per_tok; /* num_experts_per_tok */
+    int64_t moe_intermediate; /* Mixtral: intermediate_size; Qwen3-MoE: moe_intermediate_size */
+    int norm_topk_prob;
+    double router_aux_loss_coef;
+    int output_router_logits; /* transformers adds the load-balancing loss to the loss only then */
 } shard_model_desc;
 
 /* Parse config.json (path names the file). Unsupported features are refused by
@@ -272,16 +282,20 @@ typedef enum {
     SHARD_T_QKV, SHARD_T_QKV_BIAS,                  /* GPT-NeoX: [3 q width, hidden], [3 q width] */
     SHARD_T_O_BIAS, SHARD_T_UP_BIAS, SHARD_T_DOWN_BIAS,
     SHARD_T_NORM_ATTN_BIAS, SHARD_T_NORM_MLP_BIAS, SHARD_T_NORM_FINAL_BIAS, /* LayerNorm's */
+    SHARD_T_ROUTER,                                 /* [experts, hidden] */
+    SHARD_T_EXPERT_GATE, SHARD_T_EXPERT_UP, SHARD_T_EXPERT_DOWN, /* one expert's: [moe_intermediate, hidden], [hidden, ...] */
     SHARD_T_ROLES
 } shard_tensor_role;
 typedef struct {
     char name[SHARD_NAME_MAX];
     shard_tensor_role role;
     int layer;        /* -1 for embedding, final norm and head */
+    int expert;       /* an expert's tensor: its expert; -1 otherwise */
     int ndim;
     int64_t shape[2];
 } shard_tensor_spec;
-/* A family: its tensors by Hugging Face name ("%d": the layer) and role. */
+/* A family: its tensors by Hugging Face name ("%d": the layer, and then the expert
+ * for a role of one expert) and role. */
 typedef struct {
     const char *fmt;
     shard_tensor_role role;
@@ -299,6 +313,7 @@ typedef struct {
     shard_window_rule sliding_window;
     /* the shard_model_desc features the family always has */
     int qkv_bias, qk_norm, fused_qkv, linear_bias, layer_norm, gelu_mlp;
+    int moe;                           /* 1: experts (Mixtral: renormalized top-k always), 2: Qwen3-MoE's keys */
     const char *eps_key;               /* config.json's name of the norm's eps */
     const char *hidden_act;            /* the one activation it implements */
 } shard_family;
@@ -311,6 +326,8 @@ typedef enum { SHARD_INIT_NORMAL, SHARD_INIT_ONES, SHARD_INIT_ZEROS } shard_init
 shard_init_rule shard_role_init(shard_tensor_role role);
 /* 1: every tensor-parallel rank holds the role's tensors whole */
 int shard_role_replicated(shard_tensor_role role);
+/* 1: the role is one expert's (its names take the layer and the expert) */
+int shard_role_per_expert(shard_tensor_role role);
 size_t shard_model_tensor_count(const shard_model_desc *d);
 void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *out);
 uint64_t shard_model_param_count(const shard_model_desc *d);

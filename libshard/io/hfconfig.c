@@ -176,6 +176,40 @@ static shard_status parse_neox(ctx *c, shard_model_desc *d)
     return get_bool(c, "use_parallel_residual", 1, &d->parallel_residual);
 }
 
+/* Mixture of experts: the experts, the top-k and its renormalization (Mixtral's
+ * always, Qwen3-MoE's by norm_topk_prob), the load-balancing loss; Qwen3-MoE's dense
+ * layers (mlp_only_layers, decoder_sparse_step) are refused by name */
+static shard_status parse_moe(ctx *c, const shard_family *fam, shard_model_desc *d)
+{
+    json_t *r = c->root;
+    const char *key = json_object_get(r, "num_local_experts") ? "num_local_experts" : "num_experts";
+    TRY(get_int(c, r, key, INT64_MIN, 1, 4096, &d->experts));
+    TRY(get_int(c, r, "num_experts_per_tok", 2, 1, d->experts, &d->experts_per_tok));
+    d->moe_intermediate = d->intermediate;
+    d->norm_topk_prob = 1;
+    TRY(get_num(c, r, "router_aux_loss_coef", 0.001, 0.0, 1e6, &d->router_aux_loss_coef));
+    TRY(get_bool(c, "output_router_logits", 0, &d->output_router_logits));
+    double jitter;
+    TRY(get_num(c, r, "router_jitter_noise", 0.0, 0.0, 1.0, &jitter));
+    if (jitter != 0)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"router_jitter_noise\" = %g: router noise is not supported", c->path, jitter);
+    if (fam->moe != 2) return SHARD_OK;
+    TRY(get_int(c, r, "moe_intermediate_size", INT64_MIN, 1, DIM_MAX, &d->moe_intermediate));
+    TRY(get_bool(c, "norm_topk_prob", 0, &d->norm_topk_prob));
+    int64_t step;
+    TRY(get_int(c, r, "decoder_sparse_step", 1, 1, 100000, &step));
+    if (step != 1)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"decoder_sparse_step\" = %lld: dense layers between the sparse ones are "
+                                               "not supported (every layer must be a mixture of experts)", c->path, (long long)step);
+    json_t *dense = json_object_get(r, "mlp_only_layers");
+    if (dense && !json_is_null(dense) && !json_is_array(dense))
+        return shard_fail(SHARD_E_INVALID, "%s: \"mlp_only_layers\": expected a list", c->path);
+    if (json_array_size(dense))
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"mlp_only_layers\" is not empty: dense layers among the experts' are "
+                                               "not supported", c->path);
+    return SHARD_OK;
+}
+
 /* The sliding window: Mistral's on every layer ("sliding_window"); the Qwen families'
  * only with "use_sliding_window" (then on layers from max_window_layers on, or as
  * "layer_types" says): refused by name. Elsewhere a window is refused. */
@@ -266,6 +300,7 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     d->layer_norm = fam->layer_norm;
     d->gelu_mlp = fam->gelu_mlp;
     if (fam->fused_qkv) TRY(parse_neox(c, d));
+    if (fam->moe) TRY(parse_moe(c, fam, d));
     else if (!d->qkv_bias) TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
     if (!d->linear_bias) TRY(refuse_true(c, "mlp_bias", "smp's MLP projections have no bias"));
     if (json_object_get(r, "quantization_config"))
@@ -345,6 +380,15 @@ static void set_dims(json_t *o, const shard_model_desc *d)
         json_object_set_new(o, DIMS[k].key, json_integer(*(const int64_t *)((const char *)d + DIMS[k].off)));
 }
 
+/* a mixture of experts' sizes (nothing for a dense model) */
+static void set_experts(json_t *o, const shard_model_desc *d)
+{
+    if (!d->experts) return;
+    json_object_set_new(o, "num_local_experts", json_integer(d->experts));
+    json_object_set_new(o, "num_experts_per_tok", json_integer(d->experts_per_tok));
+    json_object_set_new(o, "moe_intermediate_size", json_integer(d->moe_intermediate));
+}
+
 json_t *shard_model_to_json(const shard_model_desc *d)
 {
     json_t *o = json_object();
@@ -352,6 +396,7 @@ json_t *shard_model_to_json(const shard_model_desc *d)
     json_object_set_new(o, "model_type", json_string(d->model_type));
     set_dims(o, d);
     json_object_set_new(o, "tie_word_embeddings", json_boolean(d->tie_word_embeddings));
+    set_experts(o, d);
     json_object_set_new(o, "parameters", json_integer((json_int_t)shard_model_param_count(d)));
     return o;
 }
@@ -366,6 +411,12 @@ void *shard_config_json(const shard_model_desc *d)
     if (d->rotary_dim != d->head_dim)
         json_object_set_new(o, "partial_rotary_factor", json_real((double)d->rotary_dim / (double)d->head_dim));
     if (d->fused_qkv) json_object_set_new(o, "use_parallel_residual", json_boolean(d->parallel_residual));
+    set_experts(o, d);
+    if (d->experts) {
+        json_object_set_new(o, "norm_topk_prob", json_boolean(d->norm_topk_prob));
+        json_object_set_new(o, "router_aux_loss_coef", json_real(d->router_aux_loss_coef));
+        json_object_set_new(o, "output_router_logits", json_boolean(d->output_router_logits));
+    }
     if (d->rope_llama3)
         json_object_set_new(o, "rope_scaling", json_pack("{s:s,s:f,s:f,s:f,s:I}", "rope_type", "llama3", "factor", d->rope_factor,
                                                          "low_freq_factor", d->rope_low_freq_factor, "high_freq_factor",

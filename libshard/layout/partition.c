@@ -38,7 +38,8 @@ int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out)
 /* The role table: each role's shape (in terms of the model's sizes), its
  * tensor-parallel split and how init fills it. Adding a role is a row here (and its
  * use in the model). */
-typedef enum { D_NONE, D_V, D_H, D_F, D_QD, D_KD, D_HD, D_QKV } dim_of; /* vocab, hidden, ..., head_dim, 3 q width */
+typedef enum { D_NONE, D_V, D_H, D_F, D_QD, D_KD, D_HD, D_QKV, D_E, D_FE } dim_of; /* vocab, hidden, ..., head_dim,
+                                                                             3 q width, experts, an expert's intermediate */
 typedef enum {
     SPLIT_REPLICATED, /* every tp rank holds it whole; tp rank 0 writes */
     SPLIT_ROWS,       /* blocks of ceil(rows / tp) (vocabulary, MLP) */
@@ -81,6 +82,11 @@ static const struct {
     [SHARD_T_NORM_ATTN_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 1, ZERO},
     [SHARD_T_NORM_MLP_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 1, ZERO},
     [SHARD_T_NORM_FINAL_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 0, ZERO},
+    [SHARD_T_ROUTER] = {{D_E, D_H}, SPLIT_REPLICATED, 0, 1, W},
+    /* each expert split over tp as a dense MLP is (experts_per_tok partial products summed once) */
+    [SHARD_T_EXPERT_GATE] = {{D_FE, D_H}, SPLIT_ROWS, 0, 1, W},
+    [SHARD_T_EXPERT_UP] = {{D_FE, D_H}, SPLIT_ROWS, 0, 1, W},
+    [SHARD_T_EXPERT_DOWN] = {{D_H, D_FE}, SPLIT_COLS, 1, 1, W},
 };
 #undef W
 #undef ONE
@@ -89,6 +95,11 @@ static const struct {
 shard_init_rule shard_role_init(shard_tensor_role role)
 {
     return (unsigned)role < SHARD_T_ROLES ? ROLE[role].init : SHARD_INIT_NORMAL;
+}
+
+int shard_role_per_expert(shard_tensor_role role)
+{
+    return role == SHARD_T_EXPERT_GATE || role == SHARD_T_EXPERT_UP || role == SHARD_T_EXPERT_DOWN;
 }
 
 int shard_role_replicated(shard_tensor_role role)
@@ -106,6 +117,8 @@ static int64_t size_of(const shard_model_desc *d, dim_of k)
     case D_KD: return d->kv_heads * d->head_dim;
     case D_HD: return d->head_dim;
     case D_QKV: return 3 * d->heads * d->head_dim;
+    case D_E: return d->experts;
+    case D_FE: return d->moe_intermediate;
     default: return 0;
     }
 }

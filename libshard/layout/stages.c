@@ -22,12 +22,20 @@ typedef struct {
 static shard_status costs_of(const shard_model_desc *d, stage_costs *c)
 {
     uint64_t H = (uint64_t)d->hidden, F = (uint64_t)d->intermediate, V = (uint64_t)d->vocab;
-    uint64_t QD, KD, a, b, mm = 0, vh, t, nmlp = d->gelu_mlp ? 2 : 3; /* up, down (and gate) */
+    uint64_t QD, KD, a, b, used, held, vh, t, nmlp = d->gelu_mlp ? 2 : 3; /* up, down (and gate) */
+    /* the weights a token's matmuls use (2 flops each) and those the layer holds (4
+     * bytes each): the same but for a mixture of experts (k of E experts used, and the
+     * router) */
+    uint64_t k = d->experts ? (uint64_t)d->experts_per_tok : 1, E = d->experts ? (uint64_t)d->experts : 1;
+    if (d->experts) F = (uint64_t)d->moe_intermediate;
     bool ok = shard_mul_u64((uint64_t)d->heads, (uint64_t)d->head_dim, &QD) &&
               shard_mul_u64((uint64_t)d->kv_heads, (uint64_t)d->head_dim, &KD) &&
               shard_add_u64(QD, KD, &a) && shard_mul_u64(a, 2 * H, &a) && /* q, o and k, v */
-              shard_mul_u64(nmlp * H, F, &b) && shard_add_u64(a, b, &mm) &&
-              shard_mul_u64(mm, 6, &t) && shard_add_u64(t, 8 * H, &c->layer) && /* 2 flops + 4 bytes; norms 4 bytes */
+              shard_mul_u64(nmlp * H, F, &b) && shard_add_u64(a, d->experts ? E * H : 0, &a) &&
+              shard_mul_u64(b, k, &used) && shard_add_u64(a, used, &used) &&
+              shard_mul_u64(b, E, &held) && shard_add_u64(a, held, &held) &&
+              shard_mul_u64(used, 2, &used) && shard_mul_u64(held, 4, &held) && shard_add_u64(used, held, &t) &&
+              shard_add_u64(t, 8 * H, &c->layer) && /* norms 4 bytes */
               shard_mul_u64(V, H, &vh) && shard_mul_u64(vh, 4, &c->embed) &&
               shard_mul_u64(vh, 6, &t) && shard_add_u64(t, 4 * H, &c->head) &&
               shard_mul_u64(c->layer, (uint64_t)d->layers, &t) && shard_add_u64(t, c->embed, &t) && shard_add_u64(t, c->head, &t);

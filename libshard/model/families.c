@@ -33,6 +33,21 @@ static const shard_layer_tensor NEOX[] = {
     {NX "post_attention_layernorm.weight", SHARD_T_NORM_MLP}, {NX "post_attention_layernorm.bias", SHARD_T_NORM_MLP_BIAS},
     {NX "mlp.dense_h_to_4h.weight", SHARD_T_UP}, {NX "mlp.dense_h_to_4h.bias", SHARD_T_UP_BIAS},
     {NX "mlp.dense_4h_to_h.weight", SHARD_T_DOWN}, {NX "mlp.dense_4h_to_h.bias", SHARD_T_DOWN_BIAS}};
+/* Mixtral: Llama's attention, then a router and the experts' SwiGLU (w1 gate, w3 up, w2 down) */
+#define LLAMA_ATTN \
+    {"model.layers.%d.input_layernorm.weight", SHARD_T_NORM_ATTN}, {ATT "q_proj.weight", SHARD_T_Q}, \
+    {ATT "k_proj.weight", SHARD_T_K}, {ATT "v_proj.weight", SHARD_T_V}, {ATT "o_proj.weight", SHARD_T_O}, \
+    {"model.layers.%d.post_attention_layernorm.weight", SHARD_T_NORM_MLP}
+#define MOE "model.layers.%d.block_sparse_moe."
+static const shard_layer_tensor MIXTRAL[] = {
+    LLAMA_ATTN, {MOE "gate.weight", SHARD_T_ROUTER}, {MOE "experts.%d.w1.weight", SHARD_T_EXPERT_GATE},
+    {MOE "experts.%d.w3.weight", SHARD_T_EXPERT_UP}, {MOE "experts.%d.w2.weight", SHARD_T_EXPERT_DOWN}};
+/* Qwen3-MoE: Qwen3's attention (q/k norms), a router and the experts */
+#define QMOE "model.layers.%d.mlp."
+static const shard_layer_tensor QWEN3_MOE[] = {
+    LLAMA_ATTN, {ATT "q_norm.weight", SHARD_T_Q_NORM}, {ATT "k_norm.weight", SHARD_T_K_NORM},
+    {QMOE "gate.weight", SHARD_T_ROUTER}, {QMOE "experts.%d.gate_proj.weight", SHARD_T_EXPERT_GATE},
+    {QMOE "experts.%d.up_proj.weight", SHARD_T_EXPERT_UP}, {QMOE "experts.%d.down_proj.weight", SHARD_T_EXPERT_DOWN}};
 static const shard_layer_tensor LLAMA_OUTER[] = {
     {"model.embed_tokens.weight", SHARD_T_EMBED}, {"model.norm.weight", SHARD_T_NORM_FINAL}, {"lm_head.weight", SHARD_T_HEAD}};
 /* transformers 5 calls the head lm_head but saves it as embed_out (its conversion mapping) */
@@ -46,18 +61,22 @@ static const char *const NEOX_DERIVED[] = {NX "attention.rotary_emb.inv_freq", N
 #define TENSORS(layer, outer, derived) layer, N_OF(layer), outer, N_OF(outer), derived
 
 static const shard_family FAMILIES[] = {
-    /* architecture, model_type, tensors, window; qkv_bias, qk_norm, fused_qkv, linear_bias, layer_norm, gelu_mlp;
-     * eps key, activation */
-    {"LlamaForCausalLM", "llama", TENSORS(LLAMA, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_NONE, 0, 0, 0, 0, 0, 0,
+    /* architecture, model_type, tensors, window; qkv_bias, qk_norm, fused_qkv, linear_bias, layer_norm, gelu_mlp,
+     * moe; eps key, activation */
+    {"LlamaForCausalLM", "llama", TENSORS(LLAMA, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_NONE, 0, 0, 0, 0, 0, 0, 0,
      "rms_norm_eps", "silu"},
-    {"MistralForCausalLM", "mistral", TENSORS(LLAMA, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_ALL, 0, 0, 0, 0, 0, 0,
+    {"MistralForCausalLM", "mistral", TENSORS(LLAMA, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_ALL, 0, 0, 0, 0, 0, 0, 0,
      "rms_norm_eps", "silu"},
-    {"Qwen2ForCausalLM", "qwen2", TENSORS(QWEN2, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 1, 0, 0, 0, 0, 0,
+    {"Qwen2ForCausalLM", "qwen2", TENSORS(QWEN2, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 1, 0, 0, 0, 0, 0, 0,
      "rms_norm_eps", "silu"},
-    {"Qwen3ForCausalLM", "qwen3", TENSORS(QWEN3, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 0, 1, 0, 0, 0, 0,
+    {"Qwen3ForCausalLM", "qwen3", TENSORS(QWEN3, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 0, 1, 0, 0, 0, 0, 0,
      "rms_norm_eps", "silu"},
-    {"GPTNeoXForCausalLM", "gpt_neox", TENSORS(NEOX, NEOX_OUTER, NEOX_DERIVED), SHARD_WINDOW_NONE, 0, 0, 1, 1, 1, 1,
+    {"GPTNeoXForCausalLM", "gpt_neox", TENSORS(NEOX, NEOX_OUTER, NEOX_DERIVED), SHARD_WINDOW_NONE, 0, 0, 1, 1, 1, 1, 0,
      "layer_norm_eps", "gelu"},
+    {"MixtralForCausalLM", "mixtral", TENSORS(MIXTRAL, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_ALL, 0, 0, 0, 0, 0, 0,
+     1, "rms_norm_eps", "silu"},
+    {"Qwen3MoeForCausalLM", "qwen3_moe", TENSORS(QWEN3_MOE, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 0, 1, 0,
+     0, 0, 0, 2, "rms_norm_eps", "silu"},
 };
 
 const shard_family *shard_family_of(const char *architecture)
@@ -90,9 +109,32 @@ static size_t outer_count(const shard_model_desc *d)
     return family(d)->nouter - (d->tie_word_embeddings ? 1 : 0);
 }
 
+/* the tensors of one layer: an expert's role once per expert */
+static size_t layer_count(const shard_model_desc *d)
+{
+    const shard_family *f = family(d);
+    size_t n = 0;
+    for (size_t k = 0; k < f->nlayer; k++) n += shard_role_per_expert(f->layer[k].role) ? (size_t)d->experts : 1;
+    return n;
+}
+
 size_t shard_model_tensor_count(const shard_model_desc *d)
 {
-    return (size_t)d->layers * family(d)->nlayer + outer_count(d);
+    return (size_t)d->layers * layer_count(d) + outer_count(d);
+}
+
+/* tensor j of a layer: its table row and its expert (-1: not an expert's) */
+static const shard_layer_tensor *layer_tensor(const shard_model_desc *d, size_t j, int *expert)
+{
+    const shard_family *f = family(d);
+    for (size_t k = 0;; k++) {
+        const size_t n = shard_role_per_expert(f->layer[k].role) ? (size_t)d->experts : 1;
+        if (j < n) {
+            *expert = shard_role_per_expert(f->layer[k].role) ? (int)j : -1;
+            return &f->layer[k];
+        }
+        j -= n;
+    }
 }
 
 /* the name of the family's tensor of a role outside the layers */
@@ -108,16 +150,17 @@ void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *
 {
     memset(o, 0, sizeof *o);
     const shard_family *f = family(d);
-    const size_t nl = (size_t)d->layers * f->nlayer;
-    o->layer = -1;
+    const size_t per = layer_count(d), nl = (size_t)d->layers * per;
+    o->layer = o->expert = -1;
     const shard_layer_tensor *t;
     if (i == 0) t = &f->outer[0]; /* the embedding */
     else if (i <= nl) {
-        t = &f->layer[(i - 1) % f->nlayer];
-        o->layer = (int)((i - 1) / f->nlayer);
+        t = layer_tensor(d, (i - 1) % per, &o->expert);
+        o->layer = (int)((i - 1) / per);
     } else t = &f->outer[i - nl];
     o->role = t->role;
-    if (o->layer >= 0) snprintf(o->name, sizeof o->name, t->fmt, o->layer);
+    if (o->expert >= 0) snprintf(o->name, sizeof o->name, t->fmt, o->layer, o->expert);
+    else if (o->layer >= 0) snprintf(o->name, sizeof o->name, t->fmt, o->layer);
     else snprintf(o->name, sizeof o->name, "%s", t->fmt);
     o->ndim = shard_role_shape(d, o->role, o->shape);
 }
