@@ -186,6 +186,7 @@ NEOX_CONFIG_CASES = {
     "rotary-factor-zero": dict(rope_parameters=_neox_rope(0)),
     "rotary-factor-above-one": dict(rope_parameters=_neox_rope(1.5)),
     "rotary-dim-odd": dict(rope_parameters=_neox_rope(0.375)),  # int(8 * 0.375) = 3
+    "rotary-dim-zero": dict(rope_parameters=_neox_rope(0.1)),  # int(8 * 0.1) = 0: no rotary at all
     "rotary-theta-zero": dict(rope_parameters=_neox_rope(0.5, 0)),
     "rotary-yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
                                          "partial_rotary_factor": 0.5}),
