@@ -236,7 +236,7 @@ def test_gradients_match_autograd(tmp_path, case, micro):
 
 # ---------------------------------------------------------------- AdamW vs torch
 @pytest.mark.parametrize("case", ["llama-gqa-f32", "llama-tied-bf16-llama3"])
-def test_adamw_steps_track_torch(tmp_path, case):
+def test_adamw_steps_track_torch(tmp_path, case, weights_tol=1e-4):
     hf, ck = make_ckpt(tmp_path, case)
     V, B, M, S, steps, seed = vocab_of(case), 4, 2, 32, 10, 7
     lr, warmup, lr_min, clip, wd, b1, b2, eps = 3e-3, 3, 1e-4, 0.5, 0.1, 0.9, 0.95, 1e-8
@@ -280,7 +280,7 @@ def test_adamw_steps_track_torch(tmp_path, case):
         group, name = key.rsplit("/", 1)[0], key.rsplit("/", 1)[1]
         name = name.split("@")[0] if "@" in name else name
         if group == "optim/master" and name in sd:
-            assert rel(arr, sd[name].detach().numpy()) < 1e-4, name
+            assert rel(arr, sd[name].detach().numpy()) < weights_tol, (name, rel(arr, sd[name].detach().numpy()))
     assert any(k.startswith("optim/master") for k in final)
     manifest = json.loads((latest(tmp_path / "run") / "smp.json").read_text())
     pd = {t["name"]: t["dtype"] for t in manifest["tensors"] if t["group"] == "params"}
