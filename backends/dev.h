@@ -52,7 +52,7 @@ struct dev {
 
 /* The name of the entry point libsmp_cuda.so exports: const dev_ops *NAME(void). */
 #define DEV_CUDA_ENTRY "smp_dev_cuda_ops"
-#define DEV_ABI 3
+#define DEV_ABI 4
 
 struct dev_ops {
     int abi;                 /* DEV_ABI: a library built for another table is refused */
@@ -92,6 +92,9 @@ struct dev_ops {
     /* out (dt) [N,C] += bias (dt) [C]; backward: dbias (fp32) [C] += the column sums of dout (dt) */
     void (*bias_forward)(dev *d, void *out, const void *bias, int N, int C);
     void (*bias_backward)(dev *d, float *dbias, const void *dout, int N, int C);
+    /* GPT-NeoX's fused qkv [N, nh, 3, hd] -> q, k, v [N, nh, hd] each (written); merge: the adjoint (written) */
+    void (*qkv_split)(dev *d, void *q, void *k, void *v, const void *qkv, int N, int nh, int hd);
+    void (*qkv_merge)(dev *d, void *dqkv, const void *dq, const void *dk, const void *dv, int N, int nh, int hd);
     void (*rmsnorm_forward)(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps);
     void (*rmsnorm_backward)(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                              const float *rstd, int N, int H);

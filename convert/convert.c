@@ -390,13 +390,10 @@ static shard_status set_source(run *r, const job *jb, shard_h5_piece *x, piece_s
     const convert_source *src = r->src;
     const shard_tensor_spec *t = &jb->spec;
     if (src->init) {
-        const shard_tensor_role ro = t->role;
-        const int norm = ro == SHARD_T_NORM_ATTN || ro == SHARD_T_NORM_MLP || ro == SHARD_T_NORM_FINAL ||
-                         ro == SHARD_T_Q_NORM || ro == SHARD_T_K_NORM;
-        const int bias = ro == SHARD_T_Q_BIAS || ro == SHARD_T_K_BIAS || ro == SHARD_T_V_BIAS;
+        const shard_init_rule rule = shard_role_init(t->role);
         /* transformers zeroes the padding token's embedding row */
-        ps->i = (init_tensor){t, src->seed, name_hash(t->name), r->d->initializer_range, norm || bias,
-                              norm ? 1.0f : 0.0f, ro == SHARD_T_EMBED ? r->d->pad_token_id : -1};
+        ps->i = (init_tensor){t, src->seed, name_hash(t->name), r->d->initializer_range, rule != SHARD_INIT_NORMAL,
+                              rule == SHARD_INIT_ONES ? 1.0f : 0.0f, t->role == SHARD_T_EMBED ? r->d->pad_token_id : -1};
         x->fill = init_fill;
         return SHARD_OK;
     }

@@ -47,6 +47,13 @@ void op_linear_backward(float *dinp, float *dweight, const float *dout,
 void op_bias_forward(float *out, const float *bias, int N, int C);
 void op_bias_backward(float *dbias, const float *dout, int N, int C);
 
+/* ---- GPT-NeoX's fused qkv: its query_key_value linear gives, per token and head h in
+ * order, [q_h, k_h, v_h] (hd each), i.e. qkv [N, nh, 3, hd]. split WRITES q, k, v
+ * [N, nh, hd] each; merge, the adjoint, WRITES dqkv [N, nh, 3, hd] from dq, dk, dv
+ * (the gradients are whole, so nothing accumulates). Both copy values exactly. */
+void op_qkv_split(float *q, float *k, float *v, const float *qkv, int N, int nh, int hd);
+void op_qkv_merge(float *dqkv, const float *dq, const float *dk, const float *dv, int N, int nh, int hd);
+
 /* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------
  * rstd[N] is saved for backward. backward: dinp or dweight may be NULL to skip it. */
 void op_rmsnorm_forward(float *out, float *rstd, const float *inp, const float *weight,

@@ -63,6 +63,15 @@ cudaError_t cuda_op_bias_forward(void *out, const void *bias, int N, int C, cuda
 cudaError_t cuda_op_bias_backward(float *dbias, const void *dout, int N, int C, cudaDataType_t dt,
                                   cudaStream_t stream);
 
+/* ---- GPT-NeoX's fused qkv ------------------------------------------------------------
+ * split: qkv [N, nh, 3, hd] (dt) -> q, k, v [N, nh, hd] (dt), written; merge, the
+ * adjoint: dqkv [N, nh, 3, hd] (dt, written) from dq, dk, dv. Exact copies (a
+ * permutation: bf16 values are not converted). */
+cudaError_t cuda_op_qkv_split(void *q, void *k, void *v, const void *qkv, int N, int nh, int hd,
+                              cudaDataType_t dt, cudaStream_t stream);
+cudaError_t cuda_op_qkv_merge(void *dqkv, const void *dq, const void *dk, const void *dv, int N, int nh,
+                              int hd, cudaDataType_t dt, cudaStream_t stream);
+
 /* ---- RMSNorm ----------------------------------------------------------------------
  * out, inp, weight, dinp, dout: dt. rstd [N] fp32 (written). dweight [H] fp32
  * (accumulated); dinp or dweight may be NULL to skip it. */

@@ -114,9 +114,12 @@ static void hf_text(const hf_info *h)
     if (d->rope_llama3)
         printf(", llama3 scaling (factor %g, low %g, high %g, original %lld)", d->rope_factor, d->rope_low_freq_factor, d->rope_high_freq_factor,
                (long long)d->rope_original_max_positions);
+    if (d->rotary_dim != d->head_dim) printf(", %lld of %lld dims rotated", (long long)d->rotary_dim, (long long)d->head_dim);
     printf(", max positions %lld\n", (long long)d->max_positions);
-    printf("  norm         RMSNorm, eps %g\n", d->rms_norm_eps);
-    printf("  embeddings   %s\n", d->tie_word_embeddings ? "tied (lm_head shares model.embed_tokens)" : "untied");
+    printf("  norm         %s, eps %g\n", d->layer_norm ? "LayerNorm with bias" : "RMSNorm", d->norm_eps);
+    printf("  block        %s%s%s\n", d->gelu_mlp ? "GELU MLP" : "SwiGLU MLP", d->linear_bias ? ", biases on every linear" : "",
+           d->fused_qkv ? (d->parallel_residual ? ", fused qkv, parallel residual" : ", fused qkv, sequential residual") : "");
+    printf("  embeddings   %s\n", d->tie_word_embeddings ? "tied (the head shares the embedding)" : "untied");
     const char *td = shard_torch_dtype_name(d->torch_dtype);
     printf("  torch_dtype  %s\n", td ? td : "(not set)");
     printf("  weights      %s in %zu tensor%s, %zu file%s%s\n", cli_bytes(b1, (double)h->bytes), shard_weights_count(w),

@@ -1,4 +1,4 @@
-/* train/model.c: the model of one rank (Llama, Mistral, Qwen2, Qwen3), forward and backward (see model.h). */
+/* train/model.c: the model of one rank (Llama, Mistral, Qwen2, Qwen3, GPT-NeoX), forward and backward (see model.h). */
 #include "model.h"
 
 #include <math.h>
@@ -37,6 +37,9 @@ static const struct {
     FIELD(SHARD_T_UP, up), FIELD(SHARD_T_DOWN, down), FIELD(SHARD_T_NORM_ATTN, norm_attn),
     FIELD(SHARD_T_NORM_MLP, norm_mlp), FIELD(SHARD_T_Q_BIAS, q_bias), FIELD(SHARD_T_K_BIAS, k_bias),
     FIELD(SHARD_T_V_BIAS, v_bias), FIELD(SHARD_T_Q_NORM, q_norm), FIELD(SHARD_T_K_NORM, k_norm),
+    FIELD(SHARD_T_QKV, qkv), FIELD(SHARD_T_QKV_BIAS, qkv_bias), FIELD(SHARD_T_O_BIAS, o_bias),
+    FIELD(SHARD_T_UP_BIAS, up_bias), FIELD(SHARD_T_DOWN_BIAS, down_bias), FIELD(SHARD_T_NORM_ATTN_BIAS, norm_attn_bias),
+    FIELD(SHARD_T_NORM_MLP_BIAS, norm_mlp_bias),
 };
 #undef FIELD
 
@@ -44,6 +47,7 @@ static const struct {
 static shard_status bind(model *m)
 {
     m->embed = m->norm_final = m->head = m->dembed = m->dnorm_final = m->dhead = NULL;
+    m->norm_final_bias = m->dnorm_final_bias = NULL;
     for (size_t i = 0; i < m->ntensors; i++) {
         const shard_tensor_spec *t = &m->spec[i];
         void *p = AT(m->params, m->offset[i]);
@@ -60,6 +64,9 @@ static shard_status bind(model *m)
         } else if (t->role == SHARD_T_HEAD) {
             m->head = p;
             m->dhead = g;
+        } else if (t->role == SHARD_T_NORM_FINAL_BIAS) {
+            m->norm_final_bias = p;
+            m->dnorm_final_bias = g;
         }
     }
     if (m->d.tie_word_embeddings) { /* one tensor, two uses: both gradients sum into it */
@@ -83,21 +90,23 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->nh = (int)d->heads;
     m->nkv = (int)d->kv_heads;
     m->hd = (int)d->head_dim;
+    m->rd = d->rotary_dim > 0 ? (int)d->rotary_dim : m->hd;
     m->window = (int)d->sliding_window;
     m->vocab_start = 0;
     m->vocab_local = m->V;
     m->l0 = 0;
     m->l1 = m->L;
     m->first = m->last = 1;
-    m->eps = (float)d->rms_norm_eps;
-    if (m->hd % 2) return shard_fail(SHARD_E_UNSUPPORTED, "head_dim %d is odd: RoPE needs an even head_dim", m->hd);
+    m->eps = (float)d->norm_eps;
+    if (m->rd % 2 || m->rd > m->hd)
+        return shard_fail(SHARD_E_UNSUPPORTED, "RoPE over %d of head_dim %d dims: it needs an even count", m->rd, m->hd);
     m->ntensors = shard_model_tensor_count(d);
     m->spec = zalloc(m->ntensors, sizeof *m->spec);
     m->offset = zalloc(m->ntensors, sizeof *m->offset);
     m->numel = zalloc(m->ntensors, sizeof *m->numel);
     m->lw = zalloc((size_t)m->L, sizeof *m->lw);
     m->lg = zalloc((size_t)m->L, sizeof *m->lg);
-    m->inv_freq = zalloc((size_t)m->hd / 2, sizeof(float));
+    m->inv_freq = zalloc((size_t)m->rd / 2, sizeof(float));
     if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq) goto nomem;
     size_t off = 0;
     for (size_t i = 0; i < m->ntensors; i++) {
@@ -111,7 +120,7 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->nparams = off;
     m->params = dalloc(m, off, dv->es);
     m->grads = dalloc(m, off, sizeof(float));
-    m->inv_freq_d = dalloc(m, (size_t)m->hd / 2, sizeof(float));
+    m->inv_freq_d = dalloc(m, (size_t)m->rd / 2, sizeof(float));
     if (!m->params || !m->grads || !m->inv_freq_d) goto nomem;
     shard_status st = bind(m);
     if (st) {
@@ -120,8 +129,8 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     }
     op_rope_params rp = {(float)d->rope_theta, d->rope_llama3, (float)d->rope_factor, (float)d->rope_low_freq_factor,
                          (float)d->rope_high_freq_factor, (float)d->rope_original_max_positions};
-    op_rope_inv_freq(m->inv_freq, m->hd, &rp);
-    OPS->upload(DV, m->inv_freq_d, m->inv_freq, (size_t)m->hd / 2 * sizeof(float));
+    op_rope_inv_freq(m->inv_freq, m->rd, &rp);
+    OPS->upload(DV, m->inv_freq_d, m->inv_freq, (size_t)m->rd / 2 * sizeof(float));
     return SHARD_OK;
 nomem:
     model_free(m);
@@ -147,7 +156,8 @@ shard_status model_localize(model *m, const shard_piece *pieces, int tp)
             break;
         case SHARD_T_Q: m->nh = (int)(b->len[0] / m->hd); break;
         case SHARD_T_K: m->nkv = (int)(b->len[0] / m->hd); break;
-        case SHARD_T_GATE: m->F = (int)b->len[0]; break;
+        case SHARD_T_QKV: m->nh = m->nkv = (int)(b->len[0] / (3 * m->hd)); break;
+        case SHARD_T_UP: m->F = (int)b->len[0]; break;
         default: break;
         }
     }
@@ -222,8 +232,9 @@ void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
 /* every backend buffer of a layer's activations, in a fixed order */
 #define LAYER_BUFS(a) {(void **)&(a)->x, (void **)&(a)->rstd1, &(a)->xn1, &(a)->q, &(a)->k, &(a)->v, &(a)->att, \
                        (void **)&(a)->lse, &(a)->xmid, (void **)&(a)->rstd2, &(a)->xn2, &(a)->gate, &(a)->up, &(a)->act, \
-                       &(a)->q_pre, &(a)->k_pre, (void **)&(a)->rstd_q, (void **)&(a)->rstd_k}
-enum { NBUFS = 18 }; /* the entries of LAYER_BUFS */
+                       &(a)->q_pre, &(a)->k_pre, (void **)&(a)->rstd_q, (void **)&(a)->rstd_k, \
+                       (void **)&(a)->mean1, (void **)&(a)->mean2}
+enum { NBUFS = 20 }; /* the entries of LAYER_BUFS */
 
 static void free_layer(model *m, layer_acts *a)
 {
@@ -238,8 +249,8 @@ static void free_slot(model *m, act_slot *sl)
         for (int l = 0; l < m->L; l++) free_layer(m, &sl->acts[l]);
         free(sl->acts);
     }
-    void **bufs[] = {&sl->xL, (void **)&sl->rstdf, &sl->xnf, &sl->logits, (void **)&sl->rowmax, (void **)&sl->sumexp,
-                     (void **)&sl->losses};
+    void **bufs[] = {&sl->xL, (void **)&sl->rstdf, (void **)&sl->meanf, &sl->xnf, &sl->logits, (void **)&sl->rowmax,
+                     (void **)&sl->sumexp, (void **)&sl->losses};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) dfree(m, *bufs[k]);
     memset(sl, 0, sizeof *sl);
 }
@@ -252,13 +263,14 @@ static void free_acts(model *m)
     m->nslots = 0;
     m->acts = NULL;
     m->xL = m->xnf = m->logits = NULL;
-    m->rstdf = m->rowmax = m->sumexp = m->losses = NULL;
+    m->rstdf = m->meanf = m->rowmax = m->sumexp = m->losses = NULL;
     m->target_logit = NULL; /* the second half of sumexp's buffer */
     free_layer(m, &m->rc);
     void **bufs[] = {(void **)&m->cos_t, (void **)&m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv, &m->datt,
                      &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
-                     (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre};
+                     (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre,
+                     &m->qkv, &m->dres};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
@@ -277,6 +289,7 @@ void model_use_slot(model *m, int k)
     m->acts = sl->acts;
     m->xL = sl->xL;
     m->rstdf = sl->rstdf;
+    m->meanf = sl->meanf;
     m->xnf = sl->xnf;
     m->logits = sl->logits;
     m->rowmax = sl->rowmax;
@@ -317,8 +330,9 @@ static int kept(const model *m, const void *const *field, const layer_acts *a)
     if (m->recompute == RECOMPUTE_FULL) return 0;
     /* attention: the MLP half stays */
     return field == (const void *const *)&a->xmid || field == (const void *const *)&a->rstd2 ||
-           field == (const void *const *)&a->xn2 || field == (const void *const *)&a->gate ||
-           field == (const void *const *)&a->up || field == (const void *const *)&a->act;
+           field == (const void *const *)&a->mean2 || field == (const void *const *)&a->xn2 ||
+           field == (const void *const *)&a->gate || field == (const void *const *)&a->up ||
+           field == (const void *const *)&a->act;
 }
 
 /* elements of each LAYER_BUFS entry, and its element size */
@@ -327,9 +341,11 @@ static void layer_sizes(const model *m, size_t *n, size_t *es)
     const size_t N = (size_t)m->B * m->T, H = (size_t)m->H, F = (size_t)m->F, e = m->dev->es, f = sizeof(float);
     const size_t QD = (size_t)m->nh * m->hd, KD = (size_t)m->nkv * m->hd;
     const size_t qk = m->d.qk_norm ? 1 : 0; /* the q/k norm's tensors: none elsewhere */
+    const size_t gate = m->d.gelu_mlp ? 0 : 1, ln = m->d.layer_norm ? 1 : 0;
     const size_t nn[NBUFS] = {N * H, N, N * H, N * QD, N * KD, N * KD, N * QD, (size_t)m->B * m->nh * m->T, N * H, N,
-                              N * H, N * F, N * F, N * F, qk * N * QD, qk * N * KD, qk * N * m->nh, qk * N * m->nkv};
-    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f};
+                              N * H, gate * N * F, N * F, N * F, qk * N * QD, qk * N * KD, qk * N * m->nh, qk * N * m->nkv,
+                              ln * N, ln * N};
+    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f, f, f};
     memcpy(n, nn, sizeof nn);
     memcpy(es, ee, sizeof ee);
 }
@@ -376,6 +392,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
                 if (ln[j] && kept(m, (const void *const *)all[j], a)) A(*all[j], ln[j], les[j]);
         }
         A(sl->xL, N * H, e); A(sl->rstdf, NL, f); A(sl->xnf, m->last ? N * H : 0, e); A(sl->logits, NV, e);
+        if (m->d.layer_norm) A(sl->meanf, NL, f);
         A(sl->rowmax, NL, f); A(sl->sumexp, 2 * NL, f); A(sl->losses, NL, f);
     }
     if (ok && m->recompute != RECOMPUTE_NONE && m->l0 < m->l1) { /* one shared set of what is recomputed */
@@ -386,8 +403,11 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     }
     A(m->cos_t, N * m->hd, f); A(m->sin_t, N * m->hd, f); A(m->rpos_d, N, sizeof(int32_t));
     A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
-    A(m->datt, N * QD, e); A(m->dgate, N * F, e); A(m->dup, N * F, e); A(m->dact, N * F, e); A(m->dlogits, NV, e);
+    A(m->datt, N * QD, e); A(m->dup, N * F, e); A(m->dact, N * F, e); A(m->dlogits, NV, e);
+    if (!m->d.gelu_mlp) A(m->dgate, N * F, e);
     if (m->d.qk_norm) A(m->dqk_pre, N * (QD + KD), e);
+    if (m->d.fused_qkv) A(m->qkv, N * 3 * QD, e);
+    if (m->d.parallel_residual) A(m->dres, model_local_rows(m) * H, e);
     A(m->tok_d, N, sizeof(int32_t)); A(m->tgt_d, N, sizeof(int32_t));
     if (sp_on(m)) A(m->sp_loc, N / (size_t)m->tp_size * H, e);
     const int C = m->cp_size > 1 ? m->cp_size : 1;
@@ -420,7 +440,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         return shard_fail(SHARD_E_NOMEM, "out of memory for the activations of %d x %d tokens", B, T);
     }
     if (m->fp8) {
-        size_t D = H > QD ? H : QD;
+        size_t D = H > (m->d.fused_qkv ? 3 : 1) * QD ? H : (m->d.fused_qkv ? 3 : 1) * QD;
         D = D > F ? D : F;
         D = D > KD ? D : KD;
         shard_status s = OPS->fp8_reserve(DV, m->fp8, (int)N, (int)D);
@@ -477,6 +497,33 @@ static void lin_bwd(model *m, int l, int which, void *dinp, float *dw, const voi
 {
     if (m->fp8) OPS->fp8_linear_backward(DV, m->fp8, l * LIN_COUNT + which, dinp, dw, dout, inp, w, N, IN, OUT);
     else OPS->linear_backward(DV, dinp, dw, dout, inp, w, N, IN, OUT);
+}
+
+/* The blocks' and the final norm over rows of H: LayerNorm with its bias (mean kept
+ * for backward) or RMSNorm; backward accumulates into dinp and the weight's (and
+ * bias's) gradients. */
+static void norm_fwd(model *m, void *out, float *mean, float *rstd, const void *inp, const void *w, const void *b, int rows)
+{
+    if (m->d.layer_norm) OPS->layernorm_forward(DV, out, mean, rstd, inp, w, b, rows, m->H, m->eps);
+    else OPS->rmsnorm_forward(DV, out, rstd, inp, w, rows, m->H, m->eps);
+}
+
+static void norm_bwd(model *m, void *dinp, float *dw, float *db, const void *dout, const void *inp, const void *w,
+                     const float *mean, const float *rstd, int rows)
+{
+    if (m->d.layer_norm) OPS->layernorm_backward(DV, dinp, dw, db, dout, inp, w, mean, rstd, rows, m->H);
+    else OPS->rmsnorm_backward(DV, dinp, dw, dout, inp, w, rstd, rows, m->H);
+}
+
+/* out[rows, C] += bias, when the family has one */
+static void add_bias(model *m, void *out, const void *bias, int rows, int C)
+{
+    if (bias) OPS->bias_forward(DV, out, bias, rows, C);
+}
+
+static void bias_grad(model *m, float *dbias, const void *dout, int rows, int C)
+{
+    if (dbias) OPS->bias_backward(DV, dbias, dout, rows, C);
 }
 
 /* ---- ring attention over the cp group ------------------------------------------ */
@@ -566,7 +613,8 @@ static layer_acts *work(model *m, int l)
     *w = m->rc;
     w->x = a->x;
     if (m->recompute == RECOMPUTE_ATTENTION) {
-        w->xmid = a->xmid; w->rstd2 = a->rstd2; w->xn2 = a->xn2; w->gate = a->gate; w->up = a->up; w->act = a->act;
+        w->xmid = a->xmid; w->rstd2 = a->rstd2; w->mean2 = a->mean2; w->xn2 = a->xn2; w->gate = a->gate; w->up = a->up;
+        w->act = a->act;
     }
     return w;
 }
@@ -579,60 +627,74 @@ static void fwd_attention(model *m, int l, layer_acts *a)
     const int Nl = (int)model_local_rows(m);
     const layer_params *w = &m->lw[l];
     if (sp_on(m)) { /* the norm on this rank's tokens, then all of them for the linears */
-        OPS->rmsnorm_forward(DV, m->sp_loc, a->rstd1, a->x, w->norm_attn, Nl, H, m->eps);
+        norm_fwd(m, m->sp_loc, a->mean1, a->rstd1, a->x, w->norm_attn, w->norm_attn_bias, Nl);
         tp_allgather(m, m->sp_loc, a->xn1, (size_t)Nl * H);
     } else {
-        OPS->rmsnorm_forward(DV, a->xn1, a->rstd1, a->x, w->norm_attn, N, H, m->eps);
+        norm_fwd(m, a->xn1, a->mean1, a->rstd1, a->x, w->norm_attn, w->norm_attn_bias, N);
     }
     /* with the q/k norm, the projections go to q_pre/k_pre and the norm to q/k */
     void *q = m->d.qk_norm ? a->q_pre : a->q, *k = m->d.qk_norm ? a->k_pre : a->k;
-    lin_fwd(m, l, LIN_Q, q, a->xn1, w->q, N, H, QD);
-    lin_fwd(m, l, LIN_K, k, a->xn1, w->k, N, H, KD);
-    lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
-    if (m->d.qkv_bias) {
-        OPS->bias_forward(DV, q, w->q_bias, N, QD);
-        OPS->bias_forward(DV, k, w->k_bias, N, KD);
-        OPS->bias_forward(DV, a->v, w->v_bias, N, KD);
+    if (m->d.fused_qkv) { /* GPT-NeoX: one projection, each head's [q, k, v] rows */
+        lin_fwd(m, l, LIN_Q, m->qkv, a->xn1, w->qkv, N, H, 3 * QD);
+        add_bias(m, m->qkv, w->qkv_bias, N, 3 * QD);
+        OPS->qkv_split(DV, a->q, a->k, a->v, m->qkv, N, m->nh, hd);
+    } else {
+        lin_fwd(m, l, LIN_Q, q, a->xn1, w->q, N, H, QD);
+        lin_fwd(m, l, LIN_K, k, a->xn1, w->k, N, H, KD);
+        lin_fwd(m, l, LIN_V, a->v, a->xn1, w->v, N, H, KD);
+        add_bias(m, q, w->q_bias, N, QD);
+        add_bias(m, k, w->k_bias, N, KD);
+        add_bias(m, a->v, w->v_bias, N, KD);
     }
     if (m->d.qk_norm) { /* RMSNorm over head_dim: one row per (token, head) */
         OPS->rmsnorm_forward(DV, a->q, a->rstd_q, q, w->q_norm, N * m->nh, hd, m->eps);
         OPS->rmsnorm_forward(DV, a->k, a->rstd_k, k, w->k_norm, N * m->nkv, hd, m->eps);
     }
-    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, 1, N, m->nh, hd, m->hd); /* a table row per token */
-    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, 1, N, m->nkv, hd, m->hd);
+    OPS->rope_forward(DV, a->q, m->cos_t, m->sin_t, 1, N, m->nh, hd, m->rd); /* a table row per token */
+    OPS->rope_forward(DV, a->k, m->cos_t, m->sin_t, 1, N, m->nkv, hd, m->rd);
     attention_forward(m, a);
 }
 
-/* 2: output projection, residual -> xmid, post-attention norm -> xn2 */
+/* 2: output projection (and its bias, once the partial products are summed),
+ * residual -> xmid, post-attention norm -> xn2: of xmid, or of x in a parallel
+ * residual */
 static void fwd_attention_out(model *m, int l, layer_acts *a)
 {
     const int N = m->B * m->T, H = m->H, QD = m->nh * m->hd, Nl = (int)model_local_rows(m);
     const size_t NlH = (size_t)Nl * H;
     const layer_params *w = &m->lw[l];
+    const void *ln2_in = m->d.parallel_residual ? a->x : a->xmid;
     lin_fwd(m, l, LIN_O, m->dxn, a->att, w->o, N, QD, H); /* dxn: scratch for the projection */
     if (sp_on(m)) {
         tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        add_bias(m, m->sp_loc, w->o_bias, Nl, H);
         OPS->add(DV, a->xmid, a->x, m->sp_loc, NlH);
-        OPS->rmsnorm_forward(DV, m->sp_loc, a->rstd2, a->xmid, w->norm_mlp, Nl, H, m->eps);
+        norm_fwd(m, m->sp_loc, a->mean2, a->rstd2, ln2_in, w->norm_mlp, w->norm_mlp_bias, Nl);
         tp_allgather(m, m->sp_loc, a->xn2, NlH);
     } else {
         tp_sum(m, m->dxn, (size_t)N * H); /* row-parallel: sum of the partial products */
+        add_bias(m, m->dxn, w->o_bias, N, H);
         OPS->add(DV, a->xmid, a->x, m->dxn, (size_t)N * H);
-        OPS->rmsnorm_forward(DV, a->xn2, a->rstd2, a->xmid, w->norm_mlp, N, H, m->eps);
+        norm_fwd(m, a->xn2, a->mean2, a->rstd2, ln2_in, w->norm_mlp, w->norm_mlp_bias, N);
     }
 }
 
-/* 3: gate, up, SwiGLU -> act */
+/* 3: gate, up, SwiGLU -> act; or up (and its bias), GELU */
 static void fwd_mlp(model *m, int l, layer_acts *a)
 {
     const int N = m->B * m->T, H = m->H, F = m->F;
     const layer_params *w = &m->lw[l];
-    lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
     lin_fwd(m, l, LIN_UP, a->up, a->xn2, w->up, N, H, F);
+    add_bias(m, a->up, w->up_bias, N, F);
+    if (m->d.gelu_mlp) {
+        OPS->gelu_forward(DV, a->act, a->up, (size_t)N * F);
+        return;
+    }
+    lin_fwd(m, l, LIN_GATE, a->gate, a->xn2, w->gate, N, H, F);
     OPS->swiglu_forward(DV, a->act, a->gate, a->up, (size_t)N * F);
 }
 
-/* 4: down projection, residual -> the next layer's input */
+/* 4: down projection (and its bias), residual -> the next layer's input */
 static void fwd_mlp_out(model *m, int l, layer_acts *a, void *xnext)
 {
     const int N = m->B * m->T, H = m->H, F = m->F, Nl = (int)model_local_rows(m);
@@ -640,9 +702,11 @@ static void fwd_mlp_out(model *m, int l, layer_acts *a, void *xnext)
     lin_fwd(m, l, LIN_DOWN, m->dxn, a->act, m->lw[l].down, N, F, H);
     if (sp_on(m)) {
         tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+        add_bias(m, m->sp_loc, m->lw[l].down_bias, Nl, H);
         OPS->add(DV, xnext, a->xmid, m->sp_loc, NlH);
     } else {
         tp_sum(m, m->dxn, (size_t)N * H);
+        add_bias(m, m->dxn, m->lw[l].down_bias, N, H);
         OPS->add(DV, xnext, a->xmid, m->dxn, (size_t)N * H);
     }
 }
@@ -689,10 +753,10 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
     }
     if (!m->last) return 0.0; /* the output, xL, goes to the next stage */
     if (sp) {
-        OPS->rmsnorm_forward(DV, m->sp_loc, m->rstdf, m->xL, m->norm_final, Nl, H, m->eps);
+        norm_fwd(m, m->sp_loc, m->meanf, m->rstdf, m->xL, m->norm_final, m->norm_final_bias, Nl);
         tp_allgather(m, m->sp_loc, m->xnf, NlH); /* the head and the loss on all N tokens */
     } else {
-        OPS->rmsnorm_forward(DV, m->xnf, m->rstdf, m->xL, m->norm_final, N, H, m->eps);
+        norm_fwd(m, m->xnf, m->meanf, m->rstdf, m->xL, m->norm_final, m->norm_final_bias, N);
     }
     OPS->linear_forward(DV, m->logits, m->xnf, m->head, N, H, Vl);
     /* the vocabulary-parallel cross-entropy; on one rank the tp reductions between
@@ -719,9 +783,54 @@ static void qk_norm_backward(model *m, int l, const layer_acts *a, void **dq, vo
     *dk = dkp;
 }
 
+/* back through the MLP of layer l: dout (all N rows) is the gradient of the down
+ * projection's output; the gradient of xn2 is left in dxn (this rank's part, to sum) */
+static void bwd_mlp(model *m, int l, const layer_acts *a, const void *dout)
+{
+    const int N = m->B * m->T, H = m->H, F = m->F;
+    const size_t NF = (size_t)N * F, e = DV->es;
+    const layer_params *w = &m->lw[l];
+    layer_grads *g = &m->lg[l];
+    OPS->zero(DV, m->dact, NF * e);
+    lin_bwd(m, l, LIN_DOWN, m->dact, g->down, dout, a->act, w->down, N, F, H);
+    OPS->zero(DV, m->dup, NF * e);
+    OPS->zero(DV, m->dxn, (size_t)N * H * e);
+    if (m->d.gelu_mlp) {
+        OPS->gelu_backward(DV, m->dup, m->dact, a->up, NF);
+    } else {
+        OPS->zero(DV, m->dgate, NF * e);
+        OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, NF);
+        lin_bwd(m, l, LIN_GATE, m->dxn, g->gate, m->dgate, a->xn2, w->gate, N, H, F);
+    }
+    bias_grad(m, g->up_bias, m->dup, N, F);
+    lin_bwd(m, l, LIN_UP, m->dxn, g->up, m->dup, a->xn2, w->up, N, H, F);
+}
+
+/* back through the projections of layer l, from the gradients of q, k and v (after
+ * RoPE's and the q/k norm's backward); the gradient of xn1 is left in dxn */
+static void bwd_qkv(model *m, int l, const layer_acts *a, const void *dq, const void *dk)
+{
+    const int N = m->B * m->T, H = m->H, QD = m->nh * m->hd, KD = m->nkv * m->hd;
+    const layer_params *w = &m->lw[l];
+    layer_grads *g = &m->lg[l];
+    OPS->zero(DV, m->dxn, (size_t)N * H * DV->es);
+    if (m->d.fused_qkv) {
+        OPS->qkv_merge(DV, m->qkv, dq, dk, m->dv, N, m->nh, m->hd);
+        bias_grad(m, g->qkv_bias, m->qkv, N, 3 * QD);
+        lin_bwd(m, l, LIN_Q, m->dxn, g->qkv, m->qkv, a->xn1, w->qkv, N, H, 3 * QD);
+        return;
+    }
+    bias_grad(m, g->q_bias, dq, N, QD);
+    bias_grad(m, g->k_bias, dk, N, KD);
+    bias_grad(m, g->v_bias, m->dv, N, KD);
+    lin_bwd(m, l, LIN_Q, m->dxn, g->q, dq, a->xn1, w->q, N, H, QD);
+    lin_bwd(m, l, LIN_K, m->dxn, g->k, dk, a->xn1, w->k, N, H, KD);
+    lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
+}
+
 void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale)
 {
-    const int B = m->B, T = m->T, N = B * T, H = m->H, F = m->F, hd = m->hd;
+    const int B = m->B, T = m->T, N = B * T, H = m->H, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
     const size_t NH = (size_t)N * H, e = DV->es;
     const int sp = sp_on(m), Nl = (int)model_local_rows(m);
@@ -739,10 +848,10 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
         else tp_sum(m, m->dxn, NH); /* the head is column-parallel over the vocabulary */
         OPS->zero(DV, m->dx, NlH * e);
-        OPS->rmsnorm_backward(DV, m->dx, m->dnorm_final, dnorm, m->xL, m->norm_final, m->rstdf, Nl, H);
+        norm_bwd(m, m->dx, m->dnorm_final, m->dnorm_final_bias, dnorm, m->xL, m->norm_final, m->meanf, m->rstdf, Nl);
     }
     /* m->dx holds d loss / d (residual stream) as it goes down the layers: each
-     * block adds its branch's gradient to it (rmsnorm_backward accumulates) */
+     * block adds its branch's gradient to it (the norms' backward accumulates) */
     for (int l = m->l1 - 1; l >= m->l0; l--) {
         layer_acts *a = work(m, l);
         if (m->recompute != RECOMPUTE_NONE) fwd_attention(m, l, a);
@@ -752,47 +861,45 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
         }
         const layer_params *w = &m->lw[l];
         layer_grads *g = &m->lg[l];
-        /* MLP: x_next = xmid + down(silu(gate(xn2)) * up(xn2)) */
+        /* MLP: x_next = xmid + down(mlp(xn2)). A parallel residual's attention branch
+         * takes d x_next as it is, before the MLP's norm adds to it: kept in dres */
+        const void *dattn = m->dx;
+        if (m->d.parallel_residual) {
+            OPS->copy(DV, m->dres, m->dx, NlH * e);
+            dattn = m->dres;
+        }
+        bias_grad(m, g->down_bias, m->dx, Nl, H); /* this rank's tokens: summed over tp with sp */
         const void *dout = m->dx;
         if (sp) {
             tp_allgather(m, m->dx, m->dxn, NlH);
             dout = m->dxn;
         }
-        OPS->zero(DV, m->dact, (size_t)N * F * e);
-        lin_bwd(m, l, LIN_DOWN, m->dact, g->down, dout, a->act, w->down, N, F, H);
-        OPS->zero(DV, m->dgate, (size_t)N * F * e);
-        OPS->zero(DV, m->dup, (size_t)N * F * e);
-        OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)N * F);
-        OPS->zero(DV, m->dxn, NH * e);
-        lin_bwd(m, l, LIN_GATE, m->dxn, g->gate, m->dgate, a->xn2, w->gate, N, H, F);
-        lin_bwd(m, l, LIN_UP, m->dxn, g->up, m->dup, a->xn2, w->up, N, H, F);
+        bwd_mlp(m, l, a, dout);
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
         else tp_sum(m, m->dxn, NH); /* column-parallel: input gradient summed, then the norm */
-        OPS->rmsnorm_backward(DV, m->dx, g->norm_mlp, dnorm, a->xmid, w->norm_mlp, a->rstd2, Nl, H);
+        norm_bwd(m, m->dx, g->norm_mlp, g->norm_mlp_bias, dnorm, m->d.parallel_residual ? a->x : a->xmid, w->norm_mlp,
+                 a->mean2, a->rstd2, Nl);
         /* attention: xmid = x + o(attn(rope(q(xn1)), rope(k(xn1)), v(xn1))) */
-        if (sp) tp_allgather(m, m->dx, m->dxn, NlH);
+        bias_grad(m, g->o_bias, dattn, Nl, H);
+        dout = dattn;
+        if (sp) {
+            tp_allgather(m, dattn, m->dxn, NlH);
+            dout = m->dxn;
+        }
         OPS->zero(DV, m->datt, (size_t)N * QD * e);
         lin_bwd(m, l, LIN_O, m->datt, g->o, dout, a->att, w->o, N, QD, H);
         OPS->zero(DV, m->dq, (size_t)N * QD * e);
         OPS->zero(DV, m->dk, (size_t)N * KD * e);
         OPS->zero(DV, m->dv, (size_t)N * KD * e);
         attention_backward(m, a);
-        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, 1, N, m->nh, hd, m->hd);
-        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, 1, N, m->nkv, hd, m->hd);
+        OPS->rope_backward(DV, m->dq, m->cos_t, m->sin_t, 1, N, m->nh, hd, m->rd);
+        OPS->rope_backward(DV, m->dk, m->cos_t, m->sin_t, 1, N, m->nkv, hd, m->rd);
         void *dq = m->dq, *dk = m->dk; /* the gradients of the projections' outputs */
         if (m->d.qk_norm) qk_norm_backward(m, l, a, &dq, &dk);
-        if (m->d.qkv_bias) {
-            OPS->bias_backward(DV, g->q_bias, dq, N, QD);
-            OPS->bias_backward(DV, g->k_bias, dk, N, KD);
-            OPS->bias_backward(DV, g->v_bias, m->dv, N, KD);
-        }
-        OPS->zero(DV, m->dxn, NH * e);
-        lin_bwd(m, l, LIN_Q, m->dxn, g->q, dq, a->xn1, w->q, N, H, QD);
-        lin_bwd(m, l, LIN_K, m->dxn, g->k, dk, a->xn1, w->k, N, H, KD);
-        lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
+        bwd_qkv(m, l, a, dq, dk);
         if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
         else tp_sum(m, m->dxn, NH);
-        OPS->rmsnorm_backward(DV, m->dx, g->norm_attn, dnorm, a->x, w->norm_attn, a->rstd1, Nl, H);
+        norm_bwd(m, m->dx, g->norm_attn, g->norm_attn_bias, dnorm, a->x, w->norm_attn, a->mean1, a->rstd1, Nl);
     }
     if (m->first) {
         const void *demb = m->dx;

@@ -1,5 +1,6 @@
-/* train/model.h: the Llama/Mistral model of one rank, assembled from the ops of a
- * backend (dev.h: the C ops of kernels/ops.h, or the CUDA ones).
+/* train/model.h: the model of one rank (Llama, Mistral, Qwen2, Qwen3, GPT-NeoX: the
+ * description's features, never the family's name, choose the ops), assembled from
+ * the ops of a backend (dev.h: the C ops of kernels/ops.h, or the CUDA ones).
  *
  * Parameters are held per tensor, in shard_model_tensor order (embedding, then each
  * layer's q, k, v, o, gate, up, down, input_layernorm, post_attention_layernorm, then
@@ -41,11 +42,15 @@ typedef struct {
     void *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
     void *q_bias, *k_bias, *v_bias; /* Qwen2; NULL in the other families */
     void *q_norm, *k_norm;          /* Qwen3 [head_dim]; NULL in the others */
+    /* GPT-NeoX (NULL in the others): the fused qkv projection (q, k, v NULL; gate NULL),
+     * the biases of the linears and the LayerNorms' */
+    void *qkv, *qkv_bias, *o_bias, *up_bias, *down_bias, *norm_attn_bias, *norm_mlp_bias;
 } layer_params;
 typedef struct {
     float *q, *k, *v, *o, *gate, *up, *down, *norm_attn, *norm_mlp;
     float *q_bias, *k_bias, *v_bias;
     float *q_norm, *k_norm;
+    float *qkv, *qkv_bias, *o_bias, *up_bias, *down_bias, *norm_attn_bias, *norm_mlp_bias;
 } layer_grads;
 
 /* Activation recomputation: what backward recomputes instead of keeping.
@@ -68,8 +73,9 @@ typedef struct {
     void *xmid;      /* [N,H] residual after attention */
     float *rstd2;    /* [N] */
     void *xn2;       /* [N,H] */
-    void *gate, *up; /* [N,F] */
-    void *act;       /* [N,F] silu(gate) * up */
+    void *gate, *up; /* [N,F] (no gate in a GELU MLP) */
+    void *act;       /* [N,F] silu(gate) * up, or gelu(up) */
+    float *mean1, *mean2;    /* [N] LayerNorm's means (GPT-NeoX; empty otherwise) */
     /* the per-head q/k norm (Qwen3; empty otherwise): q and k before it, and its rstd */
     void *q_pre, *k_pre;     /* [N,nh*hd], [N,nkv*hd] */
     float *rstd_q, *rstd_k;  /* [N*nh], [N*nkv] */
@@ -81,13 +87,13 @@ typedef struct {
 typedef struct {
     layer_acts *acts;        /* [L]; only the held layers' are allocated */
     void *xL, *xnf, *logits;
-    float *rstdf, *rowmax, *sumexp, *losses;
+    float *rstdf, *meanf, *rowmax, *sumexp, *losses;
 } act_slot;
 
 typedef struct {
     shard_model_desc d;
     /* sizes of this rank's part (= global on one rank) */
-    int V, H, F, L, nh, nkv, hd, window;
+    int V, H, F, L, nh, nkv, hd, rd, window; /* rd: the rotary dims of a head */
     int vocab_start, vocab_local;
     /* pipeline stage: layers [l0, l1); first: the embedding runs here; last: the
      * final norm, head and loss (one rank: 0, L, 1, 1) */
@@ -106,9 +112,11 @@ typedef struct {
     float *hparams;          /* host fp32 copy for checkpoints (model_params_host) */
     void *embed, *norm_final, *head;       /* head == embed when tied */
     float *dembed, *dnorm_final, *dhead;
+    void *norm_final_bias;                 /* LayerNorm's (GPT-NeoX), else NULL */
+    float *dnorm_final_bias;
     layer_params *lw;        /* weights, per layer */
     layer_grads *lg;         /* their gradients */
-    float *inv_freq;         /* [hd/2], host */
+    float *inv_freq;         /* [rd/2], host */
     float *inv_freq_d;       /* the same in the backend */
     recompute_mode recompute; /* set before model_alloc_acts */
     size_t act_bytes;        /* backend bytes of the activations and scratch */
@@ -120,7 +128,7 @@ typedef struct {
     act_slot *slots;
     layer_acts *acts;
     void *xL, *xnf;          /* final residual, final norm */
-    float *rstdf;
+    float *rstdf, *meanf;
     void *logits;            /* [N,Vl] */
     float *rowmax, *sumexp, *target_logit, *losses; /* [N] */
     int32_t *pos;            /* [T] positions of this rank's tokens in the sequence (host) */
@@ -144,6 +152,9 @@ typedef struct {
     /* backward scratch */
     void *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
     void *dqk_pre;           /* [N*(nh+nkv)*hd] the gradients of q and k before the q/k norm (Qwen3) */
+    void *qkv;               /* [N*3*nh*hd] the fused projection's output, in backward its gradient (GPT-NeoX) */
+    void *dres;              /* [local rows, H] the gradient of a layer's output, kept for the attention
+                                branch of a parallel residual (GPT-NeoX) */
     /* FP8 (NULL when off) */
     fp8_state *fp8;
     /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed

@@ -185,16 +185,12 @@ static void block_of(const par_ctx *p, size_t i, int r, size_t *off, size_t *n)
     *n = (r1 - r0) * p->rowsz[i];
 }
 
-static int is_norm(const shard_tensor_spec *t)
-{
-    return t->role == SHARD_T_NORM_ATTN || t->role == SHARD_T_NORM_MLP || t->role == SHARD_T_NORM_FINAL;
-}
-
 /* weight gradients that are partial on each tp rank: the per-head q/k norms' (each
- * rank's heads) and, with sequence parallelism, the norms' (each rank's tokens) */
+ * rank's heads) and, with sequence parallelism, every other replicated tensor's
+ * (the norms and GPT-NeoX's row-parallel biases: each rank's tokens) */
 static int tp_partial(const model *m, const shard_tensor_spec *t)
 {
-    return t->role == SHARD_T_Q_NORM || t->role == SHARD_T_K_NORM || (m->sp && is_norm(t));
+    return t->role == SHARD_T_Q_NORM || t->role == SHARD_T_K_NORM || (m->sp && shard_role_replicated(t->role));
 }
 
 /* one all-reduce over tp of all the stage's partial gradients (packed) makes them whole */

@@ -84,6 +84,14 @@ static void c_bias_backward(dev *d, float *dbias, const void *dout, int N, int C
 {
     op_bias_backward(dbias, dout, N, C);
 }
+static void c_qkv_split(dev *d, void *q, void *k, void *v, const void *qkv, int N, int nh, int hd)
+{
+    op_qkv_split(q, k, v, qkv, N, nh, hd);
+}
+static void c_qkv_merge(dev *d, void *dqkv, const void *dq, const void *dk, const void *dv, int N, int nh, int hd)
+{
+    op_qkv_merge(dqkv, dq, dk, dv, N, nh, hd);
+}
 static void c_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     op_rmsnorm_forward(out, rstd, inp, w, N, H, eps);
@@ -203,6 +211,7 @@ static const dev_ops C_OPS = {
     .embedding_forward = c_embedding_forward, .embedding_backward = c_embedding_backward,
     .linear_forward = c_linear_forward, .linear_backward = c_linear_backward,
     .bias_forward = c_bias_forward, .bias_backward = c_bias_backward,
+    .qkv_split = c_qkv_split, .qkv_merge = c_qkv_merge,
     .rmsnorm_forward = c_rmsnorm_forward, .rmsnorm_backward = c_rmsnorm_backward,
     .layernorm_forward = c_layernorm_forward, .layernorm_backward = c_layernorm_backward,
     .rope_table = c_rope_table, .rope_forward = c_rope_forward, .rope_backward = c_rope_backward,

@@ -189,6 +189,14 @@ static void cu_bias_backward(dev *d, float *dbias, const void *dout, int N, int 
 {
     cu_op(d, cuda_op_bias_backward(dbias, dout, N, C, DT, ST));
 }
+static void cu_qkv_split(dev *d, void *q, void *k, void *v, const void *qkv, int N, int nh, int hd)
+{
+    cu_op(d, cuda_op_qkv_split(q, k, v, qkv, N, nh, hd, DT, ST));
+}
+static void cu_qkv_merge(dev *d, void *dqkv, const void *dq, const void *dk, const void *dv, int N, int nh, int hd)
+{
+    cu_op(d, cuda_op_qkv_merge(dqkv, dq, dk, dv, N, nh, hd, DT, ST));
+}
 static void cu_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     cu_op(d, cuda_op_rmsnorm_forward(out, rstd, inp, w, N, H, eps, DT, ST));
@@ -318,6 +326,7 @@ static const dev_ops CU_OPS = {
     .embedding_forward = cu_embedding_forward, .embedding_backward = cu_embedding_backward,
     .linear_forward = cu_linear_forward, .linear_backward = cu_linear_backward,
     .bias_forward = cu_bias_forward, .bias_backward = cu_bias_backward,
+    .qkv_split = cu_qkv_split, .qkv_merge = cu_qkv_merge,
     .rmsnorm_forward = cu_rmsnorm_forward, .rmsnorm_backward = cu_rmsnorm_backward,
     .layernorm_forward = cu_layernorm_forward, .layernorm_backward = cu_layernorm_backward,
     .rope_table = cu_rope_table, .rope_forward = cu_rope_forward, .rope_backward = cu_rope_backward,

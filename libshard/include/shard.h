@@ -212,10 +212,11 @@ int shard_weights_indexed(const shard_weights *w); /* 1 when an index was used *
 #define SHARD_NAME_MAX 256
 
 /* The model description smp trains: LlamaForCausalLM, MistralForCausalLM,
- * Qwen2ForCausalLM and Qwen3ForCausalLM (the families: shard_family_of). */
+ * Qwen2ForCausalLM, Qwen3ForCausalLM and GPTNeoXForCausalLM (the families:
+ * shard_family_of). */
 typedef struct {
     char architecture[64];   /* "LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", ... */
-    char model_type[32];     /* "llama", "mistral", "qwen2", "qwen3" */
+    char model_type[32];     /* "llama", "mistral", "qwen2", "qwen3", "gpt_neox" */
     int64_t hidden;          /* hidden_size */
     int64_t intermediate;    /* intermediate_size */
     int64_t layers;          /* num_hidden_layers */
@@ -224,7 +225,7 @@ typedef struct {
     int64_t head_dim;        /* head_dim (default: hidden / heads) */
     int64_t vocab;           /* vocab_size */
     int64_t max_positions;   /* max_position_embeddings */
-    double rms_norm_eps;
+    double norm_eps;         /* rms_norm_eps (GPT-NeoX: layer_norm_eps) */
     double rope_theta;
     int rope_llama3;         /* rope_scaling {"rope_type": "llama3", ...} */
     double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
@@ -237,6 +238,13 @@ typedef struct {
     shard_dtype torch_dtype; /* SHARD_DT_INVALID when config.json names none */
     int qkv_bias;            /* q, k and v projections have biases (Qwen2) */
     int qk_norm;             /* RMSNorm of each query and key head before RoPE (Qwen3) */
+    /* GPT-NeoX */
+    int fused_qkv;           /* one query_key_value projection: per head, its q, k and v rows */
+    int linear_bias;         /* biases on every linear of the blocks (qkv, o, both of the MLP) */
+    int layer_norm;          /* LayerNorm with bias instead of RMSNorm (every norm) */
+    int gelu_mlp;            /* MLP down(gelu(up x)) (exact GELU) instead of SwiGLU */
+    int parallel_residual;   /* x + attn(ln1 x) + mlp(ln2 x) instead of the two residuals in turn */
+    int64_t rotary_dim;      /* dims of each head that RoPE rotates: head_dim, or int(head_dim * rotary_pct) */
 } shard_model_desc;
 
 /* Parse config.json (path names the file). Unsupported features are refused by
@@ -248,7 +256,7 @@ shard_status shard_config_parse(const char *json, size_t len, const char *path, 
  * was parsed is exactly what a checkpoint made from it stores. */
 shard_status shard_config_read(const char *path, shard_model_desc *out, char **text, size_t *len);
 /* The description in config.json's terms (dimensions, max_position_embeddings,
- * rms_norm_eps, rope_theta, rope_scaling, tie_word_embeddings, sliding_window,
+ * the norm's eps, rope_theta, rope_scaling, tie_word_embeddings, sliding_window,
  * torch_dtype): a new jansson object (json_t *) for the caller to json_decref. */
 void *shard_config_json(const shard_model_desc *d);
 /* config.json's name of a torch_dtype ("bfloat16"), or NULL. */
@@ -261,6 +269,9 @@ typedef enum {
     SHARD_T_DOWN, SHARD_T_NORM_ATTN, SHARD_T_NORM_MLP, SHARD_T_NORM_FINAL, SHARD_T_HEAD,
     SHARD_T_Q_BIAS, SHARD_T_K_BIAS, SHARD_T_V_BIAS, /* [q width], [kv width] */
     SHARD_T_Q_NORM, SHARD_T_K_NORM,                 /* [head_dim] */
+    SHARD_T_QKV, SHARD_T_QKV_BIAS,                  /* GPT-NeoX: [3 q width, hidden], [3 q width] */
+    SHARD_T_O_BIAS, SHARD_T_UP_BIAS, SHARD_T_DOWN_BIAS,
+    SHARD_T_NORM_ATTN_BIAS, SHARD_T_NORM_MLP_BIAS, SHARD_T_NORM_FINAL_BIAS, /* LayerNorm's */
     SHARD_T_ROLES
 } shard_tensor_role;
 typedef struct {
@@ -270,7 +281,7 @@ typedef struct {
     int ndim;
     int64_t shape[2];
 } shard_tensor_spec;
-/* A family: its layer tensors by Hugging Face name ("%d": the layer) and role. */
+/* A family: its tensors by Hugging Face name ("%d": the layer) and role. */
 typedef struct {
     const char *fmt;
     shard_tensor_role role;
@@ -280,22 +291,33 @@ typedef struct {
 typedef enum { SHARD_WINDOW_NONE, SHARD_WINDOW_ALL, SHARD_WINDOW_OPTIONAL } shard_window_rule;
 typedef struct {
     const char *architecture, *model_type;
-    const shard_layer_tensor *layer;
+    const shard_layer_tensor *layer;   /* one layer's */
     size_t nlayer;
+    const shard_layer_tensor *outer;   /* the others: the embedding first, then the final norm('s), then the head */
+    size_t nouter;
+    const char *const *derived;        /* buffers older checkpoints hold that smp ignores ("%d": the layer) */
     shard_window_rule sliding_window;
-    int qkv_bias, qk_norm;   /* the shard_model_desc features the family always has */
+    /* the shard_model_desc features the family always has */
+    int qkv_bias, qk_norm, fused_qkv, linear_bias, layer_norm, gelu_mlp;
+    const char *eps_key;               /* config.json's name of the norm's eps */
+    const char *hidden_act;            /* the one activation it implements */
 } shard_family;
 const shard_family *shard_family_of(const char *architecture); /* NULL: not supported */
 const char *shard_family_names(void);                          /* for messages */
 /* The shape of a tensor of role in d (the role table, partition.c); its ndim. */
 int shard_role_shape(const shard_model_desc *d, shard_tensor_role role, int64_t shape[2]);
+/* How `smp-convert init` fills a role, as transformers initializes it. */
+typedef enum { SHARD_INIT_NORMAL, SHARD_INIT_ONES, SHARD_INIT_ZEROS } shard_init_rule;
+shard_init_rule shard_role_init(shard_tensor_role role);
+/* 1: every tensor-parallel rank holds the role's tensors whole */
+int shard_role_replicated(shard_tensor_role role);
 size_t shard_model_tensor_count(const shard_model_desc *d);
 void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *out);
 uint64_t shard_model_param_count(const shard_model_desc *d);
 /* Check that the weights are exactly the model's tensors (names and shapes, float
  * dtypes); dir is used in messages. A tied lm_head.weight that is present must
- * equal the embedding's shape; old checkpoints' rotary_emb.inv_freq buffers are
- * ignored (derived). */
+ * equal the embedding's shape; old checkpoints' derived buffers (rotary_emb.inv_freq,
+ * GPT-NeoX's attention masks) are ignored. */
 shard_status shard_model_check_weights(const shard_model_desc *d, const shard_weights *w, const char *dir);
 
 /* ------------------------------------------------------------------ layouts */

@@ -1,5 +1,5 @@
 /* config.json of a supported family (libshard/model/families.c: Llama, Mistral,
- * Qwen2, Qwen3) -> shard_model_desc; transformers 4's keys and 5's (rope_parameters,
+ * Qwen2, Qwen3, GPT-NeoX) -> shard_model_desc; transformers 4's keys and 5's (rope_parameters,
  * dtype, layer_types) alike.
  *
  * Every field smp relies on is type- and range-checked. Settings that would change
@@ -91,17 +91,26 @@ static shard_status refuse_true(ctx *c, const char *key, const char *why)
  * rope); transformers >= 5 writes "rope_parameters" ({"rope_type", "rope_theta", and
  * the scaling's fields}). As transformers reads them: a non-null "rope_scaling" wins over
  * "rope_parameters", and a "rope_theta" inside the object over the top-level one. */
-static shard_status parse_rope(ctx *c, shard_model_desc *d)
+static json_t *rope_object(const ctx *c, const char **key)
 {
-    const char *key = "rope_scaling";
-    json_t *rs = json_object_get(c->root, key);
+    *key = "rope_scaling";
+    json_t *rs = json_object_get(c->root, *key);
     if (!rs || json_is_null(rs)) {
-        key = "rope_parameters";
-        rs = json_object_get(c->root, key);
+        *key = "rope_parameters";
+        rs = json_object_get(c->root, *key);
     }
+    return rs;
+}
+
+/* GPT-NeoX's transformers-4 keys: rotary_emb_base is its rope_theta */
+static shard_status parse_rope(ctx *c, const shard_family *fam, shard_model_desc *d)
+{
+    const char *key;
+    json_t *rs = rope_object(c, &key);
     if (rs && !json_is_null(rs) && !json_is_object(rs))
         return shard_fail(SHARD_E_INVALID, "%s: \"%s\": expected an object or null", c->path, key);
     TRY(get_num(c, c->root, "rope_theta", 10000.0, 1e-3, 1e30, &d->rope_theta));
+    if (fam->fused_qkv) TRY(get_num(c, c->root, "rotary_emb_base", d->rope_theta, 1e-3, 1e30, &d->rope_theta));
     if (!json_is_object(rs)) return SHARD_OK;
     ctx sub = {c->path, rs};
     TRY(get_num(&sub, rs, "rope_theta", d->rope_theta, 1e-3, 1e30, &d->rope_theta));
@@ -121,6 +130,50 @@ static shard_status parse_rope(ctx *c, shard_model_desc *d)
     if (d->rope_high_freq_factor <= d->rope_low_freq_factor)
         return shard_fail(SHARD_E_INVALID, "%s: \"%s\": high_freq_factor must exceed low_freq_factor", c->path, key);
     return SHARD_OK;
+}
+
+/* The rotary dims of a head: all of them, or GPT-NeoX's int(head_dim * fraction), the
+ * fraction its "partial_rotary_factor" (transformers 5, in the rope object) or its
+ * "rotary_pct" (transformers 4), 0.25 when neither is given (as transformers) */
+static shard_status parse_rotary(ctx *c, const shard_family *fam, shard_model_desc *d)
+{
+    const char *key, *name = "rotary_pct";
+    json_t *rs = rope_object(c, &key);
+    double f = 1.0;
+    if (fam->fused_qkv) TRY(get_num(c, c->root, name, 0.25, -1e30, 1e30, &f));
+    if (json_is_object(rs) && json_object_get(rs, "partial_rotary_factor")) { /* it wins, as in transformers */
+        ctx sub = {c->path, rs};
+        name = "partial_rotary_factor";
+        TRY(get_num(&sub, rs, name, f, -1e30, 1e30, &f));
+    }
+    if (!fam->fused_qkv && f != 1.0)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"%s\" = %g: a partial rotary embedding is not supported for %s",
+                          c->path, name, f, fam->architecture);
+    if (!(f > 0.0 && f <= 1.0)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\" = %g is out of range (0, 1]", c->path, name, f);
+    d->rotary_dim = (int64_t)((double)d->head_dim * f); /* Python's int(head_dim * f) */
+    if (d->rotary_dim < 2 || d->rotary_dim % 2)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"%s\" = %g gives %lld rotary dims of head_dim %lld: an odd count "
+                                               "or none is not supported (RoPE turns pairs)",
+                          c->path, name, f, (long long)d->rotary_dim, (long long)d->head_dim);
+    return SHARD_OK;
+}
+
+/* GPT-NeoX: one head size (hidden / heads) for q, k and v, biases on the attention
+ * projections, and its residual form */
+static shard_status parse_neox(ctx *c, shard_model_desc *d)
+{
+    if (d->kv_heads != d->heads)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"num_key_value_heads\" = %lld: GPT-NeoX has as many kv heads as query heads",
+                          c->path, (long long)d->kv_heads);
+    if (d->head_dim * d->heads != d->hidden)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"head_dim\" = %lld: GPT-NeoX's heads are hidden_size / num_attention_heads",
+                          c->path, (long long)d->head_dim);
+    int bias;
+    TRY(get_bool(c, "attention_bias", 1, &bias));
+    if (!bias)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"attention_bias\": false is not supported (smp's GPT-NeoX has biases on "
+                                               "query_key_value and dense)", c->path);
+    return get_bool(c, "use_parallel_residual", 1, &d->parallel_residual);
 }
 
 /* The sliding window: Mistral's on every layer ("sliding_window"); the Qwen families'
@@ -194,25 +247,34 @@ static shard_status parse(ctx *c, shard_model_desc *d)
         d->head_dim = d->hidden / d->heads;
     }
     if (d->head_dim % 2) return shard_fail(SHARD_E_INVALID, "%s: head_dim %lld is odd (RoPE needs pairs)", c->path, (long long)d->head_dim);
-    TRY(get_num(c, r, "rms_norm_eps", 1e-6, 1e-30, 1.0, &d->rms_norm_eps));
+    TRY(get_num(c, r, fam->eps_key, fam->layer_norm ? 1e-5 : 1e-6, 1e-30, 1.0, &d->norm_eps));
     TRY(get_num(c, r, "initializer_range", 0.02, 0.0, 10.0, &d->initializer_range));
     TRY(get_bool(c, "tie_word_embeddings", 0, &d->tie_word_embeddings));
-    TRY(parse_rope(c, d));
+    TRY(parse_rope(c, fam, d));
+    TRY(parse_rotary(c, fam, d));
 
     TRY(parse_window(c, fam, d));
     json_t *act = json_object_get(r, "hidden_act");
     if (act && !json_is_string(act)) return shard_fail(SHARD_E_INVALID, "%s: \"hidden_act\": expected a string", c->path);
-    if (act && strcmp(json_string_value(act), "silu") != 0)
-        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"hidden_act\" \"%.40s\" is not supported (smp implements SwiGLU with silu)", c->path, json_string_value(act));
+    if (act && strcmp(json_string_value(act), fam->hidden_act) != 0)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"hidden_act\" \"%.40s\" is not supported (smp implements %s's MLP with \"%s\")",
+                          c->path, json_string_value(act), fam->architecture, fam->hidden_act);
     d->qkv_bias = fam->qkv_bias; /* Qwen2's q, k, v always have biases (its config has no key) */
     d->qk_norm = fam->qk_norm;
-    if (!d->qkv_bias) TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
-    TRY(refuse_true(c, "mlp_bias", "smp's MLP projections have no bias"));
+    d->fused_qkv = fam->fused_qkv;
+    d->linear_bias = fam->linear_bias;
+    d->layer_norm = fam->layer_norm;
+    d->gelu_mlp = fam->gelu_mlp;
+    if (fam->fused_qkv) TRY(parse_neox(c, d));
+    else if (!d->qkv_bias) TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
+    if (!d->linear_bias) TRY(refuse_true(c, "mlp_bias", "smp's MLP projections have no bias"));
     if (json_object_get(r, "quantization_config"))
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"quantization_config\": quantized checkpoints are not supported", c->path);
     double drop = 0;
     TRY(get_num(c, r, "attention_dropout", 0.0, 0.0, 1.0, &drop));
     if (drop != 0) return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"attention_dropout\" = %g: dropout is not supported", c->path, drop);
+    TRY(get_num(c, r, "hidden_dropout", 0.0, 0.0, 1.0, &drop));
+    if (drop != 0) return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"hidden_dropout\" = %g: dropout is not supported", c->path, drop);
     /* the padding token (transformers zeroes its embedding row at initialization);
      * informational, so an unusual value is kept as "none" rather than refused */
     d->pad_token_id = token_id(json_object_get(r, "pad_token_id"), d->vocab);
@@ -299,8 +361,11 @@ void *shard_config_json(const shard_model_desc *d)
     json_t *o = json_object();
     set_dims(o, d);
     json_object_set_new(o, "max_position_embeddings", json_integer(d->max_positions));
-    json_object_set_new(o, "rms_norm_eps", json_real(d->rms_norm_eps));
+    json_object_set_new(o, d->layer_norm ? "layer_norm_eps" : "rms_norm_eps", json_real(d->norm_eps));
     json_object_set_new(o, "rope_theta", json_real(d->rope_theta));
+    if (d->rotary_dim != d->head_dim)
+        json_object_set_new(o, "partial_rotary_factor", json_real((double)d->rotary_dim / (double)d->head_dim));
+    if (d->fused_qkv) json_object_set_new(o, "use_parallel_residual", json_boolean(d->parallel_residual));
     if (d->rope_llama3)
         json_object_set_new(o, "rope_scaling", json_pack("{s:s,s:f,s:f,s:f,s:I}", "rope_type", "llama3", "factor", d->rope_factor,
                                                          "low_freq_factor", d->rope_low_freq_factor, "high_freq_factor",

@@ -35,40 +35,66 @@ int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out)
     return 1;
 }
 
-/* The role table: each role's shape (in terms of the model's sizes) and its
- * tensor-parallel split. Adding a role is a row here (and its use in the model). */
-typedef enum { D_NONE, D_V, D_H, D_F, D_QD, D_KD, D_HD } dim_of; /* vocab, hidden, ..., head_dim */
+/* The role table: each role's shape (in terms of the model's sizes), its
+ * tensor-parallel split and how init fills it. Adding a role is a row here (and its
+ * use in the model). */
+typedef enum { D_NONE, D_V, D_H, D_F, D_QD, D_KD, D_HD, D_QKV } dim_of; /* vocab, hidden, ..., head_dim, 3 q width */
 typedef enum {
     SPLIT_REPLICATED, /* every tp rank holds it whole; tp rank 0 writes */
     SPLIT_ROWS,       /* blocks of ceil(rows / tp) (vocabulary, MLP) */
     SPLIT_COLS,       /* blocks of ceil(cols / tp) (down_proj) */
-    SPLIT_QHEADS,     /* whole query heads along split_dim */
+    SPLIT_QHEADS,     /* whole query heads along split_dim (GPT-NeoX's fused qkv: a head's q, k and v rows) */
     SPLIT_KVHEADS     /* whole kv heads along dim 0, replicated when fewer than tp */
 } split_rule;
+#define W SHARD_INIT_NORMAL
+#define ONE SHARD_INIT_ONES
+#define ZERO SHARD_INIT_ZEROS
 static const struct {
     dim_of dims[2];
     split_rule split;
     int split_dim;
     int per_layer;
+    shard_init_rule init;
 } ROLE[SHARD_T_ROLES] = {
-    [SHARD_T_EMBED] = {{D_V, D_H}, SPLIT_ROWS, 0, 0},
-    [SHARD_T_HEAD] = {{D_V, D_H}, SPLIT_ROWS, 0, 0},
-    [SHARD_T_NORM_FINAL] = {{D_H}, SPLIT_REPLICATED, 0, 0},
-    [SHARD_T_Q] = {{D_QD, D_H}, SPLIT_QHEADS, 0, 1},
-    [SHARD_T_K] = {{D_KD, D_H}, SPLIT_KVHEADS, 0, 1},
-    [SHARD_T_V] = {{D_KD, D_H}, SPLIT_KVHEADS, 0, 1},
-    [SHARD_T_O] = {{D_H, D_QD}, SPLIT_QHEADS, 1, 1},
-    [SHARD_T_GATE] = {{D_F, D_H}, SPLIT_ROWS, 0, 1},
-    [SHARD_T_UP] = {{D_F, D_H}, SPLIT_ROWS, 0, 1},
-    [SHARD_T_DOWN] = {{D_H, D_F}, SPLIT_COLS, 1, 1},
-    [SHARD_T_NORM_ATTN] = {{D_H}, SPLIT_REPLICATED, 0, 1},
-    [SHARD_T_NORM_MLP] = {{D_H}, SPLIT_REPLICATED, 0, 1},
-    [SHARD_T_Q_BIAS] = {{D_QD}, SPLIT_QHEADS, 0, 1},
-    [SHARD_T_K_BIAS] = {{D_KD}, SPLIT_KVHEADS, 0, 1},
-    [SHARD_T_V_BIAS] = {{D_KD}, SPLIT_KVHEADS, 0, 1},
-    [SHARD_T_Q_NORM] = {{D_HD}, SPLIT_REPLICATED, 0, 1},
-    [SHARD_T_K_NORM] = {{D_HD}, SPLIT_REPLICATED, 0, 1},
+    [SHARD_T_EMBED] = {{D_V, D_H}, SPLIT_ROWS, 0, 0, W},
+    [SHARD_T_HEAD] = {{D_V, D_H}, SPLIT_ROWS, 0, 0, W},
+    [SHARD_T_NORM_FINAL] = {{D_H}, SPLIT_REPLICATED, 0, 0, ONE},
+    [SHARD_T_Q] = {{D_QD, D_H}, SPLIT_QHEADS, 0, 1, W},
+    [SHARD_T_K] = {{D_KD, D_H}, SPLIT_KVHEADS, 0, 1, W},
+    [SHARD_T_V] = {{D_KD, D_H}, SPLIT_KVHEADS, 0, 1, W},
+    [SHARD_T_O] = {{D_H, D_QD}, SPLIT_QHEADS, 1, 1, W},
+    [SHARD_T_GATE] = {{D_F, D_H}, SPLIT_ROWS, 0, 1, W},
+    [SHARD_T_UP] = {{D_F, D_H}, SPLIT_ROWS, 0, 1, W},
+    [SHARD_T_DOWN] = {{D_H, D_F}, SPLIT_COLS, 1, 1, W},
+    [SHARD_T_NORM_ATTN] = {{D_H}, SPLIT_REPLICATED, 0, 1, ONE},
+    [SHARD_T_NORM_MLP] = {{D_H}, SPLIT_REPLICATED, 0, 1, ONE},
+    [SHARD_T_Q_BIAS] = {{D_QD}, SPLIT_QHEADS, 0, 1, ZERO},
+    [SHARD_T_K_BIAS] = {{D_KD}, SPLIT_KVHEADS, 0, 1, ZERO},
+    [SHARD_T_V_BIAS] = {{D_KD}, SPLIT_KVHEADS, 0, 1, ZERO},
+    [SHARD_T_Q_NORM] = {{D_HD}, SPLIT_REPLICATED, 0, 1, ONE},
+    [SHARD_T_K_NORM] = {{D_HD}, SPLIT_REPLICATED, 0, 1, ONE},
+    [SHARD_T_QKV] = {{D_QKV, D_H}, SPLIT_QHEADS, 0, 1, W},
+    [SHARD_T_QKV_BIAS] = {{D_QKV}, SPLIT_QHEADS, 0, 1, ZERO},
+    [SHARD_T_O_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 1, ZERO},   /* added once, after the sum over tp */
+    [SHARD_T_UP_BIAS] = {{D_F}, SPLIT_ROWS, 0, 1, ZERO},
+    [SHARD_T_DOWN_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 1, ZERO},
+    [SHARD_T_NORM_ATTN_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 1, ZERO},
+    [SHARD_T_NORM_MLP_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 1, ZERO},
+    [SHARD_T_NORM_FINAL_BIAS] = {{D_H}, SPLIT_REPLICATED, 0, 0, ZERO},
 };
+#undef W
+#undef ONE
+#undef ZERO
+
+shard_init_rule shard_role_init(shard_tensor_role role)
+{
+    return (unsigned)role < SHARD_T_ROLES ? ROLE[role].init : SHARD_INIT_NORMAL;
+}
+
+int shard_role_replicated(shard_tensor_role role)
+{
+    return (unsigned)role < SHARD_T_ROLES && ROLE[role].dims[0] != D_NONE && ROLE[role].split == SPLIT_REPLICATED;
+}
 
 static int64_t size_of(const shard_model_desc *d, dim_of k)
 {
@@ -79,6 +105,7 @@ static int64_t size_of(const shard_model_desc *d, dim_of k)
     case D_QD: return d->heads * d->head_dim;
     case D_KD: return d->kv_heads * d->head_dim;
     case D_HD: return d->head_dim;
+    case D_QKV: return 3 * d->heads * d->head_dim;
     default: return 0;
     }
 }
@@ -156,10 +183,12 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
     case SPLIT_ROWS: case SPLIT_COLS:
         block(t->shape[dim], tp, r, &b->off[dim], &b->len[dim]);
         break;
-    case SPLIT_QHEADS: /* whole query heads: rank r takes heads [r*nH/tp, (r+1)*nH/tp) */
-        b->off[dim] = r * (nH / tp) * hd;
-        b->len[dim] = (nH / tp) * hd;
+    case SPLIT_QHEADS: { /* whole query heads: rank r takes heads [r*nH/tp, (r+1)*nH/tp) */
+        const int64_t w = t->shape[dim] / nH; /* a head's rows: head_dim, or 3 head_dim fused */
+        b->off[dim] = r * (nH / tp) * w;
+        b->len[dim] = (nH / tp) * w;
         break;
+    }
     case SPLIT_KVHEADS:
         if (nKV >= tp) {
             b->off[0] = r * (nKV / tp) * hd;

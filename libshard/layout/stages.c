@@ -22,11 +22,11 @@ typedef struct {
 static shard_status costs_of(const shard_model_desc *d, stage_costs *c)
 {
     uint64_t H = (uint64_t)d->hidden, F = (uint64_t)d->intermediate, V = (uint64_t)d->vocab;
-    uint64_t QD, KD, a, b, mm = 0, vh, t;
+    uint64_t QD, KD, a, b, mm = 0, vh, t, nmlp = d->gelu_mlp ? 2 : 3; /* up, down (and gate) */
     bool ok = shard_mul_u64((uint64_t)d->heads, (uint64_t)d->head_dim, &QD) &&
               shard_mul_u64((uint64_t)d->kv_heads, (uint64_t)d->head_dim, &KD) &&
               shard_add_u64(QD, KD, &a) && shard_mul_u64(a, 2 * H, &a) && /* q, o and k, v */
-              shard_mul_u64(3 * H, F, &b) && shard_add_u64(a, b, &mm) &&  /* gate, up, down */
+              shard_mul_u64(nmlp * H, F, &b) && shard_add_u64(a, b, &mm) &&
               shard_mul_u64(mm, 6, &t) && shard_add_u64(t, 8 * H, &c->layer) && /* 2 flops + 4 bytes; norms 4 bytes */
               shard_mul_u64(V, H, &vh) && shard_mul_u64(vh, 4, &c->embed) &&
               shard_mul_u64(vh, 6, &t) && shard_add_u64(t, 4 * H, &c->head) &&

@@ -1,5 +1,5 @@
 /* The model families smp trains, as data: each family's architecture name, its
- * layer tensors by their Hugging Face names and roles, and what sets it apart; and
+ * tensors by their Hugging Face names and roles, and what sets it apart; and
  * the check of a model folder against them. The shape of every role, and how each
  * role is split over tensor-parallel ranks, are the role table of partition.c. */
 #include "../core/internal.h"
@@ -23,13 +23,41 @@ static const shard_layer_tensor QWEN2[] = {LLAMA_LAYER, {ATT "q_proj.bias", SHAR
 /* Qwen3: RMSNorm over head_dim of each query and key head, before RoPE */
 static const shard_layer_tensor QWEN3[] = {LLAMA_LAYER, {ATT "q_norm.weight", SHARD_T_Q_NORM},
                                            {ATT "k_norm.weight", SHARD_T_K_NORM}};
+/* GPT-NeoX: one fused qkv projection, biases on every linear, LayerNorm with bias,
+ * a GELU MLP */
+#define NX "gpt_neox.layers.%d."
+static const shard_layer_tensor NEOX[] = {
+    {NX "input_layernorm.weight", SHARD_T_NORM_ATTN}, {NX "input_layernorm.bias", SHARD_T_NORM_ATTN_BIAS},
+    {NX "attention.query_key_value.weight", SHARD_T_QKV}, {NX "attention.query_key_value.bias", SHARD_T_QKV_BIAS},
+    {NX "attention.dense.weight", SHARD_T_O}, {NX "attention.dense.bias", SHARD_T_O_BIAS},
+    {NX "post_attention_layernorm.weight", SHARD_T_NORM_MLP}, {NX "post_attention_layernorm.bias", SHARD_T_NORM_MLP_BIAS},
+    {NX "mlp.dense_h_to_4h.weight", SHARD_T_UP}, {NX "mlp.dense_h_to_4h.bias", SHARD_T_UP_BIAS},
+    {NX "mlp.dense_4h_to_h.weight", SHARD_T_DOWN}, {NX "mlp.dense_4h_to_h.bias", SHARD_T_DOWN_BIAS}};
+static const shard_layer_tensor LLAMA_OUTER[] = {
+    {"model.embed_tokens.weight", SHARD_T_EMBED}, {"model.norm.weight", SHARD_T_NORM_FINAL}, {"lm_head.weight", SHARD_T_HEAD}};
+/* transformers 5 calls the head lm_head but saves it as embed_out (its conversion mapping) */
+static const shard_layer_tensor NEOX_OUTER[] = {
+    {"gpt_neox.embed_in.weight", SHARD_T_EMBED}, {"gpt_neox.final_layer_norm.weight", SHARD_T_NORM_FINAL},
+    {"gpt_neox.final_layer_norm.bias", SHARD_T_NORM_FINAL_BIAS}, {"embed_out.weight", SHARD_T_HEAD}};
+static const char *const LLAMA_DERIVED[] = {"model.layers.%d.self_attn.rotary_emb.inv_freq", NULL};
+static const char *const NEOX_DERIVED[] = {NX "attention.rotary_emb.inv_freq", NX "attention.bias",
+                                           NX "attention.masked_bias", NULL};
 #define N_OF(a) (sizeof a / sizeof a[0])
+#define TENSORS(layer, outer, derived) layer, N_OF(layer), outer, N_OF(outer), derived
 
 static const shard_family FAMILIES[] = {
-    {"LlamaForCausalLM", "llama", LLAMA, N_OF(LLAMA), SHARD_WINDOW_NONE, 0, 0},
-    {"MistralForCausalLM", "mistral", LLAMA, N_OF(LLAMA), SHARD_WINDOW_ALL, 0, 0},
-    {"Qwen2ForCausalLM", "qwen2", QWEN2, N_OF(QWEN2), SHARD_WINDOW_OPTIONAL, 1, 0},
-    {"Qwen3ForCausalLM", "qwen3", QWEN3, N_OF(QWEN3), SHARD_WINDOW_OPTIONAL, 0, 1},
+    /* architecture, model_type, tensors, window; qkv_bias, qk_norm, fused_qkv, linear_bias, layer_norm, gelu_mlp;
+     * eps key, activation */
+    {"LlamaForCausalLM", "llama", TENSORS(LLAMA, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_NONE, 0, 0, 0, 0, 0, 0,
+     "rms_norm_eps", "silu"},
+    {"MistralForCausalLM", "mistral", TENSORS(LLAMA, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_ALL, 0, 0, 0, 0, 0, 0,
+     "rms_norm_eps", "silu"},
+    {"Qwen2ForCausalLM", "qwen2", TENSORS(QWEN2, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 1, 0, 0, 0, 0, 0,
+     "rms_norm_eps", "silu"},
+    {"Qwen3ForCausalLM", "qwen3", TENSORS(QWEN3, LLAMA_OUTER, LLAMA_DERIVED), SHARD_WINDOW_OPTIONAL, 0, 1, 0, 0, 0, 0,
+     "rms_norm_eps", "silu"},
+    {"GPTNeoXForCausalLM", "gpt_neox", TENSORS(NEOX, NEOX_OUTER, NEOX_DERIVED), SHARD_WINDOW_NONE, 0, 0, 1, 1, 1, 1,
+     "layer_norm_eps", "gelu"},
 };
 
 const shard_family *shard_family_of(const char *architecture)
@@ -56,9 +84,24 @@ static const shard_family *family(const shard_model_desc *d)
     return f ? f : &FAMILIES[0];
 }
 
+/* the family's tensors outside the layers that d has (a tied head is the embedding) */
+static size_t outer_count(const shard_model_desc *d)
+{
+    return family(d)->nouter - (d->tie_word_embeddings ? 1 : 0);
+}
+
 size_t shard_model_tensor_count(const shard_model_desc *d)
 {
-    return 2 + (size_t)d->layers * family(d)->nlayer + (d->tie_word_embeddings ? 0 : 1);
+    return (size_t)d->layers * family(d)->nlayer + outer_count(d);
+}
+
+/* the name of the family's tensor of a role outside the layers */
+static const char *outer_name(const shard_model_desc *d, shard_tensor_role role)
+{
+    const shard_family *f = family(d);
+    for (size_t k = 0; k < f->nouter; k++)
+        if (f->outer[k].role == role) return f->outer[k].fmt;
+    return "";
 }
 
 void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *o)
@@ -67,21 +110,15 @@ void shard_model_tensor(const shard_model_desc *d, size_t i, shard_tensor_spec *
     const shard_family *f = family(d);
     const size_t nl = (size_t)d->layers * f->nlayer;
     o->layer = -1;
-    if (i == 0) {
-        snprintf(o->name, sizeof o->name, "model.embed_tokens.weight");
-        o->role = SHARD_T_EMBED;
-    } else if (i <= nl) {
-        const shard_layer_tensor *t = &f->layer[(i - 1) % f->nlayer];
+    const shard_layer_tensor *t;
+    if (i == 0) t = &f->outer[0]; /* the embedding */
+    else if (i <= nl) {
+        t = &f->layer[(i - 1) % f->nlayer];
         o->layer = (int)((i - 1) / f->nlayer);
-        o->role = t->role;
-        snprintf(o->name, sizeof o->name, t->fmt, o->layer);
-    } else if (i == nl + 1) {
-        snprintf(o->name, sizeof o->name, "model.norm.weight");
-        o->role = SHARD_T_NORM_FINAL;
-    } else {
-        snprintf(o->name, sizeof o->name, "lm_head.weight");
-        o->role = SHARD_T_HEAD;
-    }
+    } else t = &f->outer[i - nl];
+    o->role = t->role;
+    if (o->layer >= 0) snprintf(o->name, sizeof o->name, t->fmt, o->layer);
+    else snprintf(o->name, sizeof o->name, "%s", t->fmt);
     o->ndim = shard_role_shape(d, o->role, o->shape);
 }
 
@@ -105,10 +142,23 @@ static void fmt_shape(char *buf, size_t cap, int ndim, const int64_t *shape)
     if (k < cap) snprintf(buf + k, cap - k, "]");
 }
 
-static int is_derived_buffer(const char *name)
+/* name is fmt ("prefix%dsuffix") with a layer number in d's range */
+static int is_layer_name(const shard_model_desc *d, const char *fmt, const char *name)
 {
-    const char *s = strstr(name, ".self_attn.rotary_emb.inv_freq");
-    return s && strncmp(name, "model.layers.", 13) == 0 && s[strlen(".self_attn.rotary_emb.inv_freq")] == 0;
+    const char *pct = strstr(fmt, "%d");
+    const size_t pre = (size_t)(pct - fmt);
+    if (strncmp(name, fmt, pre) != 0) return 0;
+    const char *p = name + pre, *q = p;
+    while (*q >= '0' && *q <= '9' && q - p < 7) q++;
+    if (q == p || (q - p > 1 && *p == '0') || strtol(p, NULL, 10) >= d->layers) return 0;
+    return strcmp(q, pct + 2) == 0;
+}
+
+static int is_derived_buffer(const shard_model_desc *d, const char *name)
+{
+    for (const char *const *k = family(d)->derived; *k; k++)
+        if (is_layer_name(d, *k, name)) return 1;
+    return 0;
 }
 
 shard_status shard_model_check_weights(const shard_model_desc *d, const shard_weights *w, const char *dir)
@@ -133,11 +183,11 @@ shard_status shard_model_check_weights(const shard_model_desc *d, const shard_we
     }
     for (size_t i = 0; i < shard_weights_count(w); i++) {
         const shard_st_tensor *st = shard_weights_at(w, i);
-        if (is_derived_buffer(st->name)) continue;
-        if (d->tie_word_embeddings && strcmp(st->name, "lm_head.weight") == 0) {
-            const shard_st_tensor *e = shard_weights_find(w, "model.embed_tokens.weight");
+        if (is_derived_buffer(d, st->name)) continue;
+        if (d->tie_word_embeddings && strcmp(st->name, outer_name(d, SHARD_T_HEAD)) == 0) {
+            const shard_st_tensor *e = shard_weights_find(w, outer_name(d, SHARD_T_EMBED));
             if (st->ndim != 2 || st->shape[0] != e->shape[0] || st->shape[1] != e->shape[1])
-                return shard_fail(SHARD_E_INVALID, "%s: tied \"lm_head.weight\" differs in shape from the embedding", dir);
+                return shard_fail(SHARD_E_INVALID, "%s: tied \"%s\" differs in shape from the embedding", dir, st->name);
             continue;
         }
         int known = 0;

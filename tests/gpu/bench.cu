@@ -228,6 +228,11 @@ static void bench_ops()
     /* a k/v bias: few columns, many rows (the same buffer as 65536 x 512) */
     ms = time_ms("bias bwd kv", [&] { return cuda_op_bias_backward(dw, g, N * 8, 512, BF, 0); });
     report_bw("bias bwd bf16->f32 N=65536 C=512", ms, nh * 2.0);
+    /* NeoX's fused qkv of N/4 rows, 32 heads of 128 (3/4 of x; q, k, v a quarter of y, g, dx) */
+    ms = time_ms("qkv split", [&] { return cuda_op_qkv_split(y, g, dx, x, N / 4, 32, 128, BF, 0); });
+    report_bw("qkv split bf16 N=2048 nh=32 hd=128", ms, 2.0 * (nh / 4 * 3) * 2);
+    ms = time_ms("qkv merge", [&] { return cuda_op_qkv_merge(x, y, g, dx, N / 4, 32, 128, BF, 0); });
+    report_bw("qkv merge bf16 N=2048 nh=32 hd=128", ms, 2.0 * (nh / 4 * 3) * 2);
 
     {
         const int T = 4096, B = 2, nhd = 32, hd = 128;

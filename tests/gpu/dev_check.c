@@ -179,6 +179,23 @@ static void test_bias(int N, int C)
     end();
 }
 
+/* a permutation: exact on both sides, in either dtype */
+static void test_qkv(int N, int nh, int hd)
+{
+    if (!begin("qkv", "N=%d nh=%d hd=%d", N, nh, hd)) return;
+    const size_t n = (size_t)N * nh * hd;
+    pair x = ACT(randn(3 * n, 1.0f, 1), 3 * n), q = ACT(NULL, n), k = ACT(NULL, n), v = ACT(NULL, n);
+    CALL2(qkv_split, S(q), S(k), S(v), S(x), N, nh, hd);
+    cmp("split q", q, 0.0);
+    cmp("split k", k, 0.0);
+    cmp("split v", v, 0.0);
+    pair dq = ACT(randn(n, 1.0f, 1), n), dk = ACT(randn(n, 1.0f, 1), n), dv = ACT(randn(n, 1.0f, 1), n);
+    pair dx = ACT(NULL, 3 * n);
+    CALL2(qkv_merge, S(dx), S(dq), S(dk), S(dv), N, nh, hd);
+    cmp("merge dqkv", dx, 0.0);
+    end();
+}
+
 static void test_rmsnorm(int N, int H)
 {
     if (!begin("rmsnorm", "N=%d H=%d", N, H)) return;
@@ -518,6 +535,8 @@ static void run_all(void)
     test_linear(8, 32, 64);
     test_bias(24, 64);
     test_bias(9, 37);
+    test_qkv(24, 4, 16);
+    test_qkv(9, 3, 5);
     test_rmsnorm(24, 64);
     test_rmsnorm(9, 64);
     test_layernorm(24, 64);

@@ -271,6 +271,30 @@ static void test_bias(cudaDataType_t dt, int N, int C, int offset)
     TEST_END();
 }
 
+/* ============================================================ qkv split / merge */
+/* a permutation: exact in both dtypes. offset: the tensors off the 16-byte grid */
+static void test_qkv(cudaDataType_t dt, int N, int nh, int hd, int offset)
+{
+    TEST_BEGIN("qkv %s N=%d nh=%d hd=%d%s", dtname(dt), N, nh, hd, offset ? " unaligned" : "");
+    const size_t n = (size_t)N * nh * hd, off = (size_t)offset * esize(dt);
+    float *x = randn(3 * n, 1.0f, dt), *p[3], *g[3], *dx = hfloats(3 * n);
+    char *d_x = to_dev_off(x, 3 * n, dt, off), *d_p[3], *d_g[3], *d_dx = to_dev_off(NULL, 3 * n, dt, off);
+    for (int i = 0; i < 3; i++) {
+        p[i] = hfloats(n), g[i] = randn(n, 1.0f, dt);
+        d_p[i] = to_dev_off(NULL, n, dt, off), d_g[i] = to_dev_off(g[i], n, dt, off);
+    }
+    op_qkv_split(p[0], p[1], p[2], x, N, nh, hd);
+    CK_SYNC(cuda_op_qkv_split(d_p[0], d_p[1], d_p[2], d_x, N, nh, hd, dt, 0));
+    compare_dev("split q", d_p[0], dt, p[0], n, 0.0);
+    compare_dev("split k", d_p[1], dt, p[1], n, 0.0);
+    compare_dev("split v", d_p[2], dt, p[2], n, 0.0);
+
+    op_qkv_merge(dx, g[0], g[1], g[2], N, nh, hd);
+    CK_SYNC(cuda_op_qkv_merge(d_dx, d_g[0], d_g[1], d_g[2], N, nh, hd, dt, 0));
+    compare_dev("merge dqkv", d_dx, dt, dx, 3 * n, 0.0);
+    TEST_END();
+}
+
 /* ============================================================ rmsnorm */
 static void test_rmsnorm(cudaDataType_t dt, int N, int H)
 {
@@ -919,6 +943,13 @@ static void test_per_dtype(cudaDataType_t dt)
             test_bias(dt, 3000, 127, 1);
             test_bias(dt, 8192, 1, 0);
         }
+    }
+    if (selected("qkv")) {
+        test_qkv(dt, 9, 4, 64, 0); /* 16-byte units */
+        test_qkv(dt, 7, 3, 5, 0);  /* hd not a whole unit: one element at a time */
+        test_qkv(dt, 5, 2, 32, 1); /* unaligned */
+        test_qkv(dt, 1, 1, 8, 0);  /* N = nh = 1; bf16: one unit per head */
+        if (!quick) test_qkv(dt, 4096, 16, 128, 0);
     }
     if (selected("rmsnorm")) {
         test_rmsnorm(dt, 33, 96);

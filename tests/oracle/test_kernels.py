@@ -46,6 +46,8 @@ SIGNATURES = {
     "op_linear_backward": (None, [P, P, P, P, P, I, I, I]),
     "op_bias_forward": (None, [P, P, I, I]),
     "op_bias_backward": (None, [P, P, I, I]),
+    "op_qkv_split": (None, [P, P, P, P, I, I, I]),
+    "op_qkv_merge": (None, [P, P, P, P, I, I, I]),
     "op_rmsnorm_forward": (None, [P, P, P, P, I, I, F32]),
     "op_rmsnorm_backward": (None, [P, P, P, P, P, P, I, I]),
     "op_layernorm_forward": (None, [P, P, P, P, P, P, I, I, F32]),
@@ -205,6 +207,27 @@ def test_bias(lib, N, C):
     lib.op_bias_backward(ptr(db), ptr(f32(g)), N, C)
     close(db, db0 + B.grad.numpy(), what="bias dbias (+=)")
     np.testing.assert_array_equal(X.grad.numpy(), g)  # what the caller passes on as dinp
+
+
+# ---- GPT-NeoX's fused qkv: split and its adjoint -------------------------------------
+
+@pytest.mark.parametrize("N,nh,hd", [(7, 3, 8), (1, 4, 5), (5, 1, 16), (1, 1, 1), (33, 2, 5)])
+def test_qkv(lib, N, nh, hd):
+    r = rng(12)
+    x = f32(r.standard_normal((N, nh, 3, hd)))
+    g = [f32(r.standard_normal((N, nh, hd))) for _ in range(3)]
+    X = torch.tensor(x, requires_grad=True)
+    ref = X.view(N, nh, 3 * hd).chunk(3, -1)  # transformers' GPTNeoXAttention
+    sum((t * torch.tensor(gi)).sum() for t, gi in zip(ref, g)).backward()
+
+    q, k, v = (np.full((N, nh, hd), np.nan, np.float32) for _ in range(3))  # written, whatever was there
+    lib.op_qkv_split(ptr(q), ptr(k), ptr(v), ptr(x), N, nh, hd)
+    for got, want, name in zip((q, k, v), ref, "qkv"):
+        np.testing.assert_array_equal(got, want.detach().numpy(), err_msg=f"qkv split {name}")
+
+    dqkv = np.full((N, nh, 3, hd), np.nan, np.float32)
+    lib.op_qkv_merge(ptr(dqkv), ptr(g[0]), ptr(g[1]), ptr(g[2]), N, nh, hd)
+    np.testing.assert_array_equal(dqkv, X.grad.numpy(), err_msg="qkv merge vs autograd")
 
 
 # ---- RMSNorm -----------------------------------------------------------------------

@@ -1,7 +1,7 @@
 /* tests/unit/test_kernels.c: self-contained checks of the portable C ops that need
  * no Python: central finite differences against each backward (rmsnorm, layernorm,
- * swiglu, gelu, bias, rope (partial too), attention, cross-entropy) on tiny shapes, and
- * the attention log-sum-exp merge.
+ * swiglu, gelu, bias, rope (partial too), attention, cross-entropy) on tiny shapes,
+ * the attention log-sum-exp merge, and GPT-NeoX's qkv split and its adjoint.
  * The comparisons with torch live in tests/oracle/test_kernels.py. */
 #include <setjmp.h>
 #include <stdarg.h>
@@ -332,6 +332,40 @@ static void test_bias_threads(void **state)
 #else
     skip();
 #endif
+}
+
+/* ---- GPT-NeoX's fused qkv ------------------------------------------------------------ */
+
+enum { QK_N = 3, QK_NH = 4, QK_HD = 5, QK_ONE = QK_N * QK_NH * QK_HD, QK_ALL = 3 * QK_ONE };
+
+static void test_qkv(void **state)
+{
+    (void)state;
+    rng_seed(13);
+    float x[QK_ALL], q[QK_ONE], k[QK_ONE], v[QK_ONE], y[QK_ALL];
+    fill(x, QK_ALL, 2.0f);
+    memset(q, 0xff, sizeof q); /* NaNs: split writes every element */
+    op_qkv_split(q, k, v, x, QK_N, QK_NH, QK_HD);
+    const float *parts[3] = {q, k, v};
+    for (int n = 0; n < QK_N; n++) /* x [N, nh, 3, hd] -> part [N, nh, hd] */
+        for (int h = 0; h < QK_NH; h++)
+            for (int p = 0; p < 3; p++)
+                for (int j = 0; j < QK_HD; j++)
+                    assert_true(parts[p][(n * QK_NH + h) * QK_HD + j] == x[((n * QK_NH + h) * 3 + p) * QK_HD + j]);
+
+    /* merge undoes split, bit for bit */
+    memset(y, 0xff, sizeof y);
+    op_qkv_merge(y, q, k, v, QK_N, QK_NH, QK_HD);
+    assert_memory_equal(y, x, sizeof x);
+
+    /* merge is split's adjoint: <split(x), (a, b, c)> == <x, merge(a, b, c)> */
+    float a[QK_ONE], b[QK_ONE], c[QK_ONE];
+    fill(a, QK_ONE, 1.0f);
+    fill(b, QK_ONE, 1.0f);
+    fill(c, QK_ONE, 1.0f);
+    op_qkv_merge(y, a, b, c, QK_N, QK_NH, QK_HD);
+    double lhs = dotd(q, a, QK_ONE) + dotd(k, b, QK_ONE) + dotd(v, c, QK_ONE), rhs = dotd(x, y, QK_ALL);
+    assert_true(fabs(lhs - rhs) <= 1e-12 * (fabs(lhs) + 1.0));
 }
 
 /* ---- RoPE, full and partial (GPT-NeoX's rotary_pct) ----------------------------- */
@@ -695,6 +729,7 @@ int main(void)
         cmocka_unit_test(test_gelu_fd),
         cmocka_unit_test(test_bias),
         cmocka_unit_test(test_bias_threads),
+        cmocka_unit_test(test_qkv),
         cmocka_unit_test(test_attention_fd),
         cmocka_unit_test(test_attention_window_fd),
         cmocka_unit_test(test_attention_docs_fd),
