@@ -27,12 +27,15 @@ class ModelDesc(ctypes.Structure):
     _fields_ = [("architecture", ctypes.c_char * 64), ("model_type", ctypes.c_char * 32)] + \
         [(n, ctypes.c_int64) for n in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
                                        "max_positions")] + \
-        [("rms_norm_eps", ctypes.c_double), ("rope_theta", ctypes.c_double), ("rope_llama3", ctypes.c_int),
+        [("norm_eps", ctypes.c_double), ("rope_theta", ctypes.c_double), ("rope_llama3", ctypes.c_int),
          ("rope_factor", ctypes.c_double), ("rope_low_freq_factor", ctypes.c_double),
          ("rope_high_freq_factor", ctypes.c_double), ("rope_original_max_positions", ctypes.c_int64),
          ("tie_word_embeddings", ctypes.c_int), ("sliding_window", ctypes.c_int64),
          ("initializer_range", ctypes.c_double), ("pad_token_id", ctypes.c_int64), ("eos_token_id", ctypes.c_int64),
-         ("torch_dtype", ctypes.c_int)]
+         ("torch_dtype", ctypes.c_int)] + \
+        [(n, ctypes.c_int) for n in ("qkv_bias", "qk_norm", "fused_qkv", "linear_bias", "layer_norm", "gelu_mlp",
+                                     "parallel_residual")] + \
+        [("rotary_dim", ctypes.c_int64)]
 
 
 class TensorSpec(ctypes.Structure):

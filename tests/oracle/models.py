@@ -35,13 +35,43 @@ CASES = {
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                      torch.float32, {}),
+    # GPT-NeoX (Pythia): fused per-head [q; k; v] with biases, biased dense/MLP, LayerNorm
+    # with biases, exact GELU, partial rotary; a parallel and a sequential residual
+    "neox-parallel": ("gpt_neox", dict(vocab_size=83, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, use_parallel_residual=True,
+                                       rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                        "partial_rotary_factor": 0.5}), torch.float32, {}),
+    "neox-sequential": ("gpt_neox", dict(vocab_size=89, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                                         num_attention_heads=6, use_parallel_residual=False,  # head_dim 8: rotary 2
+                                         rope_parameters={"rope_type": "default", "rope_theta": 10000.0,
+                                                          "partial_rotary_factor": 0.25}), torch.bfloat16, {}),
+    "neox-full-rotary-tied": ("gpt_neox", dict(vocab_size=79, hidden_size=32, intermediate_size=48,
+                                               num_hidden_layers=3, num_attention_heads=2, tie_word_embeddings=True,
+                                               layer_norm_eps=1e-6,
+                                               rope_parameters={"rope_type": "default", "rope_theta": 500.0,
+                                                                "partial_rotary_factor": 1.0}), torch.float32, {}),
 }
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+# family: the prefix of transformers' classes (<prefix>Config, <prefix>ForCausalLM)
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt_neox": "GPTNeoX"}
+# Parameters that save_pretrained writes under another name than the module's (transformers
+# 5's checkpoint conversion mapping, reversed on save): GPT-NeoX's head is the module
+# lm_head, the file's embed_out (as Pythia's checkpoints have it)
+SAVED_AS = {"gpt_neox": {"lm_head.weight": "embed_out.weight"}}
 
 
 def available(name):
     """transformers has the case's family (Qwen3 came with 4.51)"""
     return hasattr(transformers, FAMILIES[CASES[name][0]] + "ForCausalLM")
+
+
+def saved_name(model, name):
+    """The name under which save_pretrained writes model's parameter name."""
+    return SAVED_AS.get(model.config.model_type, {}).get(name, name)
+
+
+def named_parameters(model):
+    """model's parameters by the names of its files: {saved name: parameter}."""
+    return {saved_name(model, n): p for n, p in model.named_parameters()}
 
 
 def classes(family):
@@ -64,8 +94,29 @@ def make(name, path, seed=0):
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
                 layer.self_attn.k_norm.weight.uniform_(0.5, 1.5)
+    if family == "gpt_neox":  # biases zero and LayerNorms one and zero, every one of them
+        with torch.no_grad():
+            for layer in model.gpt_neox.layers:
+                for lin in (layer.attention.query_key_value, layer.attention.dense, layer.mlp.dense_h_to_4h,
+                            layer.mlp.dense_4h_to_h):
+                    lin.bias.normal_(0, 0.5)
+            for ln in [m for layer in model.gpt_neox.layers for m in (layer.input_layernorm,
+                                                                        layer.post_attention_layernorm)] + \
+                    [model.gpt_neox.final_layer_norm]:
+                ln.weight.uniform_(0.5, 1.5)
+                ln.bias.normal_(0, 0.2)
     model.save_pretrained(str(path), safe_serialization=True, **save_kw)
     return model
+
+
+def saved_names(path):
+    """The tensor names of the safetensors files in path."""
+    from safetensors import safe_open
+    out = set()
+    for f in sorted(path.glob("*.safetensors")):
+        with safe_open(str(f), framework="pt") as sf:
+            out |= set(sf.keys())
+    return out
 
 
 def config(path):

@@ -18,7 +18,8 @@ tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
 - under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
   (bf16 collectives through libshard's MPI half-precision reductions) track the
   single-rank C run;
-- Qwen2 (bias kernels) and Qwen3 (q/k norms) on one rank in fp32 within 1e-4;
+- Qwen2 (bias kernels), Qwen3 (q/k norms) and GPT-NeoX (fused qkv, LayerNorm, GELU,
+  partial rotary, parallel residual) on one rank in fp32 within 1e-4;
 - packed documents with loss masks (the attention kernels' document ids, the ring's
   skipped blocks): fp32 on one rank within 1e-4 and bf16 at cp=2 within 1e-2 of the C
   backend's run on the same data.
@@ -172,13 +173,16 @@ def test_cuda_documents_and_masks_track_c_backend(setup, tmp_path):
         assert_tracks(rows, read_log(ref / "log.jsonl"), tol, f"cuda {dtype} {layout} documents vs C")
 
 
-@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd"])
+@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd", "neox-parallel"])
 def test_cuda_families_track_c_backend(setup, tmp_path, case):
-    """Qwen2's biases (the bias kernels) and Qwen3's per-head q/k norms (RMSNorm rows of
-    head_dim) on the emulated CUDA backend, fp32, against the C backend"""
+    """Qwen2's biases (the bias kernels), Qwen3's per-head q/k norms (RMSNorm rows of
+    head_dim) and GPT-NeoX's layer (LayerNorm with bias, the fused qkv, GELU, RoPE on
+    half of each head, the parallel residual) on the emulated CUDA backend, fp32,
+    against the C backend"""
     tmp, _, _, _, lib = setup
     _, ck = make_ckpt(tmp_path, case, sharp=True)
-    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(9).integers(0, 89, size=3000))
+    V = min(89, models.CASES[case][1]["vocab_size"])
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(9).integers(0, V, size=3000))
     ref = tmp_path / "c"
     run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", ref, "--steps", 2, "--log", ref / "log.jsonl",
         *COMMON, check=0)

@@ -17,14 +17,21 @@ def test_inspect_describes_transformers_folders(tmp_path, case):
     assert out["architecture"] == cfg["architectures"][0]
     assert out["model_type"] == cfg["model_type"]
     for key in ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                "num_key_value_heads", "vocab_size", "max_position_embeddings", "tie_word_embeddings"]:
+                "vocab_size", "max_position_embeddings", "tie_word_embeddings"]:
         assert c[key] == cfg[key], key
+    # GPT-NeoX's configs have no num_key_value_heads (as many as query heads)
+    assert c["num_key_value_heads"] == cfg.get("num_key_value_heads", cfg["num_attention_heads"])
     assert c["head_dim"] == cfg.get("head_dim") or c["head_dim"] == cfg["hidden_size"] // cfg["num_attention_heads"]
-    assert c["rms_norm_eps"] == pytest.approx(cfg["rms_norm_eps"])
+    eps = "layer_norm_eps" if "layer_norm_eps" in cfg else "rms_norm_eps"  # GPT-NeoX's LayerNorm
+    assert c[eps] == pytest.approx(cfg[eps])
     # transformers >= 5 writes "rope_parameters" (rope_theta inside) and "dtype"; smp-inspect
-    # reports the older spelling: rope_theta, rope_scaling (null for the default rope), torch_dtype
+    # reports the older spelling: rope_theta, rope_scaling (null for the default rope), torch_dtype;
+    # GPT-NeoX's rotary fraction as partial_rotary_factor, where it is not 1, and its residual
     rope = dict(cfg["rope_parameters"])
     assert c["rope_theta"] == pytest.approx(rope.pop("rope_theta"))
+    factor = rope.pop("partial_rotary_factor", 1.0)
+    assert c.get("partial_rotary_factor", 1.0) == pytest.approx(factor)
+    assert c.get("use_parallel_residual") == cfg.get("use_parallel_residual")
     assert c["sliding_window"] == cfg.get("sliding_window")
     assert c["torch_dtype"] == cfg["dtype"]
     if rope["rope_type"] != "default":

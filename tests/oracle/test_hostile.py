@@ -73,6 +73,7 @@ def made_model(case, name):
 
 good = made_model("llama-gqa-f32", "good")
 sharded = made_model("llama-sharded", "sharded")
+good_neox = made_model("neox-parallel", "good_neox")  # hidden 32, 4 heads (head_dim 8), rotary 0.5
 
 
 def copy_model(good, tmp_path):
@@ -169,6 +170,64 @@ def test_bad_config(good, tmp_path, case):
     expect_refused(d, "config.json" if case != "shape-mismatch-intermediate" else str(d))
 
 
+def _neox_rope(factor, theta=10000.0):
+    return {"rope_type": "default", "rope_theta": theta, "partial_rotary_factor": factor}
+
+
+# GPT-NeoX's own keys, malformed or unsupported; and transformers 4's spelling of its
+# rotary (rotary_pct, rotary_emb_base, without rope_parameters) malformed
+NEOX_CONFIG_CASES = {
+    "parallel-residual-string": dict(use_parallel_residual="yes"),
+    "parallel-residual-number": dict(use_parallel_residual=1),
+    "layer-norm-eps-negative": dict(layer_norm_eps=-1e-5),
+    "layer-norm-eps-string": dict(layer_norm_eps="1e-5"),
+    "rotary-factor-string": dict(rope_parameters=_neox_rope("0.5")),
+    "rotary-factor-negative": dict(rope_parameters=_neox_rope(-0.5)),
+    "rotary-factor-zero": dict(rope_parameters=_neox_rope(0)),
+    "rotary-factor-above-one": dict(rope_parameters=_neox_rope(1.5)),
+    "rotary-dim-odd": dict(rope_parameters=_neox_rope(0.375)),  # int(8 * 0.375) = 3
+    "rotary-dim-zero": dict(rope_parameters=_neox_rope(0.1)),  # int(8 * 0.1) = 0: no rotary at all
+    "rotary-theta-zero": dict(rope_parameters=_neox_rope(0.5, 0)),
+    "rotary-yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+                                         "partial_rotary_factor": 0.5}),
+    "rotary-pct-string": dict(rope_parameters=_DELETE, rotary_pct="0.25"),
+    "rotary-pct-above-one": dict(rope_parameters=_DELETE, rotary_pct=2),
+    "rotary-pct-odd": dict(rope_parameters=_DELETE, rotary_pct=0.375),
+    "rotary-emb-base-zero": dict(rope_parameters=_DELETE, rotary_emb_base=0),
+    "rotary-emb-base-string": dict(rope_parameters=_DELETE, rotary_emb_base="10000"),
+    "gelu-new": dict(hidden_act="gelu_new"),
+    "silu": dict(hidden_act="silu"),
+    "hidden-act-not-string": dict(hidden_act=["gelu"]),
+    "attention-bias-false": dict(attention_bias=False),
+    "attention-bias-string": dict(attention_bias="true"),
+    "hidden-dropout": dict(hidden_dropout=0.1),
+    "hidden-dropout-string": dict(hidden_dropout="0"),
+    "attention-dropout": dict(attention_dropout=0.1),
+    "model-type-llama": dict(model_type="llama"),
+    "heads-not-dividing-hidden": dict(num_attention_heads=5),
+    "sliding-window": dict(sliding_window=16),
+    "quantized": dict(quantization_config={"quant_method": "gptq"}),
+    "shape-mismatch-intermediate": dict(intermediate_size=96),
+}
+
+
+@pytest.mark.parametrize("case", list(NEOX_CONFIG_CASES))
+def test_bad_neox_config(good_neox, tmp_path, case):
+    d = copy_model(good_neox, tmp_path)
+    edit_config(d, **NEOX_CONFIG_CASES[case])
+    expect_refused(d, "config.json" if case != "shape-mismatch-intermediate" else str(d))
+
+
+def test_neox_missing_and_extra_tensors(good_neox, tmp_path):
+    import numpy as np
+    d = copy_model(good_neox, tmp_path)
+    edit_weights(d, lambda t: t.pop("gpt_neox.layers.1.mlp.dense_4h_to_h.bias"))
+    expect_refused(d, "gpt_neox.layers.1.mlp.dense_4h_to_h.bias")
+    d = copy_model(good_neox, tmp_path / "b")
+    edit_weights(d, lambda t: t.update({"gpt_neox.layers.01.attention.masked_bias": np.zeros((), np.float32)}))
+    expect_refused(d, "gpt_neox.layers.01.attention.masked_bias")  # not a layer's name: not a buffer smp drops
+
+
 def test_config_not_json(good, tmp_path):
     d = copy_model(good, tmp_path)
     (d / "config.json").write_text('{"hidden_size": 48,')
@@ -263,5 +322,5 @@ def test_tensor_in_two_files(sharded, tmp_path):
 
 
 def test_corpus_is_large_enough():
-    n = len(ST_CASES) + len(CONFIG_CASES) + len(INDEX_CASES) + 8
+    n = len(ST_CASES) + len(CONFIG_CASES) + len(NEOX_CONFIG_CASES) + len(INDEX_CASES) + 9
     assert n >= 30, n

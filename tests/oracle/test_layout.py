@@ -7,12 +7,13 @@ import itertools
 
 import numpy as np
 import pytest
-from transformers import LlamaConfig, MistralConfig
 
 import models
 from conftest import Coords, Layout, ModelDesc, Piece, TensorSpec
 
-T_EMBED, T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, T_NORM_ATTN, T_NORM_MLP, T_NORM_FINAL, T_HEAD = range(12)
+(T_EMBED, T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, T_NORM_ATTN, T_NORM_MLP, T_NORM_FINAL, T_HEAD,
+ T_Q_BIAS, T_K_BIAS, T_V_BIAS, T_Q_NORM, T_K_NORM,
+ T_QKV, T_QKV_BIAS, T_O_BIAS, T_UP_BIAS, T_DOWN_BIAS, T_NORM_ATTN_BIAS, T_NORM_MLP_BIAS, T_NORM_FINAL_BIAS) = range(25)
 E_USAGE = 3
 
 # Beyond models.CASES: head counts that make tp=3 and tp=6 legal, odd sizes, a vocabulary
@@ -38,8 +39,8 @@ def descs(shard, tmp_path_factory):
     out = {}
     for name, (fam, kw) in ALL.items():
         path = tmp_path_factory.mktemp(name)
-        cls, arch = (LlamaConfig, "LlamaForCausalLM") if fam == "llama" else (MistralConfig, "MistralForCausalLM")
-        cls(architectures=[arch], **kw).save_pretrained(str(path))  # what a model's save_pretrained writes
+        cls, model_cls = models.classes(fam)
+        cls(architectures=[model_cls.__name__], **kw).save_pretrained(str(path))  # what a model's save_pretrained writes
         d = ModelDesc()
         assert shard.shard_config_load(str(path / "config.json").encode(), ctypes.byref(d)) == 0, shard.shard_errmsg()
         out[name] = d
@@ -128,7 +129,7 @@ def check_layout(shard, d, specs, l, lps):
         # the stages that hold it
         if t.role == T_EMBED:
             want = {0, l.pp - 1} if d.tie_word_embeddings else {0}
-        elif t.role in (T_NORM_FINAL, T_HEAD):
+        elif t.role in (T_NORM_FINAL, T_NORM_FINAL_BIAS, T_HEAD):
             want = {l.pp - 1}
         else:
             want = {stage_of[t.layer]}
@@ -152,6 +153,13 @@ def check_layout(shard, d, specs, l, lps):
             check_heads(d, t, group, tp)
 
 
+# roles split by heads: (the split dim, a head's width in head_dims, query or kv heads);
+# GPT-NeoX's fused qkv holds per head its q, k and v rows, 3 head_dims together
+BY_HEADS = {T_Q: (0, 1, "q"), T_O: (1, 1, "q"), T_K: (0, 1, "kv"), T_V: (0, 1, "kv"), T_Q_BIAS: (0, 1, "q"),
+            T_K_BIAS: (0, 1, "kv"), T_V_BIAS: (0, 1, "kv"), T_QKV: (0, 3, "q"), T_QKV_BIAS: (0, 3, "q")}
+BY_ROWS = {T_GATE: 0, T_UP: 0, T_DOWN: 1, T_EMBED: 0, T_HEAD: 0, T_UP_BIAS: 0}  # blocks of ceil(N / tp)
+
+
 def check_heads(d, t, group, tp):
     """(4) Megatron's ownership: query head h on tp rank h // (nH/tp), and each rank holds
     exactly the kv heads (h // (nH/nKV)) its query heads read."""
@@ -159,24 +167,28 @@ def check_heads(d, t, group, tp):
     for r, (_, off, ln) in enumerate(group):
         q_heads = set(range(r * (nH // tp), (r + 1) * (nH // tp)))
         assert all(h // (nH // tp) == r for h in q_heads)
-        if t.role in (T_Q, T_K, T_V, T_O):
-            dim = 1 if t.role == T_O else 0
-            assert off[dim] % hd == 0 and ln[dim] % hd == 0
-            held = set(range(off[dim] // hd, (off[dim] + ln[dim]) // hd))
-            other = 1 - dim
-            assert off[other] == 0 and ln[other] == t.shape[other]
-            if t.role in (T_Q, T_O):
-                assert held == q_heads
+        full = list(range(t.ndim))
+        if t.role in BY_HEADS:
+            dim, width, kind = BY_HEADS[t.role]
+            w = width * hd
+            assert t.shape[dim] == (nH if kind == "q" else nKV) * w, t.name
+            assert off[dim] % w == 0 and ln[dim] % w == 0
+            held = set(range(off[dim] // w, (off[dim] + ln[dim]) // w))
+            if kind == "q":
+                assert held == q_heads, t.name
             else:
-                assert held == {h // (nH // nKV) for h in q_heads}
-        elif t.role in (T_GATE, T_UP, T_DOWN, T_EMBED, T_HEAD):
-            dim = 1 if t.role == T_DOWN else 0
+                assert held == {h // (nH // nKV) for h in q_heads}, t.name
+            full.remove(dim)
+        elif t.role in BY_ROWS:
+            dim = BY_ROWS[t.role]
             N = t.shape[dim]
             b = -(-N // tp)
-            assert off[dim] == min(r * b, N) and ln[dim] == max(0, min(b, N - r * b))
-            assert off[1 - dim] == 0 and ln[1 - dim] == t.shape[1 - dim]
-        else:
-            assert off == (0,) and ln == (t.shape[0],)
+            assert off[dim] == min(r * b, N) and ln[dim] == max(0, min(b, N - r * b)), t.name
+            full.remove(dim)
+        else:  # norms, their biases, the biases added after a sum over tp (dense, dense_4h_to_h)
+            assert t.ndim == 1, t.name
+        for k in full:
+            assert off[k] == 0 and ln[k] == t.shape[k], t.name
 
 
 def stage_cost(d, pp, split):
@@ -184,7 +196,7 @@ def stage_cost(d, pp, split):
     per parameter; embedding (bytes) on stage 0; head (flops + bytes) and final norm on the last."""
     H, F, V = d.hidden, d.intermediate, d.vocab
     QD, KD = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    mm = 2 * H * QD + 2 * H * KD + 3 * H * F
+    mm = 2 * H * QD + 2 * H * KD + (2 if d.gelu_mlp else 3) * H * F  # GELU MLP: up, down; SwiGLU: gate too
     layer = 2 * mm + 4 * (mm + 2 * H)
     costs = [k * layer for k in split]
     costs[0] += 4 * V * H
