@@ -153,6 +153,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (!in || !tg) OUT(cli_fail(shard_fail(SHARD_E_NOMEM, "out of memory")));
     uint64_t ntok = 0;
     double sum = 0.0;
+    model_aux_reset(&m);
     if (par) {
         if ((s = par_loss_sum(P, &m, &ds, (int)B, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
     } else {
@@ -161,11 +162,14 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (!ntok) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: no token of the %lld batches is a counted target (--loss-mask, --documents)", data, NB)));
     double loss = sum / (double)ntok;
     double ppl = exp(loss);
+    char aux[64] = ""; /* a mixture of experts: the load-balancing loss over every batch's tokens */
+    if (m.E && par && (s = par_aux_reduce(P, &m))) OUT(cli_fail(s));
+    if (m.E) snprintf(aux, sizeof aux, json ? ", \"aux_loss\": %.17g" : "  aux loss %.6f", model_aux_loss(&m));
     if (me0 && json)
-        printf("{\"loss\": %.17g, \"perplexity\": %.17g, \"tokens\": %llu, \"batches\": %lld}\n", loss, ppl,
-               (unsigned long long)ntok, NB);
+        printf("{\"loss\": %.17g, \"perplexity\": %.17g, \"tokens\": %llu, \"batches\": %lld%s}\n", loss, ppl,
+               (unsigned long long)ntok, NB, aux);
     else if (me0)
-        printf("loss %.6f  perplexity %.4f  (%llu tokens, %lld batches of %ld x %ld)\n", loss, ppl,
+        printf("loss %.6f  perplexity %.4f%s  (%llu tokens, %lld batches of %ld x %ld)\n", loss, ppl, aux,
                (unsigned long long)ntok, NB, B, S);
     if (!isfinite(loss)) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: the loss is not finite", shard_ckpt_dir(ck))));
 done:

@@ -211,6 +211,28 @@ static shard_status step_targets(train_run *r, const step_data *sd, double *coun
     return r->a->layout.dp > 1 ? par_allreduce_f64(r->P, r->P->g.dp, count, 1, SHARD_OP_SUM) : SHARD_OK;
 }
 
+/* A mixture of experts whose config adds the load-balancing loss to the loss
+ * (output_router_logits): its gradient needs the step's routing over every layer and
+ * token before the first backward, so a forward-only pass over the step's
+ * microbatches computes the statistics first (the step costs one forward more). */
+static shard_status aux_prepass(train_run *r, step_data *sd)
+{
+    model *m = &r->m;
+    const double coef = m->d.output_router_logits ? m->d.router_aux_loss_coef : 0.0;
+    model_aux_reset(m);
+    if (coef == 0.0) return model_aux_set_gradient(m, 0.0);
+    if (m->fp8) m->fp8->frozen = 1; /* as validation: the FP8 history sees the step once */
+    shard_status s = SHARD_OK;
+    double one;
+    for (int mb = 0; !s && mb < (int)r->c.micro; mb++)
+        if (!(s = fill_step(sd, mb, r->in, r->tg))) s = par_forward(r->P, m, r->in, r->tg, &one);
+    if (m->fp8) m->fp8->frozen = 0;
+    if (!s) s = par_aux_reduce(r->P, m);
+    if (!s) s = model_aux_set_gradient(m, coef);
+    model_aux_reset(m);
+    return s;
+}
+
 /* The step's passes: its gradients reduced, the loss (the mean over the step's
  * counted targets, on every rank) and the global gradient norm. No passes when the
  * step has no counted target (res->empty). */
@@ -231,9 +253,12 @@ static shard_status passes(train_run *r, step_result *res)
         res->loss = NAN;
         return SHARD_OK;
     }
+    if (r->m.E && (s = aux_prepass(r, &sd))) return s;
     model_zero_grads(&r->m);
     s = par_train_step(P, &r->m, (int)c->micro, fill_step, &sd, r->in, r->tg, (float)(1.0 / tokens), &lsum);
     if (s) return s;
+    if (r->m.E && (s = par_aux_reduce(P, &r->m))) return s;
+    res->aux_loss = r->m.E ? model_aux_loss(&r->m) : NAN;
     if (P->rank == r->a->fail_rank && c->step + 1 == r->a->fail_step)
         return shard_fail(SHARD_E_IO, "rank %d: injected failure (--inject-fail) in step %lld", P->rank,
                           (long long)c->step + 1);
@@ -333,7 +358,7 @@ shard_status loop_step(train_run *r, step_result *res, int *save)
 {
     run_cfg *c = &r->c;
     memset(res, 0, sizeof *res);
-    res->val_loss = NAN;
+    res->val_loss = res->aux_loss = NAN;
     const double t0 = r->a->now();
     shard_status s = passes(r, res);
     if (!s) s = update(r, res);

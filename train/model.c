@@ -123,7 +123,8 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->inv_freq = zalloc((size_t)m->rd / 2, sizeof(float));
     m->ew = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->ew);
     m->eg = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->eg);
-    if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq || !m->ew || !m->eg) goto nomem;
+    m->aux = zalloc(2 * (size_t)m->E + 1, sizeof *m->aux);
+    if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq || !m->ew || !m->eg || !m->aux) goto nomem;
     for (int l = 0; l < m->L && m->E; l++) { /* each layer's views of its experts' gate, up and down */
         void **w = m->ew + (size_t)l * 3 * m->E;
         float **g = m->eg + (size_t)l * 3 * m->E;
@@ -294,16 +295,17 @@ static void free_acts(model *m)
                      &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
                      (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre,
-                     &m->qkv, &m->dres, &m->rlogits, (void **)&m->dwts, &m->dxs};
+                     &m->qkv, &m->dres, &m->rlogits, (void **)&m->dwts, &m->dxs, (void **)&m->dprobs};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
     }
     void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need, m->eoff, m->hidx, m->hrows,
-                    m->hslot, m->hcur};
+                    m->hslot, m->hcur, m->hprobs};
     for (size_t k = 0; k < sizeof host / sizeof *host; k++) free(host[k]);
     m->pos = m->cp_pos = m->rpos = m->doc = m->seq_scratch = NULL;
     m->eoff = m->hidx = m->hrows = m->hslot = m->hcur = NULL;
+    m->hprobs = NULL;
     m->ring_need = NULL;
     m->act_bytes = 0;
 }
@@ -338,7 +340,7 @@ void model_free(model *m)
         dfree(m, m->grads);
         dfree(m, m->inv_freq_d);
     }
-    free(m->spec); free(m->offset); free(m->numel); free(m->lw); free(m->lg); free(m->inv_freq); free(m->ew); free(m->eg);
+    free(m->spec); free(m->offset); free(m->numel); free(m->lw); free(m->lg); free(m->inv_freq); free(m->ew); free(m->eg); free(m->aux);
     free(m->hparams);
     fp8_free(m->fp8);
     memset(m, 0, sizeof *m);
@@ -471,7 +473,8 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         m->eoff = zalloc((size_t)nslots * m->L * (m->E + 1), sizeof(int32_t));
         m->hidx = zalloc(Nk, sizeof(int32_t)); m->hrows = zalloc(Nk, sizeof(int32_t));
         m->hslot = zalloc(Nk, sizeof(int32_t)); m->hcur = zalloc((size_t)m->E, sizeof(int32_t));
-        ok &= m->eoff && m->hidx && m->hrows && m->hslot && m->hcur;
+        m->hprobs = zalloc(N * (size_t)m->E, sizeof(float));
+        ok &= m->eoff && m->hidx && m->hrows && m->hslot && m->hcur && m->hprobs;
     }
     if (m->docs) {
         m->doc = zalloc(N * C, sizeof(int32_t));
@@ -759,6 +762,51 @@ static void moe_group(model *m, layer_acts *a, int32_t *off)
     }
 }
 
+/* the load-balancing loss's statistics of one layer's tokens (summed in row order) */
+static void aux_add(model *m, const layer_acts *a, const int32_t *off)
+{
+    const int N = m->B * m->T, E = m->E;
+    const float *p = a->probs;
+    if (DV->cuda) {
+        OPS->download(DV, m->hprobs, a->probs, (size_t)N * E * sizeof(float));
+        p = m->hprobs;
+    }
+    for (int e = 0; e < E; e++) m->aux[e] += off[e + 1] - off[e];
+    for (int t = 0; t < N; t++)
+        for (int e = 0; e < E; e++) m->aux[E + e] += p[(size_t)t * E + e];
+    m->aux[2 * E] += N;
+}
+
+void model_aux_reset(model *m)
+{
+    if (m->E) memset(m->aux, 0, (2 * (size_t)m->E + 1) * sizeof *m->aux);
+}
+
+double model_aux_loss(const model *m)
+{
+    const int E = m->E;
+    const double R = E ? m->aux[2 * E] : 0.0;
+    double sum = 0.0;
+    for (int e = 0; e < E && R > 0; e++) sum += (m->aux[e] / R) * (m->aux[E + e] / R);
+    return sum * E;
+}
+
+shard_status model_aux_set_gradient(model *m, double coef)
+{
+    const int E = m->E, N = m->B * m->T;
+    const double R = E ? m->aux[2 * E] : 0.0;
+    if (!E || coef == 0.0 || R <= 0) {
+        dfree(m, m->dprobs);
+        m->dprobs = NULL;
+        return SHARD_OK;
+    }
+    if (!m->dprobs && !(m->dprobs = dalloc(m, (size_t)N * E, sizeof(float)))) return dev_status(DV);
+    for (int e = 0; e < E; e++) m->hprobs[e] = (float)(coef * E * (m->aux[e] / R) / R);
+    for (int t = 1; t < N; t++) memcpy(m->hprobs + (size_t)t * E, m->hprobs, (size_t)E * sizeof(float));
+    OPS->upload(DV, m->dprobs, m->hprobs, (size_t)N * E * sizeof(float));
+    return dev_status(DV);
+}
+
 /* 3 (experts): the router's top-k, the routed rows of xn2, each expert's gate, up,
  * SwiGLU and down into ys (the weighted sum of ys is part 4's) */
 static void fwd_moe(model *m, int l, layer_acts *a)
@@ -769,6 +817,7 @@ static void fwd_moe(model *m, int l, layer_acts *a)
     OPS->moe_route(DV, a->probs, a->idx, a->wts, m->rlogits, N, E, k, m->d.norm_topk_prob);
     int32_t *off = expert_rows(m, l);
     moe_group(m, a, off);
+    if (m->aux_collect) aux_add(m, a, off);
     OPS->moe_gather(DV, a->xs, a->xn2, a->rows, Nk, H);
     for (int e = 0; e < E; e++) {
         const int r0 = off[e], c = off[e + 1] - off[e];
@@ -816,7 +865,7 @@ static void bwd_moe(model *m, int l, const layer_acts *a, const void *dout)
     }
     OPS->zero(DV, m->dxn, (size_t)N * H * e_);
     OPS->moe_scatter_add(DV, m->dxn, m->dxs, a->slot, N, k, H);
-    OPS->moe_route_backward(DV, m->rlogits, m->dwts, NULL, a->probs, a->idx, N, E, k, m->d.norm_topk_prob);
+    OPS->moe_route_backward(DV, m->rlogits, m->dwts, m->dprobs, a->probs, a->idx, N, E, k, m->d.norm_topk_prob);
     const int first_tp = m->tp_size <= 1 || !m->tp || shard_comm_rank(m->tp) == 0;
     OPS->linear_backward(DV, first_tp ? m->dxn : NULL, g->router, m->rlogits, a->xn2, w->router, N, H, E);
 }
@@ -891,6 +940,7 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
             tp_sum(m, x0, (size_t)N * H); /* vocab-parallel: rows of the others */
         }
     }
+    m->aux_collect = m->E > 0;
     for (int l = m->l0; l < m->l1; l++) {
         layer_acts *a = work(m, l);
         fwd_attention(m, l, a);
@@ -898,6 +948,7 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
         fwd_mlp(m, l, a);
         fwd_mlp_out(m, l, a, l + 1 < m->l1 ? m->acts[l + 1].x : m->xL);
     }
+    m->aux_collect = 0;
     if (!m->last) return 0.0; /* the output, xL, goes to the next stage */
     if (sp) {
         norm_fwd(m, m->sp_loc, m->meanf, m->rstdf, m->xL, m->norm_final, m->norm_final_bias, Nl);

@@ -177,6 +177,13 @@ typedef struct {
     void *dxs;               /* [N*k, H] the gradient of the experts' outputs, then of their inputs */
     int32_t *eoff;           /* host [nslots][L][E+1]: each layer's first row of each expert */
     int32_t *hidx, *hrows, *hslot, *hcur; /* host scratch of the grouping (CUDA) */
+    /* the load-balancing loss (model_aux_*): over the forwards since the last reset,
+     * each expert's top-k count and router probability sum and the routed rows
+     * (layers x tokens) [2E + 1], host */
+    double *aux;
+    int aux_collect;         /* model_forward's own passes, not backward's recomputation */
+    float *hprobs;           /* host [N*E] (CUDA) */
+    float *dprobs;           /* [N*E] the loss's gradient on the router's probabilities, NULL when off */
     /* FP8 (NULL when off) */
     fp8_state *fp8;
     /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed
@@ -271,5 +278,15 @@ void model_memory(const model *m, size_t *params, size_t *grads, size_t *acts);
  * d(sum of per-token losses), e.g. 1 / (tokens in the optimizer step). */
 void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale);
 void model_zero_grads(model *m);
+/* The load-balancing loss of a mixture of experts, as transformers' load_balancing_loss_func
+ * computes it over all of its rows (every layer's tokens): E * sum_e f_e P_e, f_e the share
+ * of the top-k choices that went to expert e and P_e its mean router probability. The
+ * statistics of the forwards since model_aux_reset (par_aux_reduce sums them over ranks);
+ * 0 for a dense model. */
+void model_aux_reset(model *m);
+double model_aux_loss(const model *m);
+/* From the statistics: backward adds coef * the loss's gradient (through the router's
+ * probabilities: coef * E * f_e / rows for expert e, every row alike); coef 0: off. */
+shard_status model_aux_set_gradient(model *m, double coef);
 
 #endif

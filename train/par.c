@@ -336,6 +336,14 @@ uint64_t par_take_batch(model *m, int rows, int32_t *in, int32_t *tg)
     return n;
 }
 
+shard_status par_aux_reduce(par_ctx *p, model *m)
+{
+    const size_t n = 2 * (size_t)m->E + 1;
+    if (!m->E || p->size == 1) return SHARD_OK;
+    if (p->g.me.tp != 0) memset(m->aux, 0, n * sizeof *m->aux); /* every tp rank routes the same tokens */
+    return shard_comm_allreduce(p->world, m->aux, n, SHARD_DT_F64, SHARD_OP_SUM);
+}
+
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op)
 {
     (void)p;

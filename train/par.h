@@ -151,6 +151,9 @@ shard_status par_forward(par_ctx *p, model *m, const int32_t *in, const int32_t 
 uint64_t par_take_batch(model *m, int rows, int32_t *in, int32_t *tg);
 /* Sum (op SUM) or max of a double over the world. */
 shard_status par_allreduce_f64(par_ctx *p, shard_comm *c, double *v, int n, shard_op op);
+/* The load-balancing loss's statistics (model_aux_*) summed over the ranks that hold
+ * distinct (layer, token) rows: every stage, cp and dp rank, once per tp group. */
+shard_status par_aux_reduce(par_ctx *p, model *m);
 int par_any(par_ctx *p, int mine); /* max over the world of an int flag */
 
 #endif

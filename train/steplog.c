@@ -68,6 +68,7 @@ static void log_line(FILE *f, const step_result *r, int bytes)
                 (unsigned long long)r->bytes.tp, (unsigned long long)r->bytes.cp, (unsigned long long)r->bytes.pp,
                 (unsigned long long)r->bytes.dp);
     if (!isnan(r->val_loss)) log_num(f, "val_loss", r->val_loss, "%.17g");
+    if (!isnan(r->aux_loss)) log_num(f, "aux_loss", r->aux_loss, "%.17g");
     fputs("}\n", f);
     fflush(f);
 }

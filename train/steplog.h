@@ -42,6 +42,7 @@ typedef struct {
     double tokens_per_s;
     double elapsed;        /* since the run started in this process */
     double val_loss;       /* NaN when the step did not validate */
+    double aux_loss;       /* a mixture of experts' load-balancing loss over the step (model_aux_loss); NaN: dense */
     step_bytes bytes;
 } step_result;
 

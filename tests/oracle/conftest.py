@@ -35,12 +35,14 @@ class ModelDesc(ctypes.Structure):
          ("torch_dtype", ctypes.c_int)] + \
         [(n, ctypes.c_int) for n in ("qkv_bias", "qk_norm", "fused_qkv", "linear_bias", "layer_norm", "gelu_mlp",
                                      "parallel_residual")] + \
-        [("rotary_dim", ctypes.c_int64)]
+        [("rotary_dim", ctypes.c_int64), ("experts", ctypes.c_int64), ("experts_per_tok", ctypes.c_int64),
+         ("moe_intermediate", ctypes.c_int64), ("norm_topk_prob", ctypes.c_int), ("router_aux_loss_coef", ctypes.c_double),
+         ("output_router_logits", ctypes.c_int)]
 
 
 class TensorSpec(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_char * 256), ("role", ctypes.c_int), ("layer", ctypes.c_int), ("ndim", ctypes.c_int),
-                ("shape", ctypes.c_int64 * 2)]
+    _fields_ = [("name", ctypes.c_char * 256), ("role", ctypes.c_int), ("layer", ctypes.c_int), ("expert", ctypes.c_int),
+                ("ndim", ctypes.c_int), ("shape", ctypes.c_int64 * 2)]
 
 
 class Layout(ctypes.Structure):
