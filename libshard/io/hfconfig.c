@@ -300,8 +300,8 @@ static shard_status parse(ctx *c, shard_model_desc *d)
     d->layer_norm = fam->layer_norm;
     d->gelu_mlp = fam->gelu_mlp;
     if (fam->fused_qkv) TRY(parse_neox(c, d));
-    if (fam->moe) TRY(parse_moe(c, fam, d));
     else if (!d->qkv_bias) TRY(refuse_true(c, "attention_bias", "smp's attention projections have no bias"));
+    if (fam->moe) TRY(parse_moe(c, fam, d));
     if (!d->linear_bias) TRY(refuse_true(c, "mlp_bias", "smp's MLP projections have no bias"));
     if (json_object_get(r, "quantization_config"))
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"quantization_config\": quantized checkpoints are not supported", c->path);
