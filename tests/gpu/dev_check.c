@@ -531,12 +531,17 @@ static void test_basics(void)
         shard_status st = shard_comm_allreduce(c, b.g, n, SHARD_DT_F32, SHARD_OP_SUM);
         if (!st) st = shard_comm_reduce_scatter(c, b.g, r.g, n, SHARD_DT_F32, SHARD_OP_SUM);
         if (!st) st = shard_comm_allgather(c, x.g, ag.g, n, dg.dt);
+        pair av = F32(NULL, n);
+        const size_t cnt = n, at0 = 0;
+        if (!st) st = shard_comm_alltoallv(c, b.g, &cnt, &at0, av.g, &cnt, &at0, SHARD_DT_F32);
         report("comm_for(one rank) collectives", st ? INFINITY : 0.0, 0.0);
         dc.ops->copy(&dc, r.c, b.c, n * 4);
         dc.ops->copy(&dc, ag.c, x.c, n * 4);
+        dc.ops->copy(&dc, av.c, b.c, n * 4);
         cmp("comm_for(one rank) allreduce", b, 0.0);
         cmp("comm_for(one rank) reduce_scatter", r, 0.0);
         cmp("comm_for(one rank) allgather", ag, 0.0);
+        cmp("comm_for(one rank) alltoallv", av, 0.0);
         if (owned) shard_comm_free(c);
     }
     shard_comm_free(self);
