@@ -89,7 +89,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     const long B = (long)b, S = (long)sq;
     long long NB = nb;
     if ((long long)B * S > INT32_MAX / 4) return cli_usage("--batch * --seq is too large");
-    shard_layout lay = {1, 1, 1, P->size};
+    shard_layout lay = {1, 1, 1, P->size, 1};
     if (layout && shard_layout_parse(layout, &lay)) return cli_usage("--layout: %s", shard_errmsg());
     char lb[64];
     if (shard_layout_size(&lay) != P->size)

@@ -231,7 +231,9 @@ static void ckpt_json(const ckpt_info *k)
     json_object_set_new(o, "format_version", json_integer(SHARD_FORMAT_VERSION));
     json_object_set_new(o, "architecture", json_string(d->architecture));
     json_object_set_new(o, "parameters", json_integer((json_int_t)shard_model_param_count(d)));
-    json_object_set_new(o, "layout", json_pack("{s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp));
+    json_object_set_new(o, "layout", json_pack("{s:i,s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp,
+                                               "ep", shard_layout_ep(l)));
+    if (d->experts) json_object_set_new(o, "experts_per_rank", json_integer(d->experts / shard_layout_ep(l)));
     json_object_set_new(o, "stages", json_incref(json_object_get(k->m, "stages")));
     json_object_set_new(o, "tensors", json_incref(k->tensors));
     size_t i;
@@ -262,6 +264,10 @@ static void ckpt_text(const ckpt_info *k)
     printf("%s  (SMP checkpoint, format version %d)\n", k->dir, SHARD_FORMAT_VERSION);
     printf("  model        %s, %s parameters, %lld layers\n", d->architecture, cli_count(b1, shard_model_param_count(d)), (long long)d->layers);
     printf("  layout       %s (%d ranks)\n", shard_layout_format(l, lay, sizeof lay), shard_layout_size(l));
+    if (d->experts)
+        printf("  experts      %lld per layer, %lld per rank (ep=%d: ep rank i holds experts [i*%lld, (i+1)*%lld))\n",
+               (long long)d->experts, (long long)d->experts / shard_layout_ep(l), shard_layout_ep(l),
+               (long long)d->experts / shard_layout_ep(l), (long long)d->experts / shard_layout_ep(l));
     printf("  stages      ");
     for (int q = 0; q < l->pp; q++) printf(" %d", shard_ckpt_stages(k->c)[q]);
     printf(" layers\n");

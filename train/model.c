@@ -26,6 +26,7 @@ static void dfree(model *m, void *p)
 #define OPS (m->dev->ops)
 /* element i of a compute-dtype buffer */
 #define AT(p, i) dev_at(m->dev, (p), (size_t)(i))
+#define CAT(p, i) dev_cat(m->dev, (p), (size_t)(i)) /* of a const buffer */
 
 /* where a layer tensor of each role is viewed: its field in layer_params and in
  * layer_grads (the same name) */
@@ -249,6 +250,14 @@ static void tp_allgather(model *m, const void *loc, void *full, size_t nloc)
     if (s) m->comm_err = s;
 }
 
+void model_set_ep(model *m, shard_comm *h, shard_comm *d, int ep, int rank)
+{
+    m->ep_h = h;
+    m->ep_d = d;
+    m->ep_size = ep;
+    m->ep_rank = rank;
+}
+
 void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
 {
     m->cp = cp;
@@ -261,8 +270,9 @@ void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank)
                        (void **)&(a)->lse, &(a)->xmid, (void **)&(a)->rstd2, &(a)->xn2, &(a)->gate, &(a)->up, &(a)->act, \
                        &(a)->q_pre, &(a)->k_pre, (void **)&(a)->rstd_q, (void **)&(a)->rstd_k, \
                        (void **)&(a)->mean1, (void **)&(a)->mean2, (void **)&(a)->probs, (void **)&(a)->wts, \
-                       (void **)&(a)->idx, (void **)&(a)->rows, (void **)&(a)->slot, &(a)->xs, &(a)->ys}
-enum { NBUFS = 27 }; /* the entries of LAYER_BUFS */
+                       (void **)&(a)->idx, (void **)&(a)->rows, (void **)&(a)->slot, &(a)->xs, &(a)->ys, \
+                       (void **)&(a)->erows, (void **)&(a)->einv}
+enum { NBUFS = 29 }; /* the entries of LAYER_BUFS */
 
 static void free_layer(model *m, layer_acts *a)
 {
@@ -298,16 +308,16 @@ static void free_acts(model *m)
                      &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
                      (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre,
-                     &m->qkv, &m->dres, &m->rlogits, (void **)&m->dwts, &m->dxs, (void **)&m->dprobs};
+                     &m->qkv, &m->dres, &m->rlogits, (void **)&m->dwts, &m->dxs, (void **)&m->dprobs, &m->epa, &m->epb};
     for (size_t k = 0; k < sizeof bufs / sizeof *bufs; k++) {
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
     }
     void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need, m->eoff, m->hidx, m->hrows,
-                    m->hslot, m->hcur, m->hprobs};
+                    m->hslot, m->hcur, m->hprobs, m->epc, m->hem, m->hinv, m->hloff};
     for (size_t k = 0; k < sizeof host / sizeof *host; k++) free(host[k]);
     m->pos = m->cp_pos = m->rpos = m->doc = m->seq_scratch = NULL;
-    m->eoff = m->hidx = m->hrows = m->hslot = m->hcur = NULL;
+    m->eoff = m->hidx = m->hrows = m->hslot = m->hcur = m->epc = m->hem = m->hinv = m->hloff = NULL;
     m->hprobs = NULL;
     m->ring_need = NULL;
     m->act_bytes = 0;
@@ -366,10 +376,19 @@ static int kept(const model *m, const void *const *field, const layer_acts *a)
                                 (const void *const *)&a->act, (const void *const *)&a->probs,
                                 (const void *const *)&a->wts, (const void *const *)&a->idx,
                                 (const void *const *)&a->rows, (const void *const *)&a->slot,
-                                (const void *const *)&a->xs, (const void *const *)&a->ys};
+                                (const void *const *)&a->xs, (const void *const *)&a->ys,
+                                (const void *const *)&a->erows, (const void *const *)&a->einv};
     for (size_t k = 0; k < sizeof mlp / sizeof *mlp; k++)
         if (field == mlp[k]) return 1;
     return 0;
+}
+
+/* the rows this rank's experts may run: its own N*k, or with expert parallelism every
+ * ep rank's (dropless: any share of them may come here) */
+static size_t expert_rows_cap(const model *m)
+{
+    const size_t Nk = m->E ? (size_t)m->B * m->T * (size_t)m->topk : 0;
+    return m->ep_size > 1 ? Nk * (size_t)m->ep_size : Nk;
 }
 
 /* elements of each LAYER_BUFS entry, and its element size */
@@ -380,11 +399,12 @@ static void layer_sizes(const model *m, size_t *n, size_t *es)
     const size_t qk = m->d.qk_norm ? 1 : 0; /* the q/k norm's tensors: none elsewhere */
     const size_t gate = m->d.gelu_mlp ? 0 : 1, ln = m->d.layer_norm ? 1 : 0;
     const size_t Nk = m->E ? N * (size_t)m->topk : 0, E = (size_t)m->E; /* the experts' rows: none elsewhere */
-    const size_t MF = m->E ? Nk * (size_t)m->FE : N * F, i = sizeof(int32_t);
+    const size_t cap = expert_rows_cap(m), ep = m->ep_size > 1 ? 1 : 0;
+    const size_t MF = m->E ? cap * (size_t)m->FE : N * F, i = sizeof(int32_t);
     const size_t nn[NBUFS] = {N * H, N, N * H, N * QD, N * KD, N * KD, N * QD, (size_t)m->B * m->nh * m->T, N * H, N,
                               N * H, gate * MF, MF, MF, qk * N * QD, qk * N * KD, qk * N * m->nh, qk * N * m->nkv,
-                              ln * N, ln * N, N * E, Nk, Nk, Nk, Nk, Nk * H, Nk * H};
-    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f, f, f, f, f, i, i, i, e, e};
+                              ln * N, ln * N, N * E, Nk, Nk, Nk, Nk, cap * H, Nk * H, ep * cap, ep * cap};
+    const size_t ee[NBUFS] = {e, f, e, e, e, e, e, f, e, f, e, e, e, e, e, e, f, f, f, f, f, f, i, i, i, e, e, i, i};
     memcpy(n, nn, sizeof nn);
     memcpy(es, ee, sizeof ee);
 }
@@ -442,12 +462,13 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     }
     A(m->cos_t, N * m->hd, f); A(m->sin_t, N * m->hd, f); A(m->rpos_d, N, sizeof(int32_t));
     A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
-    const size_t MF = m->E ? N * (size_t)m->topk * (size_t)m->FE : N * F; /* the MLP's rows: experts' or dense */
+    const size_t MF = m->E ? expert_rows_cap(m) * (size_t)m->FE : N * F; /* the MLP's rows: experts' or dense */
     A(m->datt, N * QD, e); A(m->dup, MF, e); A(m->dact, MF, e); A(m->dlogits, NV, e);
     if (!m->d.gelu_mlp) A(m->dgate, MF, e);
     if (m->E) {
         const size_t Nk = N * (size_t)m->topk;
-        A(m->rlogits, N * (size_t)m->E, e); A(m->dwts, Nk, f); A(m->dxs, Nk * H, e);
+        A(m->rlogits, N * (size_t)m->E, e); A(m->dwts, Nk, f); A(m->dxs, expert_rows_cap(m) * H, e);
+        if (m->ep_size > 1) { A(m->epa, expert_rows_cap(m) * H, e); A(m->epb, expert_rows_cap(m) * H, e); }
     }
     if (m->d.qk_norm) A(m->dqk_pre, N * (QD + KD), e);
     if (m->d.fused_qkv) A(m->qkv, N * 3 * QD, e);
@@ -478,6 +499,13 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         m->hslot = zalloc(Nk, sizeof(int32_t)); m->hcur = zalloc((size_t)m->E, sizeof(int32_t));
         m->hprobs = zalloc(N * (size_t)m->E, sizeof(float));
         ok &= m->eoff && m->hidx && m->hrows && m->hslot && m->hcur && m->hprobs;
+        if (m->ep_size > 1) {
+            m->epc = zalloc((size_t)nslots * m->L * (size_t)m->E, sizeof(int32_t)); /* ep * E/ep per layer */
+            m->hem = zalloc(expert_rows_cap(m), sizeof(int32_t));
+            m->hinv = zalloc(expert_rows_cap(m), sizeof(int32_t));
+            m->hloff = zalloc((size_t)m->E + 1, sizeof(int32_t));
+            ok &= m->epc && m->hem && m->hinv && m->hloff;
+        }
     }
     if (m->docs) {
         m->doc = zalloc(N * C, sizeof(int32_t));
@@ -810,29 +838,181 @@ shard_status model_aux_set_gradient(model *m, double coef)
     return dev_status(DV);
 }
 
+/* The local experts e0 .. e0+n-1 over a->xs, expert j's rows [off[j], off[j+1]): gate,
+ * up, SwiGLU (into a->gate, up, act) and down into out */
+static void experts_forward(model *m, const layer_params *w, layer_acts *a, void *out, const int32_t *off, int e0, int n)
+{
+    const int H = m->H, FE = m->FE;
+    for (int j = 0; j < n; j++) {
+        const int r0 = off[j], c = off[j + 1] - off[j];
+        if (!c) continue;
+        OPS->linear_forward(DV, AT(a->gate, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->egate[e0 + j], c, H, FE);
+        OPS->linear_forward(DV, AT(a->up, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->eup[e0 + j], c, H, FE);
+    }
+    OPS->swiglu_forward(DV, a->act, a->gate, a->up, (size_t)off[n] * FE);
+    for (int j = 0; j < n; j++) {
+        const int r0 = off[j], c = off[j + 1] - off[j];
+        if (c) OPS->linear_forward(DV, AT(out, (size_t)r0 * H), AT(a->act, (size_t)r0 * FE), w->edown[e0 + j], c, FE, H);
+    }
+}
+
+/* Back through experts_forward: dout (the gradient of out) to dxs, the gradient of
+ * a->xs (written; it may be dout's buffer: dout is spent first), weight gradients
+ * accumulated */
+static void experts_backward(model *m, const layer_params *w, layer_grads *g, const layer_acts *a, const void *dout,
+                             void *dxs, const int32_t *off, int e0, int n)
+{
+    const int H = m->H, FE = m->FE;
+    const size_t rows = (size_t)off[n], e_ = DV->es;
+    OPS->zero(DV, m->dact, rows * FE * e_);
+    for (int j = 0; j < n; j++) {
+        const int r0 = off[j], c = off[j + 1] - off[j];
+        if (c) OPS->linear_backward(DV, AT(m->dact, (size_t)r0 * FE), g->edown[e0 + j], CAT(dout, (size_t)r0 * H),
+                                    AT(a->act, (size_t)r0 * FE), w->edown[e0 + j], c, FE, H);
+    }
+    OPS->zero(DV, m->dgate, rows * FE * e_);
+    OPS->zero(DV, m->dup, rows * FE * e_);
+    OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, rows * FE);
+    OPS->zero(DV, dxs, rows * H * e_);
+    for (int j = 0; j < n; j++) {
+        const int r0 = off[j], c = off[j + 1] - off[j];
+        if (!c) continue;
+        void *dx = AT(dxs, (size_t)r0 * H);
+        const void *xs = AT(a->xs, (size_t)r0 * H);
+        OPS->linear_backward(DV, dx, g->egate[e0 + j], AT(m->dgate, (size_t)r0 * FE), xs, w->egate[e0 + j], c, H, FE);
+        OPS->linear_backward(DV, dx, g->eup[e0 + j], AT(m->dup, (size_t)r0 * FE), xs, w->eup[e0 + j], c, H, FE);
+    }
+}
+
+/* ---- expert parallelism: the rows of expert e go to ep rank e / (E/ep) ---------- */
+enum { EP_MAX = SHARD_MAX_EP };
+
+/* layer l's rows received from each ep rank for each of this rank's E/ep experts */
+static int32_t *ep_counts(const model *m, int l)
+{
+    return m->epc + ((size_t)m->slot * m->L + (size_t)l) * (size_t)m->E;
+}
+
+/* the exchange's element counts and offsets: what this rank sends to each ep rank (its
+ * rows for that rank's experts, contiguous in off's order) and receives from each */
+static void ep_plan(const model *m, int l, size_t *sc, size_t *sd, size_t *rc, size_t *rd)
+{
+    const int ep = m->ep_size, El = m->E / ep;
+    const int32_t *off = expert_rows(m, l), *cnt = ep_counts(m, l);
+    size_t at = 0;
+    for (int r = 0; r < ep; r++) {
+        sd[r] = (size_t)off[r * El] * m->H;
+        sc[r] = (size_t)(off[(r + 1) * El] - off[r * El]) * m->H;
+        size_t n = 0;
+        for (int j = 0; j < El; j++) n += (size_t)cnt[r * El + j];
+        rd[r] = at;
+        rc[r] = n * m->H;
+        at += rc[r];
+    }
+}
+
+/* this rank's experts' rows by expert: offsets loff[E/ep + 1] into the rows received
+ * (source-major: rank r's rows for expert 0, 1, ...), and, in the backend, erows (the
+ * received row of each) and einv (its inverse) */
+static void ep_order(model *m, int l, layer_acts *a, int32_t *loff, int upload)
+{
+    const int ep = m->ep_size, El = m->E / ep;
+    const int32_t *cnt = ep_counts(m, l);
+    loff[0] = 0;
+    for (int j = 0; j < El; j++) {
+        loff[j + 1] = loff[j];
+        for (int r = 0; r < ep; r++) loff[j + 1] += cnt[r * El + j];
+    }
+    if (!upload) return;
+    int32_t src = 0;
+    for (int r = 0; r < ep; r++)
+        for (int j = 0; j < El; j++) {
+            int32_t dst = loff[j];
+            for (int r2 = 0; r2 < r; r2++) dst += cnt[r2 * El + j];
+            for (int32_t k = 0; k < cnt[r * El + j]; k++, src++) {
+                m->hem[dst + k] = src;
+                m->hinv[src] = dst + k;
+            }
+        }
+    const size_t bytes = (size_t)loff[El] * sizeof(int32_t);
+    if (DV->cuda) {
+        OPS->upload(DV, a->erows, m->hem, bytes);
+        OPS->upload(DV, a->einv, m->hinv, bytes);
+    } else {
+        memcpy(a->erows, m->hem, bytes);
+        memcpy(a->einv, m->hinv, bytes);
+    }
+}
+
+static void ep_alltoall(model *m, const void *send, const size_t *sc, const size_t *sd, void *recv, const size_t *rc,
+                        const size_t *rd)
+{
+    if (m->comm_err) return;
+    shard_status s = shard_comm_alltoallv(m->ep_d, send, sc, sd, recv, rc, rd, DV->dt);
+    if (s) m->comm_err = s;
+}
+
+/* forward with expert parallelism, from the rows grouped by expert in xs_local: every
+ * ep rank's counts, the rows to their experts' ranks, this rank's experts on what came,
+ * the results back into a->ys */
+static void ep_forward(model *m, int l, layer_acts *a, const void *xs_local)
+{
+    const int ep = m->ep_size, El = m->E / ep, H = m->H;
+    const int32_t *off = expert_rows(m, l);
+    int32_t *cnt = m->hcur, *loff = m->hloff;
+    size_t sc[EP_MAX], sd[EP_MAX], rc[EP_MAX], rd[EP_MAX], one[EP_MAX], at[EP_MAX];
+    for (int e = 0; e < m->E; e++) cnt[e] = off[e + 1] - off[e];
+    for (int r = 0; r < ep; r++) {
+        one[r] = (size_t)El;
+        at[r] = (size_t)r * El;
+    }
+    if (!m->comm_err) {
+        shard_status s = shard_comm_alltoallv(m->ep_h, cnt, one, at, ep_counts(m, l), one, at, SHARD_DT_I32);
+        if (s) m->comm_err = s;
+    }
+    ep_plan(m, l, sc, sd, rc, rd);
+    ep_order(m, l, a, loff, 1);
+    ep_alltoall(m, xs_local, sc, sd, m->epa, rc, rd);
+    OPS->moe_gather(DV, a->xs, m->epa, a->erows, loff[El], H);
+    experts_forward(m, &m->lw[l], a, m->epb, loff, m->ep_rank * El, El);
+    OPS->moe_gather(DV, m->epa, m->epb, a->einv, loff[El], H);
+    ep_alltoall(m, m->epa, rc, rd, a->ys, sc, sd);
+}
+
+/* backward with expert parallelism: dys (the gradient of a->ys) to the experts' ranks,
+ * back through them, the gradient of the rows sent back into dxs */
+static void ep_backward(model *m, int l, const layer_acts *a, const void *dys, void *dxs)
+{
+    const int ep = m->ep_size, El = m->E / ep, H = m->H;
+    int32_t *loff = m->hloff;
+    size_t sc[EP_MAX], sd[EP_MAX], rc[EP_MAX], rd[EP_MAX];
+    ep_plan(m, l, sc, sd, rc, rd);
+    ep_order(m, l, (layer_acts *)a, loff, 0);
+    ep_alltoall(m, dys, sc, sd, m->epa, rc, rd);
+    OPS->moe_gather(DV, m->epb, m->epa, a->erows, loff[El], H);
+    experts_backward(m, &m->lw[l], &m->lg[l], a, m->epb, m->epa, loff, m->ep_rank * El, El);
+    OPS->moe_gather(DV, m->epb, m->epa, a->einv, loff[El], H);
+    ep_alltoall(m, m->epb, rc, rd, dxs, sc, sd);
+}
+
 /* 3 (experts): the router's top-k, the routed rows of xn2, each expert's gate, up,
  * SwiGLU and down into ys (the weighted sum of ys is part 4's) */
 static void fwd_moe(model *m, int l, layer_acts *a)
 {
-    const int N = m->B * m->T, H = m->H, E = m->E, k = m->topk, FE = m->FE, Nk = N * k;
+    const int N = m->B * m->T, H = m->H, E = m->E, k = m->topk, Nk = N * k;
     const layer_params *w = &m->lw[l];
     OPS->linear_forward(DV, m->rlogits, a->xn2, w->router, N, H, E);
     OPS->moe_route(DV, a->probs, a->idx, a->wts, m->rlogits, N, E, k, m->d.norm_topk_prob);
     int32_t *off = expert_rows(m, l);
     moe_group(m, a, off);
     if (m->aux_collect) aux_add(m, a, off);
+    if (m->ep_size > 1) {
+        OPS->moe_gather(DV, m->epb, a->xn2, a->rows, Nk, H);
+        ep_forward(m, l, a, m->epb);
+        return;
+    }
     OPS->moe_gather(DV, a->xs, a->xn2, a->rows, Nk, H);
-    for (int e = 0; e < E; e++) {
-        const int r0 = off[e], c = off[e + 1] - off[e];
-        if (!c) continue;
-        OPS->linear_forward(DV, AT(a->gate, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->egate[e], c, H, FE);
-        OPS->linear_forward(DV, AT(a->up, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->eup[e], c, H, FE);
-    }
-    OPS->swiglu_forward(DV, a->act, a->gate, a->up, (size_t)Nk * FE);
-    for (int e = 0; e < E; e++) {
-        const int r0 = off[e], c = off[e + 1] - off[e];
-        if (c) OPS->linear_forward(DV, AT(a->ys, (size_t)r0 * H), AT(a->act, (size_t)r0 * FE), w->edown[e], c, FE, H);
-    }
+    experts_forward(m, w, a, a->ys, off, 0, E);
 }
 
 /* back through the experts from dout (all N rows: the gradient of the weighted sum);
@@ -841,32 +1021,14 @@ static void fwd_moe(model *m, int l, layer_acts *a)
  * whole) */
 static void bwd_moe(model *m, int l, const layer_acts *a, const void *dout)
 {
-    const int N = m->B * m->T, H = m->H, E = m->E, k = m->topk, FE = m->FE, Nk = N * k;
-    const size_t e_ = DV->es;
+    const int N = m->B * m->T, H = m->H, E = m->E, k = m->topk, Nk = N * k;
     const layer_params *w = &m->lw[l];
     layer_grads *g = &m->lg[l];
-    const int32_t *off = expert_rows(m, l);
     OPS->moe_combine_backward(DV, m->dxs, m->dwts, dout, a->ys, a->wts, a->slot, N, k, H); /* dxs: dys first */
     tp_reduce(m, m->dwts, (size_t)Nk, SHARD_DT_F32, SHARD_OP_SUM); /* ys are this rank's partial products */
-    OPS->zero(DV, m->dact, (size_t)Nk * FE * e_);
-    for (int e = 0; e < E; e++) {
-        const int r0 = off[e], c = off[e + 1] - off[e];
-        if (c) OPS->linear_backward(DV, AT(m->dact, (size_t)r0 * FE), g->edown[e], AT(m->dxs, (size_t)r0 * H),
-                                    AT(a->act, (size_t)r0 * FE), w->edown[e], c, FE, H);
-    }
-    OPS->zero(DV, m->dgate, (size_t)Nk * FE * e_);
-    OPS->zero(DV, m->dup, (size_t)Nk * FE * e_);
-    OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, (size_t)Nk * FE);
-    OPS->zero(DV, m->dxs, (size_t)Nk * H * e_); /* dys is spent: now the gradient of xs */
-    for (int e = 0; e < E; e++) {
-        const int r0 = off[e], c = off[e + 1] - off[e];
-        if (!c) continue;
-        void *dxs = AT(m->dxs, (size_t)r0 * H);
-        const void *xs = AT(a->xs, (size_t)r0 * H);
-        OPS->linear_backward(DV, dxs, g->egate[e], AT(m->dgate, (size_t)r0 * FE), xs, w->egate[e], c, H, FE);
-        OPS->linear_backward(DV, dxs, g->eup[e], AT(m->dup, (size_t)r0 * FE), xs, w->eup[e], c, H, FE);
-    }
-    OPS->zero(DV, m->dxn, (size_t)N * H * e_);
+    if (m->ep_size > 1) ep_backward(m, l, a, m->dxs, m->dxs);
+    else experts_backward(m, w, g, a, m->dxs, m->dxs, expert_rows(m, l), 0, E);
+    OPS->zero(DV, m->dxn, (size_t)N * H * DV->es);
     OPS->moe_scatter_add(DV, m->dxn, m->dxs, a->slot, N, k, H);
     OPS->moe_route_backward(DV, m->rlogits, m->dwts, m->dprobs, a->probs, a->idx, N, E, k, m->d.norm_topk_prob);
     const int first_tp = m->tp_size <= 1 || !m->tp || shard_comm_rank(m->tp) == 0;

@@ -88,7 +88,10 @@ typedef struct {
     float *probs;            /* [N,E] */
     float *wts;              /* [N,k] */
     int32_t *idx, *rows, *slot; /* [N*k] */
-    void *xs, *ys;           /* [N*k, H] */
+    void *xs, *ys;           /* [N*k, H]; with expert parallelism xs (and gate, up, act) hold the rows this
+                                rank's experts received, by expert: up to ep*N*k */
+    int32_t *erows, *einv;   /* expert parallelism: the received rows by expert (their place as received),
+                                and its inverse [ep*N*k] */
     /* the per-head q/k norm (Qwen3; empty otherwise): q and k before it, and its rstd */
     void *q_pre, *k_pre;     /* [N,nh*hd], [N,nkv*hd] */
     float *rstd_q, *rstd_k;  /* [N*nh], [N*nkv] */
@@ -177,6 +180,14 @@ typedef struct {
     void *dxs;               /* [N*k, H] the gradient of the experts' outputs, then of their inputs */
     int32_t *eoff;           /* host [nslots][L][E+1]: each layer's first row of each expert */
     int32_t *hidx, *hrows, *hslot, *hcur; /* host scratch of the grouping (CUDA) */
+    /* expert parallelism (model_set_ep): the ep ranks exchanging tokens, this one's
+     * experts [ep_rank * E/ep, +E/ep) */
+    int ep_size, ep_rank;
+    shard_comm *ep_h, *ep_d; /* host values, backend memory */
+    int32_t *epc;            /* host [nslots][L][ep * E/ep]: the rows received from each rank for each of ours */
+    int32_t *hem, *hinv;     /* host [ep*N*k] scratch of erows, einv */
+    int32_t *hloff;          /* host [E+1] scratch: this rank's experts' first received rows */
+    void *epa, *epb;         /* [ep*N*k, H] exchange scratch */
     /* the load-balancing loss (model_aux_*): over the forwards since the last reset,
      * each expert's top-k count and router probability sum and the routed rows
      * (layers x tokens) [2E + 1], host */
@@ -234,6 +245,9 @@ void model_set_stage(model *m, int l0, int l1, int first, int last);
 /* Context parallelism (before model_alloc_acts): the cp group, its size and this
  * rank's index in it. */
 void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank);
+/* Expert parallelism (before model_alloc_acts): the ep ranks that exchange tokens
+ * (host and backend communicators), their count, this rank's index. */
+void model_set_ep(model *m, shard_comm *h, shard_comm *d, int ep, int rank);
 /* Packed documents ended by token sep (before model_alloc_acts). */
 void model_set_documents(model *m, int32_t sep);
 /* The documents of a microbatch: in[rows * S] its whole sequences (S = T * cp_size,

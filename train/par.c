@@ -23,7 +23,10 @@ void par_release(par_ctx *p)
 {
     shard_comm_free(p->kvc);
     shard_comm_free(p->emb);
-    p->kvc = p->emb = NULL;
+    shard_comm_free(p->erep);
+    shard_comm_free(p->ep_h);
+    if (p->ep_d != p->ep_h) shard_comm_free(p->ep_d);
+    p->kvc = p->emb = p->erep = p->ep_h = p->ep_d = NULL;
     if (p->dg_owned) {
         shard_groups_free(&p->dg);
         shard_comm_free(p->dworld);
@@ -47,7 +50,7 @@ void par_free(par_ctx *p)
     shard_groups_free(&p->g);
     shard_comm_free(p->world);
     free(p->pp); free(p->op); free(p->rowsz); free(p->rows); free(p->blkrows); free(p->zoff); free(p->zn);
-    free(p->zbase);
+    free(p->zbase); free(p->zgrp);
     memset(p, 0, sizeof *p);
 }
 
@@ -55,9 +58,13 @@ void par_free(par_ctx *p)
  * dp*cp rank k), checked against shard_partition_optim's box, and the packing buffers */
 static shard_status zero1_blocks(par_ctx *p, const model *m)
 {
-    const int k = shard_comm_rank(p->g.dpcp);
-    p->zpad = p->zsum = 0;
+    const int q = shard_comm_rank(p->g.dpcp), ep = shard_layout_ep(&p->l);
+    p->zpad[0] = p->zpad[1] = p->zsum = 0;
+    p->zparts[0] = p->ndp;
+    p->zparts[1] = p->ndp / ep;
     for (size_t i = 0; i < m->ntensors; i++) {
+        const int g = p->zgrp[i] = ep > 1 && shard_role_per_expert(m->spec[i].role);
+        const int k = g ? q / ep : q, parts = p->zparts[g];
         const shard_box *b = &p->pp[i].box;
         size_t rows = 0, rowsz = 1;
         if (p->pp[i].holds) {
@@ -67,7 +74,7 @@ static shard_status zero1_blocks(par_ctx *p, const model *m)
         if (rows * rowsz != m->numel[i])
             return shard_fail(SHARD_E_INTERNAL, "%s: this rank's piece (%zu elements) is not the model's local tensor (%zu)",
                               m->spec[i].name, rows * rowsz, m->numel[i]);
-        size_t br = (rows + (size_t)p->ndp - 1) / (size_t)p->ndp;
+        size_t br = (rows + (size_t)parts - 1) / (size_t)parts;
         size_t r0 = (size_t)k * br < rows ? (size_t)k * br : rows;
         size_t r1 = r0 + br < rows ? r0 + br : rows;
         /* the block must be shard_partition_optim's box */
@@ -81,16 +88,35 @@ static shard_status zero1_blocks(par_ctx *p, const model *m)
         p->blkrows[i] = br;
         p->zoff[i] = r0 * rowsz;
         p->zn[i] = (r1 - r0) * rowsz;
-        p->zbase[i] = p->zpad;
-        p->zpad += br * rowsz;
+        p->zbase[i] = p->zpad[g];
+        p->zpad[g] += br * rowsz;
         p->zsum += p->zn[i];
     }
     if (p->ndp > 1) {
         dev *d = m->dev;
-        p->send = d->ops->alloc(d, (p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
-        p->recv = d->ops->alloc(d, (p->zpad ? p->zpad : 1) * (size_t)p->ndp * sizeof(float));
+        size_t n = p->zpad[0] * (size_t)p->zparts[0], n1 = p->zpad[1] * (size_t)p->zparts[1];
+        n = n > n1 ? n : n1;
+        p->send = d->ops->alloc(d, (n ? n : 1) * sizeof(float));
+        p->recv = d->ops->alloc(d, (n ? n : 1) * sizeof(float));
         if (!p->send || !p->recv) return shard_fail(SHARD_E_NOMEM, "out of memory for the ZeRO-1 buffers");
     }
+    return SHARD_OK;
+}
+
+/* Expert parallelism: among the dp*cp ranks of a position (q), the ep consecutive ones
+ * q / ep exchange tokens (ep rank q % ep holds that share of the experts); the ranks of
+ * one q % ep replicate those experts (ZeRO's group 1) */
+static shard_status ep_groups(par_ctx *p, model *m)
+{
+    const int ep = shard_layout_ep(&p->l), q = shard_comm_rank(p->g.dpcp);
+    if (ep <= 1) return SHARD_OK;
+    shard_status s;
+    if ((s = shard_comm_split(p->dg.dpcp, q % ep, q / ep, &p->erep)) ||
+        (s = shard_comm_split(p->g.dpcp, q / ep, q % ep, &p->ep_h)))
+        return s;
+    p->ep_d = p->ep_h;
+    if (p->dg_owned && (s = shard_comm_split(p->dg.dpcp, q / ep, q % ep, &p->ep_d))) return s;
+    model_set_ep(m, p->ep_h, p->ep_d, ep, q % ep);
     return SHARD_OK;
 }
 
@@ -114,7 +140,8 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     p->zoff = calloc(n, sizeof(size_t));
     p->zn = calloc(n, sizeof(size_t));
     p->zbase = calloc(n, sizeof(size_t));
-    if (!p->pp || !p->op || !p->rowsz || !p->rows || !p->blkrows || !p->zoff || !p->zn || !p->zbase)
+    p->zgrp = calloc(n, sizeof(int));
+    if (!p->pp || !p->op || !p->rowsz || !p->rows || !p->blkrows || !p->zoff || !p->zn || !p->zbase || !p->zgrp)
         return shard_fail(SHARD_E_NOMEM, "out of memory");
     for (size_t i = 0; i < n; i++)
         if ((s = shard_partition(&m->d, l, stages, &m->spec[i], p->rank, &p->pp[i])) ||
@@ -141,6 +168,7 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     if (p->kv_rep > 1 &&
         (s = shard_comm_split(p->dg.tp, p->g.me.tp / p->kv_rep, p->g.me.tp % p->kv_rep, &p->kvc)))
         return s;
+    if ((s = ep_groups(p, m))) return s;
     return zero1_blocks(p, m);
 }
 
@@ -224,6 +252,33 @@ static shard_status tp_sum_partial_grads(par_ctx *p, model *m)
     return s;
 }
 
+/* ZeRO-1 group g: each rank's gradient blocks summed over the group, each rank keeping
+ * its own block's sum */
+static shard_status reduce_scatter_group(par_ctx *p, model *m, int g)
+{
+    dev *d = p->dev;
+    const int parts = p->zparts[g];
+    const size_t zpad = p->zpad[g];
+    if (parts <= 1 || !zpad) return SHARD_OK;
+    float *send = p->send, *recv = p->recv;
+    for (int r = 0; r < parts; r++) {
+        float *dst = send + (size_t)r * zpad;
+        for (size_t i = 0; i < m->ntensors; i++) {
+            if (p->zgrp[i] != g) continue;
+            size_t off, n, pad = p->blkrows[i] * p->rowsz[i];
+            block_of(p, i, r, &off, &n);
+            d->ops->copy(d, dst + p->zbase[i], m->grads + m->offset[i] + off, n * sizeof(float));
+            if (pad > n) d->ops->zero(d, dst + p->zbase[i] + n, (pad - n) * sizeof(float));
+        }
+    }
+    shard_status s = shard_comm_reduce_scatter(g ? p->erep : p->dg.dpcp, send, recv, zpad, SHARD_DT_F32, SHARD_OP_SUM);
+    if (s) return s;
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (p->zgrp[i] == g)
+            d->ops->copy(d, m->grads + m->offset[i] + p->zoff[i], recv + p->zbase[i], p->zn[i] * sizeof(float));
+    return SHARD_OK;
+}
+
 shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
 {
     shard_status s;
@@ -248,27 +303,42 @@ shard_status par_reduce_grads(par_ctx *p, model *m, double *sumsq)
         *sumsq = d->ops->sumsq(d, m->grads, m->nparams);
         return dev_status(d);
     }
-    if (p->ndp > 1) {
-        float *send = p->send, *recv = p->recv;
-        for (int r = 0; r < p->ndp; r++) {
-            float *dst = send + (size_t)r * p->zpad;
-            for (size_t i = 0; i < m->ntensors; i++) {
-                size_t off, n, pad = p->blkrows[i] * p->rowsz[i];
-                block_of(p, i, r, &off, &n);
-                d->ops->copy(d, dst + p->zbase[i], m->grads + m->offset[i] + off, n * sizeof(float));
-                if (pad > n) d->ops->zero(d, dst + p->zbase[i] + n, (pad - n) * sizeof(float));
-            }
-        }
-        if ((s = shard_comm_reduce_scatter(p->dg.dpcp, send, recv, p->zpad, SHARD_DT_F32, SHARD_OP_SUM))) return s;
-        for (size_t i = 0; i < m->ntensors; i++)
-            d->ops->copy(d, m->grads + m->offset[i] + p->zoff[i], recv + p->zbase[i], p->zn[i] * sizeof(float));
-    }
+    if (p->ndp > 1)
+        for (int g = 0; g < 2; g++)
+            if ((s = reduce_scatter_group(p, m, g))) return s;
     double ss = 0.0;
     for (size_t i = 0; i < m->ntensors; i++)
         if (p->op[i].writes && p->zn[i]) ss += d->ops->sumsq(d, m->grads + m->offset[i] + p->zoff[i], p->zn[i]);
     if ((s = dev_status(d))) return s;
     if ((s = shard_comm_allreduce(p->world, &ss, 1, SHARD_DT_F64, SHARD_OP_SUM))) return s;
     *sumsq = ss;
+    return SHARD_OK;
+}
+
+/* ZeRO-1 group g: the updated blocks, in the compute dtype, to every rank of the group */
+static shard_status allgather_group(par_ctx *p, model *m, int g)
+{
+    dev *d = p->dev;
+    const int parts = p->zparts[g];
+    const size_t zpad = p->zpad[g];
+    if (parts <= 1 || !zpad) return SHARD_OK;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        if (p->zgrp[i] != g) continue;
+        size_t pad = p->blkrows[i] * p->rowsz[i];
+        d->ops->copy(d, dev_at(d, p->send, p->zbase[i]), dev_at(d, m->params, m->offset[i] + p->zoff[i]), p->zn[i] * d->es);
+        if (pad > p->zn[i]) d->ops->zero(d, dev_at(d, p->send, p->zbase[i] + p->zn[i]), (pad - p->zn[i]) * d->es);
+    }
+    shard_status s = shard_comm_allgather(g ? p->erep : p->dg.dpcp, p->send, p->recv, zpad, d->dt);
+    if (s) return s;
+    for (int r = 0; r < parts; r++) {
+        const void *src = dev_at(d, p->recv, (size_t)r * zpad);
+        for (size_t i = 0; i < m->ntensors; i++) {
+            if (p->zgrp[i] != g) continue;
+            size_t off, n;
+            block_of(p, i, r, &off, &n);
+            d->ops->copy(d, dev_at(d, m->params, m->offset[i] + off), dev_cat(d, src, p->zbase[i]), n * d->es);
+        }
+    }
     return SHARD_OK;
 }
 
@@ -284,24 +354,11 @@ shard_status par_update(par_ctx *p, model *m, optim *o, double norm, float lr)
     for (size_t i = 0; i < m->ntensors; i++)
         if (p->zn[i] && coef < 1.0f) d->ops->scale(d, m->grads + m->offset[i] + p->zoff[i], coef, p->zn[i]);
     optim_step_blocks(o, m, lr, p->zoff, p->zn);
-    if (p->ndp > 1) { /* the updated blocks, in the compute dtype, to every replica */
-        for (size_t i = 0; i < m->ntensors; i++) {
-            size_t pad = p->blkrows[i] * p->rowsz[i];
-            d->ops->copy(d, dev_at(d, p->send, p->zbase[i]), dev_at(d, m->params, m->offset[i] + p->zoff[i]),
-                         p->zn[i] * d->es);
-            if (pad > p->zn[i]) d->ops->zero(d, dev_at(d, p->send, p->zbase[i] + p->zn[i]), (pad - p->zn[i]) * d->es);
+    if (p->ndp > 1)
+        for (int g = 0; g < 2; g++) {
+            shard_status s = allgather_group(p, m, g);
+            if (s) return s;
         }
-        shard_status s = shard_comm_allgather(p->dg.dpcp, p->send, p->recv, p->zpad, d->dt);
-        if (s) return s;
-        for (int r = 0; r < p->ndp; r++) {
-            const void *src = dev_at(d, p->recv, (size_t)r * p->zpad);
-            for (size_t i = 0; i < m->ntensors; i++) {
-                size_t off, n;
-                block_of(p, i, r, &off, &n);
-                d->ops->copy(d, dev_at(d, m->params, m->offset[i] + off), dev_cat(d, src, p->zbase[i]), n * d->es);
-            }
-        }
-    }
     return dev_status(d);
 }
 

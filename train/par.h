@@ -93,8 +93,15 @@ typedef struct {
     size_t *rows;            /* dim-0 rows of the local piece */
     size_t *blkrows;         /* ceil(rows / ndp) */
     size_t *zoff, *zn;       /* this rank's block: element offset in the local tensor, count */
-    size_t *zbase;           /* offset of tensor i's block in a packed block of zpad elements */
-    size_t zpad;             /* sum over tensors of blkrows * rowsz */
+    size_t *zbase;           /* offset of tensor i's block in its group's packed block of zpad[group] elements */
+    /* ZeRO-1's groups: 0 the dp*cp ranks of the position (every tensor but the experts
+     * under expert parallelism), 1 those that replicate one ep rank's experts (dp*cp/ep:
+     * their gradients are summed and their state split over these only) */
+    int *zgrp;               /* per tensor: its group */
+    int zparts[2];           /* the groups' sizes */
+    size_t zpad[2];          /* sum over the group's tensors of blkrows * rowsz */
+    shard_comm *erep;        /* group 1 (backend memory); NULL without ep */
+    shard_comm *ep_h, *ep_d; /* the ep ranks that exchange tokens (host values, backend memory); NULL without ep */
     size_t zsum;             /* sum of zn: the optimizer state's length on this rank */
     void *send, *recv;       /* backend packing buffers: ndp * zpad and zpad fp32 (or the other way) */
     float *normbuf;          /* backend: the norm gradients packed (sequence parallelism) */

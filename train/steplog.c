@@ -11,7 +11,7 @@ shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *
     l->tty = tty;
     l->bytes = P->size > 1;
     l->comms = (step_comms){.tp = P->dg.tp, .kv = P->kvc, .cp = P->dg.cp, .pp = P->dg.pp, .emb = P->emb,
-                            .dp = P->dg.dp, .dpcp = P->dg.dpcp};
+                            .dp = P->dg.dp, .dpcp = P->dg.dpcp, .ep = P->ep_d, .erep = P->erep};
     if (path && !(l->f = fopen(path, "a")))
         return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
     return SHARD_OK;
@@ -37,13 +37,14 @@ void steplog_reset_bytes(const steplog *l)
 {
     const step_comms *k = &l->comms;
     reset(k->tp); reset(k->cp); reset(k->pp); reset(k->dp); reset(k->dpcp); reset(k->kv); reset(k->emb);
+    reset(k->ep); reset(k->erep);
 }
 
 step_bytes steplog_bytes(const steplog *l)
 {
     const step_comms *k = &l->comms;
     return (step_bytes){.tp = sent(k->tp) + sent(k->kv), .cp = sent(k->cp), .pp = sent(k->pp) + sent(k->emb),
-                        .dp = sent(k->dp) + sent(k->dpcp)};
+                        .dp = sent(k->dp) + sent(k->dpcp) + sent(k->erep), .ep = sent(k->ep)};
 }
 
 static void log_num(FILE *f, const char *key, double v, const char *fmt)
@@ -67,6 +68,7 @@ static void log_line(FILE *f, const step_result *r, int bytes)
         fprintf(f, ",\"bytes_tp\":%llu,\"bytes_cp\":%llu,\"bytes_pp\":%llu,\"bytes_dp\":%llu",
                 (unsigned long long)r->bytes.tp, (unsigned long long)r->bytes.cp, (unsigned long long)r->bytes.pp,
                 (unsigned long long)r->bytes.dp);
+    if (bytes && r->bytes.ep) fprintf(f, ",\"bytes_ep\":%llu", (unsigned long long)r->bytes.ep);
     if (!isnan(r->val_loss)) log_num(f, "val_loss", r->val_loss, "%.17g");
     if (!isnan(r->aux_loss)) log_num(f, "aux_loss", r->aux_loss, "%.17g");
     fputs("}\n", f);

@@ -21,11 +21,14 @@ typedef struct {
     shard_comm *pp, *emb; /* the pipeline's activations and gradients; the tied
                            * embeddings' sum over the first and last stage */
     shard_comm *dp, *dpcp; /* the ZeRO-1 collectives over dp*cp and the loss all-reduce */
+    shard_comm *ep, *erep; /* expert parallelism: the tokens' all-to-all (and the counts' on the host
+                            * communicator, not counted: E ints a layer); the experts' ZeRO-1 group */
 } step_comms;
 
-/* Bytes this rank sent in the step, by kind: bytes_tp, bytes_cp, bytes_pp, bytes_dp. */
+/* Bytes this rank sent in the step, by kind: bytes_tp, bytes_cp, bytes_pp, bytes_dp,
+ * bytes_ep (with expert parallelism). */
 typedef struct {
-    uint64_t tp, cp, pp, dp;
+    uint64_t tp, cp, pp, dp, ep;
 } step_bytes;
 
 /* One optimizer step, as reported. */

@@ -427,7 +427,9 @@ static shard_status build_manifest(const shard_ckpt_writer *w, json_t *tensors, 
     json_object_set_new(m, "producer", json_string("smp " SHARD_VERSION_STRING));
     json_object_set_new(m, "config_json", json_stringn(config_json, config_len));
     json_object_set_new(m, "model", shard_model_to_json(d));
-    json_object_set_new(m, "layout", json_pack("{s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp));
+    json_t *lj = json_pack("{s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp);
+    if (shard_layout_ep(l) > 1) json_object_set_new(lj, "ep", json_integer(l->ep)); /* format 1.1 readers: absent is 1 */
+    json_object_set_new(m, "layout", lj);
     json_object_set_new(m, "stages", jst);
     json_object_set_new(m, "tensors", tensors);
     json_object_set_new(m, "files", files);

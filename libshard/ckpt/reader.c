@@ -182,7 +182,11 @@ static shard_status read_header(shard_ckpt *c, const char *mpath)
         if (!json_is_integer(x) || json_integer_value(x) < 1 || json_integer_value(x) > 65536) BAD("%s: layout.%s missing or out of range", mpath, lk[k]);
         lv[k] = json_integer_value(x);
     }
-    c->layout = (shard_layout){(int)lv[0], (int)lv[1], (int)lv[2], (int)lv[3]};
+    c->layout = (shard_layout){(int)lv[0], (int)lv[1], (int)lv[2], (int)lv[3], 1};
+    json_t *ep = json_object_get(l, "ep"); /* expert parallelism; absent: none */
+    if (ep && (!json_is_integer(ep) || json_integer_value(ep) < 1 || json_integer_value(ep) > 65536))
+        BAD("%s: layout.ep out of range", mpath);
+    if (ep) c->layout.ep = (int)json_integer_value(ep);
     if (c->layout.pp > SHARD_MAX_PP || c->layout.pp > c->model.layers) BAD("%s: layout.pp out of range", mpath);
     int64_t st[SHARD_MAX_PP], sum = 0;
     if (int_array(json_object_get(m, "stages"), c->layout.pp, st, 1)) BAD("%s: \"stages\" must list %d positive layer counts", mpath, c->layout.pp);

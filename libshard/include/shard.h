@@ -344,16 +344,26 @@ shard_status shard_model_check_weights(const shard_model_desc *d, const shard_we
  * so that a tensor-parallel group sits on one node. */
 typedef struct {
     int pp, tp, cp, dp;
+    /* expert parallelism (a mixture of experts): each layer's experts split over ep of
+     * the dp*cp ranks of a (pp, tp) position; not a dimension of its own (the world is
+     * pp*tp*cp*dp). 0 or 1: none (shard_layout_ep) */
+    int ep;
 } shard_layout;
 typedef struct {
     int pp, tp, cp, dp;
 } shard_coords;
 
-/* "pp=2,tp=4[,cp=1][,dp=1]" in any order, each at most once; missing ones are 1. */
+/* "pp=2,tp=4[,cp=1][,dp=1][,ep=1]" in any order, each at most once; missing ones are 1. */
 shard_status shard_layout_parse(const char *text, shard_layout *out);
 /* "pp=2,tp=4,cp=1,dp=1" (buf of at least 64 bytes). */
 const char *shard_layout_format(const shard_layout *l, char *buf, size_t cap);
 int shard_layout_size(const shard_layout *l);
+#define SHARD_MAX_EP 1024
+int shard_layout_ep(const shard_layout *l); /* ep, 1 when 0 */
+/* Expert parallelism: the rank's index q = dp * cp + cp among the dp*cp ranks of its
+ * (pp, tp) position; its ep rank q % ep holds experts [ep rank * E/ep, +E/ep), and the
+ * ranks with one q % ep replicate those experts (q < ep writes them). */
+int shard_layout_ep_rank(const shard_layout *l, shard_coords c);
 shard_coords shard_layout_coords(const shard_layout *l, int rank);
 int shard_layout_rank(const shard_layout *l, shard_coords c);
 

@@ -7,7 +7,8 @@
 
 enum { DIM_LIMIT = 65536, SIZE_LIMIT = 1 << 20 };
 
-static const char *const KEYS[4] = {"pp", "tp", "cp", "dp"};
+enum { NKEYS = 5 };
+static const char *const KEYS[NKEYS] = {"pp", "tp", "cp", "dp", "ep"};
 
 static int *field(shard_layout *l, int k)
 {
@@ -15,19 +16,30 @@ static int *field(shard_layout *l, int k)
     case 0: return &l->pp;
     case 1: return &l->tp;
     case 2: return &l->cp;
-    default: return &l->dp;
+    case 3: return &l->dp;
+    default: return &l->ep;
     }
 }
 
-static int get(const shard_layout *l, int k) { return k == 0 ? l->pp : k == 1 ? l->tp : k == 2 ? l->cp : l->dp; }
+int shard_layout_ep(const shard_layout *l) { return l->ep > 1 ? l->ep : 1; }
+
+static int get(const shard_layout *l, int k)
+{
+    return k == 0 ? l->pp : k == 1 ? l->tp : k == 2 ? l->cp : k == 3 ? l->dp : shard_layout_ep(l);
+}
+
+int shard_layout_ep_rank(const shard_layout *l, shard_coords c)
+{
+    return (c.dp * l->cp + c.cp) % shard_layout_ep(l);
+}
 
 /* 1 when every count is in [1, DIM_LIMIT] and the product within SIZE_LIMIT. */
 static int in_bounds(const shard_layout *l)
 {
     long long size = 1;
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < NKEYS; k++) {
         if (get(l, k) < 1 || get(l, k) > DIM_LIMIT) return 0;
-        size *= get(l, k);
+        if (k < 4) size *= get(l, k); /* ep is not a dimension of its own */
     }
     return size <= SIZE_LIMIT;
 }
@@ -40,10 +52,10 @@ static shard_status parse_item(const char *text, const char *s, size_t n, shard_
     if (!eq) return shard_fail(SHARD_E_USAGE, "layout \"%.200s\": \"%.*s\" is not key=value", text, (int)(n > 40 ? 40 : n), s);
     size_t klen = (size_t)(eq - s);
     int k = -1;
-    for (int i = 0; i < 4; i++)
+    for (int i = 0; i < NKEYS; i++)
         if (klen == 2 && memcmp(s, KEYS[i], 2) == 0) k = i;
     if (k < 0)
-        return shard_fail(SHARD_E_USAGE, "layout \"%.200s\": unknown key \"%.*s\" (expected pp, tp, cp or dp)", text, (int)(klen > 40 ? 40 : klen), s);
+        return shard_fail(SHARD_E_USAGE, "layout \"%.200s\": unknown key \"%.*s\" (expected pp, tp, cp, dp or ep)", text, (int)(klen > 40 ? 40 : klen), s);
     if (seen[k]) return shard_fail(SHARD_E_USAGE, "layout \"%.200s\": %s is given twice", text, KEYS[k]);
     seen[k] = 1;
     const char *v = eq + 1, *end = s + n;
@@ -65,8 +77,8 @@ static shard_status parse_item(const char *text, const char *s, size_t n, shard_
 shard_status shard_layout_parse(const char *text, shard_layout *out)
 {
     if (!text || !out) return shard_fail(SHARD_E_USAGE, "shard_layout_parse: NULL argument");
-    shard_layout l = {1, 1, 1, 1};
-    int seen[4] = {0};
+    shard_layout l = {1, 1, 1, 1, 1};
+    int seen[NKEYS] = {0};
     if (!*text) return shard_fail(SHARD_E_USAGE, "layout \"\": empty (expected e.g. \"pp=2,tp=4\")");
     const char *s = text;
     for (;;) {
@@ -86,7 +98,10 @@ shard_status shard_layout_parse(const char *text, shard_layout *out)
 
 const char *shard_layout_format(const shard_layout *l, char *buf, size_t cap)
 {
-    if (buf && cap) snprintf(buf, cap, "pp=%d,tp=%d,cp=%d,dp=%d", l->pp, l->tp, l->cp, l->dp);
+    if (buf && cap) {
+        int n = snprintf(buf, cap, "pp=%d,tp=%d,cp=%d,dp=%d", l->pp, l->tp, l->cp, l->dp);
+        if (shard_layout_ep(l) > 1 && n >= 0 && (size_t)n < cap) snprintf(buf + n, cap - (size_t)n, ",ep=%d", l->ep);
+    }
     return buf;
 }
 
@@ -119,7 +134,7 @@ shard_status shard_layout_check(const shard_layout *l, const shard_model_desc *d
     if (!l || !d) return shard_fail(SHARD_E_USAGE, "shard_layout_check: NULL argument");
     char name[96];
     shard_layout_format(l, name, sizeof name);
-    for (int k = 0; k < 4; k++) {
+    for (int k = 0; k < NKEYS; k++) {
         int v = get(l, k);
         if (v < 1 || v > DIM_LIMIT)
             return shard_fail(SHARD_E_USAGE, "layout %s: %s=%d is out of range [1, %d]", name, KEYS[k], v, DIM_LIMIT);
@@ -138,5 +153,14 @@ shard_status shard_layout_check(const shard_layout *l, const shard_model_desc *d
         return shard_fail(SHARD_E_USAGE, "layout %s: pp=%d exceeds the %lld layers (every stage needs at least one)", name, l->pp,
                           (long long)d->layers);
     if (l->pp > SHARD_MAX_PP) return shard_fail(SHARD_E_USAGE, "layout %s: pp=%d exceeds the limit of %d stages", name, l->pp, SHARD_MAX_PP);
+    const int ep = shard_layout_ep(l);
+    if (ep > SHARD_MAX_EP) return shard_fail(SHARD_E_USAGE, "layout %s: ep=%d exceeds the limit of %d", name, ep, SHARD_MAX_EP);
+    if (ep > 1 && !d->experts)
+        return shard_fail(SHARD_E_USAGE, "layout %s: ep=%d, but the model has no experts", name, ep);
+    if (ep > 1 && (l->dp * l->cp) % ep)
+        return shard_fail(SHARD_E_USAGE, "layout %s: ep=%d does not divide dp x cp = %d (the ranks that split the experts)",
+                          name, ep, l->dp * l->cp);
+    if (ep > 1 && d->experts % ep)
+        return shard_fail(SHARD_E_USAGE, "layout %s: ep=%d does not divide the %lld experts", name, ep, (long long)d->experts);
     return SHARD_OK;
 }

@@ -188,8 +188,14 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
     if (stage != c.pp && !copy) return SHARD_OK; /* holds = 0, empty box */
 
     for (int k = 0; k < t->ndim; k++) b->len[k] = t->shape[k];
-    /* Every cp and dp replica holds what cp=0,dp=0 holds; that one writes. */
+    /* Every cp and dp replica holds what cp=0,dp=0 holds; that one writes. An expert
+     * under expert parallelism: only the ranks of its ep rank hold it, the first writes. */
     int writes = c.cp == 0 && c.dp == 0 && !copy;
+    const int ep = shard_layout_ep(l);
+    if (ep > 1 && shard_role_per_expert(t->role)) {
+        if (t->expert < 0 || t->expert / (int)(d->experts / ep) != shard_layout_ep_rank(l, c)) return SHARD_OK;
+        writes = c.dp * l->cp + c.cp < ep;
+    }
     const int64_t hd = d->head_dim, nH = d->heads, nKV = d->kv_heads;
     const int dim = ROLE[t->role].split_dim;
     switch (ROLE[t->role].split) {
@@ -229,12 +235,20 @@ shard_status shard_partition(const shard_model_desc *d, const shard_layout *l, c
 shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout *l, const int *layers_per_stage,
                                    const shard_tensor_spec *t, int rank, shard_piece *out)
 {
-    /* the (pp, tp) position's parameter piece, as its cp = dp = 0 rank holds it */
+    /* the (pp, tp) position's parameter piece, as its cp = dp = 0 rank holds it (an
+     * expert under expert parallelism: as the first rank of its ep rank holds it, split
+     * over the dp*cp/ep ranks that replicate it) */
     shard_coords c = shard_layout_coords(l, rank);
     if (c.tp < 0) return shard_fail(SHARD_E_USAGE, "rank %d outside the layout", rank);
-    const int q = c.dp * l->cp + c.cp, parts = l->dp * l->cp;
-    c.cp = 0;
-    c.dp = 0;
+    int q = c.dp * l->cp + c.cp, parts = l->dp * l->cp, first = 0;
+    const int ep = shard_layout_ep(l);
+    if (ep > 1 && shard_role_per_expert(t->role)) {
+        first = q % ep;
+        q /= ep;
+        parts /= ep;
+    }
+    c.cp = first % l->cp;
+    c.dp = first / l->cp;
     shard_status s = shard_partition(d, l, layers_per_stage, t, shard_layout_rank(l, c), out);
     if (s || !out->holds) return s;
     /* ZeRO-1: that piece split along dim 0 over the dp*cp ranks of the position */

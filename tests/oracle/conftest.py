@@ -46,7 +46,8 @@ class TensorSpec(ctypes.Structure):
 
 
 class Layout(ctypes.Structure):
-    _fields_ = [("pp", ctypes.c_int), ("tp", ctypes.c_int), ("cp", ctypes.c_int), ("dp", ctypes.c_int)]
+    _fields_ = [("pp", ctypes.c_int), ("tp", ctypes.c_int), ("cp", ctypes.c_int), ("dp", ctypes.c_int),
+                ("ep", ctypes.c_int)]
 
 
 class Coords(ctypes.Structure):

@@ -55,7 +55,7 @@ static void test_parse_bad(void **st)
         {"tp=999999999999999999999999", "exceeds 65536"}, {"pp=2=3", "not a positive integer"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof *bad; i++) {
-        shard_layout l = {7, 7, 7, 7};
+        shard_layout l = {7, 7, 7, 7, 1};
         assert_int_equal(shard_layout_parse(bad[i].text, &l), SHARD_E_USAGE);
         const char *m = shard_errmsg();
         if (!strstr(m, bad[i].says) || strncmp(m, "layout \"", 8) != 0) fail_msg("\"%s\": message \"%s\"", bad[i].text, m);
@@ -66,7 +66,7 @@ static void test_parse_bad(void **st)
 static void test_rank_coords(void **st)
 {
     (void)st;
-    static const shard_layout ls[] = {{1, 1, 1, 1}, {2, 4, 1, 1}, {3, 2, 2, 2}, {1, 8, 1, 3}, {4, 1, 3, 1}, {2, 3, 5, 7}};
+    static const shard_layout ls[] = {{1, 1, 1, 1, 1}, {2, 4, 1, 1, 1}, {3, 2, 2, 2, 1}, {1, 8, 1, 3, 1}, {4, 1, 3, 1, 1}, {2, 3, 5, 7, 1}};
     for (size_t i = 0; i < sizeof ls / sizeof *ls; i++) {
         const shard_layout *l = &ls[i];
         int n = shard_layout_size(l);
@@ -84,7 +84,7 @@ static void test_rank_coords(void **st)
         assert_int_equal(shard_layout_rank(l, out), -1);
     }
     /* tp is fastest, pp slowest */
-    shard_layout l = {2, 4, 2, 2};
+    shard_layout l = {2, 4, 2, 2, 1};
     shard_coords c = shard_layout_coords(&l, 1);
     assert_int_equal(c.tp, 1);
     c = shard_layout_coords(&l, 4);
@@ -93,7 +93,7 @@ static void test_rank_coords(void **st)
     assert_int_equal(c.cp, 0); assert_int_equal(c.dp, 1);
     c = shard_layout_coords(&l, 16);
     assert_int_equal(c.dp, 0); assert_int_equal(c.pp, 1);
-    shard_layout zero = {0, 1, 1, 1};
+    shard_layout zero = {0, 1, 1, 1, 1};
     assert_int_equal(shard_layout_size(&zero), 0);
     assert_int_equal(shard_layout_coords(&zero, 0).pp, -1);
 }
@@ -178,7 +178,7 @@ static void test_layout_check(void **st)
 {
     (void)st;
     shard_model_desc d = model(64, 128, 4, 8, 2, 8, 100, 0);
-    shard_layout l = {1, 3, 1, 1};
+    shard_layout l = {1, 3, 1, 1, 1};
     assert_int_equal(shard_layout_check(&l, &d), SHARD_E_USAGE);
     assert_string_equal(shard_errmsg(), "layout pp=1,tp=3,cp=1,dp=1: tp=3 does not divide the 8 attention heads");
     l.tp = 8; /* 4 kv heads each replicated 4x */
@@ -191,13 +191,13 @@ static void test_layout_check(void **st)
     l.pp = 4;
     assert_int_equal(shard_layout_check(&l, &d), SHARD_OK);
     shard_model_desc g = model(96, 128, 4, 12, 4, 8, 100, 0);
-    shard_layout t6 = {1, 6, 1, 1};
+    shard_layout t6 = {1, 6, 1, 1, 1};
     assert_int_equal(shard_layout_check(&t6, &g), SHARD_E_USAGE);
     assert_non_null(strstr(shard_errmsg(), "tp=6 neither divides nor is a multiple of the 4 key/value heads"));
-    shard_layout zero = {1, 1, 0, 1};
+    shard_layout zero = {1, 1, 0, 1, 1};
     assert_int_equal(shard_layout_check(&zero, &d), SHARD_E_USAGE);
     assert_non_null(strstr(shard_errmsg(), "cp=0 is out of range"));
-    shard_layout huge = {1, 1, 2048, 1024};
+    shard_layout huge = {1, 1, 2048, 1024, 1};
     assert_int_equal(shard_layout_check(&huge, &d), SHARD_E_USAGE);
 }
 
@@ -236,7 +236,7 @@ static void test_partition(void **st)
     (void)st;
     /* 8 heads, 2 kv heads, head_dim 8, vocab 5, tied; tp=4: kv heads twice each. */
     shard_model_desc d = model(64, 30, 2, 8, 2, 8, 5, 1);
-    shard_layout l = {2, 4, 1, 2};
+    shard_layout l = {2, 4, 1, 2, 1};
     int lps[2] = {1, 1};
     /* tensor order: 0 embed; layer 0: 1 norm_attn, 2 q, 3 k, 4 v, 5 o, 6 norm_mlp, 7 gate, 8 up, 9 down */
     for (int r = 0; r < 4; r++) {
@@ -283,7 +283,7 @@ static void test_partition(void **st)
     shard_model_tensor(&d, 2, &t);
     t.layer = 2;
     assert_int_equal(shard_partition(&d, &l, lps, &t, 0, &p), SHARD_E_USAGE);
-    shard_layout l3 = {1, 3, 1, 1};
+    shard_layout l3 = {1, 3, 1, 1, 1};
     int one[1] = {2};
     shard_model_tensor(&d, 2, &t);
     assert_int_equal(shard_partition(&d, &l3, one, &t, 0, &p), SHARD_E_USAGE);
