@@ -1,0 +1,200 @@
+"""Expert parallelism (layout key ep=E) for a mixture of experts, against the single
+rank and against transformers:
+
+- smp-eval at ep layouts (with dp, cp, tp) gives the single rank's loss and
+  load-balancing loss, which equal transformers';
+- training at ep=2 and ep=4, composed with tp, pp, cp and the load-balancing loss's
+  gradient, tracks the single-rank run (loss, gradient norm and aux_loss within 2e-4);
+  the JSONL counts the all-to-all's bytes (bytes_ep);
+- the checkpoint stores each expert once, written by the first of its replicas
+  (ep rank i's experts in rank i's shard file); smp-inspect shows experts per rank;
+  hf2smp at an ep layout -> reshard -> smp-merge gives every tensor bit for bit;
+- a run stopped at ep=4 resumes after a reshard at ep=2, and on one rank, exactly
+  where the straight run goes;
+- layouts that cannot split the experts are refused (exit 2).
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from safetensors.torch import load_file
+
+from conftest import run
+from test_parallel import assert_tracks, mpirun, rel
+from test_train import read_log, write_tokens
+
+V, SEQ = 89, 16
+COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
+
+
+def make_moe(path, family, aux=False):
+    """A tiny random Mixtral (4 experts, 2 per token) or Qwen3-MoE (8 experts, 2 per
+    token, renormalized), its routers sharpened so that routing is decisive (a near tie
+    would flip on the last bit of a sum taken in another order)."""
+    torch.manual_seed(1)
+    extra = dict(output_router_logits=True, router_aux_loss_coef=0.3) if aux else {}
+    if family == "mixtral":
+        cfg = transformers.MixtralConfig(vocab_size=V, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                         num_experts_per_tok=2, **extra)
+        model = transformers.MixtralForCausalLM(cfg)
+    else:
+        cfg = transformers.Qwen3MoeConfig(vocab_size=V, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
+                                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                          num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, head_dim=16,
+                                          **extra)
+        model = transformers.Qwen3MoeForCausalLM(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                p.normal_(0, 0.5)
+    model.float().save_pretrained(str(path))
+    return model
+
+
+@pytest.fixture(scope="module")
+def ep(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("ep")
+    data = write_tokens(tmp / "d.bin", np.random.default_rng(7).integers(0, V, size=6000))
+
+    class Cks(dict):  # (family, aux) -> (hf folder, checkpoint), made on first use
+        def __missing__(self, key):
+            family, aux = key
+            hf = tmp / f"hf-{family}-{aux}"
+            make_moe(hf, family, aux)
+            ck = tmp / f"ck-{family}-{aux}"
+            run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=1", check=0)
+            self[key] = (hf, ck)
+            return self[key]
+    cks = Cks()
+
+    class Refs(dict):  # (family, aux, microbatches) -> the single rank's log
+        def __missing__(self, key):
+            family, aux, micro = key
+            out = tmp / f"ref-{family}-{aux}-m{micro}"
+            run("smp-train", "--ckpt", cks[(family, aux)][1], "--data", data, "--save-dir", out, "--steps", 6,
+                "--microbatches", micro, "--log", out / "log.jsonl", *COMMON, check=0)
+            self[key] = read_log(out / "log.jsonl")
+            return self[key]
+    return tmp, cks, data, Refs()
+
+
+def ranks(layout):
+    n = 1
+    for item in layout.split(","):
+        k, v = item.split("=")
+        n *= int(v) if k != "ep" else 1  # ep splits dp x cp: not a dimension of its own
+    return n
+
+
+@pytest.mark.parametrize("family,layout", [("mixtral", "dp=2,ep=2"), ("mixtral", "dp=2,cp=2,ep=4"),
+                                           ("qwen3moe", "tp=2,dp=2,ep=2"), ("qwen3moe", "dp=4,ep=4")])
+def test_eval_matches_one_rank_and_transformers(ep, family, layout):
+    tmp, cks, data, _ = ep
+    hf, ck = cks[(family, False)]
+    args = ["--ckpt", ck, "--data", data, "--batch", 4, "--seq", SEQ, "--batches", 2, "--json"]
+    one = json.loads(run("smp-eval", *args, check=0).stdout)
+    got = json.loads(mpirun(ranks(layout), *args, "--layout", layout, exe="smp-eval").stdout)
+    assert rel(got["loss"], one["loss"]) < 1e-7 and rel(got["aux_loss"], one["aux_loss"]) < 1e-7, (got, one)
+    # transformers over the same two batches (the load-balancing loss over both at once, as smp-eval)
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    toks = np.fromfile(data, dtype="<u2", offset=1024).astype(np.int64)
+    rows = torch.tensor(np.stack([toks[j * SEQ:j * SEQ + SEQ + 1] for j in range(8)]))
+    with torch.no_grad():
+        out = model(rows[:, :-1], output_router_logits=True)
+    ref = F.cross_entropy(out.logits.reshape(-1, V), rows[:, 1:].reshape(-1)).item()
+    assert rel(one["loss"], ref) < 1e-5 and rel(one["aux_loss"], float(out.aux_loss)) < 1e-5, (one, ref, out.aux_loss)
+
+
+@pytest.mark.parametrize("family,aux,layout,micro", [
+    ("mixtral", False, "dp=2,ep=2", 1),
+    ("mixtral", False, "tp=2,dp=2,ep=2", 1),
+    ("mixtral", True, "pp=2,dp=2,ep=2", 2),          # the aux gradient's pre-pass through the pipeline
+    ("qwen3moe", False, "dp=4,ep=4", 1),             # 2 of the 8 experts per rank
+    ("qwen3moe", True, "cp=2,dp=2,ep=4", 1),
+    ("qwen3moe", False, "dp=4,ep=2", 1),             # each ep rank's experts on 2 replicas: their ZeRO-1 group
+])
+def test_training_tracks_one_rank(ep, family, aux, layout, micro):
+    tmp, cks, data, refs = ep
+    out = tmp / f"run-{family}-{aux}-{layout}"
+    dp = int(dict(i.split("=") for i in layout.split(","))["dp"])
+    mpirun(ranks(layout), "--ckpt", cks[(family, aux)][1], "--data", data, "--save-dir", out, "--steps", 6,
+           "--layout", layout, "--microbatches", micro, "--log", out / "log.jsonl", *COMMON)
+    rows, ref = read_log(out / "log.jsonl"), refs[(family, aux, micro * dp)]
+    assert_tracks(rows, ref, 2e-4, f"{family} {layout}")
+    assert max(rel(r["aux_loss"], q["aux_loss"]) for r, q in zip(rows, ref)) < 2e-4
+    assert all(r["bytes_ep"] > 0 for r in rows)  # the tokens' all-to-all, counted
+    assert run("smp-verify", out / "step-000006").returncode == 0
+
+
+def test_the_aux_gradient_moves_the_router(ep):
+    """output_router_logits: the load-balancing loss is trained (the runs differ)"""
+    _, _, _, refs = ep
+    plain, aux = refs[("mixtral", False, 1)], refs[("mixtral", True, 1)]
+    assert plain[0]["loss"] == aux[0]["loss"] and plain[0]["grad_norm"] != aux[0]["grad_norm"]
+
+
+def test_checkpoint_stores_each_expert_once(ep):
+    tmp, cks, _, _ = ep
+    hf, _ = cks[("qwen3moe", False)]
+    ck = tmp / "ck-ep4"
+    mpirun(2, "hf2smp", "--in", hf, "--out", ck, "--layout", "dp=4,ep=4", exe="smp-convert")
+    man = json.loads((ck / "smp.json").read_text())
+    assert man["layout"]["ep"] == 4
+    for t in man["tensors"]:
+        files = [p["file"] for p in t["pieces"]]
+        if ".experts." in t["name"]:
+            e = int(t["name"].split(".experts.")[1].split(".")[0])
+            assert files == [f"shard-{e // 2:05d}.h5"], (t["name"], files)  # 8 experts, 2 per ep rank
+        else:
+            assert files == ["shard-00000.h5"], (t["name"], files)
+    info = json.loads(run("smp-inspect", ck, "--json", check=0).stdout)
+    assert info["experts_per_rank"] == 2 and info["layout"]["ep"] == 4
+    # reshard to another ep and back to one rank, merge: every tensor bit for bit
+    run("smp-convert", "reshard", "--in", ck, "--out", tmp / "ck-ep2", "--layout", "tp=2,dp=2,ep=2", check=0)
+    run("smp-merge", "--in", tmp / "ck-ep2", "--out", tmp / "export", check=0)
+    a, b = load_file(str(hf / "model.safetensors")), load_file(str(tmp / "export" / "model.safetensors"))
+    assert set(a) == set(b) and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resume_across_expert_layouts(ep):
+    """ep=4 stops at step 3; resharded to ep=2 it resumes, and so it does on one rank:
+    both exactly where the straight single-rank run goes"""
+    tmp, cks, data, refs = ep
+    ck = cks[("qwen3moe", False)][1]
+    a, b, c = tmp / "res-a", tmp / "res-b", tmp / "res-c"
+    mpirun(4, "--ckpt", ck, "--data", data, "--save-dir", a, "--steps", 6, "--stop-at", 3, "--layout", "dp=4,ep=4",
+           "--log", a / "log.jsonl", *COMMON)
+    b.mkdir()
+    run("smp-convert", "reshard", "--in", a / "step-000003", "--out", b / "step-000003", "--layout", "dp=2,ep=2",
+        check=0)
+    (b / "latest").write_text("step-000003\n")
+    mpirun(2, "--ckpt", b, "--data", data, "--save-dir", b, "--layout", "dp=2,ep=2", "--log", b / "log.jsonl")
+    run("smp-train", "--ckpt", a, "--data", data, "--save-dir", c, "--log", c / "log.jsonl", check=0)
+    ref = refs[("qwen3moe", False, 4)][3:]
+    assert_tracks(read_log(b / "log.jsonl"), ref, 5e-4, "ep=4 -> reshard -> ep=2")
+    assert_tracks(read_log(c / "log.jsonl"), ref, 5e-4, "ep=4 -> one rank")
+
+
+@pytest.mark.parametrize("family,layout,words", [
+    ("mixtral", "dp=2,ep=4", ["ep=4", "dp x cp"]),
+    ("qwen3moe", "dp=3,ep=3", ["ep=3", "8 experts"]),
+])
+def test_layouts_that_cannot_split_the_experts_are_refused(ep, family, layout, words):
+    tmp, cks, data, _ = ep
+    p = run("smp-convert", "reshard", "--in", cks[(family, False)][1], "--out", tmp / "bad", "--layout", layout)
+    assert p.returncode == 2 and all(w in p.stderr for w in words), p.stderr
+    assert not (tmp / "bad").exists()
+
+
+def test_ep_on_a_dense_model_is_refused(tmp_path):
+    hf = tmp_path / "hf"
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=V, hidden_size=32, intermediate_size=48,
+                                                           num_hidden_layers=1, num_attention_heads=4)).save_pretrained(
+        str(hf))
+    p = run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", "--layout", "dp=2,ep=2")
+    assert p.returncode == 2 and "no experts" in p.stderr, p.stderr
