@@ -113,11 +113,14 @@ def test_eval_loss_and_aux_match_transformers(tmp_path, case):
     assert got["tokens"] == n and got["batches"] == NB
     assert abs(got["loss"] - ref) <= 1e-5 * ref, (got, ref)
     assert abs(got["aux_loss"] - aux) <= 1e-5 * aux, (got, aux)
-    # another layout's checkpoint (the experts' pieces read whole) gives the same
+    # another layout's checkpoint (the experts' pieces read whole) gives the same, and so
+    # does that one resharded to tp=4 (each expert's rows cut in four)
     run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "tp2", "--layout", "pp=2,tp=2", check=0)
-    got_tp = json.loads(run("smp-eval", "--ckpt", tmp_path / "tp2", "--data", data, "--batch", B, "--seq", S, "--json",
-                            check=0).stdout)
-    assert got_tp == got
+    run("smp-convert", "reshard", "--in", tmp_path / "tp2", "--out", tmp_path / "tp4", "--layout", "tp=4", check=0)
+    for other in ("tp2", "tp4"):
+        got_tp = json.loads(run("smp-eval", "--ckpt", tmp_path / other, "--data", data, "--batch", B, "--seq", S,
+                                "--json", check=0).stdout)
+        assert got_tp == got, other
 
 
 # ---------------------------------------------------------------- gradients vs autograd
