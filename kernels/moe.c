@@ -17,6 +17,10 @@ static void softmax_row(float *p, const float *z, int E)
     for (int e = 0; e < E; e++) p[e] /= s;
 }
 
+/* what top-k ranks by: the prob, a NaN (from NaN logits) below every number, so that
+ * idx stays a valid expert whatever the logits (moe.cu ranks the same) */
+static float rank_key(float p) { return p >= 0.0f ? p : -0.5f; }
+
 /* the k largest of p in descending order: strict > keeps the lower index on a tie */
 static void topk_row(int32_t *idx, const float *p, int E, int k)
 {
@@ -25,7 +29,7 @@ static void topk_row(int32_t *idx, const float *p, int E, int k)
         for (int e = 0; e < E; e++) {
             int taken = 0;
             for (int m = 0; m < j && !taken; m++) taken = idx[m] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+            if (!taken && (best < 0 || rank_key(p[e]) > rank_key(p[best]))) best = e;
         }
         idx[j] = best;
     }

@@ -14,20 +14,26 @@ enum { MOE_THREADS = 256, ROUTE_WARPS = 4, MOE_EMAX = 1024, MOE_KMAX = 32 };
 /* (p, e) before (q, f) in the top-k order */
 __device__ __forceinline__ bool moe_before(float p, int e, float q, int f) { return p > q || (p == q && e < f); }
 
-/* the warp's first expert in the top-k order among those no lane has taken; every lane gets it */
+/* what top-k ranks by: the prob, a NaN (from NaN logits) below every number but above
+ * "none" (-1), so that every pick is a valid expert (op_moe_route ranks the same) */
+__device__ __forceinline__ float moe_key(float p) { return p >= 0.0f ? p : -0.5f; }
+
+/* the warp's first expert in the top-k order among those no lane has taken, and its prob;
+ * every lane gets them */
 __device__ __forceinline__ void moe_argmax(const float *p, int E, uint32_t taken, float *bp, int *be)
 {
     const int lane = threadIdx.x & 31;
-    float b = -1.0f; /* below any prob */
+    float b = -1.0f; /* the key of none yet */
     int i = INT_MAX;
     for (int s = 0, e = lane; e < E; s++, e += 32)
-        if (!(taken >> s & 1u) && p[e] > b) b = p[e], i = e;
+        if (!(taken >> s & 1u) && moe_key(p[e]) > b) b = moe_key(p[e]), i = e;
     for (int o = 16; o > 0; o >>= 1) {
         const float q = __shfl_xor_sync(0xffffffffu, b, o);
         const int f = __shfl_xor_sync(0xffffffffu, i, o);
         if (moe_before(q, f, b, i)) b = q, i = f;
     }
-    *bp = b, *be = i;
+    *be = i; /* k <= E: some expert was left */
+    *bp = b >= 0.0f ? b : NAN; /* the prob again: a key of -0.5 was a NaN */
 }
 
 template <typename T>

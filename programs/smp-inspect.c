@@ -110,6 +110,11 @@ static void hf_text(const hf_info *h)
            (long long)d->intermediate, (long long)d->vocab);
     printf("  attention    %lld heads, %lld kv heads%s, head_dim %lld, sliding window %s\n", (long long)d->heads, (long long)d->kv_heads,
            d->kv_heads < d->heads ? " (GQA)" : "", (long long)d->head_dim, d->sliding_window ? cli_count(b1, (unsigned long long)d->sliding_window) : "none");
+    if (d->experts)
+        printf("  experts      %lld per layer, %lld per token%s, intermediate %lld each; load-balancing coef %g%s\n",
+               (long long)d->experts, (long long)d->experts_per_tok, d->norm_topk_prob ? " (weights renormalized)" : "",
+               (long long)d->moe_intermediate, d->router_aux_loss_coef,
+               d->output_router_logits ? " (in the loss)" : " (reported, not trained: output_router_logits false)");
     printf("  rope         theta %g", d->rope_theta);
     if (d->rope_llama3)
         printf(", llama3 scaling (factor %g, low %g, high %g, original %lld)", d->rope_factor, d->rope_low_freq_factor, d->rope_high_freq_factor,

@@ -10,6 +10,8 @@
 #      same loss as smp-eval
 #   6. fine-tune the export on chats (tools/prepare_sft.py: a chat template, loss masks):
 #      packed documents under cp=2,dp=2, the masked validation loss before and after
+#   7. a mixture of experts: a tiny Mixtral trained under pp=2,tp=2 with its load-balancing
+#      loss, merged, and checked against transformers (loss and load-balancing loss)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV=$(tools/bootstrap.sh | tail -1)
@@ -72,4 +74,13 @@ before, after = (json.load(open(p)) for p in sys.argv[1:3])
 print(f"masked validation loss (answers only): {before['loss']:.3f} before, {after['loss']:.3f} after fine-tuning")
 assert after["loss"] < 0.8 * before["loss"], (before, after)
 PYEOF
+
+say "7. a mixture of experts: Mixtral, pp=2,tp=2, the load-balancing loss trained"
+"$PY" tools/demo/moe.py make "$OUT/moe-hf"
+build/bin/smp-convert hf2smp --in "$OUT/moe-hf" --out "$OUT/moe-ckpt" --layout pp=2,tp=2
+$MPI -np 4 build/bin/smp-train --ckpt "$OUT/moe-ckpt" --data "$OUT/train.bin" --save-dir "$OUT/moe" --layout pp=2,tp=2 \
+    --steps 20 --batch 8 --microbatches 2 --seq 64 --lr 1e-2 --warmup 3 --seed 3 --log "$OUT/moe/log.jsonl"
+build/bin/smp-merge --in "$OUT/moe/$(cat "$OUT/moe/latest")" --out "$OUT/moe-export"
+build/bin/smp-eval --ckpt "$OUT/moe" --data "$OUT/val.bin" --batch 4 --seq 64 --batches 2 --json | tee "$OUT/moe-eval.json"
+"$PY" tools/demo/moe.py check "$OUT/moe-export" "$OUT/val.bin" "$OUT/moe-eval.json" "$OUT/moe/log.jsonl"
 echo "demo: ok"

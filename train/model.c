@@ -112,6 +112,9 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->l1 = m->L;
     m->first = m->last = 1;
     m->eps = (float)d->norm_eps;
+    if (dv->cuda && (m->E > 1024 || m->topk > 32)) /* kernels/moe.cu: a warp per token's experts */
+        return shard_fail(SHARD_E_UNSUPPORTED, "%d experts, %d per token: the CUDA router takes up to 1024 and 32",
+                          m->E, m->topk);
     if (m->rd % 2 || m->rd > m->hd)
         return shard_fail(SHARD_E_UNSUPPORTED, "RoPE over %d of head_dim %d dims: it needs an even count", m->rd, m->hd);
     m->ntensors = shard_model_tensor_count(d);

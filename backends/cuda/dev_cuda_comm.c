@@ -116,6 +116,16 @@ static shard_status w_sendrecv(shard_comm *c, const void *send, int to, void *re
     return s ? s : shard_comm_sendrecv(in, send, to, recv, from, n, dt, tag);
 }
 
+static shard_status w_alltoallv(shard_comm *c, const void *send, const size_t *sc, const size_t *sd, void *recv,
+                                const size_t *rc, const size_t *rd, shard_dtype dt)
+{
+    shard_comm *in = W(c)->inner;
+    const size_t es = shard_dtype_size(dt);
+    if (!in) return sc[0] ? dcopy(c, (char *)recv + rd[0] * es, (const char *)send + sd[0] * es, sc[0] * es) : SHARD_OK;
+    shard_status s = drain(c, "all-to-all");
+    return s ? s : shard_comm_alltoallv(in, send, sc, sd, recv, rc, rd, dt);
+}
+
 static shard_status w_barrier(shard_comm *c)
 {
     shard_comm *in = W(c)->inner;
@@ -133,7 +143,7 @@ static void w_free(shard_comm *c)
 }
 
 static const shard_comm_ops WRAP_OPS = {"cuda", w_split, w_allreduce, w_reduce_scatter, w_allgather, w_broadcast,
-                                        w_send, w_recv, w_sendrecv, w_barrier, w_free};
+                                        w_send, w_recv, w_sendrecv, w_alltoallv, w_barrier, w_free};
 
 /* inner: NULL for a one-rank communicator; owned by the result */
 static shard_status wrap(cudaStream_t st, shard_comm *inner, shard_comm **out)

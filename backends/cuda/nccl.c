@@ -154,6 +154,32 @@ static shard_status n_sendrecv(shard_comm *c, const void *send, int to, void *re
     CALL("send-receive", pair(c, send, to, recv, from, n, t));
 }
 
+/* one group: a send and a receive per peer with data; the own block a device copy
+ * on the same stream (so the wait below covers it). Moved as bytes: no reduction,
+ * so any dtype goes. */
+static ncclResult_t a2a(shard_comm *c, const char *send, const size_t *sc, const size_t *sd, char *recv,
+                        const size_t *rc, const size_t *rd, size_t es)
+{
+    const int me = shard_comm_rank(c);
+    if (sc[me] && cudaMemcpyAsync(recv + rd[me] * es, send + sd[me] * es, sc[me] * es, cudaMemcpyDeviceToDevice,
+                                  I(c)->stream) != cudaSuccess)
+        return ncclUnhandledCudaError;
+    ncclResult_t r = ncclGroupStart();
+    for (int p = 0; p < shard_comm_size(c) && r == ncclSuccess; p++) {
+        if (p == me) continue;
+        if (sc[p]) r = ncclSend(send + sd[p] * es, sc[p] * es, ncclUint8, p, I(c)->comm, I(c)->stream);
+        if (r == ncclSuccess && rc[p]) r = ncclRecv(recv + rd[p] * es, rc[p] * es, ncclUint8, p, I(c)->comm, I(c)->stream);
+    }
+    ncclResult_t e = ncclGroupEnd();
+    return r != ncclSuccess ? r : e;
+}
+
+static shard_status n_alltoallv(shard_comm *c, const void *send, const size_t *sc, const size_t *sd, void *recv,
+                                const size_t *rc, const size_t *rd, shard_dtype dt)
+{
+    CALL("all-to-all", a2a(c, send, sc, sd, recv, rc, rd, shard_dtype_size(dt)));
+}
+
 static shard_status n_barrier(shard_comm *c)
 {
     /* a one-element all-reduce on a small device buffer */
@@ -185,7 +211,7 @@ static shard_status n_split(shard_comm *c, int color, int key, shard_comm **out)
 }
 
 static const shard_comm_ops NCCL_OPS = {"nccl", n_split, n_allreduce, n_reduce_scatter, n_allgather, n_broadcast,
-                                        n_send, n_recv, n_sendrecv, n_barrier, n_free};
+                                        n_send, n_recv, n_sendrecv, n_alltoallv, n_barrier, n_free};
 
 static shard_status wrap(ncclComm_t comm, int device, shard_comm **out)
 {

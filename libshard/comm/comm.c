@@ -93,6 +93,34 @@ shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *
     return c->ops->sendrecv(c, send, to, recv, from, n, dt, tag);
 }
 
+/* one side of an all-to-all: every block addressable, buf present when it moves data */
+static shard_status a2a_side(const shard_comm *c, const void *buf, const size_t *counts, const size_t *displs, size_t es,
+                             const char *side)
+{
+    if (!counts || !displs) return shard_fail(SHARD_E_USAGE, "alltoallv: NULL %s counts or displacements", side);
+    for (int r = 0; r < c->size; r++) {
+        if (counts[r] > SIZE_MAX / es || displs[r] > SIZE_MAX / es - counts[r])
+            return shard_fail(SHARD_E_USAGE, "alltoallv: %s block %d overflows size_t", side, r);
+        if (counts[r] && !buf) return shard_fail(SHARD_E_USAGE, "alltoallv: NULL %s buffer with %zu elements for rank %d", side, counts[r], r);
+    }
+    return SHARD_OK;
+}
+
+shard_status shard_comm_alltoallv(shard_comm *c, const void *send, const size_t *scounts, const size_t *sdispls,
+                                  void *recv, const size_t *rcounts, const size_t *rdispls, shard_dtype dt)
+{
+    const size_t es = shard_dtype_size(dt);
+    if (!c || !es) return shard_fail(SHARD_E_USAGE, "alltoallv: %s", c ? "invalid dtype" : "NULL communicator");
+    shard_status s = a2a_side(c, send, scounts, sdispls, es, "send");
+    if (s || (s = a2a_side(c, recv, rcounts, rdispls, es, "receive"))) return s;
+    /* the one pair a rank can check alone; the others would fail inside the backend */
+    if (scounts[c->rank] != rcounts[c->rank])
+        return shard_fail(SHARD_E_USAGE, "alltoallv: rank %d sends itself %zu elements but receives %zu", c->rank,
+                          scounts[c->rank], rcounts[c->rank]);
+    for (int r = 0; r < c->size; r++) c->bytes += r == c->rank ? 0 : (uint64_t)scounts[r] * es;
+    return c->ops->alltoallv(c, send, scounts, sdispls, recv, rcounts, rdispls, dt);
+}
+
 shard_status shard_comm_barrier(shard_comm *c) { return c->ops->barrier(c); }
 
 shard_status shard_comm_agree(shard_comm *c, shard_status mine, const char *others, int *theirs)
@@ -141,9 +169,17 @@ static shard_status self_sendrecv(shard_comm *c, const void *s, int to, void *r,
     return self_p2p(c, s, n, dt, to, tag);
 }
 static shard_status self_barrier(shard_comm *c) { (void)c; return SHARD_OK; }
+static shard_status self_alltoallv(shard_comm *c, const void *s, const size_t *sc, const size_t *sd, void *r,
+                                   const size_t *rc, const size_t *rd, shard_dtype dt)
+{
+    (void)c; (void)rc;
+    if (sc[0]) memmove((char *)r + rd[0] * shard_dtype_size(dt), (const char *)s + sd[0] * shard_dtype_size(dt),
+                       sc[0] * shard_dtype_size(dt));
+    return SHARD_OK;
+}
 
 static const shard_comm_ops SELF = {"self", self_split, self_allreduce, self_reduce_scatter, self_allgather, self_broadcast,
-                                    self_p2p, self_recv, self_sendrecv, self_barrier, NULL};
+                                    self_p2p, self_recv, self_sendrecv, self_alltoallv, self_barrier, NULL};
 
 shard_status shard_comm_self(shard_comm **out)
 {

@@ -3,6 +3,7 @@
  * Open MPI's runtime then ends the others. */
 #include "comm.h"
 
+#include <limits.h>
 #include <math.h>
 #include <mpi.h>
 #include <stdlib.h>
@@ -137,6 +138,96 @@ static shard_status m_sendrecv(shard_comm *c, const void *send, int to, void *re
     return check(MPI_Sendrecv(send, (int)n, mtype(dt), to, tag, recv, (int)n, mtype(dt), from, tag, C_(c), MPI_STATUS_IGNORE), "send-receive");
 }
 
+/* The largest count or displacement given to MPI_Alltoallv (INT_MAX), past which
+ * blocks go pairwise in chunks of at most MAXC elements; SMP_MPI_A2A_CHUNK (a test
+ * hook) lowers both, to send small buffers through the pairwise path. */
+static size_t a2a_limit(void)
+{
+    const char *e = getenv("SMP_MPI_A2A_CHUNK");
+    long v = e ? atol(e) : 0;
+    return v > 0 && (size_t)v < MAXC ? (size_t)v : (size_t)INT_MAX;
+}
+
+static int fits(const size_t *a, int n, size_t lim)
+{
+    for (int i = 0; i < n; i++) if (a[i] > lim) return 0;
+    return 1;
+}
+
+static shard_status a2a_ints(shard_comm *c, const void *send, const size_t *sc, const size_t *sd, void *recv,
+                             const size_t *rc, const size_t *rd, shard_dtype dt)
+{
+    const int n = c->size;
+    int *v = malloc(sizeof *v * 4 * (size_t)n);
+    if (!v) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (int r = 0; r < n; r++) v[r] = (int)sc[r], v[n + r] = (int)sd[r], v[2 * n + r] = (int)rc[r], v[3 * n + r] = (int)rd[r];
+    shard_status s = check(MPI_Alltoallv(send, v, v + n, mtype(dt), recv, v + 2 * n, v + 3 * n, mtype(dt), C_(c)), "all-to-all");
+    free(v);
+    return s;
+}
+
+/* a tag of its own so that the chunks never match the caller's point-to-point
+ * transfers (each pair's chunks arrive in order: MPI does not overtake) */
+#define A2A_TAG 32000
+
+static size_t nchunks(size_t k, size_t lim) { return (k + lim - 1) / lim; }
+
+/* post the chunks of one block, receives when recv is set, else sends; *nq grows */
+static int a2a_post(shard_comm *c, char *recv, const char *send, size_t k, shard_dtype dt, size_t lim, int peer,
+                    MPI_Request *q, int *nq)
+{
+    const size_t es = shard_dtype_size(dt);
+    for (size_t o = 0; o < k; o += lim) {
+        const int m = (int)(k - o < lim ? k - o : lim);
+        int rc = recv ? MPI_Irecv(recv + o * es, m, mtype(dt), peer, A2A_TAG, C_(c), &q[*nq])
+                      : MPI_Isend(send + o * es, m, mtype(dt), peer, A2A_TAG, C_(c), &q[*nq]);
+        if (rc != MPI_SUCCESS) return rc;
+        ++*nq;
+    }
+    return MPI_SUCCESS;
+}
+
+/* every block in chunks of at most lim elements, all posted, then one wait */
+static shard_status a2a_pairwise(shard_comm *c, const char *send, const size_t *sc, const size_t *sd, char *recv,
+                                 const size_t *rc, const size_t *rd, shard_dtype dt, size_t lim)
+{
+    const size_t es = shard_dtype_size(dt);
+    size_t total = 0;
+    for (int r = 0; r < c->size; r++) total += nchunks(sc[r], lim) + nchunks(rc[r], lim);
+    if (total > INT_MAX) return shard_fail(SHARD_E_USAGE, "all-to-all of more than INT_MAX chunks");
+    MPI_Request *q = malloc(sizeof *q * (total ? total : 1));
+    if (!q) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    int nq = 0, err = MPI_SUCCESS;
+    /* receives before sends, so that most arrivals find theirs posted */
+    for (int i = 0; i < c->size && err == MPI_SUCCESS; i++) {
+        const int p = (c->rank + i) % c->size;
+        if (rc[p]) err = a2a_post(c, recv + rd[p] * es, NULL, rc[p], dt, lim, p, q, &nq);
+    }
+    for (int i = 0; i < c->size && err == MPI_SUCCESS; i++) {
+        const int p = (c->rank + c->size - i) % c->size;
+        if (sc[p]) err = a2a_post(c, NULL, send + sd[p] * es, sc[p], dt, lim, p, q, &nq);
+    }
+    /* wait for what was posted even after a failure: the buffers stay in use until then */
+    int werr = MPI_Waitall(nq, q, MPI_STATUSES_IGNORE);
+    free(q);
+    return check(err != MPI_SUCCESS ? err : werr, "all-to-all");
+}
+
+static shard_status m_alltoallv(shard_comm *c, const void *send, const size_t *sc, const size_t *sd, void *recv,
+                                const size_t *rc, const size_t *rd, shard_dtype dt)
+{
+    const size_t lim = a2a_limit();
+    const int n = c->size;
+    /* displacements are each rank's own, so the ranks agree on the path, and on
+     * the chunk, which a receive must not be shorter than */
+    int agree[2] = {fits(sc, n, lim) && fits(sd, n, lim) && fits(rc, n, lim) && fits(rd, n, lim),
+                    (int)(lim < MAXC ? lim : MAXC)};
+    shard_status s = check(MPI_Allreduce(MPI_IN_PLACE, agree, 2, MPI_INT, MPI_MIN, C_(c)), "all-to-all");
+    if (s) return s;
+    if (agree[0]) return a2a_ints(c, send, sc, sd, recv, rc, rd, dt);
+    return a2a_pairwise(c, send, sc, sd, recv, rc, rd, dt, (size_t)agree[1]);
+}
+
 static shard_status m_barrier(shard_comm *c) { return check(MPI_Barrier(C_(c)), "barrier"); }
 
 static void m_free(shard_comm *c)
@@ -160,7 +251,7 @@ static shard_status m_split(shard_comm *c, int color, int key, shard_comm **out)
 }
 
 static const shard_comm_ops MPI_OPS = {"mpi", m_split, m_allreduce, m_reduce_scatter, m_allgather, m_broadcast,
-                                       m_send, m_recv, m_sendrecv, m_barrier, m_free};
+                                       m_send, m_recv, m_sendrecv, m_alltoallv, m_barrier, m_free};
 
 static shard_status wrap(MPI_Comm comm, shard_comm **out)
 {

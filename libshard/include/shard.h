@@ -595,6 +595,12 @@ shard_status shard_comm_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt,
 /* Send to one peer and receive from another at once (ring passes). */
 shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
                                  shard_dtype dt, int tag);
+/* All-to-all with counts (in elements of dt): send + sdispls[r] (scounts[r] elements) goes
+ * to rank r; recv + rdispls[r] (rcounts[r] elements) comes from rank r. Counts may be 0;
+ * the caller knows rcounts (e.g. from an all-to-all of the counts first). Collective;
+ * the send and receive regions must not overlap. */
+shard_status shard_comm_alltoallv(shard_comm *c, const void *send, const size_t *scounts, const size_t *sdispls,
+                                  void *recv, const size_t *rcounts, const size_t *rdispls, shard_dtype dt);
 shard_status shard_comm_barrier(shard_comm *c);
 /* Did any rank fail? Each rank gives its own status (mine) and every rank learns the
  * answer: mine when it is a failure; else, when another rank failed, the highest
@@ -620,6 +626,8 @@ typedef struct shard_comm_ops {
     shard_status (*send)(shard_comm *c, const void *buf, size_t n, shard_dtype dt, int peer, int tag);
     shard_status (*recv)(shard_comm *c, void *buf, size_t n, shard_dtype dt, int peer, int tag);
     shard_status (*sendrecv)(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag);
+    shard_status (*alltoallv)(shard_comm *c, const void *send, const size_t *scounts, const size_t *sdispls, void *recv,
+                              const size_t *rcounts, const size_t *rdispls, shard_dtype dt);
     shard_status (*barrier)(shard_comm *c);
     void (*free)(shard_comm *c); /* the backend's state; the communicator itself is freed by libshard */
 } shard_comm_ops;

@@ -196,6 +196,44 @@ static void test_qkv(int N, int nh, int hd)
     end();
 }
 
+/* the routing, its backward (from each side's own probs and idx), then the row ops over a
+ * random slot permutation; idx and gather must agree exactly */
+static void test_moe(int N, int E, int k, int H, int renorm)
+{
+    if (!begin("moe", "N=%d E=%d k=%d H=%d renorm=%d", N, E, k, H, renorm)) return;
+    const size_t ne = (size_t)N * E, S = (size_t)N * k, nt = (size_t)N * H, ns = S * H;
+    pair z = ACT(randn(ne, 2.0f, 1), ne), p = F32(NULL, ne), ix = I32(NULL, S), w = F32(NULL, S);
+    CALL2(moe_route, S(p), S(ix), S(w), S(z), N, E, k, renorm);
+    cmp_f32("route probs", p);
+    cmp("route idx", ix, 0.0); /* int32 bits read as floats: any difference fails */
+    cmp_f32("route wts", w);
+    pair gw = F32(randn(S, 1.0f, 0), S), gp = F32(randn(ne, 1.0f, 0), ne), dz = ACT(NULL, ne);
+    CALL2(moe_route_backward, S(dz), S(gw), S(gp), S(p), S(ix), N, E, k, renorm);
+    cmp_act("route backward dlogits", dz);
+
+    int32_t *slot = hmalloc(S * 4), *rows = hmalloc(S * 4);
+    for (size_t i = 0; i < S; i++) slot[i] = (int32_t)i, rows[i] = (int32_t)(rng_u64() % (uint64_t)N);
+    for (size_t i = S; i > 1; i--) { /* Fisher-Yates */
+        const size_t j = (size_t)(rng_u64() % i);
+        const int32_t t = slot[i - 1];
+        slot[i - 1] = slot[j], slot[j] = t;
+    }
+    pair sl = I32(slot, S), rw = I32(rows, S), x = ACT(randn(nt, 1.0f, 1), nt), xs = ACT(NULL, ns);
+    CALL2(moe_gather, S(xs), S(x), S(rw), (int)S, H);
+    cmp("gather", xs, 0.0);
+    pair ys = ACT(randn(ns, 1.0f, 1), ns), out = ACT(NULL, nt);
+    CALL2(moe_combine, S(out), S(ys), S(w), S(sl), N, k, H);
+    cmp_act("combine", out);
+    pair g = ACT(randn(nt, 1.0f, 1), nt), dys = ACT(NULL, ns), dw = F32(NULL, S);
+    CALL2(moe_combine_backward, S(dys), S(dw), S(g), S(ys), S(w), S(sl), N, k, H);
+    cmp_act("combine backward dys", dys);
+    cmp_f32("combine backward dwts", dw);
+    pair dx = ACT(randn(nt, 1.0f, 1), nt);
+    CALL2(moe_scatter_add, S(dx), S(dys), S(sl), N, k, H);
+    cmp_act("scatter_add (+=)", dx);
+    end();
+}
+
 static void test_rmsnorm(int N, int H)
 {
     if (!begin("rmsnorm", "N=%d H=%d", N, H)) return;
@@ -537,6 +575,8 @@ static void run_all(void)
     test_bias(9, 37);
     test_qkv(24, 4, 16);
     test_qkv(9, 3, 5);
+    test_moe(24, 8, 2, 64, 1);
+    test_moe(9, 60, 4, 37, 0);
     test_rmsnorm(24, 64);
     test_rmsnorm(9, 64);
     test_layernorm(24, 64);

@@ -295,6 +295,99 @@ static void test_qkv(cudaDataType_t dt, int N, int nh, int hd, int offset)
     TEST_END();
 }
 
+/* ============================================================ mixture of experts */
+/* n int32 values on the device against ref: the count that differ */
+static void compare_dev_i32(const char *what, const int32_t *d, const int32_t *ref, size_t n)
+{
+    int32_t *got = (int32_t *)hmalloc(n * 4);
+    CK(cudaMemcpy(got, d, n * 4, cudaMemcpyDeviceToHost));
+    size_t bad = 0;
+    for (size_t i = 0; i < n; i++) bad += got[i] != ref[i];
+    report(what, (double)bad, 0.0);
+}
+/* a random permutation of 0..n-1 (Fisher-Yates) */
+static int32_t *rand_perm(size_t n)
+{
+    int32_t *p = (int32_t *)hmalloc(n * 4 + 4);
+    for (size_t i = 0; i < n; i++) p[i] = (int32_t)i;
+    for (size_t i = n; i > 1; i--) {
+        const size_t j = (size_t)(rng_u64() % i);
+        const int32_t t = p[i - 1];
+        p[i - 1] = p[j], p[j] = t;
+    }
+    return p;
+}
+
+/* routing: the top k must be the same experts, ties included (the lower expert first;
+ * ties: logits on a grid of 0.5, so that many tie exactly); the backward from the C
+ * side's probs and idx */
+static void test_moe_route(cudaDataType_t dt, int N, int E, int k, int renorm, int ties)
+{
+    TEST_BEGIN("moe route %s N=%d E=%d k=%d renorm=%d%s", dtname(dt), N, E, k, renorm, ties ? " ties" : "");
+    const size_t ne = (size_t)N * E, nk = (size_t)N * k;
+    float *z = randn(ne, 2.0f, dt), *p = hfloats(ne), *w = hfloats(nk), *dz = hfloats(ne);
+    for (size_t i = 0; ties && i < ne; i++) z[i] = roundf(2.0f * z[i]) / 2.0f;
+    int32_t *ix = (int32_t *)hmalloc(nk * 4);
+    op_moe_route(p, ix, w, z, N, E, k, renorm);
+    void *d_z = to_dev(z, ne, dt);
+    float *d_p = (float *)dmalloc(ne * 4), *d_w = (float *)dmalloc(nk * 4);
+    int32_t *d_ix = (int32_t *)dmalloc(nk * 4);
+    CK_SYNC(cuda_op_moe_route(d_p, d_ix, d_w, d_z, N, E, k, renorm, dt, 0));
+    compare_dev("fwd probs", d_p, F32, p, ne, 1e-5);
+    compare_dev_i32("fwd idx (experts differing)", d_ix, ix, nk);
+    compare_dev("fwd wts", d_w, F32, w, nk, 1e-5);
+
+    float *gw = randn(nk, 1.0f, F32), *gp = randn(ne, 1.0f, F32);
+    float *d_gw = (float *)to_dev(gw, nk, F32), *d_gp = (float *)to_dev(gp, ne, F32);
+    void *d_dz = dmalloc(ne * esize(dt));
+    CK(cudaMemcpy(d_p, p, ne * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d_ix, ix, nk * 4, cudaMemcpyHostToDevice));
+    for (int with_gp = 1; with_gp >= 0; with_gp--) {
+        op_moe_route_backward(dz, gw, with_gp ? gp : NULL, p, ix, N, E, k, renorm);
+        poison(d_dz, ne * esize(dt));
+        CK_SYNC(cuda_op_moe_route_backward(d_dz, d_gw, with_gp ? d_gp : NULL, d_p, d_ix, N, E, k, renorm, dt, 0));
+        compare_dev(with_gp ? "bwd dlogits" : "bwd dlogits (dprobs NULL)", d_dz, dt, dz, ne, tol_of(dt));
+    }
+    TEST_END();
+}
+
+/* gather (exact), combine and its backward, scatter_add; slot a random permutation */
+static void test_moe_rows(cudaDataType_t dt, int N, int k, int H)
+{
+    TEST_BEGIN("moe rows %s N=%d k=%d H=%d", dtname(dt), N, k, H);
+    const size_t S = (size_t)N * k, nt = (size_t)N * H, ns = S * H;
+    int32_t *slot = rand_perm(S), *rows = (int32_t *)hmalloc(S * 4);
+    for (size_t i = 0; i < S; i++) rows[i] = (int32_t)(rng_u64() % (uint64_t)N);
+    float *x = randn(nt, 1.0f, dt), *xs = hfloats(ns);
+    op_moe_gather(xs, x, rows, (int)S, H);
+    int32_t *d_slot = to_dev_i32(slot, S), *d_rows = to_dev_i32(rows, S);
+    void *d_x = to_dev(x, nt, dt), *d_xs = dmalloc(ns * esize(dt));
+    CK_SYNC(cuda_op_moe_gather(d_xs, d_x, d_rows, (int)S, H, dt, 0));
+    compare_dev("gather", d_xs, dt, xs, ns, 0.0);
+
+    float *ys = randn(ns, 1.0f, dt), *w = randn(S, 0.5f, F32), *out = hfloats(nt);
+    op_moe_combine(out, ys, w, slot, N, k, H);
+    void *d_ys = to_dev(ys, ns, dt), *d_out = dmalloc(nt * esize(dt));
+    float *d_w = (float *)to_dev(w, S, F32);
+    CK_SYNC(cuda_op_moe_combine(d_out, d_ys, d_w, d_slot, N, k, H, dt, 0));
+    compare_dev("combine", d_out, dt, out, nt, tol_of(dt));
+
+    float *g = randn(nt, 1.0f, dt), *dys = hfloats(ns), *dw = hfloats(S);
+    op_moe_combine_backward(dys, dw, g, ys, w, slot, N, k, H);
+    void *d_g = to_dev(g, nt, dt), *d_dys = dmalloc(ns * esize(dt));
+    float *d_dw = (float *)dmalloc(S * 4);
+    CK_SYNC(cuda_op_moe_combine_backward(d_dys, d_dw, d_g, d_ys, d_w, d_slot, N, k, H, dt, 0));
+    compare_dev("combine bwd dys", d_dys, dt, dys, ns, tol_of(dt));
+    compare_dev("combine bwd dwts", d_dw, F32, dw, S, 1e-5);
+
+    float *dxs = randn(ns, 1.0f, dt), *dx = randn(nt, 1.0f, dt);
+    void *d_dxs = to_dev(dxs, ns, dt), *d_dx = to_dev(dx, nt, dt);
+    op_moe_scatter_add(dx, dxs, slot, N, k, H);
+    CK_SYNC(cuda_op_moe_scatter_add(d_dx, d_dxs, d_slot, N, k, H, dt, 0));
+    compare_dev("scatter_add (+=)", d_dx, dt, dx, nt, tol_of(dt));
+    TEST_END();
+}
+
 /* ============================================================ rmsnorm */
 static void test_rmsnorm(cudaDataType_t dt, int N, int H)
 {
@@ -950,6 +1043,22 @@ static void test_per_dtype(cudaDataType_t dt)
         test_qkv(dt, 5, 2, 32, 1); /* unaligned */
         test_qkv(dt, 1, 1, 8, 0);  /* N = nh = 1; bf16: one unit per head */
         if (!quick) test_qkv(dt, 4096, 16, 128, 0);
+    }
+    if (selected("moe")) {
+        test_moe_route(dt, 37, 8, 2, 1, 0);  /* Mixtral: 8 experts, top 2, renormalized */
+        test_moe_route(dt, 1, 4, 1, 0, 0);   /* N = 1, k = 1 */
+        test_moe_route(dt, 13, 60, 4, 0, 0); /* E not a multiple of the warp */
+        test_moe_route(dt, 9, 256, 8, 1, 0); /* 8 experts per lane, k = 8 */
+        test_moe_route(dt, 21, 8, 2, 1, 1);  /* exact ties */
+        test_moe_route(dt, 7, 64, 8, 0, 1);  /* ties across lanes */
+        test_moe_rows(dt, 9, 2, 64);        /* 16-byte rows in gather */
+        test_moe_rows(dt, 1, 1, 7);         /* N = k = 1, H odd */
+        test_moe_rows(dt, 13, 8, 33);       /* k = 8, H past no block */
+        test_moe_rows(dt, 3, 2, 700);       /* H past one block of threads */
+        if (!quick) {
+            test_moe_route(dt, 8192, 128, 8, 1, 0);
+            test_moe_rows(dt, 2048, 2, 4096);
+        }
     }
     if (selected("rmsnorm")) {
         test_rmsnorm(dt, 33, 96);

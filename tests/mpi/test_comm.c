@@ -9,6 +9,56 @@
 
 #include "check.h"
 
+/* all-to-all: rank `from` sends cnt elements to `to` (zeros included; with 3 ranks
+ * or more the last sends nothing), valued v (exact in bf16) */
+static size_t cnt(int from, int to, int n) { return n > 2 && from == n - 1 ? 0 : (size_t)((3 * from + to + 1) % 4); }
+static double v(int from, int to, size_t i) { return from * 16 + to * 4 + (double)i; }
+
+static void put(void *b, size_t i, shard_dtype dt, double x)
+{
+    if (dt == SHARD_DT_F32) ((float *)b)[i] = (float)x;
+    else if (dt == SHARD_DT_I32) ((int32_t *)b)[i] = (int32_t)x;
+    else ((uint16_t *)b)[i] = shard_f32_to_bf16((float)x);
+}
+static double get(const void *b, size_t i, shard_dtype dt)
+{
+    if (dt == SHARD_DT_F32) return ((const float *)b)[i];
+    if (dt == SHARD_DT_I32) return ((const int32_t *)b)[i];
+    return shard_bf16_to_f32(((const uint16_t *)b)[i]);
+}
+
+/* blocks one element apart (the gaps must stay -1), received in reverse rank order */
+static void alltoallv(shard_comm *c, const char *what, shard_dtype dt)
+{
+    const int r = shard_comm_rank(c), n = shard_comm_size(c);
+    enum { N = 64, B = N * 5 };
+    size_t sc[N], sd[N], rc[N], rd[N], so = 0, ro = 0;
+    float send[B], recv[B]; /* room for any of the three dtypes */
+    uint64_t bytes = 0;
+    for (int q = 0; q < n; q++) {
+        sc[q] = cnt(r, q, n), sd[q] = so, so += sc[q] + 1;
+        bytes += q == r ? 0 : sc[q] * shard_dtype_size(dt);
+        for (size_t i = 0; i < sc[q]; i++) put(send, sd[q] + i, dt, v(r, q, i));
+    }
+    for (int q = n - 1; q >= 0; q--) rc[q] = cnt(q, r, n), rd[q] = ro, ro += rc[q] + 1;
+    for (size_t i = 0; i < ro; i++) put(recv, i, dt, -1);
+    shard_comm_reset_bytes(c);
+    OK(shard_comm_alltoallv(c, so == (size_t)n ? NULL : send, sc, sd, recv, rc, rd, dt)); /* nothing to send: NULL is fine */
+    CHECK(shard_comm_bytes(c) == bytes, "%s alltoallv %s bytes %llu, expected %llu", what, shard_dtype_name(dt),
+          (unsigned long long)shard_comm_bytes(c), (unsigned long long)bytes);
+    for (int q = 0; q < n; q++) {
+        for (size_t i = 0; i < rc[q]; i++)
+            CHECK(get(recv, rd[q] + i, dt) == v(q, r, i), "%s alltoallv %s from %d [%zu] = %g", what, shard_dtype_name(dt), q, i,
+                  get(recv, rd[q] + i, dt));
+        CHECK(get(recv, rd[q] + rc[q], dt) == -1, "%s alltoallv %s: the gap after rank %d's block was written", what,
+              shard_dtype_name(dt), q);
+    }
+    CHECK(shard_comm_alltoallv(c, send, NULL, sd, recv, rc, rd, dt) == SHARD_E_USAGE, "%s alltoallv NULL scounts", what);
+    CHECK(shard_comm_alltoallv(c, send, sc, sd, recv, rc, NULL, dt) == SHARD_E_USAGE, "%s alltoallv NULL rdispls", what);
+    rc[r]++; /* the own block's two sizes differ */
+    CHECK(shard_comm_alltoallv(c, send, sc, sd, recv, rc, rd, dt) == SHARD_E_USAGE, "%s alltoallv own block", what);
+}
+
 static void collectives(shard_comm *c, const char *what)
 {
     const int r = shard_comm_rank(c), n = shard_comm_size(c);
@@ -46,6 +96,9 @@ static void collectives(shard_comm *c, const char *what)
         if (r == 0) OK(shard_comm_send(c, &p, 1, SHARD_DT_F32, n - 1, 9));
         if (r == n - 1) { p = 0; OK(shard_comm_recv(c, &p, 1, SHARD_DT_F32, 0, 9)); CHECK(p == 3.25f, "%s send/recv", what); }
     }
+    alltoallv(c, what, SHARD_DT_F32);
+    alltoallv(c, what, SHARD_DT_I32);
+    alltoallv(c, what, SHARD_DT_BF16);
     OK(shard_comm_barrier(c));
     CHECK(shard_comm_allreduce(c, a, 1, SHARD_DT_U8, SHARD_OP_SUM) == SHARD_E_USAGE, "%s u8 reduction must be refused", what);
 }

@@ -13,6 +13,37 @@
 static int passed, failed, me;
 #define CHECK(cond, ...) do { if (cond) passed++; else { failed++; fprintf(stderr, "rank %d: FAIL line %d: ", me, __LINE__); fprintf(stderr, __VA_ARGS__); fputc('\n', stderr); } } while (0)
 
+/* all-to-all: rank f sends cnt elements to t (zeros included; the last of 3 or more
+ * sends nothing), valued f*16 + t*4 + i; blocks one element apart (the gaps stay
+ * -1), received in reverse rank order; d and d2: device buffers of 5n floats or more */
+static size_t cnt(int f, int t, int n) { return n > 2 && f == n - 1 ? 0 : (size_t)((3 * f + t + 1) % 4); }
+
+static void alltoallv(shard_comm *gpu, int n, float *d, float *d2)
+{
+    size_t *sc = calloc(4 * (size_t)n, sizeof *sc), *sd = sc + n, *rc = sc + 2 * n, *rd = sc + 3 * n, so = 0, ro = 0;
+    float *hs = malloc(sizeof(float) * 5 * (size_t)n), *hr = malloc(sizeof(float) * 5 * (size_t)n);
+    for (int t = 0; t < n; t++) {
+        sc[t] = cnt(me, t, n), sd[t] = so, so += sc[t] + 1;
+        for (size_t i = 0; i < sc[t]; i++) hs[sd[t] + i] = (float)(me * 16 + t * 4) + (float)i;
+    }
+    for (int f = n - 1; f >= 0; f--) rc[f] = cnt(f, me, n), rd[f] = ro, ro += rc[f] + 1;
+    for (size_t i = 0; i < ro; i++) hr[i] = -1;
+    cudaMemcpy(d, hs, sizeof(float) * so, cudaMemcpyHostToDevice);
+    cudaMemcpy(d2, hr, sizeof(float) * ro, cudaMemcpyHostToDevice);
+    CHECK(shard_comm_alltoallv(gpu, d, sc, sd, d2, rc, rd, SHARD_DT_F32) == SHARD_OK, "alltoallv: %s", shard_errmsg());
+    cudaMemcpy(hr, d2, sizeof(float) * ro, cudaMemcpyDeviceToHost);
+    int bad = 0;
+    for (int f = 0; f < n; f++) {
+        for (size_t i = 0; i < rc[f]; i++) bad += hr[rd[f] + i] != (float)(f * 16 + me * 4) + (float)i;
+        bad += hr[rd[f] + rc[f]] != -1;
+    }
+    CHECK(!bad, "alltoallv values (%d wrong)", bad);
+    CHECK(shard_comm_alltoallv(gpu, d, NULL, sd, d2, rc, rd, SHARD_DT_F32) == SHARD_E_USAGE, "alltoallv NULL scounts");
+    free(hs);
+    free(hr);
+    free(sc);
+}
+
 int main(int argc, char **argv)
 {
     int ndev = 0;
@@ -59,6 +90,7 @@ int main(int argc, char **argv)
         cudaMemcpy(&y, d2, 4, cudaMemcpyDeviceToHost);
         CHECK(y == (float)((me + n - 1) % n), "sendrecv value %g", y);
     }
+    alltoallv(gpu, n, d, d2);
     uint16_t one = shard_f32_to_bf16(1.0f), got = 0;
     cudaMemcpy(d, &one, 2, cudaMemcpyHostToDevice);
     CHECK(shard_comm_allreduce(gpu, d, 1, SHARD_DT_BF16, SHARD_OP_SUM) == SHARD_OK, "bf16 allreduce: %s", shard_errmsg());

@@ -21,6 +21,29 @@ def test_collectives_and_groups(np_, layout):
     assert failed == 0 and passed > 100, line
 
 
+@pytest.mark.parametrize("np_,layout", [(3, None), (4, "tp=2,cp=2")])
+def test_alltoallv_pairwise(np_, layout):
+    """The same checks with the all-to-all's blocks sent pairwise in 2-element chunks
+    (the path of counts past INT_MAX), through the test hook SMP_MPI_A2A_CHUNK."""
+    exe = BUILD / "release" / "tests" / "mpi_test_comm" if (BUILD / "release").exists() else BUILD / "tests" / "mpi_test_comm"
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), "-x", "SMP_MPI_A2A_CHUNK", str(exe)] + ([layout] if layout else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(ENV, SMP_MPI_A2A_CHUNK="2"), timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [l for l in p.stdout.splitlines() if l.startswith("comm:")][-1]
+    assert int(line.split()[3]) == 0 and int(line.split()[1]) > 100, line
+
+
+def test_alltoallv_one_rank_past_the_limit():
+    """Only rank 0 finds its blocks past the limit: every rank must still go pairwise."""
+    exe = BUILD / "release" / "tests" / "mpi_test_comm" if (BUILD / "release").exists() else BUILD / "tests" / "mpi_test_comm"
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "1", "env", "SMP_MPI_A2A_CHUNK=2", str(exe), ":",
+           "-np", "2", str(exe)]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=ENV, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [l for l in p.stdout.splitlines() if l.startswith("comm:")][-1]
+    assert int(line.split()[3]) == 0 and int(line.split()[1]) > 100, line
+
+
 @pytest.mark.parametrize("np_", [1, 2, 3, 4])
 def test_half_precision_reductions(np_):
     """bf16/f16 sums and maxima through MPI's user operations (fp32 per element)."""

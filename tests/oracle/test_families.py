@@ -207,7 +207,7 @@ def _rope(factor, theta=10000.0):
     ("qwen2-untied", {"rope_parameters": [1e6]}, ["rope_parameters"]),
     ("qwen2-untied", {"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}}, ["rope_theta"]),
     ("qwen2-untied", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, ["yarn"]),
-    ("qwen3-gqa-hd", {"architectures": ["Qwen3MoeForCausalLM"]}, ["Qwen3MoeForCausalLM", "not supported"]),
+    ("qwen3-gqa-hd", {"architectures": ["DeepseekV3ForCausalLM"]}, ["DeepseekV3ForCausalLM", "not supported"]),
     ("neox-parallel", {"hidden_act": "gelu_new"}, ["hidden_act", "gelu_new"]),  # the tanh approximation
     ("neox-parallel", {"hidden_act": "relu"}, ["hidden_act", "relu"]),
     ("neox-parallel", {"use_parallel_residual": "yes"}, ["use_parallel_residual", "true or false"]),

@@ -408,6 +408,11 @@ static void test_moe_route(void **state)
     op_moe_route(probs, idx, wts, z + 4, 1, 4, 4, 1);
     assert_true(idx[0] == 1 && idx[1] == 3 && idx[2] == 0 && idx[3] == 2);
     assert_true(fabs(wts[0] - probs[1]) < 1e-7); /* renormalizing all of them changes little */
+
+    /* a NaN logit makes the row's probs NaN; the picks stay valid experts, lowest first */
+    const float zn[4] = {1.0f, NAN, 2.0f, 0.0f};
+    op_moe_route(probs, idx, wts, zn, 1, 4, 2, 1);
+    assert_true(idx[0] == 0 && idx[1] == 1 && isnan(wts[0]) && isnan(probs[2]));
 }
 
 enum { MR_N = 3, MR_E = 6, MR_K = 2 };

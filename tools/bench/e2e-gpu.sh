@@ -9,6 +9,10 @@
 #   2. parity: a tiny model trained 20 steps with --backend cpu and with --backend cuda
 #      --dtype fp32 (max relative loss difference <= 1e-4), --dtype bf16 (<= 1e-2), and
 #      --fp8 delayed against the C backend's --fp8 delayed (<= 0.05, informational);
+#   2b. families: a tiny GPT-NeoX (fused qkv, LayerNorm, GELU, parallel residual, partial
+#      rotary) and a tiny Mixtral (4 experts, 2 per token, the load-balancing loss
+#      trained) made with `smp-convert init`, 10 steps each with --backend cpu and cuda
+#      fp32 (<= 1e-4) and bf16 (<= 1e-2);
 #   3. throughput of the 1B model at seq 4096, --batch 8 --microbatches 8 (8 x 4096
 #      tokens a step), bf16 and --fp8 delayed, --recompute none (attention, then full, if
 #      that runs out of memory): tokens/s over the steps after the first 3, MFU, the
@@ -53,7 +57,7 @@
 #   E2E_MAXSEQ          sequences tried for the longest one (default
 #                       "8192 16384 32768 65536 131072"); E2E_MAXSEQ_STEPS (default 2),
 #                       E2E_MAXSEQ_TIMEOUT per run (default 120 s)
-#   E2E_PARTS           which parts run, default "parity throughput maxseq"
+#   E2E_PARTS           which parts run, default "parity families throughput maxseq"
 #
 # Exit status: 0 every check ran and passed (performance targets that are missed are
 # reported, not failures); 1 a parity check failed or a run broke; 2 usage; 3 skipped:
@@ -107,7 +111,7 @@ WORK=${E2E_WORK:-/tmp/smp-e2e}
 mkdir -p "$WORK"
 BUDGET=${E2E_BUDGET_S:-300}
 PEAK=${E2E_PEAK_TFLOPS:-989}
-PARTS=${E2E_PARTS:-parity throughput maxseq}
+PARTS=${E2E_PARTS:-parity families throughput maxseq}
 PY=${E2E_PYTHON:-python3}
 T0=$(date +%s%N)
 ms() { echo $((($(date +%s%N) - T0) / 1000000)); }
@@ -174,6 +178,19 @@ if cmd == "config":      # OUT H F L nh nkv hd V maxpos theta
     json.dump(c, open(a[0], "w"), indent=1)
     total, matmul, L, ha = counts(c)
     print(total, matmul)
+elif cmd == "family":    # OUT NAME: a tiny config of another family (vocab 512)
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+            "vocab_size": 512, "max_position_embeddings": 512, "initializer_range": 0.02,
+            "tie_word_embeddings": False, "bos_token_id": 1, "eos_token_id": 2}
+    if a[1] == "neox":
+        base.update({"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox", "hidden_act": "gelu",
+                     "layer_norm_eps": 1e-5, "use_parallel_residual": True,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}})
+    else:
+        base.update({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_act": "silu",
+                     "num_key_value_heads": 2, "rms_norm_eps": 1e-5, "num_local_experts": 4, "num_experts_per_tok": 2,
+                     "output_router_logits": True, "router_aux_loss_coef": 0.02, "rope_theta": 1e6})
+    json.dump(base, open(a[0], "w"), indent=1)
 elif cmd == "tokens":    # OUT N VOCAB SEED: llm.c format, uint16 tokens
     n, V = int(a[1]), int(a[2])
     assert V <= 65536
@@ -491,6 +508,37 @@ if grep -qw parity <<<"$PARTS"; then
         else
             sum "INFO $label: max rel loss diff $mx at step $at (target $lim: $([ "$verdict" = ok ] && echo ok || echo MISSED)), $n steps"
         fi
+    done
+fi
+
+# ------------------------------------------------------------------ 2b. families
+if grep -qw families <<<"$PARTS"; then
+    FSTEPS=10
+    py tokens "$WORK/fam-tokens.bin" $((FSTEPS * 4 * 128 + 129)) 512 4
+    for fam in neox mixtral; do
+        say "families: $fam"
+        py family "$WORK/$fam.json" "$fam"
+        rm -rf "$WORK/$fam-ckpt"
+        timeout 60 "$BIN/smp-convert" init --config "$WORK/$fam.json" --out "$WORK/$fam-ckpt" --layout pp=1,tp=1 \
+            --dtype fp32 --compress none --seed 3 >"$LOGS/init-$fam.log" 2>&1 || { sum "families: FAIL: smp-convert init of $fam (e2e-logs/init-$fam.log)"; status=1; continue; }
+        FP=(--ckpt "$WORK/$fam-ckpt" --data "$WORK/fam-tokens.bin" --steps "$FSTEPS" --batch 4 --seq 128 --lr 1e-3)
+        declare -A FRUN=()
+        for spec in "cpu fp32" "gpu fp32" "gpu bf16"; do
+            read -r be dt <<<"$spec"
+            flags "$be" "$dt" off -
+            run "fam-$fam-$be-$dt" 90 "$FSTEPS" "${FP[@]}" "${F[@]}"
+            FRUN[$be-$dt]=$R_STATE
+            [ "$R_STATE" = ok ] || { sum "families: FAIL: $fam $be $dt did not complete: $R_STATE${R_ERR:+: $R_ERR}"; status=1; }
+        done
+        for c in "gpu-fp32|1e-4" "gpu-bf16|1e-2"; do
+            IFS='|' read -r runn lim <<<"$c"
+            [ "${FRUN[cpu-fp32]:-}" = ok ] && [ "${FRUN[$runn]:-}" = ok ] || continue
+            read -r mx n _ at < <(py parity "$LOGS/fam-$fam-cpu-fp32.jsonl" "$LOGS/fam-$fam-$runn.jsonl" "$FSTEPS")
+            verdict=$(py fmt "'ok' if $mx <= $lim and $n == $FSTEPS else 'X'" 2>/dev/null || echo X)
+            if [ "$verdict" = ok ]; then sum "PASS $fam cuda ${runn#gpu-} vs cpu: max rel loss diff $mx (<= $lim), $n steps"
+            else sum "FAIL $fam cuda ${runn#gpu-} vs cpu: max rel loss diff $mx at step $at (limit $lim), $n of $FSTEPS steps"; status=1; fi
+        done
+        unset FRUN
     done
 fi
 
