@@ -1,5 +1,6 @@
 """Tiny random models saved by transformers' save_pretrained: the real thing, small."""
 import json
+import re
 
 import torch
 import transformers
@@ -50,13 +51,41 @@ CASES = {
                                                layer_norm_eps=1e-6,
                                                rope_parameters={"rope_type": "default", "rope_theta": 500.0,
                                                                 "partial_rotary_factor": 1.0}), torch.float32, {}),
+    # Mixture of experts: every layer's MLP a router over SwiGLU experts, top-k of them
+    # weighted by their router probabilities (Mixtral's renormalized, Qwen3-MoE's by
+    # norm_topk_prob); make() draws the routers sharp, so that the routing is decisive
+    "mixtral-k2": ("mixtral", dict(vocab_size=97, hidden_size=32, intermediate_size=40, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                   num_experts_per_tok=2), torch.float32, {}),
+    "mixtral-k1-tied-bf16": ("mixtral", dict(vocab_size=91, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                             num_attention_heads=4, num_key_value_heads=1, num_local_experts=3,
+                                             num_experts_per_tok=1, tie_word_embeddings=True), torch.bfloat16, {}),
+    # Qwen3-MoE: Qwen3's attention (q/k norms, head_dim); intermediate_size is its dense
+    # MLP's, unused when every layer is sparse (moe_intermediate_size is the experts')
+    "qwen3moe-k2-norm": ("qwen3_moe", dict(vocab_size=101, hidden_size=32, intermediate_size=56,
+                                           moe_intermediate_size=24, num_hidden_layers=2, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=16, num_experts=8, num_experts_per_tok=2,
+                                           norm_topk_prob=True,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
+                         torch.float32, {}),
+    "qwen3moe-k1": ("qwen3_moe", dict(vocab_size=89, hidden_size=32, intermediate_size=64, moe_intermediate_size=20,
+                                      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                                      num_experts=6, num_experts_per_tok=1, norm_topk_prob=False), torch.float32, {}),
 }
 # family: the prefix of transformers' classes (<prefix>Config, <prefix>ForCausalLM)
-FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt_neox": "GPTNeoX"}
+FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt_neox": "GPTNeoX",
+            "mixtral": "Mixtral", "qwen3_moe": "Qwen3Moe"}
 # Parameters that save_pretrained writes under another name than the module's (transformers
 # 5's checkpoint conversion mapping, reversed on save): GPT-NeoX's head is the module
 # lm_head, the file's embed_out (as Pythia's checkpoints have it)
 SAVED_AS = {"gpt_neox": {"lm_head.weight": "embed_out.weight"}}
+# ... and a mixture of experts' layers: transformers 5's modules hold a layer's experts
+# fused, model.layers.N.mlp.experts.gate_up_proj [E, 2F, H] (each expert's [gate; up]) and
+# .down_proj [E, H, F], which save_pretrained writes per expert; the router is mlp.gate.
+# model_type: (the block's name in the files, expert e's gate, up and down in the files)
+EXPERTS = {"mixtral": ("block_sparse_moe", "experts.{}.w1.weight", "experts.{}.w3.weight", "experts.{}.w2.weight"),
+           "qwen3_moe": ("mlp", "experts.{}.gate_proj.weight", "experts.{}.up_proj.weight",
+                         "experts.{}.down_proj.weight")}
 
 
 def available(name):
@@ -64,14 +93,29 @@ def available(name):
     return hasattr(transformers, FAMILIES[CASES[name][0]] + "ForCausalLM")
 
 
-def saved_name(model, name):
-    """The name under which save_pretrained writes model's parameter name."""
-    return SAVED_AS.get(model.config.model_type, {}).get(name, name)
+def saved_as(model, name, t):
+    """What save_pretrained writes of model's parameter `name` when t is its value (the
+    parameter itself, or its gradient: anything of its shape): [(file name, view of t)]."""
+    mt = model.config.model_type
+    if name in SAVED_AS.get(mt, {}):
+        return [(SAVED_AS[mt][name], t)]
+    m = re.fullmatch(r"(model\.layers\.\d+)\.mlp\.(.+)", name) if mt in EXPERTS else None
+    if not m:
+        return [(name, t)]
+    block, gate, up, down = EXPERTS[mt]
+    pre, rest = f"{m.group(1)}.{block}.", m.group(2)
+    if rest == "experts.gate_up_proj":  # [E, 2F, H]
+        F = t.shape[1] // 2
+        return [(pre + w.format(e), t[e, :F] if w == gate else t[e, F:]) for e in range(t.shape[0]) for w in (gate, up)]
+    if rest == "experts.down_proj":  # [E, H, F]
+        return [(pre + down.format(e), t[e]) for e in range(t.shape[0])]
+    return [(pre + rest, t)]  # the router, mlp.gate.weight
 
 
-def named_parameters(model):
-    """model's parameters by the names of its files: {saved name: parameter}."""
-    return {saved_name(model, n): p for n, p in model.named_parameters()}
+def named_parameters(model, of=lambda p: p):
+    """model's parameters by the names of its files: {saved name: of(parameter)}, cut as
+    save_pretrained cuts them (of=lambda p: p.grad: the gradients, likewise)."""
+    return {n: v for name, p in model.named_parameters() for n, v in saved_as(model, name, of(p))}
 
 
 def classes(family):
@@ -89,7 +133,7 @@ def make(name, path, seed=0):
             for layer in model.model.layers:
                 for proj in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj):
                     proj.bias.normal_(0, 0.5)
-    if family == "qwen3":  # and sets the q/k norms to one
+    if family in ("qwen3", "qwen3_moe"):  # and sets the q/k norms to one
         with torch.no_grad():
             for layer in model.model.layers:
                 layer.self_attn.q_norm.weight.uniform_(0.5, 1.5)
@@ -105,6 +149,10 @@ def make(name, path, seed=0):
                     [model.gpt_neox.final_layer_norm]:
                 ln.weight.uniform_(0.5, 1.5)
                 ln.bias.normal_(0, 0.2)
+    if family in EXPERTS:  # sharp routers: near-ties between experts would let layouts flip routings on last bits
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.mlp.gate.weight.normal_(0, 0.5)
     model.save_pretrained(str(path), safe_serialization=True, **save_kw)
     return model
 

@@ -18,8 +18,9 @@ tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
 - under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
   (bf16 collectives through libshard's MPI half-precision reductions) track the
   single-rank C run;
-- Qwen2 (bias kernels), Qwen3 (q/k norms) and GPT-NeoX (fused qkv, LayerNorm, GELU,
-  partial rotary, parallel residual) on one rank in fp32 within 1e-4;
+- Qwen2 (bias kernels), Qwen3 (q/k norms), GPT-NeoX (fused qkv, LayerNorm, GELU,
+  partial rotary, parallel residual) and Mixtral (router, top-2 experts) on one rank in
+  fp32 within 1e-4;
 - packed documents with loss masks (the attention kernels' document ids, the ring's
   skipped blocks): fp32 on one rank within 1e-4 and bf16 at cp=2 within 1e-2 of the C
   backend's run on the same data.
@@ -173,12 +174,13 @@ def test_cuda_documents_and_masks_track_c_backend(setup, tmp_path):
         assert_tracks(rows, read_log(ref / "log.jsonl"), tol, f"cuda {dtype} {layout} documents vs C")
 
 
-@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd", "neox-parallel"])
+@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd", "neox-parallel", "mixtral-k2"])
 def test_cuda_families_track_c_backend(setup, tmp_path, case):
     """Qwen2's biases (the bias kernels), Qwen3's per-head q/k norms (RMSNorm rows of
-    head_dim) and GPT-NeoX's layer (LayerNorm with bias, the fused qkv, GELU, RoPE on
-    half of each head, the parallel residual) on the emulated CUDA backend, fp32,
-    against the C backend"""
+    head_dim), GPT-NeoX's layer (LayerNorm with bias, the fused qkv, GELU, RoPE on
+    half of each head, the parallel residual) and Mixtral's experts (the router's top-2,
+    each expert's SwiGLU over its tokens) on the emulated CUDA backend, fp32, against
+    the C backend"""
     tmp, _, _, _, lib = setup
     _, ck = make_ckpt(tmp_path, case, sharp=True)
     V = min(89, models.CASES[case][1]["vocab_size"])
@@ -192,4 +194,9 @@ def test_cuda_families_track_c_backend(setup, tmp_path, case):
                         str(out / "log.jsonl"), "--backend", "cuda", "--dtype", "fp32", *map(str, COMMON)],
                        capture_output=True, text=True, env=env_for(lib), timeout=900)
     assert p.returncode == 0, p.stderr
-    assert_tracks(read_log(out / "log.jsonl"), read_log(ref / "log.jsonl"), 1e-4, f"cuda fp32 {case} vs C")
+    rows, want = read_log(out / "log.jsonl"), read_log(ref / "log.jsonl")
+    assert_tracks(rows, want, 1e-4, f"cuda fp32 {case} vs C")
+    for r, q in zip(rows, want):  # a mixture of experts' load-balancing loss too
+        assert ("aux_loss" in r) == ("aux_loss" in q) and abs(r.get("aux_loss", 0) - q.get("aux_loss", 0)) <= \
+            1e-4 * q.get("aux_loss", 0), (r, q)
+    assert ("aux_loss" in want[0]) == (case == "mixtral-k2")

@@ -74,6 +74,8 @@ def made_model(case, name):
 good = made_model("llama-gqa-f32", "good")
 sharded = made_model("llama-sharded", "sharded")
 good_neox = made_model("neox-parallel", "good_neox")  # hidden 32, 4 heads (head_dim 8), rotary 0.5
+good_mixtral = made_model("mixtral-k2", "good_mixtral")  # 4 experts, top-2
+good_qwen3moe = made_model("qwen3moe-k2-norm", "good_qwen3moe")  # 8 experts, top-2, moe_intermediate_size 24
 
 
 def copy_model(good, tmp_path):
@@ -228,6 +230,65 @@ def test_neox_missing_and_extra_tensors(good_neox, tmp_path):
     expect_refused(d, "gpt_neox.layers.01.attention.masked_bias")  # not a layer's name: not a buffer smp drops
 
 
+# The mixtures of experts' keys, malformed or unsupported (model: the case it edits)
+MOE_CONFIG_CASES = {
+    "experts-missing": ("mixtral", dict(num_local_experts=_DELETE)),
+    "experts-zero": ("mixtral", dict(num_local_experts=0)),
+    "experts-negative": ("mixtral", dict(num_local_experts=-4)),
+    "experts-huge": ("mixtral", dict(num_local_experts=2**40)),
+    "experts-string": ("mixtral", dict(num_local_experts="4")),
+    "experts-float": ("mixtral", dict(num_local_experts=4.5)),
+    "top-k-above-experts": ("mixtral", dict(num_experts_per_tok=5)),
+    "top-k-zero": ("mixtral", dict(num_experts_per_tok=0)),
+    "top-k-string": ("mixtral", dict(num_experts_per_tok="2")),
+    "jitter-noise": ("mixtral", dict(router_jitter_noise=0.01)),
+    "jitter-noise-string": ("mixtral", dict(router_jitter_noise="0")),
+    "aux-coef-negative": ("mixtral", dict(router_aux_loss_coef=-0.1)),
+    "aux-coef-string": ("mixtral", dict(router_aux_loss_coef="0.01")),
+    "router-logits-string": ("mixtral", dict(output_router_logits="true")),
+    "mixtral-as-qwen3moe": ("mixtral", dict(model_type="qwen3_moe")),
+    "qwen3moe-experts-missing": ("qwen3moe", dict(num_local_experts=_DELETE)),
+    "qwen3moe-num-experts-zero": ("qwen3moe", dict(num_local_experts=_DELETE, num_experts=0)),
+    "moe-intermediate-missing": ("qwen3moe", dict(moe_intermediate_size=_DELETE)),
+    "moe-intermediate-zero": ("qwen3moe", dict(moe_intermediate_size=0)),
+    "norm-topk-string": ("qwen3moe", dict(norm_topk_prob="yes")),
+    "sparse-step-2": ("qwen3moe", dict(decoder_sparse_step=2)),
+    "sparse-step-zero": ("qwen3moe", dict(decoder_sparse_step=0)),
+    "mlp-only-layers": ("qwen3moe", dict(mlp_only_layers=[0])),
+    "mlp-only-layers-string": ("qwen3moe", dict(mlp_only_layers="x")),
+    "mlp-only-layers-nested": ("qwen3moe", dict(mlp_only_layers=[[[[1]]]])),
+    "qwen3moe-sliding-window": ("qwen3moe", dict(use_sliding_window=True, sliding_window=8)),
+    "qwen3moe-shape-mismatch-moe-intermediate": ("qwen3moe", dict(moe_intermediate_size=32)),
+    "qwen3moe-more-experts-than-weights": ("qwen3moe", dict(num_local_experts=9)),
+}
+
+
+@pytest.mark.parametrize("case", list(MOE_CONFIG_CASES))
+def test_bad_moe_config(good_mixtral, good_qwen3moe, tmp_path, case):
+    which, edit = MOE_CONFIG_CASES[case]
+    d = copy_model(good_mixtral if which == "mixtral" else good_qwen3moe, tmp_path)
+    edit_config(d, **edit)
+    # shapes that do not fit the weights are found against them and name the folder
+    against_weights = "shape-mismatch" in case or "than-weights" in case
+    expect_refused(d, str(d) if against_weights else "config.json")
+
+
+def test_moe_missing_and_extra_experts(good_mixtral, good_qwen3moe, tmp_path):
+    import numpy as np
+    d = copy_model(good_mixtral, tmp_path)
+    edit_weights(d, lambda t: t.pop("model.layers.1.block_sparse_moe.experts.2.w3.weight"))
+    expect_refused(d, "model.layers.1.block_sparse_moe.experts.2.w3.weight")
+    d = copy_model(good_mixtral, tmp_path / "b")
+    edit_weights(d, lambda t: t.update({"model.layers.0.block_sparse_moe.experts.4.w1.weight": np.zeros((40, 32), np.float32)}))
+    expect_refused(d, "experts.4.w1.weight")
+    d = copy_model(good_qwen3moe, tmp_path / "c")
+    edit_weights(d, lambda t: t.update({"model.layers.0.mlp.experts.01.gate_proj.weight": np.zeros((24, 32), np.float32)}))
+    expect_refused(d, "experts.01.gate_proj.weight")  # not an expert's name
+    d = copy_model(good_qwen3moe, tmp_path / "d")
+    edit_weights(d, lambda t: t.pop("model.layers.1.mlp.gate.weight"))
+    expect_refused(d, "model.layers.1.mlp.gate.weight")
+
+
 def test_config_not_json(good, tmp_path):
     d = copy_model(good, tmp_path)
     (d / "config.json").write_text('{"hidden_size": 48,')
@@ -322,5 +383,5 @@ def test_tensor_in_two_files(sharded, tmp_path):
 
 
 def test_corpus_is_large_enough():
-    n = len(ST_CASES) + len(CONFIG_CASES) + len(NEOX_CONFIG_CASES) + len(INDEX_CASES) + 9
+    n = len(ST_CASES) + len(CONFIG_CASES) + len(NEOX_CONFIG_CASES) + len(MOE_CONFIG_CASES) + len(INDEX_CASES) + 9
     assert n >= 30, n

@@ -13,7 +13,8 @@ from conftest import Coords, Layout, ModelDesc, Piece, TensorSpec
 
 (T_EMBED, T_Q, T_K, T_V, T_O, T_GATE, T_UP, T_DOWN, T_NORM_ATTN, T_NORM_MLP, T_NORM_FINAL, T_HEAD,
  T_Q_BIAS, T_K_BIAS, T_V_BIAS, T_Q_NORM, T_K_NORM,
- T_QKV, T_QKV_BIAS, T_O_BIAS, T_UP_BIAS, T_DOWN_BIAS, T_NORM_ATTN_BIAS, T_NORM_MLP_BIAS, T_NORM_FINAL_BIAS) = range(25)
+ T_QKV, T_QKV_BIAS, T_O_BIAS, T_UP_BIAS, T_DOWN_BIAS, T_NORM_ATTN_BIAS, T_NORM_MLP_BIAS, T_NORM_FINAL_BIAS,
+ T_ROUTER, T_EXPERT_GATE, T_EXPERT_UP, T_EXPERT_DOWN) = range(29)
 E_USAGE = 3
 
 # Beyond models.CASES: head counts that make tp=3 and tp=6 legal, odd sizes, a vocabulary
@@ -157,7 +158,8 @@ def check_layout(shard, d, specs, l, lps):
 # GPT-NeoX's fused qkv holds per head its q, k and v rows, 3 head_dims together
 BY_HEADS = {T_Q: (0, 1, "q"), T_O: (1, 1, "q"), T_K: (0, 1, "kv"), T_V: (0, 1, "kv"), T_Q_BIAS: (0, 1, "q"),
             T_K_BIAS: (0, 1, "kv"), T_V_BIAS: (0, 1, "kv"), T_QKV: (0, 3, "q"), T_QKV_BIAS: (0, 3, "q")}
-BY_ROWS = {T_GATE: 0, T_UP: 0, T_DOWN: 1, T_EMBED: 0, T_HEAD: 0, T_UP_BIAS: 0}  # blocks of ceil(N / tp)
+BY_ROWS = {T_GATE: 0, T_UP: 0, T_DOWN: 1, T_EMBED: 0, T_HEAD: 0, T_UP_BIAS: 0,  # blocks of ceil(N / tp)
+           T_EXPERT_GATE: 0, T_EXPERT_UP: 0, T_EXPERT_DOWN: 1}  # each expert as a dense MLP
 
 
 def check_heads(d, t, group, tp):
@@ -185,6 +187,8 @@ def check_heads(d, t, group, tp):
             b = -(-N // tp)
             assert off[dim] == min(r * b, N) and ln[dim] == max(0, min(b, N - r * b)), t.name
             full.remove(dim)
+        elif t.role == T_ROUTER:  # [experts, hidden], whole on every rank
+            assert t.ndim == 2 and t.shape[0] == d.experts, t.name
         else:  # norms, their biases, the biases added after a sum over tp (dense, dense_4h_to_h)
             assert t.ndim == 1, t.name
         for k in full:
@@ -193,11 +197,18 @@ def check_heads(d, t, group, tp):
 
 def stage_cost(d, pp, split):
     """The cost model of shard.h, restated: 2 flops per matmul weight per token plus 4 bytes
-    per parameter; embedding (bytes) on stage 0; head (flops + bytes) and final norm on the last."""
+    per parameter; embedding (bytes) on stage 0; head (flops + bytes) and final norm on the last.
+    A mixture of experts: a token's flops through the router and its k experts, the bytes of
+    the router and all E experts."""
     H, F, V = d.hidden, d.intermediate, d.vocab
     QD, KD = d.heads * d.head_dim, d.kv_heads * d.head_dim
-    mm = 2 * H * QD + 2 * H * KD + (2 if d.gelu_mlp else 3) * H * F  # GELU MLP: up, down; SwiGLU: gate too
-    layer = 2 * mm + 4 * (mm + 2 * H)
+    attn = 2 * H * QD + 2 * H * KD
+    mlp = (2 if d.gelu_mlp else 3) * H * (d.moe_intermediate if d.experts else F)  # GELU: up, down; SwiGLU: gate too
+    if d.experts:
+        used, held = attn + d.experts * H + d.experts_per_tok * mlp, attn + d.experts * H + d.experts * mlp
+    else:
+        used = held = attn + mlp
+    layer = 2 * used + 4 * (held + 2 * H)
     costs = [k * layer for k in split]
     costs[0] += 4 * V * H
     costs[-1] += 6 * V * H + 4 * H
