@@ -2,23 +2,36 @@
  * backward for one (q-block, kv-block) pair, and the log-sum-exp merge
  * (portable C).
  *
- * Straightforward loops, one query row at a time, with an online softmax over the
- * keys (as flash attention does): no score matrix and no scratch, so no op here
- * allocates. Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd], lse [B, nh, Tq]. */
+ * Blocked as flash attention is: a tile of QT queries against a tile of KT keys at a
+ * time, an online softmax per tile, and tiles that no (query, key) pair of can see
+ * (causal, window, documents) skipped whole. Each tile product is one small GEMM on
+ * the tensors in place (BLAS, single-threaded inside our OpenMP tasks; a plain loop
+ * with -DSMP_NO_BLAS). No score matrix: a task's scratch is two QT x KT tiles on its
+ * stack, so no op here allocates. The exp is a polynomial the compiler vectorizes
+ * (within 1 ulp). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
+ * lse [B, nh, Tq].
+ *
+ * Bit-identical across thread counts: every output row is summed by one task (a
+ * query tile in the forward and dq pass, a key tile in the dk/dv pass) in a fixed
+ * order over the other side's tiles; the threads only pick which tasks they run. */
 #include "ops.h"
 
 #include <math.h>
 #include <string.h>
 
-static inline float dot(const float *a, const float *b, int n)
-{
-    float s = 0.0f;
-    /* lets the compiler reassociate the sum into vector lanes (~4x faster) */
-    #pragma omp simd reduction(+ : s)
-    for (int d = 0; d < n; d++)
-        s += a[d] * b[d];
-    return s;
-}
+#ifndef SMP_NO_BLAS
+#include <cblas.h>
+#endif
+
+#if defined(__GNUC__) && !defined(__clang__)
+/* GCC if-converts the float compares of the clamps and maxima, and so vectorizes
+ * those loops, only without trapping math; no value changes */
+#pragma GCC optimize("no-trapping-math")
+#endif
+
+/* queries x keys per tile: the score tiles stay in L1; KT is the row loops' fixed
+ * trip count, so the compiler vectorizes them without an epilogue */
+enum { QT = 64, KT = 64 };
 
 /* One call's shape; row_at gives the offset of row t of head h of batch b in a
  * [B, T, heads, hd] tensor. */
@@ -53,62 +66,212 @@ static inline size_t row_at(const attn_shape *s, int b, int T, int t, int heads,
     return (((size_t)b * T + t) * heads + h) * s->hd;
 }
 
-/* row(s, args, b, h, i) for every query row (b, h, i), in parallel: causal rows have
- * unequal work, dynamic chunks keep the threads even. The forward and the backward's
- * dq pass are such walks. */
-typedef void (*query_row_fn)(const attn_shape *s, const void *args, int b, int h, int i);
+static inline int imin(int a, int b) { return a < b ? a : b; }
 
-static void for_query_rows(const attn_shape *s, query_row_fn row, const void *args)
+/* ---- which tiles to compute -------------------------------------------------------- */
+
+typedef struct { int32_t lo, hi; } range;
+
+static range range_of(const int32_t *x, int n)
 {
-    const int B = s->B, nh = s->nh, Tq = s->Tq;
-    #pragma omp parallel for collapse(3) schedule(dynamic, 16)
-    for (int b = 0; b < B; b++)
-        for (int h = 0; h < nh; h++)
-            for (int i = 0; i < Tq; i++)
-                row(s, args, b, h, i);
+    range r = {x[0], x[0]};
+    for (int t = 1; t < n; t++) {
+        r.lo = x[t] < r.lo ? x[t] : r.lo;
+        r.hi = x[t] > r.hi ? x[t] : r.hi;
+    }
+    return r;
 }
+
+/* A tile of queries [i0, i0 + ni) x keys [j0, j0 + nj) */
+typedef struct { int b, i0, ni, j0, nj; } tile;
+enum { SEES_NONE, SEES_SOME, SEES_ALL };
+
+/* From the tile's position and document ranges alone: can no pair meet, or every
+ * pair? (positions need not be sorted: ranges bound them either way) */
+static int tile_sees(const attn_shape *s, const tile *t)
+{
+    const range qp = range_of(s->qpos + t->i0, t->ni), kp = range_of(s->kpos + t->j0, t->nj);
+    const int w = s->window;
+    if (kp.lo > qp.hi || (w > 0 && (int64_t)qp.lo - kp.hi >= w))
+        return SEES_NONE;
+    int all = kp.hi <= qp.lo && (w <= 0 || (int64_t)qp.hi - kp.lo < w);
+    if (s->qdoc) {
+        const range qd = range_of(s->qdoc + (size_t)t->b * s->Tq + t->i0, t->ni);
+        const range kd = range_of(s->kdoc + (size_t)t->b * s->Tk + t->j0, t->nj);
+        if (qd.hi < kd.lo || kd.hi < qd.lo)
+            return SEES_NONE;
+        all = all && qd.lo == qd.hi && kd.lo == kd.hi;
+    }
+    return all ? SEES_ALL : SEES_SOME;
+}
+
+/* Moves t on, from its current start on one side (keys, or queries), to the next tile
+ * that some pair of can see: its class, or SEES_NONE past the end of that side */
+static int next_tile(const attn_shape *s, tile *t, int keys)
+{
+    int *start = keys ? &t->j0 : &t->i0, *n = keys ? &t->nj : &t->ni;
+    const int T = keys ? s->Tk : s->Tq, step = keys ? KT : QT;
+    for (; *start < T; *start += step) {
+        *n = imin(step, T - *start);
+        const int sees = tile_sees(s, t);
+        if (sees != SEES_NONE)
+            return sees;
+    }
+    return SEES_NONE;
+}
+
+/* -inf where key j of the tile is hidden from query i, and past the tile's keys */
+static void mask_scores(const attn_shape *s, const tile *t, int sees, float *S)
+{
+    for (int i = 0; i < t->ni; i++) {
+        float *row = S + (size_t)i * KT;
+        for (int j = t->nj; j < KT; j++)
+            row[j] = -INFINITY;
+        if (sees == SEES_ALL)
+            continue;
+        for (int j = 0; j < t->nj; j++)
+            if (!visible(s, t->b, t->i0 + i, t->j0 + j))
+                row[j] = -INFINITY;
+    }
+}
+
+/* ---- tile arithmetic --------------------------------------------------------------- */
+
+/* exp(x - sub) for a row of KT, x - sub <= ~0 (0 where -inf). Cephes' expf: x = n ln2
+ * + r, |r| <= ln2 / 2, a polynomial for e^r, 2^n from the exponent bits; within 1 ulp
+ * of e^x (measured) down to e^-87.33 (where floats turn subnormal), 0 below. Two
+ * loops, so that each vectorizes: 2^n's bits are read back as floats via the union. */
+static void exp_row(float *p, const float *x, float sub)
+{
+    union { int32_t i[KT]; float f[KT]; } two_n;
+    float e[KT];
+    #pragma omp simd
+    for (int j = 0; j < KT; j++) {
+        float y = x[j] - sub;
+        y = y > -87.33f ? y : -87.33f;
+        y = y < 88.0f ? y : 88.0f;
+        const float n = floorf(y * 1.44269504f + 0.5f);
+        const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
+        float c = 1.9875691500e-4f;
+        c = c * r + 1.3981999507e-3f;
+        c = c * r + 8.3334519073e-3f;
+        c = c * r + 4.1665795894e-2f;
+        c = c * r + 1.6666665459e-1f;
+        c = c * r + 5.0000001201e-1f;
+        e[j] = c * r * r + r + 1.0f;
+        two_n.i[j] = ((int32_t)n + 127) << 23;
+    }
+    #pragma omp simd
+    for (int j = 0; j < KT; j++) /* a 0/1 factor, not a select: e * 2^n is finite */
+        p[j] = (float)(x[j] - sub >= -87.33f) * e[j] * two_n.f[j];
+}
+
+/* C[M][N] = alpha op(A) op(B) + beta C, op(X) = X or X^T (ta, tb); beta 0 or 1 */
+static void gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A,
+                 size_t lda, const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+#ifndef SMP_NO_BLAS
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+                M, N, K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
+#else
+    for (int i = 0; i < M; i++) {
+        for (int j = 0; j < N; j++) {
+            float acc = 0.0f;
+            for (int k = 0; k < K; k++)
+                acc += (ta ? A[k * lda + i] : A[i * lda + k]) * (tb ? B[j * ldb + k] : B[k * ldb + j]);
+            float *c = C + i * ldc + j;
+            *c = beta == 0.0f ? alpha * acc : *c + alpha * acc;
+        }
+    }
+#endif
+}
+
+/* parallel over (b, head, tile) triples; causal tasks are unequal, so dynamic */
+typedef void (*task_fn)(const attn_shape *s, const void *args, int b, int h, int tile);
+
+static void for_tasks(int B, int heads, int ntiles, task_fn fn, const attn_shape *s,
+                      const void *args)
+{
+    #pragma omp parallel for collapse(3) schedule(dynamic, 1)
+    for (int b = 0; b < B; b++)
+        for (int h = 0; h < heads; h++)
+            for (int t = 0; t < ntiles; t++)
+                fn(s, args, b, h, t);
+}
+
+/* S[ni][KT] = scale q k^T of the tile (q rows at q0, k rows at k0), masked */
+static void tile_scores(const attn_shape *s, const tile *t, int sees, const float *q0,
+                        const float *k0, float *S)
+{
+    gemm(0, 1, t->ni, t->nj, s->hd, s->scale, q0, (size_t)s->nh * s->hd, k0,
+         (size_t)s->nkv * s->hd, 0.0f, S, KT);
+    mask_scores(s, t, sees, S);
+}
+
+/* ---- forward ----------------------------------------------------------------------- */
 
 typedef struct {
     float *out, *lse;
     const float *q, *k, *v;
 } fwd_args;
 
-static void fwd_row(const attn_shape *s, const void *args, int b, int h, int i)
+/* The online softmax of one key tile: m, l the running max and sum of exp(s - m) per
+ * query; the out rows o hold the running sum of p v, rescaled here to the new max.
+ * The masked scores S become P (0 in rows that have seen nothing yet). */
+static void fwd_softmax(const attn_shape *s, const tile *t, float *S, float *m, float *l,
+                        float *o)
+{
+    const int hd = s->hd;
+    const size_t qs = (size_t)s->nh * hd;
+    for (int i = 0; i < t->ni; i++) {
+        float *row = S + (size_t)i * KT, mx = m[i];
+        #pragma omp simd reduction(max : mx)
+        for (int j = 0; j < KT; j++)
+            mx = row[j] > mx ? row[j] : mx;
+        if (mx == -INFINITY) { /* nothing visible yet */
+            memset(row, 0, KT * sizeof(float));
+            continue;
+        }
+        exp_row(row, row, mx);
+        float sum = 0.0f;
+        #pragma omp simd reduction(+ : sum)
+        for (int j = 0; j < KT; j++)
+            sum += row[j];
+        if (mx > m[i]) { /* new max: rescale what was summed so far (0 at first) */
+            const float corr = expf(m[i] - mx);
+            l[i] *= corr;
+            for (int d = 0; d < hd; d++)
+                o[i * qs + d] *= corr;
+            m[i] = mx;
+        }
+        l[i] += sum;
+    }
+}
+
+static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt)
 {
     const fwd_args *a = args;
-    const int hd = s->hd;
-    const float *qi = a->q + row_at(s, b, s->Tq, i, s->nh, h);
-    float *o = a->out + row_at(s, b, s->Tq, i, s->nh, h);
-    const int kvh = h / s->group;
-    float m = -INFINITY, l = 0.0f; /* running max and sum of exp(s - m) */
-    memset(o, 0, (size_t)hd * sizeof(float)); /* o holds sum p * v */
-    for (int j = 0; j < s->Tk; j++) {
-        if (!visible(s, b, i, j))
-            continue;
-        const size_t kvoff = row_at(s, b, s->Tk, j, s->nkv, kvh);
-        float sc = dot(qi, a->k + kvoff, hd) * s->scale;
-        if (sc > m) { /* new max: rescale what was summed so far */
-            float corr = expf(m - sc); /* 0 on the first visible key */
-            l *= corr;
-            for (int d = 0; d < hd; d++)
-                o[d] *= corr;
-            m = sc;
-        }
-        float p = expf(sc - m);
-        l += p;
-        const float *vj = a->v + kvoff;
-        #pragma omp simd
-        for (int d = 0; d < hd; d++)
-            o[d] += p * vj[d];
+    const int hd = s->hd, kvh = h / s->group;
+    const size_t qs = (size_t)s->nh * hd, ks = (size_t)s->nkv * hd;
+    tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
+    const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
+    float *o = a->out + q0, S[QT * KT], m[QT], l[QT];
+    for (int i = 0; i < t.ni; i++) {
+        memset(o + i * qs, 0, (size_t)hd * sizeof(float));
+        m[i] = -INFINITY, l[i] = 0.0f;
     }
-    float *L = a->lse + ((size_t)b * s->nh + h) * s->Tq + i;
-    if (l > 0.0f) {
-        float inv = 1.0f / l;
+    for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
+        const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, kvh);
+        tile_scores(s, &t, sees, a->q + q0, a->k + kv0, S);
+        fwd_softmax(s, &t, S, m, l, o);
+        gemm(0, 0, t.ni, hd, t.nj, 1.0f, S, KT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */
+    }
+    for (int i = 0; i < t.ni; i++) {
+        const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f; /* nothing visible: out 0 */
         for (int d = 0; d < hd; d++)
-            o[d] *= inv;
-        *L = m + logf(l);
-    } else {
-        *L = -INFINITY; /* nothing visible: out stays 0 */
+            o[i * qs + d] *= inv;
+        a->lse[((size_t)b * s->nh + h) * s->Tq + t.i0 + i] =
+            l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
     }
 }
 
@@ -119,45 +282,86 @@ void op_attention_forward(float *out, float *lse, const float *q, const float *k
 {
     const attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
     const fwd_args a = {out, lse, q, k, v};
-    for_query_rows(&s, fwd_row, &a);
+    for_tasks(B, nh, (Tq + QT - 1) / QT, fwd_task, &s, &a);
 }
+
+/* ---- backward ---------------------------------------------------------------------- */
 
 typedef struct {
-    float *dq;
+    float *dq, *dk, *dv;
     const float *dout, *q, *k, *v, *out, *lse;
 } bwd_args;
-
-static void dq_row(const attn_shape *s, const void *args, int b, int h, int i)
-{
-    const bwd_args *a = args;
-    const int hd = s->hd;
-    const float L = a->lse[((size_t)b * s->nh + h) * s->Tq + i];
-    if (L == -INFINITY) /* row saw no key anywhere: no gradient */
-        return;
-    const size_t qoff = row_at(s, b, s->Tq, i, s->nh, h);
-    const float *qi = a->q + qoff, *gi = a->dout + qoff;
-    float *dqi = a->dq + qoff;
-    const float D = dot(gi, a->out + qoff, hd);
-    const int kvh = h / s->group;
-    for (int j = 0; j < s->Tk; j++) {
-        if (!visible(s, b, i, j))
-            continue;
-        const size_t kvoff = row_at(s, b, s->Tk, j, s->nkv, kvh);
-        float p = expf(dot(qi, a->k + kvoff, hd) * s->scale - L);
-        float ds = p * (dot(gi, a->v + kvoff, hd) - D) * s->scale;
-        const float *kj = a->k + kvoff;
-        #pragma omp simd
-        for (int d = 0; d < hd; d++)
-            dqi[d] += ds * kj[d];
-    }
-}
 
 /* With P = exp(S - lse) (the softmax of the FINAL, merged row, so each kv block's
  * share is exact on its own) and D_i = dout_i . out_i = sum_j P_ij dP_ij:
  *   dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
- *   dq_i += scale sum_j dS_ij k_j,  dk_j += scale sum_i dS_ij q_i,  dv_j += sum_i P_ij dout_i
- * Two passes, so that every gradient row has one writer and no atomics are needed:
- * one over query rows (dq), one over key rows (dk, dv), recomputing P. */
+ * P into S, dS into dS (both QT x KT; their columns past the tile are left 0, so
+ * both must start zeroed). Rows with lse = -inf saw no key anywhere: no gradient. */
+static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
+                       int h, size_t q0, size_t kv0, float *S, float *dS)
+{
+    const int hd = s->hd;
+    const size_t qs = (size_t)s->nh * hd;
+    tile_scores(s, t, sees, a->q + q0, a->k + kv0, S);
+    gemm(0, 1, t->ni, t->nj, hd, 1.0f, a->dout + q0, qs, a->v + kv0, (size_t)s->nkv * hd,
+         0.0f, dS, KT);
+    for (int i = 0; i < t->ni; i++) {
+        float *p = S + (size_t)i * KT, *ds = dS + (size_t)i * KT;
+        const float L = a->lse[((size_t)t->b * s->nh + h) * s->Tq + t->i0 + i];
+        if (L == -INFINITY) {
+            memset(p, 0, KT * sizeof(float));
+            memset(ds, 0, KT * sizeof(float));
+            continue;
+        }
+        const float *g = a->dout + q0 + i * qs, *o = a->out + q0 + i * qs;
+        float D = 0.0f;
+        #pragma omp simd reduction(+ : D)
+        for (int d = 0; d < hd; d++)
+            D += g[d] * o[d];
+        exp_row(p, p, L);
+        #pragma omp simd
+        for (int j = 0; j < KT; j++)
+            ds[j] = p[j] * (ds[j] - D);
+    }
+}
+
+/* dq_i += scale sum_j dS_ij k_j, over the key tiles in order */
+static void dq_task(const attn_shape *s, const void *args, int b, int h, int qt)
+{
+    const bwd_args *a = args;
+    const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
+    tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
+    const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
+    float S[QT * KT] = {0}, dS[QT * KT] = {0};
+    for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
+        const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group);
+        tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
+        gemm(0, 0, t.ni, s->hd, t.nj, s->scale, dS, KT, a->k + kv0, ks, 1.0f, a->dq + q0, qs);
+    }
+}
+
+/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i, over the group's heads and
+ * their query tiles in order */
+static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt)
+{
+    const bwd_args *a = args;
+    const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
+    tile t = {b, 0, 0, kt * KT, imin(KT, s->Tk - kt * KT)};
+    const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
+    float S[QT * KT] = {0}, dS[QT * KT] = {0};
+    for (int h = g * s->group; h < (g + 1) * s->group; h++) {
+        t.i0 = 0;
+        for (int sees; (sees = next_tile(s, &t, 0)) != SEES_NONE; t.i0 += QT) {
+            const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
+            tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
+            gemm(1, 0, t.nj, s->hd, t.ni, s->scale, dS, KT, a->q + q0, qs, 1.0f, a->dk + kv0, ks);
+            gemm(1, 0, t.nj, s->hd, t.ni, 1.0f, S, KT, a->dout + q0, qs, 1.0f, a->dv + kv0, ks);
+        }
+    }
+}
+
+/* Two passes, so that every gradient row has one writer and no atomics are needed:
+ * one over query tiles (dq), one over key tiles (dk, dv), recomputing P. */
 void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v,
                            const float *out, const float *lse,
@@ -166,50 +370,9 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                            int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
 {
     const attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
-    const bwd_args a = {dq, dout, q, k, v, out, lse};
-    for_query_rows(&s, dq_row, &a);
-    const float scale = s.scale;
-    const int group = s.group;
-
-    /* keys in blocks of KB, so that D_i is computed once per block, not per key */
-    enum { KB = 32 };
-    const int nkb = (Tk + KB - 1) / KB;
-    #pragma omp parallel for collapse(3) schedule(dynamic, 1)
-    for (int b = 0; b < B; b++) {
-        for (int g = 0; g < nkv; g++) {
-            for (int jb = 0; jb < nkb; jb++) {
-                const int j0 = jb * KB, j1 = j0 + KB < Tk ? j0 + KB : Tk;
-                for (int h = g * group; h < (g + 1) * group; h++) {
-                    for (int i = 0; i < Tq; i++) {
-                        const float L = lse[((size_t)b * nh + h) * Tq + i];
-                        if (L == -INFINITY)
-                            continue;
-                        const size_t qoff = row_at(&s, b, Tq, i, nh, h);
-                        const float *qi = q + qoff, *gi = dout + qoff;
-                        int have_D = 0;
-                        float D = 0.0f;
-                        for (int j = j0; j < j1; j++) {
-                            if (!visible(&s, b, i, j))
-                                continue;
-                            if (!have_D) {
-                                D = dot(gi, out + qoff, hd);
-                                have_D = 1;
-                            }
-                            const size_t kvoff = row_at(&s, b, Tk, j, nkv, g);
-                            float p = expf(dot(qi, k + kvoff, hd) * scale - L);
-                            float ds = p * (dot(gi, v + kvoff, hd) - D) * scale;
-                            float *dkj = dk + kvoff, *dvj = dv + kvoff;
-                            #pragma omp simd
-                            for (int d = 0; d < hd; d++) {
-                                dkj[d] += ds * qi[d];
-                                dvj[d] += p * gi[d];
-                            }
-                        }
-                    }
-                }
-            }
-        }
-    }
+    const bwd_args a = {dq, dk, dv, dout, q, k, v, out, lse};
+    for_tasks(B, nh, (Tq + QT - 1) / QT, dq_task, &s, &a);
+    for_tasks(B, nkv, (Tk + KT - 1) / KT, dkv_task, &s, &a);
 }
 
 void op_attention_merge(float *out, float *lse, const float *out2, const float *lse2,

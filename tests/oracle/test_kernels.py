@@ -573,6 +573,22 @@ ATTN_CASES = {
     "docs_window": (2, 16, 16, 6, 3, 10, ZIGZAG, ZIGZAG, 3, DOC_STARTS),
     # keys of the other chunk: queries of a document that starts later see nothing
     "docs_none_visible": (2, 8, 8, 4, 2, 16, list(range(24, 32)), list(range(8)), 0, DOC_STARTS),
+    # the C op's tiles (64 queries x 64 keys) at their edges: T not a multiple of the
+    # tile, hd not one of the vector width, several tiles per side
+    "tiles_ragged": (2, 150, 150, 4, 2, 5, list(range(150)), list(range(150)), 0),
+    # a ring step: keys of the earlier chunk, Tq != Tk, every tile partly or fully seen
+    "tiles_ring": (1, 70, 130, 4, 1, 33, list(range(130, 200)), list(range(130)), 0),
+    # keys of a later chunk: the first queries see none (-inf rows inside a tile),
+    # the last key tile none of the first query tile
+    "tiles_ring_ahead": (1, 100, 90, 2, 2, 16, list(range(100)), list(range(60, 150)), 0),
+    # a window smaller than a tile: tiles on the diagonal partial, far ones skipped
+    "tiles_window": (1, 200, 200, 4, 2, 33, list(range(200)), list(range(200)), 7),
+    # a cp rank's two chunks of 70, documents that start and end inside tiles
+    "tiles_docs_zigzag": (2, 140, 140, 6, 3, 16, list(range(70)) + list(range(210, 280)),
+                          list(range(70)) + list(range(210, 280)), 0,
+                          [[0, 37, 64, 65, 100, 230], [0, 90, 250]]),
+    "tiles_docs_window": (2, 140, 140, 2, 1, 5, list(range(140)), list(range(140)), 40,
+                          [[0, 37, 64, 65, 100], [0, 130]]),
 }
 
 
@@ -596,6 +612,26 @@ def test_attention(lib, case):
     close(dq, dq0 + a.dq_ref, what="attention dq (+=)")
     close(dk, dk0 + a.dk_ref, what="attention dk (+=)")
     close(dv, dv0 + a.dv_ref, what="attention dv (+=)")
+
+
+def test_attention_threads_bit_identical(lib):
+    """Each output row is summed by one thread in a fixed order: 1 and 3 OpenMP
+    threads give the same bits, forward and backward."""
+    omp = ctypes.CDLL("libgomp.so.1")
+    B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, starts = ATTN_CASES["tiles_docs_zigzag"]
+    a = Attn(9, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, docs_of(qpos, starts), docs_of(kpos, starts))
+    runs = []
+    try:
+        for threads in (1, 3):
+            omp.omp_set_num_threads(threads)
+            out, lse = a.forward(lib, a.k, a.v, a.kpos)
+            grads = [np.zeros(x.shape, np.float32) for x in (a.q, a.k, a.v)]
+            a.backward(lib, a.k, a.v, a.kpos, out, lse, *grads)
+            runs.append([out, lse] + grads)
+    finally:
+        omp.omp_set_num_threads(os.cpu_count())
+    for x, y in zip(*runs):
+        np.testing.assert_array_equal(x, y)
 
 
 @pytest.mark.parametrize("window,docs", [(0, False), (5, False), (0, True)])

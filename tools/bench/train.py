@@ -4,11 +4,12 @@ model, batch and optimizer, on this machine's cores, in one run. Prints tokens/s
 peak memory (max RSS) of each.
 
     python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
-                                 --batch 8 --seq 256 --steps 20 --threads N]
+                                 --batch 8 --seq 256 --steps 20 --threads N --sdpa]
 
 Both sides: fp32, AdamW, gradient clipping 1.0, the same random tokens; tokens/s is
 measured over the steps after the first two (warm-up). torch runs in its own process
-so its peak memory is its own. Needs the oracle venv (torch, transformers).
+so its peak memory is its own. --sdpa adds a second torch run with
+attn_implementation="sdpa" (torch's fused attention) beside the eager one. Needs the oracle venv (torch, transformers).
 """
 import argparse
 import json
@@ -27,7 +28,7 @@ import numpy as np, torch, torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
-model = AutoModelForCausalLM.from_pretrained(a["hf"], dtype=torch.float32, attn_implementation="eager")
+model = AutoModelForCausalLM.from_pretrained(a["hf"], dtype=torch.float32, attn_implementation=a["attn"])
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 toks = np.fromfile(a["data"], dtype="<u2", offset=1024).astype(np.int64)
 B, S = a["batch"], a["seq"]
@@ -59,6 +60,7 @@ def main():
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--sdpa", action="store_true", help="also run torch with attn_implementation=sdpa")
     a = ap.parse_args()
     import numpy as np
     import torch
@@ -105,17 +107,22 @@ def main():
         smp_rss = int(p.stdout.split()[-1])
         rows = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
         smp_tps = a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"] for r in rows[2:])
-        p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
-            hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps, threads=a.threads))],
-            check=True, capture_output=True, text=True, env=env)
-        t = json.loads(p.stdout.strip().splitlines()[-1])
+        torch_runs = {}
+        for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
+            p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
+                hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
+                threads=a.threads, attn=attn))], check=True, capture_output=True, text=True, env=env)
+            torch_runs[attn] = json.loads(p.stdout.strip().splitlines()[-1])
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
           f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
           f"{a.threads} threads; fp32, AdamW; OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'auto')}")
     print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}")
     print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_rss / 1024:9.0f}M")
-    print(f"{'torch eager':12s} {t['tokens_per_s']:10.0f} {t['max_rss_kib'] / 1024:9.0f}M")
-    print(f"speed ratio smp/torch: {smp_tps / t['tokens_per_s']:.2f}x; memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
+    for attn, t in torch_runs.items():
+        print(f"{'torch ' + attn:12s} {t['tokens_per_s']:10.0f} {t['max_rss_kib'] / 1024:9.0f}M")
+    for attn, t in torch_runs.items():
+        print(f"speed ratio smp/torch {attn}: {smp_tps / t['tokens_per_s']:.2f}x; "
+              f"memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
 
 
 if __name__ == "__main__":
