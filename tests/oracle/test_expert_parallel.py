@@ -130,6 +130,31 @@ def test_training_tracks_one_rank(ep, family, aux, layout, micro):
     assert run("smp-verify", out / "step-000006").returncode == 0
 
 
+@pytest.mark.parametrize("layout,extra", [
+    ("dp=2,ep=2", ["--recompute", "full"]),                             # the exchange again in backward
+    ("tp=2,dp=2,ep=2", ["--recompute", "attention", "--sequence-parallel"]),
+])
+def test_recompute_with_expert_parallelism_tracks_one_rank(ep, layout, extra):
+    tmp, cks, data, refs = ep
+    out = tmp / f"rc-{layout}-{extra[1]}"
+    mpirun(ranks(layout), "--ckpt", cks[("mixtral", False)][1], "--data", data, "--save-dir", out, "--steps", 6,
+           "--layout", layout, "--log", out / "log.jsonl", *extra, *COMMON)
+    assert_tracks(read_log(out / "log.jsonl"), refs[("mixtral", False, 2)], 2e-4, f"{layout} {extra}")
+
+
+def test_fp8_with_expert_parallelism_tracks_its_one_rank_run(ep):
+    """--fp8 delayed (the attention linears; the experts stay in the compute dtype) at
+    dp=2,ep=2 against the single rank's fp8 run over the same two microbatches"""
+    tmp, cks, data, _ = ep
+    ck = cks[("mixtral", False)][1]
+    one, two = tmp / "fp8-one", tmp / "fp8-ep"
+    run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", one, "--steps", 6, "--microbatches", 2, "--fp8",
+        "delayed", "--log", one / "log.jsonl", *COMMON, check=0)
+    mpirun(2, "--ckpt", ck, "--data", data, "--save-dir", two, "--steps", 6, "--layout", "dp=2,ep=2", "--fp8", "delayed",
+           "--log", two / "log.jsonl", *COMMON)
+    assert_tracks(read_log(two / "log.jsonl"), read_log(one / "log.jsonl"), 2e-4, "fp8 delayed dp=2,ep=2")
+
+
 def test_the_aux_gradient_moves_the_router(ep):
     """output_router_logits: the load-balancing loss is trained (the runs differ)"""
     _, _, _, refs = ep
