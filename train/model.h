@@ -2,9 +2,9 @@
  * description's features, never the family's name, choose the ops), assembled from
  * the ops of a backend (dev.h: the C ops of kernels/ops.h, or the CUDA ones).
  *
- * Parameters are held per tensor, in shard_model_tensor order (embedding, then each
- * layer's q, k, v, o, gate, up, down, input_layernorm, post_attention_layernorm, then
- * the final norm and the head), all in one array in the backend's compute dtype (so
+ * Parameters are held per tensor, in shard_model_tensor order (the embedding, then each
+ * layer's tensors as the family's table lists them, an expert's role once per expert,
+ * then the final norm and the head), all in one array in the backend's compute dtype (so
  * the optimizer and the gradient norm see one flat vector), with an fp32 gradient
  * array of the same shape. Every buffer lives in the backend's memory.
  * With tied embeddings there is no head tensor: the head reads the embedding, and
