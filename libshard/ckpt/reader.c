@@ -187,6 +187,10 @@ static shard_status read_header(shard_ckpt *c, const char *mpath)
     if (ep && (!json_is_integer(ep) || json_integer_value(ep) < 1 || json_integer_value(ep) > 65536))
         BAD("%s: layout.ep out of range", mpath);
     if (ep) c->layout.ep = (int)json_integer_value(ep);
+    const int64_t E = c->model.experts, q = (int64_t)c->layout.dp * c->layout.cp;
+    if (c->layout.ep > 1 && (!E || E % c->layout.ep || q % c->layout.ep))
+        BAD("%s: layout.ep = %d does not split the model's %lld experts over dp x cp = %lld ranks", mpath, c->layout.ep,
+            (long long)E, (long long)q);
     if (c->layout.pp > SHARD_MAX_PP || c->layout.pp > c->model.layers) BAD("%s: layout.pp out of range", mpath);
     int64_t st[SHARD_MAX_PP], sum = 0;
     if (int_array(json_object_get(m, "stages"), c->layout.pp, st, 1)) BAD("%s: \"stages\" must list %d positive layer counts", mpath, c->layout.pp);

@@ -279,6 +279,21 @@ def _(m):
     del m["layout"]["tp"]
 
 
+@manifest_case("layout-ep-zero")
+def _(m):
+    m["layout"]["ep"] = 0
+
+
+@manifest_case("layout-ep-string")
+def _(m):
+    m["layout"]["ep"] = "2"
+
+
+@manifest_case("layout-ep-on-a-dense-model")
+def _(m):
+    m["layout"]["ep"] = 2  # expert parallelism of a model without experts
+
+
 header_case("stages-wrong-sum", "stages", [2, 2])
 header_case("stages-wrong-count", "stages", [3])
 
