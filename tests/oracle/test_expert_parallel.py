@@ -23,7 +23,7 @@ import transformers
 from safetensors.torch import load_file
 
 from conftest import run
-from test_parallel import assert_tracks, mpirun, rel
+from test_parallel import assert_tracks, layout_of, mpirun, rel
 from test_train import read_log, write_tokens
 
 V, SEQ = 89, 16
@@ -83,11 +83,9 @@ def ep(tmp_path_factory):
 
 
 def ranks(layout):
-    n = 1
-    for item in layout.split(","):
-        k, v = item.split("=")
-        n *= int(v) if k != "ep" else 1  # ep splits dp x cp: not a dimension of its own
-    return n
+    """the world size of a layout: ep splits dp x cp, it is not a dimension of its own"""
+    lay = layout_of(layout)
+    return lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"]
 
 
 @pytest.mark.parametrize("family,layout", [("mixtral", "dp=2,ep=2"), ("mixtral", "dp=2,cp=2,ep=4"),
@@ -120,7 +118,7 @@ def test_eval_matches_one_rank_and_transformers(ep, family, layout):
 def test_training_tracks_one_rank(ep, family, aux, layout, micro):
     tmp, cks, data, refs = ep
     out = tmp / f"run-{family}-{aux}-{layout}"
-    dp = int(dict(i.split("=") for i in layout.split(","))["dp"])
+    dp = layout_of(layout)["dp"]
     mpirun(ranks(layout), "--ckpt", cks[(family, aux)][1], "--data", data, "--save-dir", out, "--steps", 6,
            "--layout", layout, "--microbatches", micro, "--log", out / "log.jsonl", *COMMON)
     rows, ref = read_log(out / "log.jsonl"), refs[(family, aux, micro * dp)]
