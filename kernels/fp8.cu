@@ -79,7 +79,7 @@ __global__ void fp8_dequantize_kernel(T *x, const uint8_t *q, size_t n, const fl
 }
 
 enum { TR_TILE = 64 };
-__global__ void fp8_transpose_kernel(uint8_t *dst, const uint8_t *src, int rows, int cols)
+__global__ void fp8_transpose_kernel(uint8_t *dst, int ld, const uint8_t *src, int rows, int cols)
 {
     __shared__ uint8_t tile[TR_TILE][TR_TILE + 1];
     const int r0 = blockIdx.y * TR_TILE, c0 = blockIdx.x * TR_TILE;
@@ -91,7 +91,7 @@ __global__ void fp8_transpose_kernel(uint8_t *dst, const uint8_t *src, int rows,
     __syncthreads();
     for (int i = ty; i < TR_TILE; i += 4) {
         int c = c0 + i, r = r0 + tx; /* dst row c, column r */
-        if (c < cols && r < rows) dst[(size_t)c * rows + r] = tile[tx][i];
+        if (c < cols && r < ld) dst[(size_t)c * ld + r] = r < rows ? tile[tx][i] : 0; /* zero past the rows */
     }
 }
 
@@ -149,15 +149,15 @@ extern "C" cudaError_t cuda_op_fp8_dequantize(void *x, const uint8_t *q, size_t 
     return smp_cuda_launched("cuda_op_fp8_dequantize");
 }
 
-extern "C" cudaError_t cuda_op_fp8_transpose(uint8_t *dst, const uint8_t *src, int rows, int cols,
+extern "C" cudaError_t cuda_op_fp8_transpose(uint8_t *dst, int ld, const uint8_t *src, int rows, int cols,
                                              cudaStream_t stream)
 {
-    SMP_ARG(rows >= 0 && cols >= 0, "bad shape rows=%d cols=%d", rows, cols);
-    if (rows == 0 || cols == 0) return cudaSuccess;
-    SMP_ARG(dst && src && dst != src, "NULL or aliased pointers");
-    SMP_ARG((rows + TR_TILE - 1) / TR_TILE <= 65535, "rows=%d too many for the grid", rows);
-    dim3 grid((cols + TR_TILE - 1) / TR_TILE, (rows + TR_TILE - 1) / TR_TILE);
-    SMP_LAUNCH(fp8_transpose_kernel, grid, dim3(TR_TILE, 4), 0, stream, dst, src, rows, cols);
+    SMP_ARG(rows >= 0 && cols >= 0 && ld >= rows, "bad shape rows=%d cols=%d ld=%d", rows, cols, ld);
+    if (ld == 0 || cols == 0) return cudaSuccess;
+    SMP_ARG(dst && (src || rows == 0) && dst != src, "NULL or aliased pointers");
+    SMP_ARG((ld + TR_TILE - 1) / TR_TILE <= 65535, "ld=%d too many for the grid", ld);
+    dim3 grid((cols + TR_TILE - 1) / TR_TILE, (ld + TR_TILE - 1) / TR_TILE); /* y: over dst's ld, pad included */
+    SMP_LAUNCH(fp8_transpose_kernel, grid, dim3(TR_TILE, 4), 0, stream, dst, ld, src, rows, cols);
     return smp_cuda_launched("cuda_op_fp8_transpose");
 }
 

@@ -76,13 +76,40 @@ static void entry_destroy(gemm_entry *en)
     memset(en, 0, sizeof *en);
 }
 
+/* FP8 GEMMs take row counts in multiples of FP8_ROWS. A call of N rows runs its first
+ * N16 = N - N % 16 rows in place and, if N is not a multiple, the last N % 16 rows
+ * padded with zero rows in the scratch's tail (a row in, a row out, each up to
+ * max(IN, OUT) wide); the weight gradient sums over N rows padded with zero columns. */
+enum { FP8_ROWS = 16, SCRATCH_ALIGN = 256 };
+
+static size_t al256(size_t b) { return (b + SCRATCH_ALIGN - 1) / SCRATCH_ALIGN * SCRATCH_ALIGN; }
+static size_t pad16(int N) { return ((size_t)N + FP8_ROWS - 1) / FP8_ROWS * FP8_ROWS; }
+
+/* the scratch of an FP8 call: wT [IN,OUT], xT [IN,Np], dyT [OUT,Np] (Np = N padded),
+ * then the tail's input rows (fp8) and output rows (up to fp32) */
+typedef struct {
+    uint8_t *wT, *xT, *dyT, *tail_in;
+    void *tail_out;
+    size_t bytes;
+} fp8_scratch;
+
+static fp8_scratch scratch_of(uint8_t *base, int N, int IN, int OUT)
+{
+    const size_t Np = pad16(N), D = (size_t)(IN > OUT ? IN : OUT);
+    fp8_scratch s;
+    s.wT = base;
+    s.xT = s.wT + al256((size_t)OUT * IN);
+    s.dyT = s.xT + al256(Np * IN);
+    s.tail_in = s.dyT + al256(Np * OUT);
+    s.tail_out = s.tail_in + al256(FP8_ROWS * D);
+    s.bytes = (size_t)((uint8_t *)s.tail_out - base) + al256(FP8_ROWS * D * sizeof(float));
+    return s;
+}
+
 extern "C" size_t cuda_gemm_fp8_scratch_bytes(int N, int IN, int OUT)
 {
     if (N <= 0 || IN <= 0 || OUT <= 0) return 0;
-    const size_t al = 256;
-    size_t w = ((size_t)OUT * IN + al - 1) / al * al, x = ((size_t)N * IN + al - 1) / al * al;
-    size_t dy = ((size_t)N * OUT + al - 1) / al * al;
-    return w + x + dy;
+    return scratch_of(NULL, N, IN, OUT).bytes;
 }
 
 extern "C" cudaError_t cuda_gemm_create(cuda_gemm **out, size_t workspace_bytes, size_t fp8_scratch_bytes)
@@ -346,8 +373,23 @@ extern "C" cudaError_t cuda_op_linear_backward(cuda_gemm *g, void *dinp, void *d
 
 #define FP8_SHAPE_CHECK()                                                                                  \
     SMP_ARG(g, "NULL cuda_gemm");                                                                          \
-    SMP_ARG(N > 0 && IN > 0 && OUT > 0 && N % 16 == 0 && IN % 16 == 0 && OUT % 16 == 0,                    \
-            "FP8 GEMMs need N, IN, OUT positive multiples of 16 (N=%d IN=%d OUT=%d)", N, IN, OUT)
+    SMP_ARG(N > 0 && IN > 0 && OUT > 0 && IN % 16 == 0 && OUT % 16 == 0,                                   \
+            "FP8 GEMMs need N > 0 and IN, OUT positive multiples of 16 (N=%d IN=%d OUT=%d)", N, IN, OUT);      \
+    const size_t need = cuda_gemm_fp8_scratch_bytes(N, IN, OUT);                                          \
+    SMP_ARG(g->scratch_bytes >= need, "the cuda_gemm has %zu bytes of fp8 scratch, this call needs %zu",    \
+            g->scratch_bytes, need);                                                                       \
+    const fp8_scratch sc = scratch_of(g->scratch, N, IN, OUT);                                             \
+    const int N16 = N / FP8_ROWS * FP8_ROWS, tail = N - N16
+
+/* rows [N16, N) of src [N, C] (fp8) into the tail's input, padded with zero rows */
+static cudaError_t tail_rows_in(const fp8_scratch *sc, const uint8_t *src, int N16, int tail, int C, cudaStream_t st)
+{
+    cudaError_t e = cudaMemsetAsync(sc->tail_in, 0, (size_t)FP8_ROWS * C, st);
+    if (e == cudaSuccess) e = cudaMemcpyAsync(sc->tail_in, src + (size_t)N16 * C, (size_t)tail * C, cudaMemcpyDeviceToDevice, st);
+    return e == cudaSuccess ? e : smp_cuda_fail(e, "fp8 GEMM tail", "%s", cudaGetErrorString(e));
+}
+
+static size_t dt_bytes(cudaDataType_t dt) { return dt == CUDA_R_32F ? 4 : 2; }
 
 extern "C" cudaError_t cuda_op_linear_forward_fp8(cuda_gemm *g, void *out, cudaDataType_t out_dt, float *out_amax,
                                                   const uint8_t *inp_q, const float *inp_sinv, const uint8_t *w_q,
@@ -358,14 +400,15 @@ extern "C" cudaError_t cuda_op_linear_forward_fp8(cuda_gemm *g, void *out, cudaD
     SMP_ARG(out_dt == CUDA_R_16BF || out_dt == CUDA_R_32F, "out dtype %d is not CUDA_R_16BF or CUDA_R_32F", (int)out_dt);
     SMP_ARG(out && inp_q && w_q && inp_sinv && w_sinv, "NULL pointer");
     SMP_ARG(smp_aligned16(out) && smp_aligned16(inp_q) && smp_aligned16(w_q), "pointers must be 16-byte aligned");
-    gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, OUT, N, IN, w_q, CUDA_R_8F_E4M3, IN, inp_q, CUDA_R_8F_E4M3, IN, out,
+    gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, OUT, N16, IN, w_q, CUDA_R_8F_E4M3, IN, inp_q, CUDA_R_8F_E4M3, IN, out,
                           out_dt, OUT, 0.0f, w_sinv, inp_sinv);
     c.fast_accum = fast_accum ? 1 : 0;
     const int oi = out_dt == CUDA_R_16BF ? 0 : 1;
-    if (out_amax && g->amax_d_ok[oi] != 0) {
+    cudaError_t e = cudaSuccess;
+    if (out_amax && !tail && g->amax_d_ok[oi] != 0) {
         c.amax_d = out_amax;
         cublasStatus_t st;
-        cudaError_t e = run_gemm(g, &c, "cuda_op_linear_forward_fp8", stream, &st);
+        e = run_gemm(g, &c, "cuda_op_linear_forward_fp8", stream, &st);
         if (e == cudaSuccess) {
             g->amax_d_ok[oi] = 1;
             return cudaSuccess;
@@ -375,7 +418,19 @@ extern "C" cudaError_t cuda_op_linear_forward_fp8(cuda_gemm *g, void *out, cudaD
         g->amax_d_ok[oi] = 0;
         c.amax_d = NULL;
     }
-    cudaError_t e = run_gemm(g, &c, "cuda_op_linear_forward_fp8", stream, NULL);
+    if (N16) e = run_gemm(g, &c, "cuda_op_linear_forward_fp8", stream, NULL);
+    if (e == cudaSuccess && tail) { /* the last rows through 16 padded ones */
+        e = tail_rows_in(&sc, inp_q, N16, tail, IN, stream);
+        c.n = FP8_ROWS;
+        c.B = sc.tail_in;
+        c.D = sc.tail_out;
+        if (e == cudaSuccess) e = run_gemm(g, &c, "cuda_op_linear_forward_fp8 (last rows)", stream, NULL);
+        const size_t es = dt_bytes(out_dt);
+        if (e == cudaSuccess &&
+            (e = cudaMemcpyAsync((char *)out + (size_t)N16 * OUT * es, sc.tail_out, (size_t)tail * OUT * es,
+                                 cudaMemcpyDeviceToDevice, stream)) != cudaSuccess)
+            e = smp_cuda_fail(e, "cuda_op_linear_forward_fp8", "%s", cudaGetErrorString(e));
+    }
     if (e != cudaSuccess || !out_amax) return e;
     return cuda_op_amax(out_amax, out, (size_t)N * OUT, out_dt, stream);
 }
@@ -392,25 +447,30 @@ extern "C" cudaError_t cuda_op_linear_backward_fp8(cuda_gemm *g, void *dinp, cud
     SMP_ARG(smp_aligned16(dinp) && smp_aligned16(dweight) && smp_aligned16(dout_q) && smp_aligned16(inp_q) &&
                 smp_aligned16(w_q),
             "pointers must be 16-byte aligned");
-    const size_t need = cuda_gemm_fp8_scratch_bytes(N, IN, OUT);
-    SMP_ARG(g->scratch_bytes >= need, "the cuda_gemm has %zu bytes of fp8 scratch, this call needs %zu", g->scratch_bytes,
-            need);
-    const size_t al = 256;
-    uint8_t *wT = g->scratch;                                            /* [IN, OUT] */
-    uint8_t *xT = wT + ((size_t)OUT * IN + al - 1) / al * al;            /* [IN, N] */
-    uint8_t *dyT = xT + ((size_t)N * IN + al - 1) / al * al;             /* [OUT, N] */
+    const int Np = (int)pad16(N);
     cudaError_t e;
     if (dinp) {
-        if ((e = cuda_op_fp8_transpose(wT, w_q, OUT, IN, stream)) != cudaSuccess) return e;
-        const gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, IN, N, OUT, wT, CUDA_R_8F_E4M3, OUT, dout_q,
-                                    CUDA_R_8F_E5M2, OUT, dinp, dinp_dt, IN, 1.0f, w_sinv, dout_sinv);
-        if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dinp)", stream, NULL)) != cudaSuccess) return e;
+        if ((e = cuda_op_fp8_transpose(sc.wT, OUT, w_q, OUT, IN, stream)) != cudaSuccess) return e;
+        gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, IN, N16, OUT, sc.wT, CUDA_R_8F_E4M3, OUT, dout_q, CUDA_R_8F_E5M2,
+                              OUT, dinp, dinp_dt, IN, 1.0f, w_sinv, dout_sinv);
+        if (N16 && (e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dinp)", stream, NULL)) != cudaSuccess) return e;
+        if (tail) { /* the last rows' gradient through 16 padded ones, then added */
+            if ((e = tail_rows_in(&sc, dout_q, N16, tail, OUT, stream)) != cudaSuccess) return e;
+            c.n = FP8_ROWS;
+            c.B = sc.tail_in;
+            c.D = sc.tail_out;
+            c.beta = 0.0f;
+            if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dinp, last rows)", stream, NULL)) != cudaSuccess)
+                return e;
+            void *d = (char *)dinp + (size_t)N16 * IN * dt_bytes(dinp_dt);
+            if ((e = cuda_op_add(d, d, sc.tail_out, (size_t)tail * IN, dinp_dt, stream)) != cudaSuccess) return e;
+        }
     }
-    if (dweight) {
-        if ((e = cuda_op_fp8_transpose(xT, inp_q, N, IN, stream)) != cudaSuccess) return e;
-        if ((e = cuda_op_fp8_transpose(dyT, dout_q, N, OUT, stream)) != cudaSuccess) return e;
-        const gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, IN, OUT, N, xT, CUDA_R_8F_E4M3, N, dyT, CUDA_R_8F_E5M2, N,
-                                    dweight, dw_dt, IN, 1.0f, inp_sinv, dout_sinv);
+    if (dweight) { /* a sum over the rows: zero columns pad it to Np */
+        if ((e = cuda_op_fp8_transpose(sc.xT, Np, inp_q, N, IN, stream)) != cudaSuccess) return e;
+        if ((e = cuda_op_fp8_transpose(sc.dyT, Np, dout_q, N, OUT, stream)) != cudaSuccess) return e;
+        const gemm_call c = gemm_of(CUBLAS_OP_T, CUBLAS_OP_N, IN, OUT, Np, sc.xT, CUDA_R_8F_E4M3, Np, sc.dyT,
+                                    CUDA_R_8F_E5M2, Np, dweight, dw_dt, IN, 1.0f, inp_sinv, dout_sinv);
         if ((e = run_gemm(g, &c, "cuda_op_linear_backward_fp8 (dweight)", stream, NULL)) != cudaSuccess) return e;
     }
     return cudaSuccess;

@@ -234,8 +234,9 @@ cudaError_t cuda_op_fp8_dequantize(void *x, const uint8_t *q, size_t n, const fl
 cudaError_t cuda_op_fp8_amax_fold(float *acc, const float *amax, int n, cudaStream_t stream);
 cudaError_t cuda_op_fp8_scale_update(float *scale, float *sinv, const float *amax, int n, int fmt,
                                      float margin, cudaStream_t stream);
-/* dst [cols, rows] = src [rows, cols]^T, bytes (the layout FP8 GEMMs need). */
-cudaError_t cuda_op_fp8_transpose(uint8_t *dst, const uint8_t *src, int rows, int cols,
+/* dst [cols, ld] = src [rows, cols]^T, bytes (the layout FP8 GEMMs need); ld >= rows,
+ * dst's columns rows..ld-1 zero (an FP8 GEMM's sum over rows padded to 16). */
+cudaError_t cuda_op_fp8_transpose(uint8_t *dst, int ld, const uint8_t *src, int rows, int cols,
                                   cudaStream_t stream);
 
 /* ---- GEMMs through cuBLASLt ------------------------------------------------------------------
@@ -266,7 +267,9 @@ cudaError_t cuda_op_linear_backward(cuda_gemm *g, void *dinp, void *dweight,
 /* FP8 linear (TransformerEngine recipe). Operands are quantized tensors in their
  * natural row-major layouts: inp_q [N,IN] E4M3, w_q [OUT,IN] E4M3, dout_q [N,OUT]
  * E5M2; *_sinv are device floats holding 1/scale of each (the dequantization
- * factor). N, IN, OUT multiples of 16; pointers 16-byte aligned.
+ * factor). IN, OUT multiples of 16, N any (the rows past a multiple of 16 go
+ * through zero-padded rows in the scratch: cuda_gemm_fp8_scratch_bytes(N, IN, OUT)
+ * of it, forward too); pointers 16-byte aligned.
  *
  * forward: out[N,OUT] = (inp_q @ w_q^T) * inp_sinv * w_sinv, WRITTEN, out_dt
  * CUDA_R_16BF or CUDA_R_32F; out_amax (device, may be NULL) = max |out|, from

@@ -26,7 +26,7 @@ enum { FP8_ROLE_INPUT = 0, FP8_ROLE_WEIGHT = 1, FP8_ROLE_GRAD = 2, FP8_ROLES = 3
 typedef struct fp8_state fp8_state;
 struct fp8_state {
     fp8_mode mode;
-    int nlin;          /* linear layers (7 per transformer block) */
+    int nlin;          /* linear layers (model_fp8_linears: 7 per block, 3 per expert) */
     int hist_len;
     float margin;
     float *hist;       /* [nlin][3][hist_len], newest first */

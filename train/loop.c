@@ -124,7 +124,7 @@ static shard_status load_state(train_run *r)
                           dir, (long long)c->opt_step);
     r->opt.t = moments ? c->opt_step : 0;
     if (c->fp8 != FP8_OFF) {
-        if (!(m->fp8 = fp8_create(c->fp8, m->L * 7, (int)c->fp8_hist, c->fp8_margin)))
+        if (!(m->fp8 = fp8_create(c->fp8, model_fp8_linears(m), (int)c->fp8_hist, c->fp8_margin)))
             return shard_fail(SHARD_E_NOMEM, "out of memory");
         if ((s = ckptio_read_fp8(r->ck, m->fp8))) return s;
     }

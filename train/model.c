@@ -523,7 +523,10 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
         size_t D = H > (m->d.fused_qkv ? 3 : 1) * QD ? H : (m->d.fused_qkv ? 3 : 1) * QD;
         D = D > F ? D : F;
         D = D > KD ? D : KD;
-        shard_status s = OPS->fp8_reserve(DV, m->fp8, (int)N, (int)D);
+        D = D > (size_t)m->FE ? D : (size_t)m->FE;
+        /* an expert takes each token at most once: up to N rows, every ep rank's N with ep */
+        const size_t rows = m->E && m->ep_size > 1 ? N * (size_t)m->ep_size : N;
+        shard_status s = OPS->fp8_reserve(DV, m->fp8, (int)rows, (int)D);
         if (s) {
             free_acts(m);
             return s;
@@ -563,19 +566,37 @@ void model_zero_grads(model *m)
 }
 
 /* The linear layers of the blocks go through the FP8 recipe when it is on; the
- * head stays in the compute dtype (as TransformerEngine leaves the output layer). */
+ * head stays in the compute dtype (as TransformerEngine leaves the output layer),
+ * and so does the router (its top-k choice is where a rounding would flip an
+ * expert, as Megatron and TransformerEngine keep it). Each expert's gate, up and
+ * down are linear layers of their own (their own scales, as TransformerEngine's
+ * GroupedLinear): after the L x LIN_COUNT dense ones, layer by layer, expert by
+ * expert. which: a LIN_* or EXPERT_LIN(e, k). */
 enum { LIN_Q, LIN_K, LIN_V, LIN_O, LIN_GATE, LIN_UP, LIN_DOWN, LIN_COUNT };
+enum { EXP_GATE, EXP_UP, EXP_DOWN, EXP_LINS };
+#define EXPERT_LIN(e, k) (LIN_COUNT + (e) * EXP_LINS + (k))
+
+int model_fp8_linears(const model *m)
+{
+    return m->L * LIN_COUNT + m->L * m->E * EXP_LINS;
+}
+
+static int fp8_index(const model *m, int l, int which)
+{
+    if (which < LIN_COUNT) return l * LIN_COUNT + which;
+    return m->L * LIN_COUNT + l * m->E * EXP_LINS + (which - LIN_COUNT);
+}
 
 static void lin_fwd(model *m, int l, int which, void *out, const void *inp, const void *w, int N, int IN, int OUT)
 {
-    if (m->fp8) OPS->fp8_linear_forward(DV, m->fp8, l * LIN_COUNT + which, out, inp, w, N, IN, OUT);
+    if (m->fp8) OPS->fp8_linear_forward(DV, m->fp8, fp8_index(m, l, which), out, inp, w, N, IN, OUT);
     else OPS->linear_forward(DV, out, inp, w, N, IN, OUT);
 }
 
 static void lin_bwd(model *m, int l, int which, void *dinp, float *dw, const void *dout, const void *inp,
                     const void *w, int N, int IN, int OUT)
 {
-    if (m->fp8) OPS->fp8_linear_backward(DV, m->fp8, l * LIN_COUNT + which, dinp, dw, dout, inp, w, N, IN, OUT);
+    if (m->fp8) OPS->fp8_linear_backward(DV, m->fp8, fp8_index(m, l, which), dinp, dw, dout, inp, w, N, IN, OUT);
     else OPS->linear_backward(DV, dinp, dw, dout, inp, w, N, IN, OUT);
 }
 
@@ -838,49 +859,56 @@ shard_status model_aux_set_gradient(model *m, double coef)
     return dev_status(DV);
 }
 
-/* The local experts e0 .. e0+n-1 over a->xs, expert j's rows [off[j], off[j+1]): gate,
- * up, SwiGLU (into a->gate, up, act) and down into out */
-static void experts_forward(model *m, const layer_params *w, layer_acts *a, void *out, const int32_t *off, int e0, int n)
+/* The local experts e0 .. e0+n-1 of layer l over a->xs, expert j's rows [off[j],
+ * off[j+1]): gate, up, SwiGLU (into a->gate, up, act) and down into out */
+static void experts_forward(model *m, int l, layer_acts *a, void *out, const int32_t *off, int e0, int n)
 {
     const int H = m->H, FE = m->FE;
+    const layer_params *w = &m->lw[l];
     for (int j = 0; j < n; j++) {
-        const int r0 = off[j], c = off[j + 1] - off[j];
+        const int r0 = off[j], c = off[j + 1] - off[j], e = e0 + j;
         if (!c) continue;
-        OPS->linear_forward(DV, AT(a->gate, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->egate[e0 + j], c, H, FE);
-        OPS->linear_forward(DV, AT(a->up, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->eup[e0 + j], c, H, FE);
+        lin_fwd(m, l, EXPERT_LIN(e, EXP_GATE), AT(a->gate, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->egate[e], c,
+                H, FE);
+        lin_fwd(m, l, EXPERT_LIN(e, EXP_UP), AT(a->up, (size_t)r0 * FE), AT(a->xs, (size_t)r0 * H), w->eup[e], c, H, FE);
     }
     OPS->swiglu_forward(DV, a->act, a->gate, a->up, (size_t)off[n] * FE);
     for (int j = 0; j < n; j++) {
-        const int r0 = off[j], c = off[j + 1] - off[j];
-        if (c) OPS->linear_forward(DV, AT(out, (size_t)r0 * H), AT(a->act, (size_t)r0 * FE), w->edown[e0 + j], c, FE, H);
+        const int r0 = off[j], c = off[j + 1] - off[j], e = e0 + j;
+        if (c)
+            lin_fwd(m, l, EXPERT_LIN(e, EXP_DOWN), AT(out, (size_t)r0 * H), AT(a->act, (size_t)r0 * FE), w->edown[e], c,
+                    FE, H);
     }
 }
 
 /* Back through experts_forward: dout (the gradient of out) to dxs, the gradient of
  * a->xs (written; it may be dout's buffer: dout is spent first), weight gradients
  * accumulated */
-static void experts_backward(model *m, const layer_params *w, layer_grads *g, const layer_acts *a, const void *dout,
-                             void *dxs, const int32_t *off, int e0, int n)
+static void experts_backward(model *m, int l, const layer_acts *a, const void *dout, void *dxs, const int32_t *off,
+                             int e0, int n)
 {
     const int H = m->H, FE = m->FE;
+    const layer_params *w = &m->lw[l];
+    layer_grads *g = &m->lg[l];
     const size_t rows = (size_t)off[n], e_ = DV->es;
     OPS->zero(DV, m->dact, rows * FE * e_);
     for (int j = 0; j < n; j++) {
-        const int r0 = off[j], c = off[j + 1] - off[j];
-        if (c) OPS->linear_backward(DV, AT(m->dact, (size_t)r0 * FE), g->edown[e0 + j], CAT(dout, (size_t)r0 * H),
-                                    AT(a->act, (size_t)r0 * FE), w->edown[e0 + j], c, FE, H);
+        const int r0 = off[j], c = off[j + 1] - off[j], e = e0 + j;
+        if (c)
+            lin_bwd(m, l, EXPERT_LIN(e, EXP_DOWN), AT(m->dact, (size_t)r0 * FE), g->edown[e], CAT(dout, (size_t)r0 * H),
+                    AT(a->act, (size_t)r0 * FE), w->edown[e], c, FE, H);
     }
     OPS->zero(DV, m->dgate, rows * FE * e_);
     OPS->zero(DV, m->dup, rows * FE * e_);
     OPS->swiglu_backward(DV, m->dgate, m->dup, m->dact, a->gate, a->up, rows * FE);
     OPS->zero(DV, dxs, rows * H * e_);
     for (int j = 0; j < n; j++) {
-        const int r0 = off[j], c = off[j + 1] - off[j];
+        const int r0 = off[j], c = off[j + 1] - off[j], e = e0 + j;
         if (!c) continue;
         void *dx = AT(dxs, (size_t)r0 * H);
         const void *xs = AT(a->xs, (size_t)r0 * H);
-        OPS->linear_backward(DV, dx, g->egate[e0 + j], AT(m->dgate, (size_t)r0 * FE), xs, w->egate[e0 + j], c, H, FE);
-        OPS->linear_backward(DV, dx, g->eup[e0 + j], AT(m->dup, (size_t)r0 * FE), xs, w->eup[e0 + j], c, H, FE);
+        lin_bwd(m, l, EXPERT_LIN(e, EXP_GATE), dx, g->egate[e], AT(m->dgate, (size_t)r0 * FE), xs, w->egate[e], c, H, FE);
+        lin_bwd(m, l, EXPERT_LIN(e, EXP_UP), dx, g->eup[e], AT(m->dup, (size_t)r0 * FE), xs, w->eup[e], c, H, FE);
     }
 }
 
@@ -974,7 +1002,7 @@ static void ep_forward(model *m, int l, layer_acts *a, const void *xs_local)
     ep_order(m, l, a, loff, 1);
     ep_alltoall(m, xs_local, sc, sd, m->epa, rc, rd);
     OPS->moe_gather(DV, a->xs, m->epa, a->erows, loff[El], H);
-    experts_forward(m, &m->lw[l], a, m->epb, loff, m->ep_rank * El, El);
+    experts_forward(m, l, a, m->epb, loff, m->ep_rank * El, El);
     OPS->moe_gather(DV, m->epa, m->epb, a->einv, loff[El], H);
     ep_alltoall(m, m->epa, rc, rd, a->ys, sc, sd);
 }
@@ -990,7 +1018,7 @@ static void ep_backward(model *m, int l, const layer_acts *a, const void *dys, v
     ep_order(m, l, (layer_acts *)a, loff, 0);
     ep_alltoall(m, dys, sc, sd, m->epa, rc, rd);
     OPS->moe_gather(DV, m->epb, m->epa, a->erows, loff[El], H);
-    experts_backward(m, &m->lw[l], &m->lg[l], a, m->epb, m->epa, loff, m->ep_rank * El, El);
+    experts_backward(m, l, a, m->epb, m->epa, loff, m->ep_rank * El, El);
     OPS->moe_gather(DV, m->epb, m->epa, a->einv, loff[El], H);
     ep_alltoall(m, m->epb, rc, rd, dxs, sc, sd);
 }
@@ -1012,7 +1040,7 @@ static void fwd_moe(model *m, int l, layer_acts *a)
         return;
     }
     OPS->moe_gather(DV, a->xs, a->xn2, a->rows, Nk, H);
-    experts_forward(m, w, a, a->ys, off, 0, E);
+    experts_forward(m, l, a, a->ys, off, 0, E);
 }
 
 /* back through the experts from dout (all N rows: the gradient of the weighted sum);
@@ -1027,7 +1055,7 @@ static void bwd_moe(model *m, int l, const layer_acts *a, const void *dout)
     OPS->moe_combine_backward(DV, m->dxs, m->dwts, dout, a->ys, a->wts, a->slot, N, k, H); /* dxs: dys first */
     tp_reduce(m, m->dwts, (size_t)Nk, SHARD_DT_F32, SHARD_OP_SUM); /* ys are this rank's partial products */
     if (m->ep_size > 1) ep_backward(m, l, a, m->dxs, m->dxs);
-    else experts_backward(m, w, g, a, m->dxs, m->dxs, expert_rows(m, l), 0, E);
+    else experts_backward(m, l, a, m->dxs, m->dxs, expert_rows(m, l), 0, E);
     OPS->zero(DV, m->dxn, (size_t)N * H * DV->es);
     OPS->moe_scatter_add(DV, m->dxn, m->dxs, a->slot, N, k, H);
     OPS->moe_route_backward(DV, m->rlogits, m->dwts, m->dprobs, a->probs, a->idx, N, E, k, m->d.norm_topk_prob);

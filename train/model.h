@@ -195,7 +195,7 @@ typedef struct {
     int aux_collect;         /* model_forward's own passes, not backward's recomputation */
     float *hprobs;           /* host [N*E] (CUDA) */
     float *dprobs;           /* [N*E] the loss's gradient on the router's probabilities, NULL when off */
-    /* FP8 (NULL when off) */
+    /* FP8 (NULL when off): model_fp8_linears(m) linear layers, every rank the same */
     fp8_state *fp8;
     /* tensor parallelism: the tp group (NULL or tp_size 1 on one rank). A failed
      * collective inside forward or backward is recorded in comm_err (the pass goes
@@ -248,6 +248,10 @@ void model_set_cp(model *m, shard_comm *cp, int cp_size, int cp_rank);
 /* Expert parallelism (before model_alloc_acts): the ep ranks that exchange tokens
  * (host and backend communicators), their count, this rank's index. */
 void model_set_ep(model *m, shard_comm *h, shard_comm *d, int ep, int rank);
+/* The linear layers the FP8 recipe scales (train/fp8.h's nlin): the blocks' seven
+ * dense ones (q, k, v, o, gate, up, down) per layer, then gate, up and down of each
+ * expert of each layer. */
+int model_fp8_linears(const model *m);
 /* Packed documents ended by token sep (before model_alloc_acts). */
 void model_set_documents(model *m, int32_t sep);
 /* The documents of a microbatch: in[rows * S] its whole sequences (S = T * cp_size,

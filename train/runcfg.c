@@ -80,16 +80,18 @@ shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar
 
 shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, const model *m)
 {
+    (void)l;
     if (c->fp8 == FP8_OFF) return SHARD_OK;
-    /* Hopper's FP8 GEMMs take dimensions that are multiples of 16 */
-    const long long dims[5] = {(long long)runcfg_rows(c, l) * (c->seq / l->cp), m->H, m->F, (long long)m->nh * m->hd,
-                               (long long)m->nkv * m->hd};
-    for (int k = 0; k < 5; k++)
+    /* Hopper's FP8 GEMMs take widths that are multiples of 16 (any rows: gemm.cu pads
+     * the last ones, so tokens per microbatch and an expert's routed rows are free) */
+    const long long dims[4] = {m->H, m->E ? m->FE : m->F, (long long)m->nh * m->hd, (long long)m->nkv * m->hd};
+    for (int k = 0; k < 4; k++)
         if (dims[k] % 16)
             return shard_fail(SHARD_E_USAGE,
-                              "--fp8 on cuda: the FP8 GEMMs need every dimension (tokens per microbatch %lld, hidden "
-                              "%lld, intermediate %lld, local q %lld and kv %lld widths) to be a multiple of 16",
-                              dims[0], dims[1], dims[2], dims[3], dims[4]);
+                              "--fp8 on cuda: the FP8 GEMMs need every width (hidden %lld, %s %lld, local q %lld and "
+                              "kv %lld) to be a multiple of 16",
+                              dims[0], m->E ? "an expert's local intermediate" : "local intermediate", dims[1], dims[2],
+                              dims[3]);
     return SHARD_OK;
 }
 

@@ -44,8 +44,8 @@ void runcfg_merge(run_cfg *c, const runcfg_flags *f);
 shard_status runcfg_check(const run_cfg *c, const shard_layout *l, const shard_model_desc *d);
 /* --sequence-parallel with tp > 1: a microbatch's tokens of one rank divide by tp. */
 shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar);
-/* --fp8 on CUDA: the GEMMs' dimensions of this rank's model m (after par_setup)
- * multiples of 16. */
+/* --fp8 on CUDA: the GEMMs' widths of this rank's model m (after par_setup)
+ * multiples of 16 (hidden, intermediate or an expert's, q and kv). */
 shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, const model *m);
 /* --documents' separator: --doc-sep's id (given, checked against d's vocabulary by
  * the command; -1: not given), else the config's eos_token_id (SHARD_E_USAGE when

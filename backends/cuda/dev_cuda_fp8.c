@@ -135,10 +135,10 @@ static cu_fp8 *check(dev *d, fp8_state *s, int idx, int N, int IN, int OUT)
         dev_fail(d, SHARD_E_INTERNAL, "fp8 linear layer %d: the state has %d", idx, s->nlin);
         return NULL;
     }
-    if (N % 16 || IN % 16 || OUT % 16 || N <= 0 || IN <= 0 || OUT <= 0) {
+    if (IN % 16 || OUT % 16 || N <= 0 || IN <= 0 || OUT <= 0) { /* any rows: gemm.cu pads the last ones */
         dev_fail(d, SHARD_E_UNSUPPORTED,
-                 "fp8 linear layer %d: N=%d (rows), IN=%d, OUT=%d: FP8 GEMMs need positive multiples of 16", idx, N,
-                 IN, OUT);
+                 "fp8 linear layer %d: N=%d (rows), IN=%d, OUT=%d: FP8 GEMMs need IN and OUT positive multiples of 16",
+                 idx, N, IN, OUT);
         return NULL;
     }
     if (N > f->resN || IN > f->resD || OUT > f->resD) {

@@ -920,19 +920,21 @@ static void test_fp8_recipe(int fmt, float margin)
     TEST_END();
 }
 
-static void test_fp8_transpose(int rows, int cols)
+/* dst [cols, ld]: the rows transposed, columns rows..ld-1 zero */
+static void test_fp8_transpose(int rows, int cols, int ld)
 {
-    TEST_BEGIN("fp8 transpose %dx%d", rows, cols);
-    const size_t n = (size_t)rows * cols;
-    uint8_t *a = (uint8_t *)hmalloc(n), *t = (uint8_t *)hmalloc(n);
+    TEST_BEGIN("fp8 transpose %dx%d ld=%d", rows, cols, ld);
+    const size_t n = (size_t)rows * cols, nt = (size_t)ld * cols;
+    uint8_t *a = (uint8_t *)hmalloc(n), *t = (uint8_t *)hmalloc(nt);
     for (size_t i = 0; i < n; i++) a[i] = (uint8_t)rng_u64();
-    uint8_t *d_a = (uint8_t *)dmalloc(n), *d_t = (uint8_t *)dmalloc(n);
+    uint8_t *d_a = (uint8_t *)dmalloc(n), *d_t = (uint8_t *)dmalloc(nt);
     CK(cudaMemcpy(d_a, a, n, cudaMemcpyHostToDevice));
-    CK_SYNC(cuda_op_fp8_transpose(d_t, d_a, rows, cols, 0));
-    CK(cudaMemcpy(t, d_t, n, cudaMemcpyDeviceToHost));
+    CK(cudaMemset(d_t, 0x5a, nt)); /* the pad must be written, not left */
+    CK_SYNC(cuda_op_fp8_transpose(d_t, ld, d_a, rows, cols, 0));
+    CK(cudaMemcpy(t, d_t, nt, cudaMemcpyDeviceToHost));
     size_t bad = 0;
-    for (int r = 0; r < rows; r++)
-        for (int c = 0; c < cols; c++) bad += t[(size_t)c * rows + r] != a[(size_t)r * cols + c];
+    for (int c = 0; c < cols; c++)
+        for (int r = 0; r < ld; r++) bad += t[(size_t)c * ld + r] != (r < rows ? a[(size_t)r * cols + c] : 0);
     report("bytes differing", (double)bad, 0.0);
     TEST_END();
 }
@@ -1187,8 +1189,10 @@ int main(int argc, char **argv)
         test_fp8_recipe(OP_FP8_E5M2, 1.0f);
     }
     if (selected("fp8 transpose")) {
-        test_fp8_transpose(64, 96);
-        test_fp8_transpose(77, 130);
+        test_fp8_transpose(64, 96, 64);
+        test_fp8_transpose(77, 130, 77);
+        test_fp8_transpose(77, 130, 80); /* padded to 16 rows */
+        test_fp8_transpose(3, 70, 16);   /* an expert's few rows */
     }
     if (selected("adamw")) {
         test_adamw(quick ? 10003 : 1000003, 1);
@@ -1203,6 +1207,9 @@ int main(int argc, char **argv)
         test_gemm_fp8(BF16, 64, 128, 96, 0);
         test_gemm_fp8(F32, 64, 128, 96, 0);
         test_gemm_fp8(F32, 64, 128, 96, 1);
+        test_gemm_fp8(BF16, 37, 128, 96, 0); /* rows not a multiple of 16: two GEMMs, the last rows padded */
+        test_gemm_fp8(F32, 5, 64, 48, 0);    /* fewer than 16 rows: the padded GEMM only */
+        test_gemm_fp8(F32, 21, 48, 32, 1);
         if (!quick) test_gemm_fp8(BF16, 256, 1024, 768, 0);
     }
     if (selected("attention")) test_attention_cases();

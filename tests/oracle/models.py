@@ -71,6 +71,14 @@ CASES = {
     "qwen3moe-k1": ("qwen3_moe", dict(vocab_size=89, hidden_size=32, intermediate_size=64, moe_intermediate_size=20,
                                       num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                                       num_experts=6, num_experts_per_tok=1, norm_topk_prob=False), torch.float32, {}),
+    # test_cuda_backend's: every width a multiple of 16, as the CUDA backend's FP8 GEMMs
+    # need (an expert's routed rows are not); head_dim 32 runs the bf16 attention's
+    # tensor-core (mma.sync) kernels
+    "llama-cuda": ("llama", dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2), torch.float32, {}),
+    "mixtral-cuda": ("mixtral", dict(vocab_size=89, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2), torch.float32, {}),
 }
 # family: the prefix of transformers' classes (<prefix>Config, <prefix>ForCausalLM)
 FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gpt_neox": "GPTNeoX",

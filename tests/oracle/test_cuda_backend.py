@@ -30,18 +30,12 @@ import subprocess
 
 import numpy as np
 import pytest
-import torch
 
 import models
 from conftest import BUILD, ROOT, run
 from test_parallel import assert_tracks
-from test_train import make_ckpt, read_log, write_tokens
+from test_train import datasets, make_ckpt, read_log, write_tokens
 
-# head_dim 32: the bf16 attention runs the tensor-core (mma.sync) kernels; every GEMM
-# dimension a multiple of 16, as the FP8 GEMMs need
-models.CASES.setdefault("llama-cuda", ("llama", dict(vocab_size=128, hidden_size=128, intermediate_size=256,
-                                                     num_hidden_layers=2, num_attention_heads=4,
-                                                     num_key_value_heads=2), torch.float32, {}))
 CASE = "llama-cuda"
 COMMON = ["--batch", 4, "--seq", 32, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
 STEPS = 4  # the emulator is slow: 4 steps (warmup 2, then the cosine) show the tracking
@@ -200,3 +194,27 @@ def test_cuda_families_track_c_backend(setup, tmp_path, case):
         assert ("aux_loss" in r) == ("aux_loss" in q) and abs(r.get("aux_loss", 0) - q.get("aux_loss", 0)) <= \
             1e-4 * q.get("aux_loss", 0), (r, q)
     assert ("aux_loss" in want[0]) == (case == "mixtral-k2")
+
+
+def test_cuda_fp8_experts_track_c_backend(setup, tmp_path):
+    """--fp8 delayed on the emulated CUDA backend (fp32 storage: the same quantized
+    operands as the C backend's emulation): every expert's gate, up and down through
+    cuBLASLt's FP8 GEMMs on its routed rows, which are rarely a multiple of 16 (the last
+    rows padded: the parity cases' N = 37, 5, 21), against the C backend's FP8 run"""
+    tmp, _, _, _, lib = setup
+    _, ck = make_ckpt(tmp_path, "mixtral-cuda", sharp=True)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(9).integers(0, 89, size=3000))
+    args = ["--ckpt", ck, "--data", data, "--steps", 2, "--fp8", "delayed", *COMMON]
+    ref, out = tmp_path / "c", tmp_path / "cuda"
+    run("smp-train", *args, "--save-dir", ref, "--log", ref / "log.jsonl", check=0)
+    p = subprocess.run(list(map(str, [BUILD / "bin" / "smp-train", *args, "--save-dir", out, "--log", out / "log.jsonl",
+                                      "--backend", "cuda", "--dtype", "fp32"])),
+                       capture_output=True, text=True, env=env_for(lib), timeout=900)
+    assert p.returncode == 0, p.stderr
+    rows, want = read_log(out / "log.jsonl"), read_log(ref / "log.jsonl")
+    assert_tracks(rows, want, 1e-4, "cuda fp32 fp8 mixtral vs C")
+    assert all(abs(r["aux_loss"] - q["aux_loss"]) <= 1e-4 * q["aux_loss"] for r, q in zip(rows, want))
+    a, b = datasets(ref / "step-000002"), datasets(out / "step-000002")
+    hist = [k for k in a if k.startswith("fp8/") and a[k].ndim == 2][0]
+    assert a[hist].shape[0] == 3 * 2 * (7 + 3 * 4)  # a row per expert linear and role
+    np.testing.assert_allclose(b[hist], a[hist], rtol=1e-4)  # the same amaxes, gathered on the device

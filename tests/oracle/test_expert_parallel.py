@@ -23,8 +23,8 @@ import transformers
 from safetensors.torch import load_file
 
 from conftest import run
-from test_parallel import assert_tracks, layout_of, mpirun, rel
-from test_train import read_log, write_tokens
+from test_parallel import assert_fp8_tracks, assert_tracks, layout_of, mpirun, rel
+from test_train import datasets, read_log, write_tokens
 
 V, SEQ = 89, 16
 COMMON = ["--batch", 8, "--seq", SEQ, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
@@ -128,6 +128,43 @@ def test_training_tracks_one_rank(ep, family, aux, layout, micro):
     assert run("smp-verify", out / "step-000006").returncode == 0
 
 
+@pytest.mark.parametrize("family,layout", [("mixtral", "dp=2,ep=2"), ("qwen3moe", "dp=4,ep=2"),
+                                           ("qwen3moe", "dp=4,ep=4")])
+def test_bytes_ep_is_the_formula_over_transformers_routing(ep, family, layout):
+    """Step 1's bytes_ep (the checkpoint's own weights, which transformers routes alike)
+    is docs/TRAINING.md's formula over transformers' top-k choices: rank 0 sends its
+    rows for the other ep ranks' experts and the results of the rows they routed to its
+    own, forward and backward (rows of H fp32), and each layer's counts (E/ep int32 to
+    each other ep rank); replica r holds the step's r-th B/dp sequences (no --seed:
+    the file's order)"""
+    tmp, cks, data, _ = ep
+    hf, ck = cks[(family, False)]
+    lay = layout_of(layout)
+    D, EP, B = lay["dp"], lay["ep"], 8
+    out = tmp / f"bytes-{family}-{layout}"
+    unseeded = [a for i, a in enumerate(COMMON) if "--seed" not in (a, COMMON[i - 1])]
+    mpirun(D, "--ckpt", ck, "--data", data, "--save-dir", out, "--steps", 1, "--layout", layout, "--log",
+           out / "log.jsonl", *unseeded)
+    got = read_log(out / "log.jsonl")[0]["bytes_ep"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    cfg = model.config
+    E = getattr(cfg, "num_local_experts", None) or cfg.num_experts
+    k, H, El, per = cfg.num_experts_per_tok, cfg.hidden_size, E // EP, B // D * SEQ
+    toks = np.fromfile(data, dtype="<u2", offset=1024).astype(np.int64)
+    rows = torch.tensor(np.stack([toks[j * SEQ:j * SEQ + SEQ + 1] for j in range(B)]))
+    with torch.no_grad():
+        logits = model(rows[:, :-1], output_router_logits=True).router_logits
+    want = 0
+    for lg in logits:  # a layer's [B * SEQ, E], the tokens batch-major
+        owner = (torch.topk(lg.softmax(-1), k).indices // El).numpy()  # the ep rank of each choice's expert
+        for r in range(1, EP):
+            sent = (owner[:per] == r).sum()                       # rank 0's rows for rank r's experts
+            came = (owner[r * per:(r + 1) * per] == 0).sum()      # rank r's rows for rank 0's experts
+            want += 2 * int(sent + came) * H * 4                  # rows out, results back; forward and backward
+        want += (EP - 1) * El * 4                                  # the counts
+    assert got == want, (got, want)
+
+
 @pytest.mark.parametrize("layout,extra", [
     ("dp=2,ep=2", ["--recompute", "full"]),                             # the exchange again in backward
     ("tp=2,dp=2,ep=2", ["--recompute", "attention", "--sequence-parallel"]),
@@ -141,8 +178,10 @@ def test_recompute_with_expert_parallelism_tracks_one_rank(ep, layout, extra):
 
 
 def test_fp8_with_expert_parallelism_tracks_its_one_rank_run(ep):
-    """--fp8 delayed (the attention linears; the experts stay in the compute dtype) at
-    dp=2,ep=2 against the single rank's fp8 run over the same two microbatches"""
+    """--fp8 delayed (the attention linears and every expert's, each expert on the rows
+    every ep rank sends it) at dp=2,ep=2 against the single rank's fp8 run over the same
+    two microbatches; the saved scaling state is the one rank's (an expert's amaxes
+    come from the rank that holds it, the step's max over the ranks)"""
     tmp, cks, data, _ = ep
     ck = cks[("mixtral", False)][1]
     one, two = tmp / "fp8-one", tmp / "fp8-ep"
@@ -150,7 +189,15 @@ def test_fp8_with_expert_parallelism_tracks_its_one_rank_run(ep):
         "delayed", "--log", one / "log.jsonl", *COMMON, check=0)
     mpirun(2, "--ckpt", ck, "--data", data, "--save-dir", two, "--steps", 6, "--layout", "dp=2,ep=2", "--fp8", "delayed",
            "--log", two / "log.jsonl", *COMMON)
-    assert_tracks(read_log(two / "log.jsonl"), read_log(one / "log.jsonl"), 2e-4, "fp8 delayed dp=2,ep=2")
+    assert_fp8_tracks(read_log(two / "log.jsonl"), read_log(one / "log.jsonl"), "fp8 delayed dp=2,ep=2",
+                      ("loss", "grad_norm", "aux_loss"))
+    a, b = (datasets(one / "step-000006"), datasets(two / "step-000006"))
+    hist = [k for k in a if k.startswith("fp8/") and a[k].ndim == 2][0]
+    L, E = 2, 4  # the fixture's Mixtral
+    assert a[hist].shape[0] == 3 * L * (7 + 3 * E) and b[hist].shape == a[hist].shape
+    experts = a[hist][3 * L * 7:]
+    assert (experts[:, 0] > 0).all()  # each expert's three linears ran and were scaled
+    np.testing.assert_allclose(b[hist], a[hist], rtol=1e-2)
 
 
 def test_the_aux_gradient_moves_the_router(ep):

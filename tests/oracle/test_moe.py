@@ -34,7 +34,7 @@ import models
 import test_families
 import test_train
 from conftest import run
-from test_parallel import COMMON, SEQ, assert_tracks, layout_of, mpirun, resume_on_one_rank
+from test_parallel import COMMON, SEQ, assert_fp8_tracks, assert_tracks, layout_of, mpirun, resume_on_one_rank
 from test_train import datasets, make_ckpt, read_log, rel, seqs_of, torch_model, vocab_of, write_tokens
 
 CASES = [c for c, (fam, *_rest) in models.CASES.items() if fam in models.EXPERTS]
@@ -252,16 +252,43 @@ def test_recompute_exact_and_fp8_across_layouts(msetup, case, aux):
         rc = tmp / f"rc-{case}-{aux}-{mode}"
         run("smp-train", *base, "--save-dir", rc, "--recompute", mode, "--log", rc / "log.jsonl", check=0)
         assert strip(read_log(rc / "log.jsonl")) == strip(refs[(case, aux, 1)]), mode
-    # the experts stay in full precision (--fp8 quantizes the attention's linears). Another
-    # data order than COMMON's seed 3: with it mixtral-k2's last-bit differences flip an
-    # E4M3 rounding and then a token's routing at step 3 (aux_loss 1e-3, grad_norm 1e-3 off
-    # from step 4; at tp=2, dp=2 and cp=2 alike); seeds 4, 5, 6 track within 4e-6
+    # --fp8 quantizes the attention's linears and every expert's (each its own scales; the
+    # tp ranks' amaxes of an expert's halves agree by the step's max over the ranks).
+    # Another data order than COMMON's seed 3: with it mixtral-k2's last-bit differences
+    # flip an E4M3 rounding and then a token's routing (aux_loss 1e-3, grad_norm 1e-3 off
+    # after a few steps; at tp=2, dp=2 and cp=2 alike); seed 4 tracks
     fp8 = list(base)
     fp8[fp8.index("--seed") + 1] = 4
     one, two = tmp / f"fp8-{case}-{aux}-1", tmp / f"fp8-{case}-{aux}-tp2"
     run("smp-train", *fp8, "--save-dir", one, "--fp8", "delayed", "--log", one / "log.jsonl", check=0)
     mpirun(2, *fp8, "--save-dir", two, "--fp8", "delayed", "--layout", "tp=2", "--log", two / "log.jsonl")
-    assert_tracks_aux(read_log(two / "log.jsonl"), read_log(one / "log.jsonl"), 2e-4, f"{case} fp8 delayed tp=2")
+    assert_fp8_tracks(read_log(two / "log.jsonl"), read_log(one / "log.jsonl"), f"{case} fp8 delayed tp=2",
+                      ("loss", "grad_norm", "aux_loss"))
+
+
+# ---------------------------------------------------------------- FP8 experts
+@pytest.mark.parametrize("case,mode", [("mixtral-k2", "delayed"), ("qwen3moe-k2-norm", "current")])
+def test_fp8_experts_track_torch_emulation(tmp_path, case, mode):
+    """--fp8 runs every expert's gate, up and down through the recipe, each with scales
+    of its own (TransformerEngine's GroupedLinear), the router in the compute dtype: 6
+    steps against the torch emulation of the recipe on transformers' experts (the first
+    two steps within 2e-5: unquantized experts would be ~1e-3 off), and the saved
+    scaling state has a row per expert linear"""
+    hf, ck = moe_ckpt(tmp_path, case)
+    hist, _ = test_train.fp8_steps_track_torch_emulation(tmp_path, mode, case, hf, ck)
+    cfg = torch_model(hf).config
+    L, E = cfg.num_hidden_layers, n_experts(cfg)
+    dense, experts = hist[:L * 7].reshape(L, 7, 3, -1), hist[L * 7:].reshape(L, E, 3, 3, -1)
+    assert (dense[:, :4] > 0).all() and (dense[:, 4:] == 0).all()  # attention's; no dense MLP in these layers
+    assert (experts[..., 0] > 0).all()  # every expert of every layer ran in the last step (its 3 roles)
+
+
+def test_fp8_expert_gradients_match_emulation(tmp_path):
+    """one step's gradients (every expert's and the routers') from a saved FP8 state,
+    against the emulation from the same state, 1e-4"""
+    hf, ck = moe_ckpt(tmp_path, "mixtral-k2")
+    got = test_train.fp8_gradients_match_emulation(tmp_path, "delayed", "mixtral-k2", hf, ck)
+    assert any(".experts.3.w2." in n for n in got) and any(n.endswith(".gate.weight") for n in got)
 
 
 @pytest.mark.parametrize("case,aux,layout", [("mixtral-k2", False, "tp=2,pp=2"), ("qwen3moe-k2-norm", True, "tp=2,cp=2")])

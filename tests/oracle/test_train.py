@@ -7,6 +7,7 @@
 - a random byte-level model learns English text;
 - resume and SIGTERM are bit-exact; bad data and bad steps are handled.
 """
+import functools
 import json
 import math
 import os
@@ -606,34 +607,65 @@ class FP8Linear(torch.autograd.Function):
         return (gq @ wq).reshape(ctx.shape), gq.T @ xq, None, None
 
 
+def fp8_linears(config):
+    """the linear layers smp's FP8 recipe scales: 7 per layer (q, k, v, o, gate, up,
+    down; a mixture of experts' layer leaves its dense three unused), then each
+    expert's gate, up and down, layer by layer"""
+    E = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None) or 0
+    return config.num_hidden_layers * (7 + 3 * E)
+
+
+def fp8_experts_forward(experts, hidden_states, top_k_index, top_k_weights, rec, base):
+    """transformers 5's fused experts' forward (Mixtral's, Qwen3-MoE's), each expert's
+    gate, up and down through FP8Linear with its own scales: linear base + 3e + 0/1/2"""
+    out = torch.zeros_like(hidden_states)
+    F_ = experts.gate_up_proj.shape[1] // 2
+    for e in range(experts.num_experts):
+        token_idx, pos = torch.where(top_k_index == e)  # its tokens in order, as smp groups them
+        if token_idx.numel() == 0:
+            continue  # an expert without tokens records no amax (smp skips it too)
+        x, i = hidden_states[token_idx], base + 3 * e
+        gate = FP8Linear.apply(x, experts.gate_up_proj[e, :F_], rec, i)
+        up = FP8Linear.apply(x, experts.gate_up_proj[e, F_:], rec, i + 1)
+        y = FP8Linear.apply(experts.act_fn(gate) * up, experts.down_proj[e], rec, i + 2)
+        out.index_add_(0, token_idx, y * top_k_weights[token_idx, pos, None])
+    return out
+
+
 def fp8_torch_model(hf, rec):
     model = torch_model(hf)
+    L = len(model.model.layers)
     for l, layer in enumerate(model.model.layers):
-        mods = [layer.self_attn.q_proj, layer.self_attn.k_proj, layer.self_attn.v_proj, layer.self_attn.o_proj,
-                layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        at = layer.self_attn
+        mods = [at.q_proj, at.k_proj, at.v_proj, at.o_proj]
+        experts = getattr(layer.mlp, "experts", None)
+        if experts is None:
+            mods += [layer.mlp.gate_proj, layer.mlp.up_proj, layer.mlp.down_proj]
+        else:
+            experts.forward = functools.partial(fp8_experts_forward, experts, rec=rec,
+                                                base=L * 7 + l * 3 * experts.num_experts)
         for k, mod in enumerate(mods):
             mod.forward = lambda x, mod=mod, idx=l * 7 + k: FP8Linear.apply(x, mod.weight, rec, idx)
     return model
 
 
-@pytest.mark.parametrize("mode", ["delayed", "current"])
-def test_fp8_steps_track_torch_emulation(tmp_path, mode):
-    case = "llama-gqa-f32"
-    hf, ck = make_ckpt(tmp_path, case)
+def fp8_steps_track_torch_emulation(tmp_path, mode, case, hf, ck, seed=4):
+    """6 steps of smp-train --fp8 mode against the torch emulation of the recipe on
+    transformers' model (losses; the saved scaling state, its shape exactly)"""
     V, B, S, steps, hist = vocab_of(case), 4, 32, 6, 3
-    toks = np.random.default_rng(4).integers(0, V, size=B * steps * S + 1)
+    toks = np.random.default_rng(seed).integers(0, V, size=B * steps * S + 1)
     data = write_tokens(tmp_path / "d.bin", toks)
     log = tmp_path / "log.jsonl"
     run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", steps, "--batch", B,
         "--seq", S, "--lr", 3e-3, "--schedule", "constant", "--fp8", mode, "--fp8-history", hist, "--log", log, check=0)
     ours = read_log(log)
-    rec = FP8Recipe(mode, 3 * 7, hist)
+    nlin = fp8_linears(torch_model(hf).config)
+    rec = FP8Recipe(mode, nlin, hist)
     model = fp8_torch_model(hf, rec)
     params = list(model.named_parameters())
     opt = torch.optim.AdamW([{"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.1},
                              {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0}],
                             lr=3e-3, betas=(0.9, 0.95), eps=1e-8)
-    fp32 = []
     for s in range(steps):
         opt.zero_grad()
         rows = seqs_of(toks, S, range(s * B, (s + 1) * B))
@@ -642,11 +674,10 @@ def test_fp8_steps_track_torch_emulation(tmp_path, mode):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         rec.step_end()
-        fp32.append(loss.item())
         # quantization is discontinuous: fp32 rounding differences (BLAS vs torch) flip
         # an element to the next fp8 value now and then, and AdamW's per-element
         # normalisation amplifies such flips over steps. The first steps agree to
-        # ~1e-5; test_fp8_gradients_match_emulation checks one step tightly.
+        # ~1e-5; fp8_gradients_match_emulation checks one step tightly.
         assert abs(ours[s]["loss"] - loss.item()) <= 2e-3 * loss.item(), (s, ours[s]["loss"], loss.item())
         if s < 2:
             assert abs(ours[s]["loss"] - loss.item()) <= 2e-5 * loss.item(), (s, ours[s]["loss"], loss.item())
@@ -655,20 +686,25 @@ def test_fp8_steps_track_torch_emulation(tmp_path, mode):
     hkey = [k for k in st if k.startswith("fp8/") and st[k].ndim == 2]
     skey = [k for k in st if k.startswith("fp8/") and st[k].ndim == 1]
     assert len(hkey) == 1 and len(skey) == 1
-    assert st[hkey[0]].shape == (3 * 7 * 3, hist)
+    assert st[hkey[0]].shape == (nlin * 3, hist)
     # (a sanity check: an amax is one element, and the two trajectories drift apart a
-    # little, see above; test_fp8_gradients_match_emulation checks the scales exactly)
+    # little, see above; fp8_gradients_match_emulation checks the scales exactly)
     np.testing.assert_allclose(st[skey[0]], rec.scale.reshape(-1), rtol=0.3)
     np.testing.assert_allclose(st[hkey[0]], rec.hist.reshape(-1, hist), rtol=0.3)
     assert training_state(latest(tmp_path / "run"))["fp8"]["mode"] == mode
+    return st[hkey[0]].reshape(nlin, 3, hist), rec
 
 
 @pytest.mark.parametrize("mode", ["delayed", "current"])
-def test_fp8_gradients_match_emulation(tmp_path, mode):
+def test_fp8_steps_track_torch_emulation(tmp_path, mode):
+    hf, ck = make_ckpt(tmp_path, "llama-gqa-f32")
+    fp8_steps_track_torch_emulation(tmp_path, mode, "llama-gqa-f32", hf, ck)
+
+
+def fp8_gradients_match_emulation(tmp_path, mode, case, hf, ck):
     """One step's gradients from a saved FP8 state (3 steps into a run: a filled amax
-    history, delayed scales from it) against the torch emulation from the same state."""
-    case = "llama-gqa-f32"  # fp32 params: the merged export is the master weights
-    hf, ck = make_ckpt(tmp_path, case)
+    history, delayed scales from it) against the torch emulation from the same state;
+    returns smp's gradients by the files' names"""
     V, B, S, hist = vocab_of(case), 4, 32, 3
     toks = np.random.default_rng(6).integers(0, V, size=B * 4 * S + 1)
     data = write_tokens(tmp_path / "d.bin", toks)
@@ -679,7 +715,7 @@ def test_fp8_gradients_match_emulation(tmp_path, mode):
     got = load_file(str(tmp_path / "g" / "grads.safetensors"))
     run("smp-merge", "--in", latest(r), "--out", tmp_path / "merged", check=0)
     st = datasets(latest(r))
-    rec = FP8Recipe(mode, 3 * 7, hist)
+    rec = FP8Recipe(mode, fp8_linears(torch_model(hf).config), hist)
     rec.scale[:] = [v for k, v in st.items() if k.startswith("fp8/") and v.ndim == 1][0].reshape(-1, 3)
     rec.hist[:] = [v for k, v in st.items() if k.startswith("fp8/") and v.ndim == 2][0].reshape(-1, 3, hist)
     assert mode == "current" or not np.all(rec.scale == 1.0)  # delayed scales came from the history
@@ -687,9 +723,19 @@ def test_fp8_gradients_match_emulation(tmp_path, mode):
     rows = seqs_of(toks, S, range(3 * B, 4 * B))
     loss = F.cross_entropy(model(torch.tensor(rows[:, :-1])).logits.reshape(-1, V), torch.tensor(rows[:, 1:]).reshape(-1))
     loss.backward()
-    for n, p in model.named_parameters():
-        g, ref = got[n].astype(np.float64), p.grad.numpy().astype(np.float64)
-        assert np.linalg.norm(g - ref) <= 1e-4 * np.linalg.norm(ref), (n, np.linalg.norm(g - ref) / np.linalg.norm(ref))
+    ref = models.named_parameters(model, lambda p: p.grad)
+    assert set(got) == set(ref)
+    for n in ref:
+        g, want = got[n].astype(np.float64), ref[n].numpy().astype(np.float64)
+        assert np.linalg.norm(g - want) <= 1e-4 * np.linalg.norm(want), (n, np.linalg.norm(g - want) / np.linalg.norm(want))
+    return got
+
+
+@pytest.mark.parametrize("mode", ["delayed", "current"])
+def test_fp8_gradients_match_emulation(tmp_path, mode):
+    case = "llama-gqa-f32"  # fp32 params: the merged export is the master weights
+    hf, ck = make_ckpt(tmp_path, case)
+    fp8_gradients_match_emulation(tmp_path, mode, case, hf, ck)
 
 
 def test_fp8_resume_is_bit_exact(tmp_path):
