@@ -52,7 +52,7 @@ struct dev {
 
 /* The name of the entry point libsmp_cuda.so exports: const dev_ops *NAME(void). */
 #define DEV_CUDA_ENTRY "smp_dev_cuda_ops"
-#define DEV_ABI 5
+#define DEV_ABI 6
 
 struct dev_ops {
     int abi;                 /* DEV_ABI: a library built for another table is refused */
@@ -107,6 +107,11 @@ struct dev_ops {
     void (*moe_combine_backward)(dev *d, void *dys, float *dwts, const void *dout, const void *ys, const float *wts,
                                  const int32_t *slot, int N, int k, int H);
     void (*moe_scatter_add)(dev *d, void *dx, const void *dxs, const int32_t *slot, int N, int k, int H);
+    /* the (token, choice) pairs of idx (int32 [N*k]) grouped by expert into rows and slot (int32 [N*k]), tokens
+     * in order within each expert (op_moe_group), and off (HOST int32 [E+1]: the experts' first rows, which size
+     * their GEMMs); prob_sums: sums (HOST double [E]) = the column sums of probs (fp32 [N,E]) in token order */
+    void (*moe_group)(dev *d, int32_t *off, int32_t *rows, int32_t *slot, const int32_t *idx, int N, int k, int E);
+    void (*moe_prob_sums)(dev *d, double *sums, const float *probs, int N, int E);
     void (*rmsnorm_forward)(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps);
     void (*rmsnorm_backward)(dev *d, void *dinp, float *dw, const void *dout, const void *inp, const void *w,
                              const float *rstd, int N, int H);

@@ -133,3 +133,27 @@ void op_moe_scatter_add(float *dx, const float *dxs, const int32_t *slot, int N,
         }
     }
 }
+
+void op_moe_group(int32_t *off, int32_t *rows, int32_t *slot, const int32_t *idx, int N, int k, int E)
+{
+    const int Nk = N * k;
+    for (int e = 0; e <= E; e++) off[e] = 0;
+    for (int p = 0; p < Nk; p++) off[idx[p] + 1]++;
+    for (int e = 0; e < E; e++) off[e + 1] += off[e];
+    /* off[e] is expert e's next free row while placing: after it, expert e's end, which
+     * the shift below turns back into the starts */
+    for (int p = 0; p < Nk; p++) { /* p = t*k + j, in token order */
+        const int r = off[idx[p]]++;
+        rows[r] = p / k;
+        slot[p] = r;
+    }
+    for (int e = E; e > 0; e--) off[e] = off[e - 1];
+    off[0] = 0;
+}
+
+void op_moe_prob_sums(double *sums, const float *probs, int N, int E)
+{
+    for (int e = 0; e < E; e++) sums[e] = 0.0;
+    for (int t = 0; t < N; t++)
+        for (int e = 0; e < E; e++) sums[e] += probs[(size_t)t * E + e];
+}

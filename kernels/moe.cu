@@ -6,7 +6,13 @@
  * warp) so that the top-k terms can land on any lane's experts.
  * combine, its backward and scatter_add: one block per token, the threads striding
  * over H and each thread adding the k experts' rows in order j: deterministic, no
- * atomics. gather: a grid-stride copy of whole rows, 16-byte units where they fit. */
+ * atomics. gather: a grid-stride copy of whole rows, 16-byte units where they fit.
+ * group: a stable counting sort of the (token, choice) pairs by expert in chunks of
+ * GROUP_CHUNK pairs, one warp each: the chunk's counts per expert, their scan over
+ * experts and chunks (one block), then each chunk placed 32 pairs at a time, a pair's
+ * rank among its warp's pairs of the same expert found by shuffles: no atomics, the
+ * same rows as op_moe_group. prob_sums: a thread per expert adds its column in token
+ * order, in double, as op_moe_prob_sums. */
 #include "cuda_common.cuh"
 
 enum { MOE_THREADS = 256, ROUTE_WARPS = 4, MOE_EMAX = 1024, MOE_KMAX = 32 };
@@ -275,4 +281,126 @@ extern "C" cudaError_t cuda_op_moe_scatter_add(void *dx, const void *dxs, const 
         SMP_LAUNCH(kern, (unsigned)N, MOE_THREADS, 0, stream, (bf16 *)dx, (const bf16 *)dxs, slot, k, H);
     }
     return smp_cuda_launched("cuda_op_moe_scatter_add");
+}
+
+/* ---- grouping by expert --------------------------------------------------------------- */
+enum { GROUP_CHUNK = 1024 };
+
+/* among the warp's lanes holding expert e (-1: none), this lane's rank and their count */
+__device__ __forceinline__ void warp_peers(int e, int *rank, int *count)
+{
+    const int lane = threadIdx.x & 31;
+    int r = 0, c = 0;
+    for (int s = 0; s < 32; s++) {
+        const int f = __shfl_sync(0xffffffffu, e, s);
+        c += f == e;
+        r += f == e && s < lane;
+    }
+    *rank = r;
+    *count = c;
+}
+
+/* counts[c][e]: the pairs of chunk c with expert e (one warp per chunk) */
+__global__ void moe_count_kernel(int32_t *counts, const int32_t *idx, int Nk, int E)
+{
+    __shared__ int32_t h[MOE_EMAX];
+    const int lane = threadIdx.x, c = blockIdx.x, p0 = c * GROUP_CHUNK, p1 = p0 + GROUP_CHUNK < Nk ? p0 + GROUP_CHUNK : Nk;
+    for (int e = lane; e < E; e += 32) h[e] = 0;
+    __syncwarp();
+    for (int base = p0; base < p1; base += 32) { /* every lane runs each round: the shuffles need them all */
+        const int p = base + lane, e = p < p1 ? idx[p] : -1;
+        int rank, count;
+        warp_peers(e, &rank, &count);
+        if (e >= 0 && rank == 0) h[e] += count; /* one lane per expert */
+        __syncwarp();
+    }
+    for (int e = lane; e < E; e += 32) counts[(size_t)c * E + e] = h[e];
+}
+
+/* off[e] = the pairs of experts before e; counts[c][e] becomes chunk c's first row of
+ * expert e (one block of MOE_EMAX threads, thread e for expert e) */
+__global__ void moe_scan_kernel(int32_t *off, int32_t *counts, int nchunks, int E, int Nk)
+{
+    __shared__ int32_t s[MOE_EMAX];
+    const int e = threadIdx.x;
+    int total = 0;
+    for (int c = 0; e < E && c < nchunks; c++) total += counts[(size_t)c * E + e];
+    s[e] = total;
+    __syncthreads();
+    for (int d = 1; d < MOE_EMAX; d <<= 1) { /* inclusive scan over the experts */
+        const int v = e >= d ? s[e - d] : 0;
+        __syncthreads();
+        s[e] += v;
+        __syncthreads();
+    }
+    if (e < E) {
+        int at = s[e] - total;
+        off[e] = at;
+        for (int c = 0; c < nchunks; c++) {
+            const size_t i = (size_t)c * E + e;
+            const int n = counts[i];
+            counts[i] = at;
+            at += n;
+        }
+    }
+    if (e == 0) off[E] = Nk;
+}
+
+/* each chunk's pairs to their rows, in pair order within each expert (one warp per chunk) */
+__global__ void moe_place_kernel(int32_t *rows, int32_t *slot, const int32_t *first, const int32_t *idx, int Nk,
+                                 int k, int E)
+{
+    __shared__ int32_t cur[MOE_EMAX];
+    const int lane = threadIdx.x, c = blockIdx.x, p0 = c * GROUP_CHUNK, p1 = p0 + GROUP_CHUNK < Nk ? p0 + GROUP_CHUNK : Nk;
+    for (int e = lane; e < E; e += 32) cur[e] = first[(size_t)c * E + e];
+    __syncwarp();
+    for (int base = p0; base < p1; base += 32) {
+        const int p = base + lane, e = p < p1 ? idx[p] : -1;
+        int rank, count;
+        warp_peers(e, &rank, &count);
+        if (e >= 0) {
+            const int r = cur[e] + rank;
+            rows[r] = p / k;
+            slot[p] = r;
+        }
+        __syncwarp(); /* every lane has read cur before one moves it on */
+        if (e >= 0 && rank == 0) cur[e] += count;
+        __syncwarp();
+    }
+}
+
+__global__ void moe_prob_sums_kernel(double *sums, const float *probs, int N, int E)
+{
+    const int e = blockIdx.x * blockDim.x + threadIdx.x;
+    if (e >= E) return;
+    double s = 0.0;
+    for (int t = 0; t < N; t++) s += probs[(size_t)t * E + e];
+    sums[e] = s;
+}
+
+extern "C" size_t cuda_op_moe_group_scratch(int N, int k, int E)
+{
+    const size_t chunks = ((size_t)N * k + GROUP_CHUNK - 1) / GROUP_CHUNK;
+    return (chunks ? chunks : 1) * (size_t)E * sizeof(int32_t);
+}
+
+extern "C" cudaError_t cuda_op_moe_group(int32_t *off, int32_t *rows, int32_t *slot, int32_t *scratch,
+                                         const int32_t *idx, int N, int k, int E, cudaStream_t stream)
+{
+    SMP_ARG(N >= 0 && k >= 1 && E >= 1 && E <= MOE_EMAX && (long long)N * k <= INT_MAX,
+            "bad shape N=%d k=%d E=%d (1 <= E <= %d)", N, k, E, (int)MOE_EMAX);
+    SMP_ARG(off && scratch && (N == 0 || (rows && slot && idx)), "NULL pointer");
+    const int Nk = N * k, chunks = (Nk + GROUP_CHUNK - 1) / GROUP_CHUNK;
+    if (chunks) SMP_LAUNCH(moe_count_kernel, (unsigned)chunks, 32, 0, stream, scratch, idx, Nk, E);
+    SMP_LAUNCH(moe_scan_kernel, 1, MOE_EMAX, 0, stream, off, scratch, chunks, E, Nk);
+    if (chunks) SMP_LAUNCH(moe_place_kernel, (unsigned)chunks, 32, 0, stream, rows, slot, scratch, idx, Nk, k, E);
+    return smp_cuda_launched("cuda_op_moe_group");
+}
+
+extern "C" cudaError_t cuda_op_moe_prob_sums(double *sums, const float *probs, int N, int E, cudaStream_t stream)
+{
+    SMP_ARG(N >= 0 && E >= 1, "bad shape N=%d E=%d", N, E);
+    SMP_ARG(sums && (N == 0 || probs), "NULL pointer");
+    SMP_LAUNCH(moe_prob_sums_kernel, (unsigned)((E + 127) / 128), 128, 0, stream, sums, probs, N, E);
+    return smp_cuda_launched("cuda_op_moe_prob_sums");
 }

@@ -74,6 +74,14 @@ void op_moe_combine_backward(float *dys, float *dwts, const float *dout, const f
 /* gather's adjoint for the slot layout: dx[t,:] += sum_j dxs[slot[t*k+j],:] (ACCUMULATES,
  * j in order per token: no atomics) */
 void op_moe_scatter_add(float *dx, const float *dxs, const int32_t *slot, int N, int k, int H);
+/* The N*k (token, choice) pairs of idx [N*k] (experts in [0, E)) grouped by expert,
+ * tokens in order within each (a stable counting sort): off [E+1] (expert e's rows
+ * [off[e], off[e+1]), off[E] = N*k), rows [N*k] (the token of each row) and slot
+ * [N*k] (the row of pair p = t*k + j), all WRITTEN. prob_sums: sums [E] (WRITTEN) =
+ * sum over t of probs[t,e], added in token order in double (the load-balancing loss's
+ * P_e). Both sequential: the same numbers for any thread count, and moe.cu's. */
+void op_moe_group(int32_t *off, int32_t *rows, int32_t *slot, const int32_t *idx, int N, int k, int E);
+void op_moe_prob_sums(double *sums, const float *probs, int N, int E);
 
 /* ---- RMSNorm: out = x / sqrt(mean(x^2) + eps) * weight ------------------------
  * rstd[N] is saved for backward. backward: dinp or dweight may be NULL to skip it. */

@@ -95,6 +95,14 @@ cudaError_t cuda_op_moe_combine_backward(void *dys, float *dwts, const void *dou
                                          cudaStream_t stream);
 cudaError_t cuda_op_moe_scatter_add(void *dx, const void *dxs, const int32_t *slot, int N, int k, int H,
                                     cudaDataType_t dt, cudaStream_t stream);
+/* group: op_moe_group on the device (off [E+1], rows, slot [N*k] written; idx [N*k]
+ * in [0, E), E <= 1024), the same rows; scratch: cuda_op_moe_group_scratch(N, k, E)
+ * bytes of device memory. prob_sums: sums [E] (double, written) as op_moe_prob_sums,
+ * the same bits. */
+size_t cuda_op_moe_group_scratch(int N, int k, int E);
+cudaError_t cuda_op_moe_group(int32_t *off, int32_t *rows, int32_t *slot, int32_t *scratch, const int32_t *idx,
+                              int N, int k, int E, cudaStream_t stream);
+cudaError_t cuda_op_moe_prob_sums(double *sums, const float *probs, int N, int E, cudaStream_t stream);
 
 /* ---- RMSNorm ----------------------------------------------------------------------
  * out, inp, weight, dinp, dout: dt. rstd [N] fp32 (written). dweight [H] fp32

@@ -127,7 +127,7 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->inv_freq = zalloc((size_t)m->rd / 2, sizeof(float));
     m->ew = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->ew);
     m->eg = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->eg);
-    m->aux = zalloc(2 * (size_t)m->E + 1, sizeof *m->aux);
+    m->aux = zalloc(3 * (size_t)m->E + 1, sizeof *m->aux); /* the statistics, then a layer's probability sums */
     if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq || !m->ew || !m->eg || !m->aux) goto nomem;
     for (int l = 0; l < m->L && m->E; l++) { /* each layer's views of its experts' gate, up and down */
         void **w = m->ew + (size_t)l * 3 * m->E;
@@ -313,11 +313,11 @@ static void free_acts(model *m)
         dfree(m, *bufs[k]);
         *bufs[k] = NULL;
     }
-    void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need, m->eoff, m->hidx, m->hrows,
-                    m->hslot, m->hcur, m->hprobs, m->epc, m->hem, m->hinv, m->hloff};
+    void *host[] = {m->pos, m->cp_pos, m->rpos, m->doc, m->seq_scratch, m->ring_need, m->eoff, m->hcur, m->hprobs,
+                    m->epc, m->hem, m->hinv, m->hloff};
     for (size_t k = 0; k < sizeof host / sizeof *host; k++) free(host[k]);
     m->pos = m->cp_pos = m->rpos = m->doc = m->seq_scratch = NULL;
-    m->eoff = m->hidx = m->hrows = m->hslot = m->hcur = m->epc = m->hem = m->hinv = m->hloff = NULL;
+    m->eoff = m->hcur = m->epc = m->hem = m->hinv = m->hloff = NULL;
     m->hprobs = NULL;
     m->ring_need = NULL;
     m->act_bytes = 0;
@@ -493,12 +493,10 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     m->ring_need = zalloc((size_t)C, 1);
     ok &= m->pos && m->cp_pos && m->rpos && m->ring_need;
     if (m->E) {
-        const size_t Nk = N * (size_t)m->topk;
         m->eoff = zalloc((size_t)nslots * m->L * (m->E + 1), sizeof(int32_t));
-        m->hidx = zalloc(Nk, sizeof(int32_t)); m->hrows = zalloc(Nk, sizeof(int32_t));
-        m->hslot = zalloc(Nk, sizeof(int32_t)); m->hcur = zalloc((size_t)m->E, sizeof(int32_t));
+        m->hcur = zalloc((size_t)m->E, sizeof(int32_t));
         m->hprobs = zalloc(N * (size_t)m->E, sizeof(float));
-        ok &= m->eoff && m->hidx && m->hrows && m->hslot && m->hcur && m->hprobs;
+        ok &= m->eoff && m->hcur && m->hprobs;
         if (m->ep_size > 1) {
             m->epc = zalloc((size_t)nslots * m->L * (size_t)m->E, sizeof(int32_t)); /* ep * E/ep per layer */
             m->hem = zalloc(expert_rows_cap(m), sizeof(int32_t));
@@ -784,48 +782,25 @@ static int32_t *expert_rows(const model *m, int l)
     return m->eoff + ((size_t)m->slot * m->L + (size_t)l) * (size_t)(m->E + 1);
 }
 
-/* Group the N*k (token, choice) pairs by expert, tokens in order within each (on the
- * host: the counts size the experts' GEMMs): a->rows[p] is the token of row p,
- * a->slot[t*k + j] the row of token t's choice j, off[e] expert e's first row. */
+/* Group the N*k (token, choice) pairs by expert, tokens in order within each (in the
+ * backend; the counts come to the host, they size the experts' GEMMs): a->rows[p] is
+ * the token of row p, a->slot[t*k + j] the row of token t's choice j, off[e] expert
+ * e's first row. */
 static void moe_group(model *m, layer_acts *a, int32_t *off)
 {
-    const int N = m->B * m->T, k = m->topk, E = m->E, Nk = N * k;
-    const size_t bytes = (size_t)Nk * sizeof(int32_t);
-    const int32_t *idx = a->idx;
-    int32_t *rows = DV->cuda ? m->hrows : a->rows, *slot = DV->cuda ? m->hslot : a->slot;
-    if (DV->cuda) {
-        OPS->download(DV, m->hidx, a->idx, bytes);
-        idx = m->hidx;
-    }
-    memset(off, 0, (size_t)(E + 1) * sizeof(int32_t));
-    for (int p = 0; p < Nk; p++) off[idx[p] + 1]++;
-    for (int e = 0; e < E; e++) {
-        off[e + 1] += off[e];
-        m->hcur[e] = off[e];
-    }
-    for (int p = 0; p < Nk; p++) { /* p = t*k + j, in token order */
-        const int r = m->hcur[idx[p]]++;
-        rows[r] = p / k;
-        slot[p] = r;
-    }
-    if (DV->cuda) {
-        OPS->upload(DV, a->rows, m->hrows, bytes);
-        OPS->upload(DV, a->slot, m->hslot, bytes);
-    }
+    OPS->moe_group(DV, off, a->rows, a->slot, a->idx, m->B * m->T, m->topk, m->E);
 }
 
-/* the load-balancing loss's statistics of one layer's tokens (summed in row order) */
+/* the load-balancing loss's statistics of one layer's tokens */
 static void aux_add(model *m, const layer_acts *a, const int32_t *off)
 {
     const int N = m->B * m->T, E = m->E;
-    const float *p = a->probs;
-    if (DV->cuda) {
-        OPS->download(DV, m->hprobs, a->probs, (size_t)N * E * sizeof(float));
-        p = m->hprobs;
+    double *sums = m->aux + 2 * E + 1; /* scratch past the statistics */
+    OPS->moe_prob_sums(DV, sums, a->probs, N, E);
+    for (int e = 0; e < E; e++) {
+        m->aux[e] += off[e + 1] - off[e];
+        m->aux[E + e] += sums[e];
     }
-    for (int e = 0; e < E; e++) m->aux[e] += off[e + 1] - off[e];
-    for (int t = 0; t < N; t++)
-        for (int e = 0; e < E; e++) m->aux[E + e] += p[(size_t)t * E + e];
     m->aux[2 * E] += N;
 }
 

@@ -179,7 +179,7 @@ typedef struct {
     float *dwts;             /* [N*k] */
     void *dxs;               /* [N*k, H] the gradient of the experts' outputs, then of their inputs */
     int32_t *eoff;           /* host [nslots][L][E+1]: each layer's first row of each expert */
-    int32_t *hidx, *hrows, *hslot, *hcur; /* host scratch of the grouping (CUDA) */
+    int32_t *hcur;           /* host [E]: expert parallelism's counts sent */
     /* expert parallelism (model_set_ep): the ep ranks exchanging tokens, this one's
      * experts [ep_rank * E/ep, +E/ep) */
     int ep_size, ep_rank;

@@ -119,6 +119,14 @@ static void c_moe_scatter_add(dev *d, void *dx, const void *dxs, const int32_t *
 {
     op_moe_scatter_add(dx, dxs, slot, N, k, H);
 }
+static void c_moe_group(dev *d, int32_t *off, int32_t *rows, int32_t *slot, const int32_t *idx, int N, int k, int E)
+{
+    op_moe_group(off, rows, slot, idx, N, k, E);
+}
+static void c_moe_prob_sums(dev *d, double *sums, const float *probs, int N, int E)
+{
+    op_moe_prob_sums(sums, probs, N, E);
+}
 static void c_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     op_rmsnorm_forward(out, rstd, inp, w, N, H, eps);
@@ -241,7 +249,7 @@ static const dev_ops C_OPS = {
     .qkv_split = c_qkv_split, .qkv_merge = c_qkv_merge,
     .moe_route = c_moe_route, .moe_route_backward = c_moe_route_backward, .moe_gather = c_moe_gather,
     .moe_combine = c_moe_combine, .moe_combine_backward = c_moe_combine_backward,
-    .moe_scatter_add = c_moe_scatter_add,
+    .moe_scatter_add = c_moe_scatter_add, .moe_group = c_moe_group, .moe_prob_sums = c_moe_prob_sums,
     .rmsnorm_forward = c_rmsnorm_forward, .rmsnorm_backward = c_rmsnorm_backward,
     .layernorm_forward = c_layernorm_forward, .layernorm_backward = c_layernorm_backward,
     .rope_table = c_rope_table, .rope_forward = c_rope_forward, .rope_backward = c_rope_backward,

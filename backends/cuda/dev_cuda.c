@@ -40,6 +40,7 @@ static void cu_fini(dev *d)
     cu_fp8_free(d);
     cuda_gemm_free(c->gemm);
     cudaFree(c->d_sum);
+    cudaFree(c->moe);
     for (int i = 0; i < CU_STAGE_SLOTS; i++)
         if (c->stage_ev[i]) cudaEventDestroy(c->stage_ev[i]);
     if (c->stage) cudaFreeHost(c->stage);
@@ -225,6 +226,41 @@ static void cu_moe_scatter_add(dev *d, void *dx, const void *dxs, const int32_t 
 {
     cu_op(d, cuda_op_moe_scatter_add(dx, dxs, slot, N, k, H, DT, ST));
 }
+/* the MoE grouping's device memory, grown to `bytes` (NULL after a failure, recorded) */
+static void *moe_scratch(dev *d, size_t bytes)
+{
+    cu_impl *c = cu_of(d);
+    if (bytes > c->moe_bytes) {
+        cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize"); /* the old buffer may still be in use */
+        cudaFree(c->moe);
+        c->moe = NULL;
+        c->moe_bytes = 0;
+        if (cudaMalloc(&c->moe, bytes) != cudaSuccess) {
+            (void)cudaGetLastError();
+            c->moe = NULL;
+            dev_fail(d, SHARD_E_NOMEM, "out of device memory for the experts' grouping (%zu bytes)", bytes);
+        } else {
+            c->moe_bytes = bytes;
+        }
+    }
+    return d->err ? NULL : c->moe;
+}
+/* grouped on the device; only the E + 1 offsets come to the host (the GEMMs' sizes) */
+static void cu_moe_group(dev *d, int32_t *off, int32_t *rows, int32_t *slot, const int32_t *idx, int N, int k, int E)
+{
+    const size_t ob = ((size_t)(E + 1) * sizeof(int32_t) + 255) / 256 * 256;
+    int32_t *doff = moe_scratch(d, ob + cuda_op_moe_group_scratch(N, k, E));
+    if (!doff) return;
+    cu_op(d, cuda_op_moe_group(doff, rows, slot, (int32_t *)((char *)doff + ob), idx, N, k, E, ST));
+    cu_download(d, off, doff, (size_t)(E + 1) * sizeof(int32_t));
+}
+static void cu_moe_prob_sums(dev *d, double *sums, const float *probs, int N, int E)
+{
+    double *ds = moe_scratch(d, (size_t)E * sizeof(double));
+    if (!ds) return;
+    cu_op(d, cuda_op_moe_prob_sums(ds, probs, N, E, ST));
+    cu_download(d, sums, ds, (size_t)E * sizeof(double));
+}
 static void cu_rmsnorm_forward(dev *d, void *out, float *rstd, const void *inp, const void *w, int N, int H, float eps)
 {
     cu_op(d, cuda_op_rmsnorm_forward(out, rstd, inp, w, N, H, eps, DT, ST));
@@ -357,7 +393,7 @@ static const dev_ops CU_OPS = {
     .qkv_split = cu_qkv_split, .qkv_merge = cu_qkv_merge,
     .moe_route = cu_moe_route, .moe_route_backward = cu_moe_route_backward, .moe_gather = cu_moe_gather,
     .moe_combine = cu_moe_combine, .moe_combine_backward = cu_moe_combine_backward,
-    .moe_scatter_add = cu_moe_scatter_add,
+    .moe_scatter_add = cu_moe_scatter_add, .moe_group = cu_moe_group, .moe_prob_sums = cu_moe_prob_sums,
     .rmsnorm_forward = cu_rmsnorm_forward, .rmsnorm_backward = cu_rmsnorm_backward,
     .layernorm_forward = cu_layernorm_forward, .layernorm_backward = cu_layernorm_backward,
     .rope_table = cu_rope_table, .rope_forward = cu_rope_forward, .rope_backward = cu_rope_backward,

@@ -231,6 +231,17 @@ static void test_moe(int N, int E, int k, int H, int renorm)
     pair dx = ACT(randn(nt, 1.0f, 1), nt);
     CALL2(moe_scatter_add, S(dx), S(dys), S(sl), N, k, H);
     cmp_act("scatter_add (+=)", dx);
+    /* the grouping of each side's own idx (equal above), offsets and sums on the host */
+    int32_t *off[2] = {hmalloc((size_t)(E + 1) * 4), hmalloc((size_t)(E + 1) * 4)};
+    double *sums[2] = {hmalloc((size_t)E * 8), hmalloc((size_t)E * 8)};
+    pair gr = I32(NULL, S), gs = I32(NULL, S);
+    CALL2(moe_group, off[side_], S(gr), S(gs), S(ix), N, k, E);
+    report("group off (bits)", memcmp(off[0], off[1], (size_t)(E + 1) * 4) ? INFINITY : 0.0, 0.0);
+    cmp("group rows", gr, 0.0);
+    cmp("group slot", gs, 0.0);
+    pair pr = F32(randn(ne, 1.0f, 0), ne); /* the same probs on both sides: the sums must be the same bits */
+    CALL2(moe_prob_sums, sums[side_], S(pr), N, E);
+    report("prob sums (bits)", memcmp(sums[0], sums[1], (size_t)E * 8) ? INFINITY : 0.0, 0.0);
     end();
 }
 

@@ -388,6 +388,40 @@ static void test_moe_rows(cudaDataType_t dt, int N, int k, int H)
     TEST_END();
 }
 
+/* the grouping by expert and the probability sums: the same bits as the C ops. skew:
+ * every token's first choice expert 0 (one group of N rows, across chunks) */
+static void test_moe_group(int N, int k, int E, int skew)
+{
+    TEST_BEGIN("moe group N=%d k=%d E=%d%s", N, k, E, skew ? " skewed" : "");
+    const size_t S = (size_t)N * k;
+    int32_t *idx = (int32_t *)hmalloc(S * 4 + 4), *off = (int32_t *)hmalloc((size_t)(E + 1) * 4);
+    int32_t *rows = (int32_t *)hmalloc(S * 4 + 4), *slot = (int32_t *)hmalloc(S * 4 + 4);
+    for (size_t p = 0; p < S; p++) /* repeats allowed: the sort must not care */
+        idx[p] = skew && p % k == 0 ? 0 : (int32_t)(rng_u64() % (uint64_t)E);
+    op_moe_group(off, rows, slot, idx, N, k, E);
+    int32_t *d_idx = to_dev_i32(idx, S), *d_off = (int32_t *)dmalloc((size_t)(E + 1) * 4);
+    int32_t *d_rows = (int32_t *)dmalloc(S * 4 + 4), *d_slot = (int32_t *)dmalloc(S * 4 + 4);
+    int32_t *d_scr = (int32_t *)dmalloc(cuda_op_moe_group_scratch(N, k, E));
+    CK_SYNC(cuda_op_moe_group(d_off, d_rows, d_slot, d_scr, d_idx, N, k, E, 0));
+    int32_t *g = (int32_t *)hmalloc(S * 4 + (size_t)(E + 1) * 4 + 4);
+    CK(cudaMemcpy(g, d_off, (size_t)(E + 1) * 4, cudaMemcpyDeviceToHost));
+    report("off (bits)", memcmp(g, off, (size_t)(E + 1) * 4) ? INFINITY : 0.0, 0.0);
+    CK(cudaMemcpy(g, d_rows, S * 4, cudaMemcpyDeviceToHost));
+    report("rows (bits)", memcmp(g, rows, S * 4) ? INFINITY : 0.0, 0.0);
+    CK(cudaMemcpy(g, d_slot, S * 4, cudaMemcpyDeviceToHost));
+    report("slot (bits)", memcmp(g, slot, S * 4) ? INFINITY : 0.0, 0.0);
+
+    float *probs = randn((size_t)N * E, 1.0f, F32);
+    double *sums = (double *)hmalloc((size_t)E * 8), *gs = (double *)hmalloc((size_t)E * 8);
+    op_moe_prob_sums(sums, probs, N, E);
+    double *d_sums = (double *)dmalloc((size_t)E * 8);
+    float *d_probs = (float *)to_dev(probs, (size_t)N * E, F32);
+    CK_SYNC(cuda_op_moe_prob_sums(d_sums, d_probs, N, E, 0));
+    CK(cudaMemcpy(gs, d_sums, (size_t)E * 8, cudaMemcpyDeviceToHost));
+    report("prob sums (bits)", memcmp(gs, sums, (size_t)E * 8) ? INFINITY : 0.0, 0.0);
+    TEST_END();
+}
+
 /* ============================================================ rmsnorm */
 static void test_rmsnorm(cudaDataType_t dt, int N, int H)
 {
@@ -1057,6 +1091,14 @@ static void test_per_dtype(cudaDataType_t dt)
         test_moe_rows(dt, 1, 1, 7);         /* N = k = 1, H odd */
         test_moe_rows(dt, 13, 8, 33);       /* k = 8, H past no block */
         test_moe_rows(dt, 3, 2, 700);       /* H past one block of threads */
+        if (dt == F32) {                      /* int32 and fp32 only: once */
+            test_moe_group(13, 2, 8, 0);      /* one chunk, its last warp partly empty */
+            test_moe_group(1, 1, 1, 0);       /* one pair, one expert */
+            test_moe_group(1500, 2, 60, 0);   /* 3 chunks, E not a multiple of the warp */
+            test_moe_group(700, 2, 4, 1);     /* expert 0's rows across both chunks */
+            test_moe_group(0, 2, 8, 0);       /* no tokens */
+            test_moe_group(40, 8, 1024, 0);   /* the most experts */
+        }
         if (!quick) {
             test_moe_route(dt, 8192, 128, 8, 1, 0);
             test_moe_rows(dt, 2048, 2, 4096);

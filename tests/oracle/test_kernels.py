@@ -54,6 +54,8 @@ SIGNATURES = {
     "op_moe_combine": (None, [P, P, P, P, I, I, I]),
     "op_moe_combine_backward": (None, [P, P, P, P, P, P, I, I, I]),
     "op_moe_scatter_add": (None, [P, P, P, I, I, I]),
+    "op_moe_group": (None, [P, P, P, P, I, I, I]),
+    "op_moe_prob_sums": (None, [P, P, I, I]),
     "op_rmsnorm_forward": (None, [P, P, P, P, I, I, F32]),
     "op_rmsnorm_backward": (None, [P, P, P, P, P, P, I, I]),
     "op_layernorm_forward": (None, [P, P, P, P, P, P, I, I, F32]),
@@ -314,6 +316,30 @@ def test_moe_combine(lib, N, k, H):
     xs = np.full((S, H), np.nan, np.float32)
     lib.op_moe_gather(ptr(xs), ptr(dout), ptr(rows), S, H)
     np.testing.assert_array_equal(xs, dout[rows], err_msg="moe gather")
+
+
+@pytest.mark.parametrize("N,k,E,skew", [(13, 2, 4, 0), (1, 1, 1, 0), (600, 2, 8, 0), (300, 4, 64, 0), (50, 2, 8, 1)])
+def test_moe_group(lib, N, k, E, skew):
+    """the grouping against torch's stable sort of the choices by expert (transformers'
+    experts take their tokens in the same order), and the probability sums against a
+    float64 column sum"""
+    r = rng(50 + N + k + E)
+    if skew:  # every token's first choice the same expert: one group holds N rows
+        idx = np.stack([np.zeros(N), r.integers(1, E, size=N)], 1)
+    else:
+        idx = np.stack([r.permutation(E)[:k] for _ in range(N)])
+    idx = i32(idx.reshape(-1))
+    off, rows, slot = (np.full(n, -1, np.int32) for n in (E + 1, N * k, N * k))
+    lib.op_moe_group(ptr(off), ptr(rows), ptr(slot), ptr(idx), N, k, E)
+    order = torch.argsort(torch.tensor(idx, dtype=torch.int64), stable=True)  # pairs by expert, in pair order
+    np.testing.assert_array_equal(rows, (order // k).numpy(), err_msg="moe group rows")
+    np.testing.assert_array_equal(slot, torch.argsort(order).numpy(), err_msg="moe group slot (the inverse)")
+    want = np.concatenate([[0], np.cumsum(np.bincount(idx, minlength=E))])
+    np.testing.assert_array_equal(off, want, err_msg="moe group off")
+    probs = f32(r.random((N, E)))
+    sums = np.full(E, np.nan)
+    lib.op_moe_prob_sums(ptr(sums), ptr(probs), N, E)
+    np.testing.assert_allclose(sums, probs.astype(np.float64).sum(0), rtol=1e-13)
 
 
 # ---- RMSNorm -----------------------------------------------------------------------

@@ -532,6 +532,30 @@ static void test_moe_scatter_add(void **state)
     assert_true(fabs(lhs - rhs) <= 1e-6 * (fabs(lhs) + 1.0));
 }
 
+/* 4 tokens, k = 2, 3 experts (expert 2 gets none... then one): by hand */
+static void test_moe_group(void **state)
+{
+    (void)state;
+    const int32_t idx[8] = {1, 0, 0, 1, 1, 0, 2, 1}; /* token t's choices at 2t, 2t+1 */
+    int32_t off[4], rows[8], slot[8];
+    op_moe_group(off, rows, slot, idx, 4, 2, 3);
+    const int32_t off_want[4] = {0, 3, 7, 8};          /* expert 0: 3 pairs, 1: 4, 2: 1 */
+    const int32_t rows_want[8] = {0, 1, 2, 0, 1, 2, 3, 3}; /* tokens in order within each expert */
+    const int32_t slot_want[8] = {3, 0, 1, 4, 5, 2, 7, 6};
+    assert_memory_equal(off, off_want, sizeof off);
+    assert_memory_equal(rows, rows_want, sizeof rows);
+    assert_memory_equal(slot, slot_want, sizeof slot);
+    for (int p = 0; p < 8; p++) assert_int_equal(rows[slot[p]], p / 2); /* slot inverts rows */
+    /* no tokens: every expert empty */
+    op_moe_group(off, rows, slot, idx, 0, 2, 3);
+    assert_true(off[0] == 0 && off[1] == 0 && off[2] == 0 && off[3] == 0);
+
+    const float probs[6] = {0.5f, 0.25f, 0.25f, 0.125f, 0.75f, 0.125f};
+    double sums[3];
+    op_moe_prob_sums(sums, probs, 2, 3);
+    assert_true(sums[0] == 0.625 && sums[1] == 1.0 && sums[2] == 0.375);
+}
+
 /* the routing and the combine's dot products do not depend on the thread count */
 static void test_moe_threads(void **state)
 {
@@ -928,6 +952,7 @@ int main(void)
         cmocka_unit_test(test_moe_gather),
         cmocka_unit_test(test_moe_combine),
         cmocka_unit_test(test_moe_scatter_add),
+        cmocka_unit_test(test_moe_group),
         cmocka_unit_test(test_moe_threads),
         cmocka_unit_test(test_attention_fd),
         cmocka_unit_test(test_attention_window_fd),
