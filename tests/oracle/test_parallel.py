@@ -76,16 +76,17 @@ def assert_tracks(rows, ref, tol, what):
 
 
 def assert_fp8_tracks(rows, ref, what, keys=("loss", "grad_norm")):
-    """An FP8 run in another layout: the same quantization, so the first two steps (the
-    second on delayed scales from the first's amaxes) within 2e-5 on each of keys; after
-    them within 5e-3. Quantization is discontinuous: a last-bit difference of another
-    summation order now and then puts one element on the next E4M3 value (6% of it),
-    which AdamW's per-element normalisation carries on (as test_train's FP8 tests say)."""
+    """An FP8 run in another layout: the loss within 2e-4 of ref's at every step; the
+    first two steps (the second on delayed scales from the first's amaxes) within 2e-5
+    on each of keys, later ones within 5e-3. Quantization is discontinuous: a last-bit
+    difference of another summation order now and then puts one element on the next
+    E4M3 value (6% of it), which AdamW's per-element normalisation carries on into the
+    gradient norm and the routing's statistics (as test_train's FP8 tests say)."""
     assert [r["step"] for r in rows] == [r["step"] for r in ref]
     for k in keys:
         diffs = [rel(r[k], q[k]) for r, q in zip(rows, ref)]
         print(f"{what}: {k} relative differences {' '.join(f'{d:.2g}' for d in diffs)}")
-        assert max(diffs[:2]) < 2e-5 and max(diffs) < 5e-3, (what, k, diffs)
+        assert max(diffs[:2]) < 2e-5 and max(diffs) < (2e-4 if k == "loss" else 5e-3), (what, k, diffs)
 
 
 def resume_on_one_rank(np_, layout, ck, data, a, b, ref, what):
