@@ -15,7 +15,11 @@ int launched_by_mpirun(void)
 int launch_ranks(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx *p))
 {
     const int mpi = launched_by_mpirun();
-    if (mpi) MPI_Init(&argc, &argv);
+    /* serialized threads: the MPI communicator's started transfers run on a thread of
+     * their own (libshard/comm/mpi.c), which checks the level MPI provides and
+     * moves the data blocking when it is lower */
+    int provided = 0;
+    if (mpi) MPI_Init_thread(&argc, &argv, MPI_THREAD_SERIALIZED, &provided);
     par_ctx P;
     shard_status s = par_init_world(&P, mpi);
     if (s) {

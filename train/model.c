@@ -627,14 +627,34 @@ static void bias_grad(model *m, float *dbias, const void *dout, int rows, int C)
 
 /* ---- ring attention over the cp group ------------------------------------------ */
 #define CP_TAG 11
+#define CP_GRAD_TAG 12 /* backward's dK/dV half, which travels apart from the K/V half */
 
 /* one step of the ring: send n elements to the next cp rank, receive the previous one's */
-static void cp_pass(model *m, const void *send, void *recv, size_t n)
+static void cp_pass(model *m, const void *send, void *recv, size_t n, int tag)
 {
     if (m->comm_err) return;
     const int C = m->cp_size, r = m->cp_rank;
-    shard_status s = shard_comm_sendrecv(m->cp, send, (r + 1) % C, recv, (r + C - 1) % C, n, DV->dt, CP_TAG);
+    shard_status s = shard_comm_sendrecv(m->cp, send, (r + 1) % C, recv, (r + C - 1) % C, n, DV->dt, tag);
     if (s) m->comm_err = s;
+}
+
+/* cp_pass begun, so that the caller computes while the block moves (over MPI a
+ * thread moves it; NCCL and the CUDA wrapper move it here); NULL when nothing is in
+ * flight. Until cp_wait the caller only reads send and leaves recv alone. */
+static shard_comm_req *cp_start(model *m, const void *send, void *recv, size_t n)
+{
+    if (m->comm_err) return NULL;
+    const int C = m->cp_size, r = m->cp_rank;
+    shard_comm_req *q = NULL;
+    shard_status s = shard_comm_sendrecv_start(m->cp, send, (r + 1) % C, recv, (r + C - 1) % C, n, DV->dt, CP_TAG, &q);
+    if (s) m->comm_err = s;
+    return q;
+}
+
+static void cp_wait(model *m, shard_comm_req *q)
+{
+    shard_status s = shard_comm_wait(q);
+    if (s && !m->comm_err) m->comm_err = s;
 }
 
 /* the document ids of cp rank i's tokens in the backend (NULL without documents) */
@@ -647,21 +667,28 @@ static const int32_t *doc_of(const model *m, int i)
  * sequence. The local block first; then C - 1 times the K/V block in hand goes to
  * the next rank and the previous rank's comes in (at pass j the block of cp rank
  * r - j), its partial result merged by log-sum-exp. A block that no query of this
- * rank may see (ring_need: documents, the window) still passes on, uncomputed. */
+ * rank may see (ring_need: documents, the window) still passes on, uncomputed.
+ * Each pass is started before the compute on the block it sends (the local
+ * attention overlaps the first): sending and computing both only read it, and
+ * the results are those of the blocking ring, op for op. */
 static void attention_forward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
     const int32_t *qdoc = doc_of(m, C > 1 ? r : 0);
-    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, qdoc, qdoc, B, T, T, m->nh,
-                           m->nkv, m->hd, m->window);
-    if (C <= 1) return;
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
     void *cur = m->ring[0], *nxt = m->ring[1];
-    OPS->copy(DV, cur, a->k, nk * DV->es);
-    OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
+    shard_comm_req *q = NULL;
+    if (C > 1) {
+        OPS->copy(DV, cur, a->k, nk * DV->es);
+        OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
+        q = cp_start(m, cur, nxt, 2 * nk);
+    }
+    OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, qdoc, qdoc, B, T, T, m->nh,
+                           m->nkv, m->hd, m->window);
     for (int j = 1; j < C; j++) {
-        cp_pass(m, cur, nxt, 2 * nk);
+        cp_wait(m, q);
         void *t = cur; cur = nxt; nxt = t;
+        q = j < C - 1 ? cp_start(m, cur, nxt, 2 * nk) : NULL; /* nxt: sent, free again; the last block stays */
         const int src = (r - j + C) % C;
         if (!m->ring_need[src]) continue;
         OPS->attention_forward(DV, m->ring_out, m->ring_lse, a->q, cur, AT(cur, nk), m->pos_d,
@@ -675,29 +702,37 @@ static void attention_forward(model *m, layer_acts *a)
  * pair first; then the K/V blocks go around the ring as in forward, each carrying
  * the dK/dV that the ranks it visited accumulated; after C - 1 passes the block in
  * hand is the next rank's, and one more pass of its dK/dV brings every block's
- * gradient home. */
+ * gradient home. A pass moves in two halves: the K/V half of the block that comes
+ * next is started before the compute on the one in hand (K/V are only read), the
+ * dK/dV half moves once that compute has finished it. */
 static void attention_backward(model *m, layer_acts *a)
 {
     const int B = m->B, T = m->T, C = m->cp_size, r = m->cp_rank;
     const int32_t *qdoc = doc_of(m, C > 1 ? r : 0);
+    const size_t nk = (size_t)B * T * m->nkv * m->hd;
+    void *cur = m->ring[0], *nxt = m->ring[1];
+    shard_comm_req *q = NULL;
+    if (C > 1) {
+        OPS->copy(DV, cur, a->k, nk * DV->es);
+        OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
+        OPS->zero(DV, AT(cur, 2 * nk), 2 * nk * DV->es);
+        q = cp_start(m, cur, nxt, 2 * nk);
+    }
     OPS->attention_backward(DV, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos_d, m->pos_d,
                             qdoc, qdoc, B, T, T, m->nh, m->nkv, m->hd, m->window);
     if (C <= 1) return;
-    const size_t nk = (size_t)B * T * m->nkv * m->hd;
-    void *cur = m->ring[0], *nxt = m->ring[1];
-    OPS->copy(DV, cur, a->k, nk * DV->es);
-    OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
-    OPS->zero(DV, AT(cur, 2 * nk), 2 * nk * DV->es);
     for (int j = 1; j < C; j++) {
-        cp_pass(m, cur, nxt, 4 * nk);
+        cp_wait(m, q);
+        cp_pass(m, AT(cur, 2 * nk), AT(nxt, 2 * nk), 2 * nk, CP_GRAD_TAG);
         void *t = cur; cur = nxt; nxt = t;
+        q = j < C - 1 ? cp_start(m, cur, nxt, 2 * nk) : NULL; /* nxt: both halves sent, free again */
         const int src = (r - j + C) % C;
         if (!m->ring_need[src]) continue;
         OPS->attention_backward(DV, m->dq, AT(cur, 2 * nk), AT(cur, 3 * nk), m->datt, a->q, cur, AT(cur, nk), a->att,
                                 a->lse, m->pos_d, m->cp_pos_d + (size_t)src * T, qdoc, doc_of(m, src), B, T, T, m->nh,
                                 m->nkv, m->hd, m->window);
     }
-    cp_pass(m, AT(cur, 2 * nk), AT(nxt, 2 * nk), 2 * nk); /* to the owner, r + 1; ours from r - 1 */
+    cp_pass(m, AT(cur, 2 * nk), AT(nxt, 2 * nk), 2 * nk, CP_GRAD_TAG); /* to the owner, r + 1; ours from r - 1 */
     OPS->add(DV, m->dk, m->dk, AT(nxt, 2 * nk), nk);
     OPS->add(DV, m->dv, m->dv, AT(nxt, 3 * nk), nk);
 }

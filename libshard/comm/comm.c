@@ -31,6 +31,7 @@ void *shard_comm_impl(const shard_comm *c) { return c->impl; }
 void shard_comm_free(shard_comm *c)
 {
     if (!c) return;
+    if (c->req.busy) shard_comm_wait(&c->req); /* the backend may still be reading and writing the buffers */
     if (c->ops->free) c->ops->free(c);
     free(c);
 }
@@ -82,15 +83,54 @@ shard_status shard_comm_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt,
     return c->ops->recv(c, buf, n, dt, peer, tag);
 }
 
-shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag)
+/* a send-receive's peers checked and its bytes counted; *local: to and from this
+ * rank (any communicator's self case, the one-rank one's only), copied here */
+static shard_status sendrecv_begin(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
+                                   shard_dtype dt, const char *what, int *local)
 {
-    if (to < 0 || to >= c->size || from < 0 || from >= c->size) return shard_fail(SHARD_E_USAGE, "sendrecv: bad peers %d, %d", to, from);
+    *local = 0;
+    if (to < 0 || to >= c->size || from < 0 || from >= c->size) return shard_fail(SHARD_E_USAGE, "%s: bad peers %d, %d", what, to, from);
     if (to == c->rank && from == c->rank) {
         memmove(recv, send, n * shard_dtype_size(dt));
+        *local = 1;
         return SHARD_OK;
     }
     c->bytes += n * shard_dtype_size(dt);
+    return SHARD_OK;
+}
+
+shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag)
+{
+    int local;
+    shard_status s = sendrecv_begin(c, send, to, recv, from, n, dt, "sendrecv", &local);
+    if (s || local) return s;
     return c->ops->sendrecv(c, send, to, recv, from, n, dt, tag);
+}
+
+/* Without the table's pair the blocking sendrecv runs here and the wait has
+ * nothing to do: NCCL and the CUDA wrapper stay as they were. */
+shard_status shard_comm_sendrecv_start(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
+                                       shard_dtype dt, int tag, shard_comm_req **req)
+{
+    *req = NULL;
+    if (c->req.busy) return shard_fail(SHARD_E_USAGE, "sendrecv_start: a started transfer on this communicator was not waited for");
+    int local;
+    shard_status s = sendrecv_begin(c, send, to, recv, from, n, dt, "sendrecv_start", &local);
+    const int backend = !local && c->ops->sendrecv_start && c->ops->wait;
+    if (!s && !local) s = backend ? c->ops->sendrecv_start(c, send, to, recv, from, n, dt, tag)
+                                  : c->ops->sendrecv(c, send, to, recv, from, n, dt, tag);
+    if (s) return s;
+    c->req = (shard_comm_req){.c = c, .busy = 1, .backend = backend};
+    *req = &c->req;
+    return SHARD_OK;
+}
+
+shard_status shard_comm_wait(shard_comm_req *req)
+{
+    if (!req) return SHARD_OK;
+    if (!req->busy) return shard_fail(SHARD_E_USAGE, "wait: the transfer was already waited for");
+    req->busy = 0;
+    return req->backend ? req->c->ops->wait(req->c) : SHARD_OK;
 }
 
 /* one side of an all-to-all: every block addressable, buf present when it moves data */
@@ -179,7 +219,8 @@ static shard_status self_alltoallv(shard_comm *c, const void *s, const size_t *s
 }
 
 static const shard_comm_ops SELF = {"self", self_split, self_allreduce, self_reduce_scatter, self_allgather, self_broadcast,
-                                    self_p2p, self_recv, self_sendrecv, self_alltoallv, self_barrier, NULL};
+                                    self_p2p, self_recv, self_sendrecv, self_alltoallv, self_barrier, NULL,
+                                    NULL, NULL}; /* started transfers: only to and from rank 0, copied by comm.c */
 
 shard_status shard_comm_self(shard_comm **out)
 {

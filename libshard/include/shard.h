@@ -605,6 +605,18 @@ shard_status shard_comm_recv(shard_comm *c, void *buf, size_t n, shard_dtype dt,
 /* Send to one peer and receive from another at once (ring passes). */
 shard_status shard_comm_sendrecv(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
                                  shard_dtype dt, int tag);
+/* Nonblocking sendrecv (ring passes that overlap compute): the same arguments,
+ * checks and byte count; *req is set on success (NULL on failure: nothing moves).
+ * Until shard_comm_wait(*req) returns, send must not be written nor recv touched,
+ * and the caller makes no other communicator call (on any communicator: the MPI
+ * backend's worker thread may be inside MPI). One transfer in flight per
+ * communicator. Backends without it (NCCL, the CUDA wrapper) and MPI without
+ * thread support move the data at start and wait does nothing. */
+typedef struct shard_comm_req shard_comm_req;
+shard_status shard_comm_sendrecv_start(shard_comm *c, const void *send, int to, void *recv, int from, size_t n,
+                                       shard_dtype dt, int tag, shard_comm_req **req);
+/* The end of a started transfer, with its status; req is then spent. NULL: SHARD_OK. */
+shard_status shard_comm_wait(shard_comm_req *req);
 /* All-to-all with counts (in elements of dt): send + sdispls[r] (scounts[r] elements) goes
  * to rank r; recv + rdispls[r] (rcounts[r] elements) comes from rank r. Counts may be 0;
  * the caller knows rcounts (e.g. from an all-to-all of the counts first). Collective;
@@ -640,6 +652,10 @@ typedef struct shard_comm_ops {
                               const size_t *rcounts, const size_t *rdispls, shard_dtype dt);
     shard_status (*barrier)(shard_comm *c);
     void (*free)(shard_comm *c); /* the backend's state; the communicator itself is freed by libshard */
+    /* optional, both or neither (NULL: sendrecv at start, a wait that does nothing):
+     * begin one transfer of shard_comm_sendrecv_start, and end it */
+    shard_status (*sendrecv_start)(shard_comm *c, const void *send, int to, void *recv, int from, size_t n, shard_dtype dt, int tag);
+    shard_status (*wait)(shard_comm *c);
 } shard_comm_ops;
 /* A communicator of `size` ranks, this one `rank`, over ops with the backend's state
  * impl (NULL out and SHARD_E_NOMEM when out of memory: impl is then the caller's). */

@@ -6,6 +6,8 @@
 
 #include <mpi.h>
 #include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
 
 #include "shard.h"
 
@@ -16,16 +18,23 @@ static int passed, failed, me; /* me: the rank in the world */
 /* a call that must return SHARD_OK */
 #define OK(x) CHECK((x) == SHARD_OK, "%s -> %s", #x, shard_errmsg())
 
-/* MPI started and the world communicator (me set), or NULL with the message on stderr */
+/* MPI started as smp-train starts it, with serialized threads (the MPI
+ * communicator's started transfers run on a thread), or without threads where
+ * SMP_TEST_MPI_THREAD=single (their blocking path); the world communicator (me
+ * set), or NULL with the message on stderr */
 static shard_comm *check_start(int *argc, char ***argv)
 {
-    MPI_Init(argc, argv);
+    const char *lvl = getenv("SMP_TEST_MPI_THREAD");
+    const int want = lvl && !strcmp(lvl, "single") ? MPI_THREAD_SINGLE : MPI_THREAD_SERIALIZED;
+    int provided = MPI_THREAD_SINGLE;
+    MPI_Init_thread(argc, argv, want, &provided);
     shard_comm *world;
     if (shard_comm_mpi_world(&world)) {
         fprintf(stderr, "%s\n", shard_errmsg());
         return NULL;
     }
     me = shard_comm_rank(world);
+    CHECK(provided >= want, "MPI's thread level %d is below the %d asked for", provided, want);
     return world;
 }
 

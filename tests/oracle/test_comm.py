@@ -54,3 +54,18 @@ def test_half_precision_reductions(np_):
     line = [l for l in p.stdout.splitlines() if l.startswith("comm_half:")][-1]
     passed, failed = int(line.split()[1]), int(line.split()[3])
     assert failed == 0 and passed > 1000, line
+
+
+@pytest.mark.parametrize("threads", ["serialized", "single"])
+@pytest.mark.parametrize("np_,layout", [(1, None), (2, None), (3, None), (4, None), (4, "tp=2,cp=2"), (8, "tp=2,cp=4")])
+def test_started_sendrecv(np_, layout, threads):
+    """shard_comm_sendrecv_start / shard_comm_wait: ring passes, bytes, refusals and the
+    fallback of a table without them; MPI with serialized threads (the transfer on a
+    thread: the start returns before the peers have posted) and without (blocking)."""
+    exe = BUILD / "release" / "tests" / "mpi_test_comm_start" if (BUILD / "release").exists() else BUILD / "tests" / "mpi_test_comm_start"
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), "-x", "SMP_TEST_MPI_THREAD", str(exe)] + ([layout] if layout else [])
+    p = subprocess.run(cmd, capture_output=True, text=True, env=dict(ENV, SMP_TEST_MPI_THREAD=threads), timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    line = [l for l in p.stdout.splitlines() if l.startswith("comm_start:")][-1]
+    passed, failed = int(line.split()[1]), int(line.split()[3])
+    assert failed == 0 and passed >= 48 * np_, line
