@@ -143,7 +143,8 @@ static void w_free(shard_comm *c)
 }
 
 static const shard_comm_ops WRAP_OPS = {"cuda", w_split, w_allreduce, w_reduce_scatter, w_allgather, w_broadcast,
-                                        w_send, w_recv, w_sendrecv, w_alltoallv, w_barrier, w_free};
+                                        w_send, w_recv, w_sendrecv, w_alltoallv, w_barrier, w_free,
+                                        NULL, NULL}; /* started transfers: sendrecv at start (shard.h) */
 
 /* inner: NULL for a one-rank communicator; owned by the result */
 static shard_status wrap(cudaStream_t st, shard_comm *inner, shard_comm **out)

@@ -211,7 +211,8 @@ static shard_status n_split(shard_comm *c, int color, int key, shard_comm **out)
 }
 
 static const shard_comm_ops NCCL_OPS = {"nccl", n_split, n_allreduce, n_reduce_scatter, n_allgather, n_broadcast,
-                                        n_send, n_recv, n_sendrecv, n_alltoallv, n_barrier, n_free};
+                                        n_send, n_recv, n_sendrecv, n_alltoallv, n_barrier, n_free,
+                                        NULL, NULL}; /* started transfers: sendrecv at start (shard.h) */
 
 static shard_status wrap(ncclComm_t comm, int device, shard_comm **out)
 {

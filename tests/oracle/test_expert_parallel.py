@@ -5,7 +5,9 @@ rank and against transformers:
   load-balancing loss, which equal transformers';
 - training at ep=2 and ep=4, composed with tp, pp, cp and the load-balancing loss's
   gradient, tracks the single-rank run (loss, gradient norm and aux_loss within 2e-4);
-  the JSONL counts the all-to-all's bytes (bytes_ep);
+  with --fp8 delayed (every expert's linears quantized) at dp=2/4, tp, pp and cp under
+  ep, its one-rank FP8 run (losses within 2e-4); the JSONL counts the all-to-all's
+  bytes (bytes_ep), exactly the formula over transformers' routing;
 - the checkpoint stores each expert once, written by the first of its replicas
   (ep rank i's experts in rank i's shard file); smp-inspect shows experts per rank;
   hf2smp at an ep layout -> reshard -> smp-merge gives every tensor bit for bit;
