@@ -15,6 +15,7 @@
  * query tile in the forward and dq pass, a key tile in the dk/dv pass) in a fixed
  * order over the other side's tiles; the threads only pick which tasks they run. */
 #include "ops.h"
+#include "simd.h"
 
 #include <math.h>
 #include <string.h>
@@ -141,7 +142,7 @@ static void mask_scores(const attn_shape *s, const tile *t, int sees, float *S)
  * + r, |r| <= ln2 / 2, a polynomial for e^r, 2^n from the exponent bits; within 1 ulp
  * of e^x (measured) down to e^-87.33 (where floats turn subnormal), 0 below. Two
  * loops, so that each vectorizes: 2^n's bits are read back as floats via the union. */
-static void exp_row(float *p, const float *x, float sub)
+SMP_SIMD_INLINE void exp_row(float *p, const float *x, float sub)
 {
     union { int32_t i[KT]; float f[KT]; } two_n;
     float e[KT];
@@ -218,7 +219,7 @@ typedef struct {
 /* The online softmax of one key tile: m, l the running max and sum of exp(s - m) per
  * query; the out rows o hold the running sum of p v, rescaled here to the new max.
  * The masked scores S become P (0 in rows that have seen nothing yet). */
-static void fwd_softmax(const attn_shape *s, const tile *t, float *S, float *m, float *l,
+SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, float *S, float *m, float *l,
                         float *o)
 {
     const int hd = s->hd;
@@ -297,7 +298,7 @@ typedef struct {
  *   dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
  * P into S, dS into dS (both QT x KT; their columns past the tile are left 0, so
  * both must start zeroed). Rows with lse = -inf saw no key anywhere: no gradient. */
-static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
+SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
                        int h, size_t q0, size_t kv0, float *S, float *dS)
 {
     const int hd = s->hd;
