@@ -146,7 +146,7 @@ shard_status loop_load(train_run *r)
     if (!s) s = load_state(r);
     if (s) return s;
     m->sp = a->seqpar;
-    if (!strcmp(a->backend, "cuda") && (s = runcfg_check_fp8_cuda(&r->c, &a->layout, m))) {
+    if (!strcmp(a->backend, "cuda") && (s = runcfg_check_fp8_cuda(&r->c, m))) {
         r->usage = 1;
         return s;
     }

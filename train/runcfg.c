@@ -78,9 +78,8 @@ shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar
     return SHARD_OK;
 }
 
-shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, const model *m)
+shard_status runcfg_check_fp8_cuda(const run_cfg *c, const model *m)
 {
-    (void)l;
     if (c->fp8 == FP8_OFF) return SHARD_OK;
     /* Hopper's FP8 GEMMs take widths that are multiples of 16 (any rows: gemm.cu pads
      * the last ones, so tokens per microbatch and an expert's routed rows are free) */

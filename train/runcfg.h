@@ -46,7 +46,7 @@ shard_status runcfg_check(const run_cfg *c, const shard_layout *l, const shard_m
 shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar);
 /* --fp8 on CUDA: the GEMMs' widths of this rank's model m (after par_setup)
  * multiples of 16 (hidden, intermediate or an expert's, q and kv). */
-shard_status runcfg_check_fp8_cuda(const run_cfg *c, const shard_layout *l, const model *m);
+shard_status runcfg_check_fp8_cuda(const run_cfg *c, const model *m);
 /* --documents' separator: --doc-sep's id (given, checked against d's vocabulary by
  * the command; -1: not given), else the config's eos_token_id (SHARD_E_USAGE when
  * there is neither). */
