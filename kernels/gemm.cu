@@ -93,16 +93,20 @@ typedef struct {
     size_t bytes;
 } fp8_scratch;
 
+/* offsets, not pointers, until there is a base: the size is asked for without one */
 static fp8_scratch scratch_of(uint8_t *base, int N, int IN, int OUT)
 {
     const size_t Np = pad16(N), D = (size_t)(IN > OUT ? IN : OUT);
-    fp8_scratch s;
-    s.wT = base;
-    s.xT = s.wT + al256((size_t)OUT * IN);
-    s.dyT = s.xT + al256(Np * IN);
-    s.tail_in = s.dyT + al256(Np * OUT);
-    s.tail_out = s.tail_in + al256(FP8_ROWS * D);
-    s.bytes = (size_t)((uint8_t *)s.tail_out - base) + al256(FP8_ROWS * D * sizeof(float));
+    const size_t xT = al256((size_t)OUT * IN), dyT = xT + al256(Np * IN), tin = dyT + al256(Np * OUT);
+    const size_t tout = tin + al256(FP8_ROWS * D);
+    fp8_scratch s = {NULL, NULL, NULL, NULL, NULL, tout + al256(FP8_ROWS * D * sizeof(float))};
+    if (base) {
+        s.wT = base;
+        s.xT = base + xT;
+        s.dyT = base + dyT;
+        s.tail_in = base + tin;
+        s.tail_out = base + tout;
+    }
     return s;
 }
 
