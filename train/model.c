@@ -663,6 +663,16 @@ static const int32_t *doc_of(const model *m, int i)
     return m->docs ? m->doc_d + (size_t)i * m->B * m->T : NULL;
 }
 
+/* The ring's first block in cur: this rank's K and V (with grads, zeroed dK/dV
+ * after them), its K/V pass to the next rank started. */
+static shard_comm_req *ring_begin(model *m, const layer_acts *a, void *cur, void *nxt, size_t nk, int grads)
+{
+    OPS->copy(DV, cur, a->k, nk * DV->es);
+    OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
+    if (grads) OPS->zero(DV, AT(cur, 2 * nk), 2 * nk * DV->es);
+    return cp_start(m, cur, nxt, 2 * nk);
+}
+
 /* a->att, a->lse: attention of this rank's queries over the keys of the whole
  * sequence. The local block first; then C - 1 times the K/V block in hand goes to
  * the next rank and the previous rank's comes in (at pass j the block of cp rank
@@ -677,12 +687,7 @@ static void attention_forward(model *m, layer_acts *a)
     const int32_t *qdoc = doc_of(m, C > 1 ? r : 0);
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
     void *cur = m->ring[0], *nxt = m->ring[1];
-    shard_comm_req *q = NULL;
-    if (C > 1) {
-        OPS->copy(DV, cur, a->k, nk * DV->es);
-        OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
-        q = cp_start(m, cur, nxt, 2 * nk);
-    }
+    shard_comm_req *q = C > 1 ? ring_begin(m, a, cur, nxt, nk, 0) : NULL;
     OPS->attention_forward(DV, a->att, a->lse, a->q, a->k, a->v, m->pos_d, m->pos_d, qdoc, qdoc, B, T, T, m->nh,
                            m->nkv, m->hd, m->window);
     for (int j = 1; j < C; j++) {
@@ -711,13 +716,7 @@ static void attention_backward(model *m, layer_acts *a)
     const int32_t *qdoc = doc_of(m, C > 1 ? r : 0);
     const size_t nk = (size_t)B * T * m->nkv * m->hd;
     void *cur = m->ring[0], *nxt = m->ring[1];
-    shard_comm_req *q = NULL;
-    if (C > 1) {
-        OPS->copy(DV, cur, a->k, nk * DV->es);
-        OPS->copy(DV, AT(cur, nk), a->v, nk * DV->es);
-        OPS->zero(DV, AT(cur, 2 * nk), 2 * nk * DV->es);
-        q = cp_start(m, cur, nxt, 2 * nk);
-    }
+    shard_comm_req *q = C > 1 ? ring_begin(m, a, cur, nxt, nk, 1) : NULL;
     OPS->attention_backward(DV, m->dq, m->dk, m->dv, m->datt, a->q, a->k, a->v, a->att, a->lse, m->pos_d, m->pos_d,
                             qdoc, qdoc, B, T, T, m->nh, m->nkv, m->hd, m->window);
     if (C <= 1) return;
