@@ -210,6 +210,29 @@ static void store_bits(void *dst, shard_dtype dt, size_t i, uint32_t bits)
     else ((uint8_t *)dst)[i] = (uint8_t)bits;
 }
 
+/* The conversions a checkpoint's load runs over every weight (bf16 <-> f32) in
+ * loops the compiler vectorizes: -O2's cost model leaves them scalar, and a load of
+ * a model's bf16 into fp32 spent a fifth of its time here. */
+#if defined(__GNUC__) && !defined(__clang__)
+#define VECTORIZED __attribute__((optimize("tree-vectorize")))
+#else
+#define VECTORIZED
+#endif
+
+VECTORIZED static void bf16_to_f32(float *d, const uint16_t *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) d[i] = bits_f32((uint32_t)s[i] << 16);
+}
+
+VECTORIZED static void f32_to_bf16(uint16_t *d, const float *s, size_t n)
+{
+    for (size_t i = 0; i < n; i++) {
+        uint32_t u = f32_bits(s[i]);
+        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* ties to even */
+        d[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u) : (uint16_t)rounded;
+    }
+}
+
 shard_status shard_convert(void *dst, shard_dtype dst_dt, const void *src, shard_dtype src_dt, size_t n)
 {
     if (dst_dt == src_dt) {
@@ -239,11 +262,14 @@ shard_status shard_convert(void *dst, shard_dtype dst_dt, const void *src, shard
     if (dst_dt == SHARD_DT_F32) {
         float *d = dst;
         if (src_dt == SHARD_DT_BF16) {
-            const uint16_t *s = src;
-            for (size_t i = 0; i < n; i++) d[i] = bits_f32((uint32_t)s[i] << 16);
+            bf16_to_f32(d, src, n);
         } else {
             for (size_t i = 0; i < n; i++) d[i] = load_f32(src, src_dt, i);
         }
+        return SHARD_OK;
+    }
+    if (dst_dt == SHARD_DT_BF16 && src_dt == SHARD_DT_F32) {
+        f32_to_bf16(dst, src, n);
         return SHARD_OK;
     }
     if (dst_dt == SHARD_DT_BF16) {

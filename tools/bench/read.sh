@@ -37,6 +37,11 @@
 #   (h)  a Python merge written the obvious way (h5py + hdf5plugin + numpy: read every
 #        piece of every shard file, place it by its `offset`/`global_shape` attributes,
 #        bf16 kept as its U16 bits; safetensors.numpy.save_file), on CK_NONE and CK_ZSTD
+#   (e') the physical anchor of (e): a process writing, for the first time, as many
+#        bytes of fresh memory as (e)'s fp32 weights (2 x the checkpoint's bf16 data;
+#        Python: one bytes object, the time it prints). A load cannot be faster than its
+#        destination's first touch; on a VM the host's backing of guest memory makes
+#        that touch cost from 0.3 to several seconds per GB, varying from run to run
 #   (h') what a user would do for (e)'s fp32 weights: torch loads the model's safetensors
 #        (safetensors.torch.load_file) and converts to float32; the load time it prints
 #   (i)  peak RSS (/usr/bin/time -v; under mpirun the largest process) of every command
@@ -161,6 +166,13 @@ sd = {k: v.float() for k, v in load_file(sys.argv[1]).items()}
 n = sum(v.numel() for v in sd.values())
 print(f"torch {torch.__version__}: loaded {sys.argv[1]}: {2 * n} bytes in {time.time() - t0:.3f} s", file=sys.stderr)
 '
+# (e'): the first touch of N bytes of fresh memory, printed like a load line
+TOUCH='
+import sys, time
+t0 = time.time()
+b = b"\x01" * int(sys.argv[1])  # malloc + memset: every page written once
+print(f"loaded fresh memory: {len(b)} bytes in {time.time() - t0:.3f} s", file=sys.stderr)
+'
 SAME=$OUT/same_tensors.py
 cat >"$SAME" <<'EOF'
 """same_tensors.py A B: the safetensors files of folders A and B hold the same tensors, byte for byte."""
@@ -249,7 +261,10 @@ for ((round = 1; round <= REPEAT; round++)); do
     measure rs "$OUT/x" "$BIN/smp-convert" reshard --in "$CKN" --out "$OUT/x" --layout tp=4 --compress none --no-fsync
     measure mg "$OUT/x" "$BIN/smp-merge" --in "$CKN" --out "$OUT/x" --no-fsync
     measure vf - "$BIN/smp-verify" "$CKN"
-    if [ "$BIG" = 0 ]; then measure ev - "$BIN/smp-eval" --ckpt "$CKN" "${EVAL[@]}"; fi
+    if [ "$BIG" = 0 ]; then
+        measure ev - "$BIN/smp-eval" --ckpt "$CKN" "${EVAL[@]}"
+        measure mem - "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES))"
+    fi
     if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
         measure evp - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --ckpt "$CKN" --data "$TOK" --batch 2 --seq 16 --batches 1
     fi
@@ -295,6 +310,8 @@ if [ "$BIG" = 0 ]; then
 row "(e)  smp-eval, whole command" "${T[ev]}" "$CKN_BYTES" ev
 row "(e)  smp-eval, load$(if [ -z "${LT[ev]:-}" ]; then echo " (no line: whole)"; fi)" "$(load ev)" "$CKN_BYTES" ev \
     "$(like "$(load ev)" "${T[cp]}" "(a)")"
+row "(e') first touch of (e)'s fp32 bytes, fresh memory" "$(load mem)" "$CKN_BYTES" mem \
+    "$(like "$(load ev)" "$(load mem)" "(e) load / (e')")"
 fi
 if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
     row "(f)  mpirun -np 8 smp-eval $EVAL_LAYOUT, whole" "${T[evp]}" "$CKN_BYTES" evp
@@ -329,7 +346,8 @@ tgt "(d)  smp-verify / (a)" "$(calc "${T[vf]} / ${T[cp]}")" 1.0
 if [ "$BIG" = 1 ]; then
     echo "  (e), (f), (h): skipped for the 8B-shaped model (fp32 weights, or the whole model, in memory)"
 else
-    tgt "(e)  smp-eval load / (a)" "$(calc "$(load ev) / ${T[cp]}")" 1.5 "$(loadnote ev)"
+    tgt "(e)  smp-eval load / (a)" "$(calc "$(load ev) / ${T[cp]}")" 1.5 \
+        "$(loadnote ev)   (its anchor (e'), fresh memory's first touch, alone: $(printf "%.2f" "$(calc "$(load mem) / ${T[cp]}")") x (a))"
 fi
 if [ "$BIG" = 1 ]; then :
 elif [ "$HAVE_LAYOUT" = 1 ]; then
