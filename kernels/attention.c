@@ -11,14 +11,20 @@
  * (within 1 ulp). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
  *
- * Bit-identical across thread counts: every output row is summed by one task (a
- * query tile in the forward and dq pass, a key tile in the dk/dv pass) in a fixed
- * order over the other side's tiles; the threads only pick which tasks they run. */
+ * Bit-identical across thread counts: every output row is summed by one task in a
+ * fixed order over the other side's tiles (forward: a query tile; backward: a whole
+ * kv head, or, with fewer heads than the threads can share, a query tile for dq and
+ * a key tile for dk/dv, adding in the same order); the threads only pick which tasks
+ * they run. */
 #include "ops.h"
 #include "simd.h"
 
 #include <math.h>
 #include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #ifndef SMP_NO_BLAS
 #include <cblas.h>
@@ -326,27 +332,43 @@ SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, c
     }
 }
 
-/* dq_i += scale sum_j dS_ij k_j, over the key tiles in order */
+/* dq_i += scale sum_j dS_ij k_j for the tile's queries */
+static void add_dq(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, size_t kv0,
+                   const float *dS)
+{
+    gemm(0, 0, t->ni, s->hd, t->nj, s->scale, dS, KT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f,
+         a->dq + q0, (size_t)s->nh * s->hd);
+}
+
+/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys
+ * (transposed products: measured faster than transposing the tiles for plain ones) */
+static void add_dkv(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, size_t kv0,
+                    const float *S, const float *dS)
+{
+    const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
+    gemm(1, 0, t->nj, s->hd, t->ni, s->scale, dS, KT, a->q + q0, qs, 1.0f, a->dk + kv0, ks);
+    gemm(1, 0, t->nj, s->hd, t->ni, 1.0f, S, KT, a->dout + q0, qs, 1.0f, a->dv + kv0, ks);
+}
+
+/* Two-pass form, one: dq of a query tile, over the key tiles in order */
 static void dq_task(const attn_shape *s, const void *args, int b, int h, int qt)
 {
     const bwd_args *a = args;
-    const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
     tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
     const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
     float S[QT * KT] = {0}, dS[QT * KT] = {0};
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group);
         tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
-        gemm(0, 0, t.ni, s->hd, t.nj, s->scale, dS, KT, a->k + kv0, ks, 1.0f, a->dq + q0, qs);
+        add_dq(s, a, &t, q0, kv0, dS);
     }
 }
 
-/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i, over the group's heads and
- * their query tiles in order */
+/* Two-pass form, two: dk, dv of a key tile, over the group's heads and their query
+ * tiles in order */
 static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt)
 {
     const bwd_args *a = args;
-    const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
     tile t = {b, 0, 0, kt * KT, imin(KT, s->Tk - kt * KT)};
     const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
     float S[QT * KT] = {0}, dS[QT * KT] = {0};
@@ -355,14 +377,45 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
         for (int sees; (sees = next_tile(s, &t, 0)) != SEES_NONE; t.i0 += QT) {
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
             tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
-            gemm(1, 0, t.nj, s->hd, t.ni, s->scale, dS, KT, a->q + q0, qs, 1.0f, a->dk + kv0, ks);
-            gemm(1, 0, t.nj, s->hd, t.ni, 1.0f, S, KT, a->dout + q0, qs, 1.0f, a->dv + kv0, ks);
+            add_dkv(s, a, &t, q0, kv0, S, dS);
         }
     }
 }
 
-/* Two passes, so that every gradient row has one writer and no atomics are needed:
- * one over query tiles (dq), one over key tiles (dk, dv), recomputing P. */
+/* One-pass form: a whole kv head g of sequence b (its group's query heads, then their
+ * query tiles, then the key tiles, in order), P and dS computed once per tile. Its
+ * task owns dk, dv of g and dq of the group's heads, and adds into each row in the
+ * order of the two-pass form: the same bits. */
+static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, int unused)
+{
+    const bwd_args *a = args;
+    float S[QT * KT] = {0}, dS[QT * KT] = {0};
+    for (int h = g * s->group; h < (g + 1) * s->group; h++) {
+        for (int i0 = 0; i0 < s->Tq; i0 += QT) {
+            tile t = {b, i0, imin(QT, s->Tq - i0), 0, 0};
+            const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
+            for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
+                const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
+                tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
+                add_dq(s, a, &t, q0, kv0, dS);
+                add_dkv(s, a, &t, q0, kv0, S, dS);
+            }
+        }
+    }
+}
+
+static int omp_threads(void)
+{
+#ifdef _OPENMP
+    return omp_get_max_threads();
+#else
+    return 1;
+#endif
+}
+
+/* One pass computes each tile's P and dS once (the two-pass form twice), but has only
+ * B * nkv tasks: taken when they spread evenly over the threads. Both forms give the
+ * same bits, so the choice (by thread count) changes no result. */
 void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                            const float *q, const float *k, const float *v,
                            const float *out, const float *lse,
@@ -372,6 +425,11 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
 {
     const attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
     const bwd_args a = {dq, dk, dv, dout, q, k, v, out, lse};
+    const int tasks = B * nkv, threads = omp_threads();
+    if (tasks % threads == 0 || tasks >= 4 * threads) {
+        for_tasks(B, nkv, 1, bwd_head_task, &s, &a);
+        return;
+    }
     for_tasks(B, nh, (Tq + QT - 1) / QT, dq_task, &s, &a);
     for_tasks(B, nkv, (Tk + KT - 1) / KT, dkv_task, &s, &a);
 }
