@@ -8,7 +8,7 @@
  * the tensors in place (BLAS, single-threaded inside our OpenMP tasks; a plain loop
  * with -DSMP_NO_BLAS). No score matrix: a task's scratch is two QT x KT tiles on its
  * stack, so no op here allocates. The exp is a polynomial the compiler vectorizes
- * (within 1 ulp). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
+ * (smp_expf, simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
  *
  * Bit-identical across thread counts: every output row is summed by one task in a
@@ -28,12 +28,6 @@
 
 #ifndef SMP_NO_BLAS
 #include <cblas.h>
-#endif
-
-#if defined(__GNUC__) && !defined(__clang__)
-/* GCC if-converts the float compares of the clamps and maxima, and so vectorizes
- * those loops, only without trapping math; no value changes */
-#pragma GCC optimize("no-trapping-math")
 #endif
 
 /* queries x keys per tile: the score tiles stay in L1; KT is the row loops' fixed
@@ -144,33 +138,12 @@ static void mask_scores(const attn_shape *s, const tile *t, int sees, float *S)
 
 /* ---- tile arithmetic --------------------------------------------------------------- */
 
-/* exp(x - sub) for a row of KT, x - sub <= ~0 (0 where -inf). Cephes' expf: x = n ln2
- * + r, |r| <= ln2 / 2, a polynomial for e^r, 2^n from the exponent bits; within 1 ulp
- * of e^x (measured) down to e^-87.33 (where floats turn subnormal), 0 below. Two
- * loops, so that each vectorizes: 2^n's bits are read back as floats via the union. */
+/* exp(x - sub) for a row of KT, x - sub <= ~0 (0 where -inf) */
 SMP_SIMD_INLINE void exp_row(float *p, const float *x, float sub)
 {
-    union { int32_t i[KT]; float f[KT]; } two_n;
-    float e[KT];
     #pragma omp simd
-    for (int j = 0; j < KT; j++) {
-        float y = x[j] - sub;
-        y = y > -87.33f ? y : -87.33f;
-        y = y < 88.0f ? y : 88.0f;
-        const float n = floorf(y * 1.44269504f + 0.5f);
-        const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
-        float c = 1.9875691500e-4f;
-        c = c * r + 1.3981999507e-3f;
-        c = c * r + 8.3334519073e-3f;
-        c = c * r + 4.1665795894e-2f;
-        c = c * r + 1.6666665459e-1f;
-        c = c * r + 5.0000001201e-1f;
-        e[j] = c * r * r + r + 1.0f;
-        two_n.i[j] = ((int32_t)n + 127) << 23;
-    }
-    #pragma omp simd
-    for (int j = 0; j < KT; j++) /* a 0/1 factor, not a select: e * 2^n is finite */
-        p[j] = (float)(x[j] - sub >= -87.33f) * e[j] * two_n.f[j];
+    for (int j = 0; j < KT; j++)
+        p[j] = smp_expf(x[j] - sub);
 }
 
 /* C[M][N] = alpha op(A) op(B) + beta C, op(X) = X or X^T (ta, tb); beta 0 or 1 */
@@ -245,7 +218,7 @@ SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, floa
         for (int j = 0; j < KT; j++)
             sum += row[j];
         if (mx > m[i]) { /* new max: rescale what was summed so far (0 at first) */
-            const float corr = expf(m[i] - mx);
+            const float corr = smp_expf(m[i] - mx);
             l[i] *= corr;
             for (int d = 0; d < hd; d++)
                 o[i * qs + d] *= corr;

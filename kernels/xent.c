@@ -3,8 +3,10 @@
  * Each tp rank holds logits columns [vocab_start, vocab_start + Vl). The loss needs
  * three per-row statistics, each reduced over the tp group by the caller between
  * the steps (see ops.h): the row max, sum exp(logit - max), and the target's logit.
- * Sums run in double: Vl is tens of thousands of columns. */
+ * Sums run in double: Vl is tens of thousands of columns. The exps are smp_expf's,
+ * vectorized (a row's sum then adds in vector lanes: fixed for a CPU, any threads). */
 #include "ops.h"
+#include "simd.h"
 
 #include <math.h>
 
@@ -29,16 +31,29 @@ void op_xent_rowmax(float *rowmax, float *target_logit, const float *logits,
     }
 }
 
+SMP_SIMD_CLONES static double row_sumexp(const float *x, float m, int Vl)
+{
+    double s = 0.0;
+    #pragma omp simd reduction(+ : s)
+    for (int j = 0; j < Vl; j++)
+        s += smp_expf(x[j] - m);
+    return s;
+}
+
+/* dx = scale softmax(x) for one row */
+SMP_SIMD_CLONES static void row_softmax(float *dx, const float *x, float lse, float scale, int Vl)
+{
+    #pragma omp simd
+    for (int j = 0; j < Vl; j++)
+        dx[j] = scale * smp_expf(x[j] - lse);
+}
+
 void op_xent_sumexp(float *sumexp, const float *logits, const float *rowmax, int N, int Vl)
 {
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *x = logits + (size_t)n * Vl;
-        const float m = rowmax[n];
-        double s = 0.0;
-        for (int j = 0; j < Vl; j++)
-            s += expf(x[j] - m);
-        sumexp[n] = (float)s;
+        sumexp[n] = (float)row_sumexp(x, rowmax[n], Vl);
     }
 }
 
@@ -73,9 +88,7 @@ void op_xent_backward(float *dlogits, const float *logits, const float *rowmax,
                 dx[j] = 0.0f;
             continue;
         }
-        const float lse = rowmax[n] + logf(sumexp[n]);
-        for (int j = 0; j < Vl; j++)
-            dx[j] = scale * expf(x[j] - lse);
+        row_softmax(dx, x, rowmax[n] + logf(sumexp[n]), scale, Vl);
         if (owns(t, vocab_start, Vl))
             dx[t - vocab_start] -= scale;
     }
