@@ -33,6 +33,9 @@
 #        stored pp=2,tp=2; one batch of 2 x 16 tokens): the largest load time printed
 #        over the ranks, and the whole command (skipped, said so, when smp-eval has no
 #        --layout)                                                 target: load <= 1.5 x (a)
+#   (f') the physical anchor of (f): 8 processes (mpirun, as (f)) each writing, for the
+#        first time, as many bytes of fresh memory as its rank's fp32 weights (the
+#        model's fp32 bytes / (tp x pp) of the layout): the largest time printed
 #   (g)  (b), (c), (d), (e) on CK_ZSTD                 target: <= 2.0 x the CK_NONE run
 #   (h)  a Python merge written the obvious way (h5py + hdf5plugin + numpy: read every
 #        piece of every shard file, place it by its `offset`/`global_shape` attributes,
@@ -71,6 +74,8 @@ SMALL=${SMP_BENCH_SMALL:-0}
 BIG=${SMP_BENCH_8B:-0}
 EVAL_LAYOUT=${SMP_BENCH_EVAL_LAYOUT:-tp=4,dp=2}
 REPEAT=${SMP_BENCH_REPEAT:-3}
+# the ranks that split one replica of the weights in (f): tp x pp of its layout
+EVAL_SPLIT=$(tr ',' '\n' <<<"$EVAL_LAYOUT" | awk -F= '$1 == "tp" || $1 == "pp" { n *= $2 } BEGIN { n = 1 } END { print n }')
 mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
 if [ "$SMALL" = 1 ]; then HF=$CACHE/hf-small; OUT=$CACHE/out-read-small
@@ -267,6 +272,7 @@ for ((round = 1; round <= REPEAT; round++)); do
     fi
     if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
         measure evp - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --ckpt "$CKN" --data "$TOK" --batch 2 --seq 16 --batches 1
+        measure memp - "${MPI[@]}" "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES / EVAL_SPLIT))"
     fi
     measure cps "$OUT/x" bash -c "cp -r '$CKN' '$OUT/x' && sync"
     measure rs-d "$OUT/x" "$BIN/smp-convert" reshard --in "$CKN" --out "$OUT/x" --layout tp=4 --compress none
@@ -317,6 +323,8 @@ if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
     row "(f)  mpirun -np 8 smp-eval $EVAL_LAYOUT, whole" "${T[evp]}" "$CKN_BYTES" evp
     row "(f)  ... load, largest of ${NLOAD[evp]} rank line(s)$(if [ -z "${LT[evp]:-}" ]; then echo " (none: whole)"; fi)" \
         "$(load evp)" "$CKN_BYTES" evp "$(like "$(load evp)" "${T[cp]}" "(a)")"
+    row "(f') 8 ranks' first touch of their fp32 bytes" "$(load memp)" "$CKN_BYTES" memp \
+        "$(like "$(load evp)" "$(load memp)" "(f) load / (f')")"
 fi
 row "(a') cp -r CK_NONE && sync" "${T[cps]}" "$CKN_BYTES" cps
 row "(b') reshard tp=4, durable" "${T[rs-d]}" "$CKN_BYTES" rs-d "$(like "${T[rs-d]}" "${T[cps]}" "(a')")"
@@ -352,7 +360,7 @@ fi
 if [ "$BIG" = 1 ]; then :
 elif [ "$HAVE_LAYOUT" = 1 ]; then
     tgt "(f)  8-rank smp-eval $EVAL_LAYOUT load / (a)" "$(calc "$(load evp) / ${T[cp]}")" 1.5 \
-        "$(if [ -n "${LT[evp]:-}" ]; then echo "   (largest of ${NLOAD[evp]} rank line(s))"; else loadnote evp; fi)"
+        "$(if [ -n "${LT[evp]:-}" ]; then echo "   (largest of ${NLOAD[evp]} rank line(s))"; else loadnote evp; fi)   (its anchor (f') alone: $(printf "%.2f" "$(calc "$(load memp) / ${T[cp]}")") x (a))"
 else
     echo "  (f)  8-rank smp-eval: skipped: this smp-eval has no --layout (one rank only)"
 fi
