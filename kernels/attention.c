@@ -195,36 +195,64 @@ typedef struct {
     const float *q, *k, *v;
 } fwd_args;
 
+/* The forward works on the TRANSPOSED score tile St [KT][QT] (keys as rows, queries as
+ * columns): every per-query reduction (the max, the sum) then runs down the rows, a
+ * vector of QT queries at a time, where the row form reduced across each row's lanes
+ * (GCC's epilogue of that, through the stack, was 40% of the forward); St comes from
+ * K Q^T, and P v from the transposed product P^T^T v. Lanes past the tile's queries
+ * hold -inf scores and stay inert (m -inf, l 0). */
+
+/* -inf where key j of the tile is hidden from query i, and in lanes past its queries */
+static void mask_scores_t(const attn_shape *s, const tile *t, int sees, float *St)
+{
+    for (int j = 0; j < t->nj; j++) {
+        float *row = St + (size_t)j * QT;
+        for (int i = t->ni; i < QT; i++)
+            row[i] = -INFINITY;
+        if (sees == SEES_ALL)
+            continue;
+        for (int i = 0; i < t->ni; i++)
+            if (!visible(s, t->b, t->i0 + i, t->j0 + j))
+                row[i] = -INFINITY;
+    }
+}
+
 /* The online softmax of one key tile: m, l the running max and sum of exp(s - m) per
  * query; the out rows o hold the running sum of p v, rescaled here to the new max.
- * The masked scores S become P (0 in rows that have seen nothing yet). */
-SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, float *S, float *m, float *l,
-                        float *o)
+ * The masked scores St become P^T (0 in queries that have seen nothing yet). */
+SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, float *St, float *m, float *l,
+                                        float *o)
 {
-    const int hd = s->hd;
-    const size_t qs = (size_t)s->nh * hd;
+    float mx[QT], sub[QT], sum[QT];
+    for (int i = 0; i < QT; i++)
+        mx[i] = m[i], sum[i] = 0.0f;
+    for (int j = 0; j < t->nj; j++) {
+        const float *row = St + (size_t)j * QT;
+        #pragma omp simd
+        for (int i = 0; i < QT; i++)
+            mx[i] = row[i] > mx[i] ? row[i] : mx[i];
+    }
+    #pragma omp simd
+    for (int i = 0; i < QT; i++) /* nothing visible yet: exp(-inf - 0) = 0 */
+        sub[i] = mx[i] == -INFINITY ? 0.0f : mx[i];
+    for (int j = 0; j < t->nj; j++) {
+        float *row = St + (size_t)j * QT;
+        #pragma omp simd
+        for (int i = 0; i < QT; i++) {
+            row[i] = smp_expf(row[i] - sub[i]);
+            sum[i] += row[i];
+        }
+    }
+    const size_t qs = (size_t)s->nh * s->hd;
     for (int i = 0; i < t->ni; i++) {
-        float *row = S + (size_t)i * KT, mx = m[i];
-        #pragma omp simd reduction(max : mx)
-        for (int j = 0; j < KT; j++)
-            mx = row[j] > mx ? row[j] : mx;
-        if (mx == -INFINITY) { /* nothing visible yet */
-            memset(row, 0, KT * sizeof(float));
-            continue;
-        }
-        exp_row(row, row, mx);
-        float sum = 0.0f;
-        #pragma omp simd reduction(+ : sum)
-        for (int j = 0; j < KT; j++)
-            sum += row[j];
-        if (mx > m[i]) { /* new max: rescale what was summed so far (0 at first) */
-            const float corr = smp_expf(m[i] - mx);
+        if (mx[i] > m[i]) { /* new max: rescale what was summed so far (0 at first) */
+            const float corr = smp_expf(m[i] - mx[i]);
             l[i] *= corr;
-            for (int d = 0; d < hd; d++)
+            for (int d = 0; d < s->hd; d++)
                 o[i * qs + d] *= corr;
-            m[i] = mx;
+            m[i] = mx[i];
         }
-        l[i] += sum;
+        l[i] += sum[i];
     }
 }
 
@@ -235,16 +263,17 @@ static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt
     const size_t qs = (size_t)s->nh * hd, ks = (size_t)s->nkv * hd;
     tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
     const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-    float *o = a->out + q0, S[QT * KT], m[QT], l[QT];
-    for (int i = 0; i < t.ni; i++) {
-        memset(o + i * qs, 0, (size_t)hd * sizeof(float));
+    float *o = a->out + q0, St[KT * QT], m[QT], l[QT];
+    for (int i = 0; i < QT; i++)
         m[i] = -INFINITY, l[i] = 0.0f;
-    }
+    for (int i = 0; i < t.ni; i++)
+        memset(o + i * qs, 0, (size_t)hd * sizeof(float));
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, kvh);
-        tile_scores(s, &t, sees, a->q + q0, a->k + kv0, S);
-        fwd_softmax(s, &t, S, m, l, o);
-        gemm(0, 0, t.ni, hd, t.nj, 1.0f, S, KT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */
+        gemm(0, 1, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, a->q + q0, qs, 0.0f, St, QT);
+        mask_scores_t(s, &t, sees, St);
+        fwd_softmax(s, &t, St, m, l, o);
+        gemm(1, 0, t.ni, hd, t.nj, 1.0f, St, QT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */
     }
     for (int i = 0; i < t.ni; i++) {
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f; /* nothing visible: out 0 */
@@ -276,14 +305,14 @@ typedef struct {
  * share is exact on its own) and D_i = dout_i . out_i = sum_j P_ij dP_ij:
  *   dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
  * P into S, dS into dS (both QT x KT; their columns past the tile are left 0, so
- * both must start zeroed). Rows with lse = -inf saw no key anywhere: no gradient. */
+ * both must start zeroed); D from row_dots. Rows with lse = -inf saw no key anywhere:
+ * no gradient. */
 SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
-                       int h, size_t q0, size_t kv0, float *S, float *dS)
+                       int h, size_t q0, size_t kv0, const float *D, float *S, float *dS)
 {
     const int hd = s->hd;
-    const size_t qs = (size_t)s->nh * hd;
     tile_scores(s, t, sees, a->q + q0, a->k + kv0, S);
-    gemm(0, 1, t->ni, t->nj, hd, 1.0f, a->dout + q0, qs, a->v + kv0, (size_t)s->nkv * hd,
+    gemm(0, 1, t->ni, t->nj, hd, 1.0f, a->dout + q0, (size_t)s->nh * hd, a->v + kv0, (size_t)s->nkv * hd,
          0.0f, dS, KT);
     for (int i = 0; i < t->ni; i++) {
         float *p = S + (size_t)i * KT, *ds = dS + (size_t)i * KT;
@@ -293,15 +322,24 @@ SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, c
             memset(ds, 0, KT * sizeof(float));
             continue;
         }
-        const float *g = a->dout + q0 + i * qs, *o = a->out + q0 + i * qs;
-        float D = 0.0f;
-        #pragma omp simd reduction(+ : D)
-        for (int d = 0; d < hd; d++)
-            D += g[d] * o[d];
         exp_row(p, p, L);
         #pragma omp simd
         for (int j = 0; j < KT; j++)
-            ds[j] = p[j] * (ds[j] - D);
+            ds[j] = p[j] * (ds[j] - D[i]);
+    }
+}
+
+/* D_i = dout_i . out_i for the tile's queries: once per query tile, not per key tile */
+SMP_SIMD_CLONES static void row_dots(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, float *D)
+{
+    const size_t qs = (size_t)s->nh * s->hd;
+    for (int i = 0; i < t->ni; i++) {
+        const float *g = a->dout + q0 + i * qs, *o = a->out + q0 + i * qs;
+        float acc = 0.0f;
+        #pragma omp simd reduction(+ : acc)
+        for (int d = 0; d < s->hd; d++)
+            acc += g[d] * o[d];
+        D[i] = acc;
     }
 }
 
@@ -329,10 +367,11 @@ static void dq_task(const attn_shape *s, const void *args, int b, int h, int qt)
     const bwd_args *a = args;
     tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
     const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-    float S[QT * KT] = {0}, dS[QT * KT] = {0};
+    float S[QT * KT] = {0}, dS[QT * KT] = {0}, D[QT];
+    row_dots(s, a, &t, q0, D);
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group);
-        tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
+        tile_probs(s, a, &t, sees, h, q0, kv0, D, S, dS);
         add_dq(s, a, &t, q0, kv0, dS);
     }
 }
@@ -344,12 +383,13 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
     const bwd_args *a = args;
     tile t = {b, 0, 0, kt * KT, imin(KT, s->Tk - kt * KT)};
     const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
-    float S[QT * KT] = {0}, dS[QT * KT] = {0};
+    float S[QT * KT] = {0}, dS[QT * KT] = {0}, D[QT];
     for (int h = g * s->group; h < (g + 1) * s->group; h++) {
         t.i0 = 0;
         for (int sees; (sees = next_tile(s, &t, 0)) != SEES_NONE; t.i0 += QT) {
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-            tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
+            row_dots(s, a, &t, q0, D);
+            tile_probs(s, a, &t, sees, h, q0, kv0, D, S, dS);
             add_dkv(s, a, &t, q0, kv0, S, dS);
         }
     }
@@ -362,14 +402,15 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
 static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, int unused)
 {
     const bwd_args *a = args;
-    float S[QT * KT] = {0}, dS[QT * KT] = {0};
+    float S[QT * KT] = {0}, dS[QT * KT] = {0}, D[QT];
     for (int h = g * s->group; h < (g + 1) * s->group; h++) {
         for (int i0 = 0; i0 < s->Tq; i0 += QT) {
             tile t = {b, i0, imin(QT, s->Tq - i0), 0, 0};
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
+            row_dots(s, a, &t, q0, D);
             for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
                 const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
-                tile_probs(s, a, &t, sees, h, q0, kv0, S, dS);
+                tile_probs(s, a, &t, sees, h, q0, kv0, D, S, dS);
                 add_dq(s, a, &t, q0, kv0, dS);
                 add_dkv(s, a, &t, q0, kv0, S, dS);
             }
