@@ -121,18 +121,21 @@ static int next_tile(const attn_shape *s, tile *t, int keys)
     return SEES_NONE;
 }
 
-/* -inf where key j of the tile is hidden from query i, and past the tile's keys */
-static void mask_scores(const attn_shape *s, const tile *t, int sees, float *S)
+/* -inf where key j of the tile is hidden from query i, and past the tile's keys (S
+ * [QT][KT], queries as rows) or past its queries (keys_major: St [KT][QT]) */
+static void mask_tile(const attn_shape *s, const tile *t, int sees, float *S, int keys_major)
 {
-    for (int i = 0; i < t->ni; i++) {
-        float *row = S + (size_t)i * KT;
-        for (int j = t->nj; j < KT; j++)
-            row[j] = -INFINITY;
+    const int rows = keys_major ? t->nj : t->ni, cols = keys_major ? t->ni : t->nj;
+    const int width = keys_major ? QT : KT;
+    for (int r = 0; r < rows; r++) {
+        float *row = S + (size_t)r * width;
+        for (int c = cols; c < width; c++)
+            row[c] = -INFINITY;
         if (sees == SEES_ALL)
             continue;
-        for (int j = 0; j < t->nj; j++)
-            if (!visible(s, t->b, t->i0 + i, t->j0 + j))
-                row[j] = -INFINITY;
+        for (int c = 0; c < cols; c++)
+            if (!visible(s, t->b, t->i0 + (keys_major ? c : r), t->j0 + (keys_major ? r : c)))
+                row[c] = -INFINITY;
     }
 }
 
@@ -185,7 +188,7 @@ static void tile_scores(const attn_shape *s, const tile *t, int sees, const floa
 {
     gemm(0, 1, t->ni, t->nj, s->hd, s->scale, q0, (size_t)s->nh * s->hd, k0,
          (size_t)s->nkv * s->hd, 0.0f, S, KT);
-    mask_scores(s, t, sees, S);
+    mask_tile(s, t, sees, S, 0);
 }
 
 /* ---- forward ----------------------------------------------------------------------- */
@@ -201,21 +204,6 @@ typedef struct {
  * (GCC's epilogue of that, through the stack, was 40% of the forward); St comes from
  * K Q^T, and P v from the transposed product P^T^T v. Lanes past the tile's queries
  * hold -inf scores and stay inert (m -inf, l 0). */
-
-/* -inf where key j of the tile is hidden from query i, and in lanes past its queries */
-static void mask_scores_t(const attn_shape *s, const tile *t, int sees, float *St)
-{
-    for (int j = 0; j < t->nj; j++) {
-        float *row = St + (size_t)j * QT;
-        for (int i = t->ni; i < QT; i++)
-            row[i] = -INFINITY;
-        if (sees == SEES_ALL)
-            continue;
-        for (int i = 0; i < t->ni; i++)
-            if (!visible(s, t->b, t->i0 + i, t->j0 + j))
-                row[i] = -INFINITY;
-    }
-}
 
 /* The online softmax of one key tile: m, l the running max and sum of exp(s - m) per
  * query; the out rows o hold the running sum of p v, rescaled here to the new max.
@@ -271,7 +259,7 @@ static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, kvh);
         gemm(0, 1, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, a->q + q0, qs, 0.0f, St, QT);
-        mask_scores_t(s, &t, sees, St);
+        mask_tile(s, &t, sees, St, 1);
         fwd_softmax(s, &t, St, m, l, o);
         gemm(1, 0, t.ni, hd, t.nj, 1.0f, St, QT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */
     }
