@@ -122,8 +122,10 @@ static int next_tile(const attn_shape *s, tile *t, int keys)
 }
 
 /* -inf where key j of the tile is hidden from query i, and past the tile's keys (S
- * [QT][KT], queries as rows) or past its queries (keys_major: St [KT][QT]) */
-static void mask_tile(const attn_shape *s, const tile *t, int sees, float *S, int keys_major)
+ * [QT][KT], queries as rows) or past its queries (keys_major: St [KT][QT]); inlined,
+ * so that each call site gets the loop of its orientation */
+static inline __attribute__((always_inline)) void mask_tile(const attn_shape *s, const tile *t, int sees,
+                                                         float *S, int keys_major)
 {
     const int rows = keys_major ? t->nj : t->ni, cols = keys_major ? t->ni : t->nj;
     const int width = keys_major ? QT : KT;
