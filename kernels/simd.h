@@ -21,7 +21,8 @@
 
 #if defined(__GNUC__) && !defined(__clang__)
 /* GCC if-converts the float compares of clamps and maxima, and so vectorizes those
- * loops, only without trapping math (for the file that includes this); no value changes */
+ * loops, only without trapping math (for the file that includes this; the kernels are
+ * built without errno, SConstruct); no value changes */
 #pragma GCC optimize("no-trapping-math")
 #endif
 
