@@ -4,17 +4,21 @@ model, batch and optimizer, on this machine's cores, in one run. Prints tokens/s
 peak memory (max RSS) of each.
 
     python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
-                                 --batch 8 --seq 256 --steps 20 --threads N --sdpa]
+                                 --batch 8 --seq 256 --steps 20 --threads N --sdpa --repeat N]
 
 Both sides: fp32, AdamW, gradient clipping 1.0, the same random tokens; tokens/s is
 measured over the steps after the first two (warm-up). torch runs in its own process
 so its peak memory is its own. --sdpa adds a second torch run with
-attn_implementation="sdpa" (torch's fused attention) beside the eager one. Needs the oracle venv (torch, transformers).
+attn_implementation="sdpa" (torch's fused attention) beside the eager one; --repeat N runs
+every side N times, in rounds, and reports the median round of each (this machine's
+figures move by up to 20% between runs). Needs the oracle venv (torch, transformers).
 """
 import argparse
 import json
 import os
 import pathlib
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -61,6 +65,7 @@ def main():
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--sdpa", action="store_true", help="also run torch with attn_implementation=sdpa")
+    ap.add_argument("--repeat", type=int, default=1, help="rounds of every run; the median round counts")
     a = ap.parse_args()
     import numpy as np
     import torch
@@ -99,27 +104,38 @@ def main():
         # a wrapper process, so that the peak is smp-train's alone
         wrap = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-        p = subprocess.run([sys.executable, "-c", wrap, str(BIN / "smp-train"), "--ckpt", str(tmp / "ck"), "--data",
-                            str(tmp / "d.bin"), "--save-dir", str(tmp / "run"), "--steps", str(a.steps), "--batch",
-                            str(a.batch), "--seq", str(a.seq), "--schedule", "constant", "--log",
-                            str(tmp / "log.jsonl"), "--compress", "none"], check=True, capture_output=True, text=True,
-                           env=env)
-        smp_rss = int(p.stdout.split()[-1])
-        rows = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
-        smp_tps = a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"] for r in rows[2:])
-        torch_runs = {}
-        for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
-            p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
-                hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
-                threads=a.threads, attn=attn))], check=True, capture_output=True, text=True, env=env)
-            torch_runs[attn] = json.loads(p.stdout.strip().splitlines()[-1])
+        smp_runs, torch_all = [], {}
+        for _ in range(a.repeat):  # rounds of every side, so that a busy moment hits them all
+            shutil.rmtree(tmp / "run", ignore_errors=True)
+            (tmp / "log.jsonl").unlink(missing_ok=True)
+            p = subprocess.run([sys.executable, "-c", wrap, str(BIN / "smp-train"), "--ckpt", str(tmp / "ck"),
+                                "--data", str(tmp / "d.bin"), "--save-dir", str(tmp / "run"), "--steps",
+                                str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq), "--schedule", "constant",
+                                "--log", str(tmp / "log.jsonl"), "--compress", "none"], check=True,
+                               capture_output=True, text=True, env=env)
+            rows = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
+            smp_runs.append((a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"]
+                                                                     for r in rows[2:]), int(p.stdout.split()[-1])))
+            for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
+                p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
+                    hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
+                    threads=a.threads, attn=attn))], check=True, capture_output=True, text=True, env=env)
+                torch_all.setdefault(attn, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
+        # each side's median round (tokens/s) and its largest peak
+        smp_tps = statistics.median(t for t, _ in smp_runs)
+        smp_rss = max(r for _, r in smp_runs)
+        torch_runs = {attn: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+                             "max_rss_kib": max(r["max_rss_kib"] for r in runs),
+                             "all": [r["tokens_per_s"] for r in runs]} for attn, runs in torch_all.items()}
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
           f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
           f"{a.threads} threads; fp32, AdamW; OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'auto')}")
-    print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}")
-    print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_rss / 1024:9.0f}M")
+    print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}" + ("   (median of %d rounds; each round)" % a.repeat
+                                                              if a.repeat > 1 else ""))
+    each = lambda xs: "   " + " ".join(f"{x:.0f}" for x in xs) if a.repeat > 1 else ""
+    print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_rss / 1024:9.0f}M" + each(t for t, _ in smp_runs))
     for attn, t in torch_runs.items():
-        print(f"{'torch ' + attn:12s} {t['tokens_per_s']:10.0f} {t['max_rss_kib'] / 1024:9.0f}M")
+        print(f"{'torch ' + attn:12s} {t['tokens_per_s']:10.0f} {t['max_rss_kib'] / 1024:9.0f}M" + each(t["all"]))
     for attn, t in torch_runs.items():
         print(f"speed ratio smp/torch {attn}: {smp_tps / t['tokens_per_s']:.2f}x; "
               f"memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
