@@ -33,6 +33,8 @@
 /* queries x keys per tile: the score tiles stay in L1; KT is the row loops' fixed
  * trip count, so the compiler vectorizes them without an epilogue */
 enum { QT = 64, KT = 64 };
+/* the largest head dim whose query tile the forward transposes on its stack (64 KiB) */
+enum { QT_HD_MAX = 256 };
 
 /* One call's shape; row_at gives the offset of row t of head h of batch b in a
  * [B, T, heads, hd] tensor. */
@@ -253,14 +255,23 @@ static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt
     const size_t qs = (size_t)s->nh * hd, ks = (size_t)s->nkv * hd;
     tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
     const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-    float *o = a->out + q0, St[KT * QT], m[QT], l[QT];
+    float *o = a->out + q0, St[KT * QT], m[QT], l[QT], Qt[QT_HD_MAX * QT];
     for (int i = 0; i < QT; i++)
         m[i] = -INFINITY, l[i] = 0.0f;
     for (int i = 0; i < t.ni; i++)
         memset(o + i * qs, 0, (size_t)hd * sizeof(float));
+    /* the tile's queries transposed once, so that every St is a plain product (OpenBLAS's
+     * nn small kernel: 2.7 us for 64 x 64 x 32 here, its nt one 3.7) */
+    const int plain = hd <= QT_HD_MAX;
+    for (int d = 0; plain && d < hd; d++)
+        for (int i = 0; i < t.ni; i++)
+            Qt[(size_t)d * QT + i] = a->q[q0 + (size_t)i * qs + d];
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, kvh);
-        gemm(0, 1, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, a->q + q0, qs, 0.0f, St, QT);
+        if (plain)
+            gemm(0, 0, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, Qt, QT, 0.0f, St, QT);
+        else
+            gemm(0, 1, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, a->q + q0, qs, 0.0f, St, QT);
         mask_tile(s, &t, sees, St, 1);
         fwd_softmax(s, &t, St, m, l, o);
         gemm(1, 0, t.ni, hd, t.nj, 1.0f, St, QT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */

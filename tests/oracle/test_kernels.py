@@ -609,6 +609,9 @@ ATTN_CASES = {
     "tiles_ring_ahead": (1, 100, 90, 2, 2, 16, list(range(100)), list(range(60, 150)), 0),
     # a window smaller than a tile: tiles on the diagonal partial, far ones skipped
     "tiles_window": (1, 200, 200, 4, 2, 33, list(range(200)), list(range(200)), 7),
+    # a head dim past the one whose query tile the forward transposes (QT_HD_MAX = 256):
+    # the scores as a transposed product instead
+    "wide_head": (1, 70, 70, 2, 1, 260, list(range(70)), list(range(70)), 0),
     # a cp rank's two chunks of 70, documents that start and end inside tiles
     "tiles_docs_zigzag": (2, 140, 140, 6, 3, 16, list(range(70)) + list(range(210, 280)),
                           list(range(70)) + list(range(210, 280)), 0,
