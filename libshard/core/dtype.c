@@ -165,13 +165,15 @@ static float to_f32(uint32_t h, fmt f)
 
 float shard_bf16_to_f32(uint16_t h) { return bits_f32((uint32_t)h << 16); }
 
-uint16_t shard_f32_to_bf16(float f)
+/* f32 bits -> bf16, rounded to nearest even (overflow carries into inf); NaN stays a
+ * quiet NaN of its sign. A select, not a branch, so that bulk loops vectorize. */
+static inline uint16_t bf16_of_bits(uint32_t u)
 {
-    uint32_t u = f32_bits(f);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u);
-    u += 0x7fffu + ((u >> 16) & 1u); /* ties to even; overflow carries into inf */
-    return (uint16_t)(u >> 16);
+    const uint16_t rounded = (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+    return (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u) : rounded;
 }
+
+uint16_t shard_f32_to_bf16(float f) { return bf16_of_bits(f32_bits(f)); }
 
 float shard_f16_to_f32(uint16_t h) { return to_f32(h, F16); }
 uint16_t shard_f32_to_f16(float f) { return (uint16_t)from_f32(f, F16); }
@@ -226,11 +228,7 @@ VECTORIZED static void bf16_to_f32(float *d, const uint16_t *s, size_t n)
 
 VECTORIZED static void f32_to_bf16(uint16_t *d, const float *s, size_t n)
 {
-    for (size_t i = 0; i < n; i++) {
-        uint32_t u = f32_bits(s[i]);
-        const uint32_t rounded = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16; /* ties to even */
-        d[i] = (u & 0x7fffffffu) > 0x7f800000u ? (uint16_t)(((u >> 16) & 0x8000u) | 0x7fc0u) : (uint16_t)rounded;
-    }
+    for (size_t i = 0; i < n; i++) d[i] = bf16_of_bits(f32_bits(s[i]));
 }
 
 shard_status shard_convert(void *dst, shard_dtype dst_dt, const void *src, shard_dtype src_dt, size_t n)
