@@ -56,7 +56,7 @@ typedef struct {
 
 static int parse_args(int argc, char **argv, int cmd, args *a)
 {
-    const char *val[O_COUNT];
+    const char *val[O_COUNT] = {0}; /* hf2smp and reshard parse only up to O_SEED: the rest stays NULL */
     int rc = cli_parse(argc, argv, 2, OPTS, cmd == INIT ? O_COUNT : O_SEED, val, NULL, 0, NULL);
     if (rc) return rc;
     memset(a, 0, sizeof *a);

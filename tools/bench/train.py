@@ -66,13 +66,18 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--sdpa", action="store_true", help="also run torch with attn_implementation=sdpa")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every run; the median round counts")
+    ap.add_argument("--keep", metavar="DIR", help="work in DIR (made, kept: the model, tokens and checkpoint "
+                    "for profiling smp-train by hand) instead of a temporary folder")
     a = ap.parse_args()
     import numpy as np
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
     inter = a.intermediate or (a.hidden * 8 // 3 + 63) // 64 * 64
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = pathlib.Path(a.keep or scratch)
+        if a.keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+            tmp.mkdir(parents=True)
         torch.manual_seed(0)
         cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=inter,
                           num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
