@@ -483,37 +483,70 @@ typedef struct {
     size_t ntasks, next; /* next: atomic */
 } read_job;
 
-/* Rows of chunk k that x wants, converted into their places in dst. */
-static shard_status scatter(const read_job *j, const task *tk, const uint8_t *raw)
+/* Where the rows of chunk k that x wants go: rows [lo, hi) of the piece, columns
+ * [c0, c0 + nc), from src (offset in the decoded chunk) to dst, dstep elements apart
+ * in dst. */
+typedef struct {
+    int64_t lo, hi, nc, dstep;
+    size_t src;
+    char *dst;
+} span;
+
+static span span_of(const read_job *j, const task *tk, int64_t *r0, int64_t *nr)
 {
     const shard_chunking *g = &tk->p->ix->g;
     const shard_box *pb = &tk->p->box, *x = &tk->x, *w = j->want;
     const int nd = g->ndim, rdim = nd == 1 ? 0 : nd - 2;
-    const size_t des = shard_dtype_size(j->dt);
     uint64_t plane;
-    int64_t r0, nr;
     hsize_t hoff[SHARD_MAX_DIMS];
-    shard_chunking_at(g, tk->k, &plane, &r0, &nr, hoff);
-    int64_t lo = x->off[rdim] - pb->off[rdim], hi = lo + x->len[rdim];
-    if (lo < r0) lo = r0;
-    if (hi > r0 + nr) hi = r0 + nr;
-    const int64_t c0 = nd == 1 ? 0 : x->off[nd - 1] - pb->off[nd - 1], nc = nd == 1 ? 1 : x->len[nd - 1];
-    /* the element of dst at (plane, row lo, column c0), and the step between rows */
+    shard_chunking_at(g, tk->k, &plane, r0, nr, hoff);
+    span sp = {x->off[rdim] - pb->off[rdim], 0, nd == 1 ? 1 : x->len[nd - 1], nd == 1 ? 1 : w->len[nd - 1], 0, NULL};
+    sp.hi = sp.lo + x->len[rdim];
+    if (sp.lo < *r0) sp.lo = *r0;
+    if (sp.hi > *r0 + *nr) sp.hi = *r0 + *nr;
+    const int64_t c0 = nd == 1 ? 0 : x->off[nd - 1] - pb->off[nd - 1];
+    /* the element of dst at (plane, row lo, column c0) */
     int64_t doff = 0, gidx[SHARD_MAX_DIMS];
     for (int d = 0; d < rdim; d++) gidx[d] = pb->off[d] + (int64_t)hoff[d];
-    gidx[rdim] = pb->off[rdim] + lo;
+    gidx[rdim] = pb->off[rdim] + sp.lo;
     if (nd > 1) gidx[nd - 1] = pb->off[nd - 1] + c0;
     for (int d = 0; d < nd; d++) doff = doff * w->len[d] + (gidx[d] - w->off[d]);
-    const int64_t dstep = nd == 1 ? 1 : w->len[nd - 1];
-    const uint8_t *src = raw + (size_t)((lo - r0) * g->cols + c0) * g->es;
-    char *dst = (char *)j->dst + (size_t)doff * des;
-    if (nc == g->cols && dstep == g->cols) /* whole rows, adjacent in dst too: one run */
-        return shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)((hi - lo) * nc));
-    for (int64_t r = lo; r < hi; r++, src += (size_t)g->cols * g->es, dst += (size_t)dstep * des) {
-        shard_status s = shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)nc);
+    sp.src = (size_t)((sp.lo - *r0) * g->cols + c0) * g->es;
+    sp.dst = (char *)j->dst + (size_t)doff * shard_dtype_size(j->dt);
+    return sp;
+}
+
+/* Rows of chunk k that x wants, converted into their places in dst. */
+static shard_status scatter(const read_job *j, const task *tk, const uint8_t *raw)
+{
+    const shard_chunking *g = &tk->p->ix->g;
+    int64_t r0, nr;
+    const span sp = span_of(j, tk, &r0, &nr);
+    const size_t des = shard_dtype_size(j->dt);
+    const uint8_t *src = raw + sp.src;
+    char *dst = sp.dst;
+    if (sp.nc == g->cols && sp.dstep == g->cols) /* whole rows, adjacent in dst too: one run */
+        return shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)((sp.hi - sp.lo) * sp.nc));
+    for (int64_t r = sp.lo; r < sp.hi; r++, src += (size_t)g->cols * g->es, dst += (size_t)sp.dstep * des) {
+        shard_status s = shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)sp.nc);
         if (s) return s;
     }
     return SHARD_OK;
+}
+
+/* A task that wants the whole of an uncompressed chunk, in the stored dtype, as one
+ * run of dst (whole rows, adjacent there too): read straight into its place and
+ * checked there, without a copy through the chunk cache (merge, reshard and loads in
+ * the stored layout: most chunks). NULL when the task is not such. */
+static uint8_t *direct_place(const read_job *j, const task *tk)
+{
+    const piece_index *ix = tk->p->ix;
+    const shard_chunking *g = &ix->g;
+    if (ix->zstd || j->dt != j->t->t.dtype) return NULL;
+    int64_t r0, nr;
+    const span sp = span_of(j, tk, &r0, &nr);
+    const int whole = sp.lo == r0 && sp.hi == r0 + nr && sp.nc == g->cols && sp.dstep == g->cols;
+    return whole && ix->loc[tk->k].size == ckpt_chunk_valid(g, tk->k) ? (uint8_t *)sp.dst : NULL;
 }
 
 static shard_status read_worker(void *arg, int worker)
@@ -525,11 +558,17 @@ static shard_status read_worker(void *arg, int worker)
     for (;;) {
         size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (st || i >= j->ntasks) break;
-        const uint8_t *raw;
-        cache_slot *slot;
-        st = cache_get(j->c, j->tasks[i].p, j->tasks[i].k, s, &slot, &raw);
-        if (!st) st = scatter(j, &j->tasks[i], raw);
-        cache_put(j->c, slot);
+        const task *tk = &j->tasks[i];
+        const uint8_t *raw, *stored;
+        uint8_t *place = direct_place(j, tk);
+        if (place) {
+            st = decode_into(j->c, tk->p, tk->k, s, place, &stored);
+        } else {
+            cache_slot *slot;
+            st = cache_get(j->c, tk->p, tk->k, s, &slot, &raw);
+            if (!st) st = scatter(j, tk, raw);
+            cache_put(j->c, slot);
+        }
         if (st) __atomic_store_n(&j->next, j->ntasks, __ATOMIC_RELAXED); /* the others stop too */
     }
     ckpt_scratch_put(j->c, s);

@@ -834,6 +834,33 @@ def test_corrupt_chunk_is_caught(lib, ckpts, tmp_path, name):
             assert_same(c.read_ok(k2, (0, 0), o.full[k2].shape), o.full[k2], f"{name} {k2}")
 
 
+@pytest.mark.parametrize("name", ["f32-tp2-none", "bf16-pp2tp2-none"])
+def test_corrupt_chunk_read_in_place(lib, ckpts, tmp_path, name):
+    """A whole, uncompressed chunk wanted in its stored dtype as one run of the box is
+    read straight into the caller's buffer (no chunk cache): damage there is caught
+    all the same, as through the cache (another dtype, a part of the chunk), and by
+    the commands."""
+    ck = tmp_path / "ck"
+    shutil.copytree(ckpts[name], ck)
+    o = oracle(ck)
+    key = ("params", "model.embed_tokens.weight")
+    p = min(o.pieces[key], key=lambda p: p["off"])
+    r, H = p["chunks"][0], p["shape"][1]
+    assert p["shape"][0] > r and H == o.full[key].shape[1]  # a full first chunk, whole rows of the tensor
+    assert flip_byte(ck, p, 0) == (0, r)
+    refresh_files(ck)  # only the chunk's and the piece's checksums can catch it
+    other = {"F32": "BF16", "BF16": "F32"}[o.dtype[key]]
+    for threads in (1, 2):
+        with Ckpt(lib, ck, threads) as c:
+            for off, ln, dt in [((0, 0), (r, H), None), ((0, 0), (2 * r, H), None), ((0, 0), (r, H), other),
+                                ((3, 0), (1, H), None)]:
+                st, msg, _ = c.read(key, off, ln, dt)
+                assert st == E_CORRUPT and p["file"] in msg and p["dataset"] in msg, (off, ln, dt, st, msg)
+            assert_same(c.read_ok(key, (r, 0), (1, H)), o.box(key, (r, 0), (1, H)), f"{name} after a failure")
+    vocab = MODELS[CKPTS[name][0]][0]["vocab_size"]
+    commands_refuse(ck, tmp_path, p["file"], vocab)
+
+
 def test_corrupt_chunk_in_3d_piece(lib, api_ckpt, tmp_path):
     """The same in a 3-D piece: one chunk of one plane damaged; the other planes and the
     other chunks of the plane read."""
