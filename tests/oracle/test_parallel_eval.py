@@ -92,10 +92,10 @@ def test_ranks_read_only_the_chunks_they_need(tmp_path):
         p = mpirun_eval(2, "--layout", layout, *args)
         read = int(LOADED.search(p.stderr).group(1))
         assert read < 1.6 * read1, (layout, read, read1)  # whole pieces per rank: 2x
-        # pp changes no arithmetic: the same bits; tp adds the row-parallel partial sums in
-        # another order: fp32 rounding (1e-8 held on one CPU's BLAS kernels, not another's)
+        # within fp32 rounding: tp adds the row-parallel partial sums in another order, and
+        # the ranks run on other thread counts (1e-8 held with one CPU's BLAS kernels only)
         got, want = json.loads(p.stdout)["loss"], json.loads(one.stdout)["loss"]
-        assert got == want if layout == "pp=2" else abs(got - want) <= 1e-6 * want, (layout, got, want)
+        assert abs(got - want) <= 1e-6 * want, (layout, got, want)
 
 
 def test_one_error_line_for_the_run(setup, tmp_path):
