@@ -145,14 +145,6 @@ static inline __attribute__((always_inline)) void mask_tile(const attn_shape *s,
 
 /* ---- tile arithmetic --------------------------------------------------------------- */
 
-/* exp(x - sub) for a row of KT, x - sub <= ~0 (0 where -inf) */
-SMP_SIMD_INLINE void exp_row(float *p, const float *x, float sub)
-{
-    #pragma omp simd
-    for (int j = 0; j < KT; j++)
-        p[j] = smp_expf(x[j] - sub);
-}
-
 /* C[M][N] = alpha op(A) op(B) + beta C, op(X) = X or X^T (ta, tb); beta 0 or 1 */
 static void gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A,
                  size_t lda, const float *B, size_t ldb, float beta, float *C, size_t ldc)
@@ -186,13 +178,31 @@ static void for_tasks(int B, int heads, int ntiles, task_fn fn, const attn_shape
                 fn(s, args, b, h, t);
 }
 
-/* S[ni][KT] = scale q k^T of the tile (q rows at q0, k rows at k0), masked */
-static void tile_scores(const attn_shape *s, const tile *t, int sees, const float *q0,
-                        const float *k0, float *S)
+/* Xt [hd][QT] = the tile's rows of X (queries x hd, row stride xs) transposed, lanes past
+ * the tile's queries 0: once per query tile, so that the key-major products below are
+ * plain (nn) ones */
+static void transpose_rows(const attn_shape *s, const tile *t, const float *x, size_t xs, float *Xt)
 {
-    gemm(0, 1, t->ni, t->nj, s->hd, s->scale, q0, (size_t)s->nh * s->hd, k0,
-         (size_t)s->nkv * s->hd, 0.0f, S, KT);
-    mask_tile(s, t, sees, S, 0);
+    for (int d = 0; d < s->hd; d++) {
+        float *row = Xt + (size_t)d * QT;
+        for (int i = 0; i < t->ni; i++)
+            row[i] = x[(size_t)i * xs + d];
+        for (int i = t->ni; i < QT; i++)
+            row[i] = 0.0f;
+    }
+}
+
+/* Ct [KT][QT] = alpha Y X^T for the tile's keys (rows of Y, e.g. k or v) and queries (rows
+ * of X, e.g. q or dout): from Xt when the caller transposed X (plain: hd <= QT_HD_MAX),
+ * else from X itself (OpenBLAS's nn small kernel: 2.7 us for 64 x 64 x 32 here, nt 3.7) */
+static void keys_by_queries(const attn_shape *s, const tile *t, float alpha, const float *y,
+                            const float *x, const float *Xt, float *Ct)
+{
+    const size_t ks = (size_t)s->nkv * s->hd, qs = (size_t)s->nh * s->hd;
+    if (Xt)
+        gemm(0, 0, t->nj, t->ni, s->hd, alpha, y, ks, Xt, QT, 0.0f, Ct, QT);
+    else
+        gemm(0, 1, t->nj, t->ni, s->hd, alpha, y, ks, x, qs, 0.0f, Ct, QT);
 }
 
 /* ---- forward ----------------------------------------------------------------------- */
@@ -260,18 +270,12 @@ static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt
         m[i] = -INFINITY, l[i] = 0.0f;
     for (int i = 0; i < t.ni; i++)
         memset(o + i * qs, 0, (size_t)hd * sizeof(float));
-    /* the tile's queries transposed once, so that every St is a plain product (OpenBLAS's
-     * nn small kernel: 2.7 us for 64 x 64 x 32 here, its nt one 3.7) */
-    const int plain = hd <= QT_HD_MAX;
-    for (int d = 0; plain && d < hd; d++)
-        for (int i = 0; i < t.ni; i++)
-            Qt[(size_t)d * QT + i] = a->q[q0 + (size_t)i * qs + d];
+    const float *tq = hd <= QT_HD_MAX ? Qt : NULL; /* the tile's queries transposed once */
+    if (tq)
+        transpose_rows(s, &t, a->q + q0, qs, Qt);
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, kvh);
-        if (plain)
-            gemm(0, 0, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, Qt, QT, 0.0f, St, QT);
-        else
-            gemm(0, 1, t.nj, t.ni, hd, s->scale, a->k + kv0, ks, a->q + q0, qs, 0.0f, St, QT);
+        keys_by_queries(s, &t, s->scale, a->k + kv0, a->q + q0, tq, St);
         mask_tile(s, &t, sees, St, 1);
         fwd_softmax(s, &t, St, m, l, o);
         gemm(1, 0, t.ni, hd, t.nj, 1.0f, St, QT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */
@@ -305,61 +309,75 @@ typedef struct {
 /* With P = exp(S - lse) (the softmax of the FINAL, merged row, so each kv block's
  * share is exact on its own) and D_i = dout_i . out_i = sum_j P_ij dP_ij:
  *   dP_ij = dout_i . v_j,  dS_ij = P_ij (dP_ij - D_i)
- * P into S, dS into dS (both QT x KT; their columns past the tile are left 0, so
- * both must start zeroed); D from row_dots. Rows with lse = -inf saw no key anywhere:
- * no gradient. */
-SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
-                       int h, size_t q0, size_t kv0, const float *D, float *S, float *dS)
+ * The backward works key-major, as the forward does: Pt, dSt [KT][QT] (keys as rows),
+ * from K Q^T and V dout^T against the query tile's q and dout transposed once (plain
+ * products), so that dv += Pt dout and dk += scale dSt q are plain products too and
+ * only dq += scale dSt^T k is transposed (the query-major form ran two nt and two tn
+ * products per tile, OpenBLAS's slowest). */
+
+/* A query tile's side of the backward: its rows' lse, D_i = dout_i . out_i (once per
+ * query tile, not per key tile), and q, dout transposed (NULL: hd > QT_HD_MAX). Rows
+ * with lse = -inf saw no key anywhere: subtracting +inf makes their P and dS 0; so do
+ * the lanes past the tile's queries. */
+typedef struct {
+    float L[QT], D[QT];
+    const float *qt, *dot;
+    float Qt[QT_HD_MAX * QT], dOt[QT_HD_MAX * QT];
+} qside;
+
+static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int h, size_t q0, qside *q)
 {
-    const int hd = s->hd;
-    tile_scores(s, t, sees, a->q + q0, a->k + kv0, S);
-    gemm(0, 1, t->ni, t->nj, hd, 1.0f, a->dout + q0, (size_t)s->nh * hd, a->v + kv0, (size_t)s->nkv * hd,
-         0.0f, dS, KT);
+    const size_t qs = (size_t)s->nh * s->hd;
+    for (int i = 0; i < QT; i++)
+        q->L[i] = INFINITY, q->D[i] = 0.0f;
     for (int i = 0; i < t->ni; i++) {
-        float *p = S + (size_t)i * KT, *ds = dS + (size_t)i * KT;
         const float L = a->lse[((size_t)t->b * s->nh + h) * s->Tq + t->i0 + i];
-        if (L == -INFINITY) {
-            memset(p, 0, KT * sizeof(float));
-            memset(ds, 0, KT * sizeof(float));
-            continue;
-        }
-        exp_row(p, p, L);
-        #pragma omp simd
-        for (int j = 0; j < KT; j++)
-            ds[j] = p[j] * (ds[j] - D[i]);
+        const float *g = a->dout + q0 + i * qs, *o = a->out + q0 + i * qs;
+        float acc = 0.0f;
+        for (int d = 0; d < s->hd; d++)
+            acc += g[d] * o[d];
+        q->L[i] = L == -INFINITY ? INFINITY : L, q->D[i] = acc;
+    }
+    q->qt = q->dot = NULL;
+    if (s->hd <= QT_HD_MAX) {
+        transpose_rows(s, t, a->q + q0, qs, q->Qt);
+        transpose_rows(s, t, a->dout + q0, qs, q->dOt);
+        q->qt = q->Qt, q->dot = q->dOt;
     }
 }
 
-/* D_i = dout_i . out_i for the tile's queries: once per query tile, not per key tile */
-SMP_SIMD_CLONES static void row_dots(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, float *D)
+/* Pt and dSt of the tile (rows past its keys untouched, lanes past its queries 0) */
+SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
+                                       size_t q0, size_t kv0, const qside *q, float *Pt, float *dSt)
 {
-    const size_t qs = (size_t)s->nh * s->hd;
-    for (int i = 0; i < t->ni; i++) {
-        const float *g = a->dout + q0 + i * qs, *o = a->out + q0 + i * qs;
-        float acc = 0.0f;
-        #pragma omp simd reduction(+ : acc)
-        for (int d = 0; d < s->hd; d++)
-            acc += g[d] * o[d];
-        D[i] = acc;
+    keys_by_queries(s, t, s->scale, a->k + kv0, a->q + q0, q->qt, Pt);
+    mask_tile(s, t, sees, Pt, 1);
+    keys_by_queries(s, t, 1.0f, a->v + kv0, a->dout + q0, q->dot, dSt);
+    for (int j = 0; j < t->nj; j++) {
+        float *p = Pt + (size_t)j * QT, *ds = dSt + (size_t)j * QT;
+        #pragma omp simd
+        for (int i = 0; i < QT; i++) {
+            p[i] = smp_expf(p[i] - q->L[i]);
+            ds[i] = i < t->ni ? p[i] * (ds[i] - q->D[i]) : 0.0f;
+        }
     }
 }
 
 /* dq_i += scale sum_j dS_ij k_j for the tile's queries */
 static void add_dq(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, size_t kv0,
-                   const float *dS)
+                   const float *dSt)
 {
-    gemm(0, 0, t->ni, s->hd, t->nj, s->scale, dS, KT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f,
+    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f,
          a->dq + q0, (size_t)s->nh * s->hd);
 }
 
-/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys
- * (transposed products: measured faster than transposing the tiles for plain ones) */
+/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys */
 static void add_dkv(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, size_t kv0,
-                    const float *S, const float *dS)
+                    const float *Pt, const float *dSt)
 {
     const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
-    gemm(1, 0, t->nj, s->hd, t->ni, s->scale, dS, KT, a->q + q0, qs, 1.0f, a->dk + kv0, ks);
-    gemm(1, 0, t->nj, s->hd, t->ni, 1.0f, S, KT, a->dout + q0, qs, 1.0f, a->dv + kv0, ks);
+    gemm(0, 0, t->nj, s->hd, t->ni, s->scale, dSt, QT, a->q + q0, qs, 1.0f, a->dk + kv0, ks);
+    gemm(0, 0, t->nj, s->hd, t->ni, 1.0f, Pt, QT, a->dout + q0, qs, 1.0f, a->dv + kv0, ks);
 }
 
 /* Two-pass form, one: dq of a query tile, over the key tiles in order */
@@ -368,12 +386,13 @@ static void dq_task(const attn_shape *s, const void *args, int b, int h, int qt)
     const bwd_args *a = args;
     tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
     const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-    float S[QT * KT] = {0}, dS[QT * KT] = {0}, D[QT];
-    row_dots(s, a, &t, q0, D);
+    float Pt[KT * QT], dSt[KT * QT];
+    qside q;
+    qside_of(s, a, &t, h, q0, &q);
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group);
-        tile_probs(s, a, &t, sees, h, q0, kv0, D, S, dS);
-        add_dq(s, a, &t, q0, kv0, dS);
+        tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
+        add_dq(s, a, &t, q0, kv0, dSt);
     }
 }
 
@@ -384,14 +403,15 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
     const bwd_args *a = args;
     tile t = {b, 0, 0, kt * KT, imin(KT, s->Tk - kt * KT)};
     const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
-    float S[QT * KT] = {0}, dS[QT * KT] = {0}, D[QT];
+    float Pt[KT * QT], dSt[KT * QT];
+    qside q;
     for (int h = g * s->group; h < (g + 1) * s->group; h++) {
         t.i0 = 0;
         for (int sees; (sees = next_tile(s, &t, 0)) != SEES_NONE; t.i0 += QT) {
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-            row_dots(s, a, &t, q0, D);
-            tile_probs(s, a, &t, sees, h, q0, kv0, D, S, dS);
-            add_dkv(s, a, &t, q0, kv0, S, dS);
+            qside_of(s, a, &t, h, q0, &q);
+            tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
+            add_dkv(s, a, &t, q0, kv0, Pt, dSt);
         }
     }
 }
@@ -403,17 +423,18 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
 static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, int unused)
 {
     const bwd_args *a = args;
-    float S[QT * KT] = {0}, dS[QT * KT] = {0}, D[QT];
+    float Pt[KT * QT], dSt[KT * QT];
+    qside q;
     for (int h = g * s->group; h < (g + 1) * s->group; h++) {
         for (int i0 = 0; i0 < s->Tq; i0 += QT) {
             tile t = {b, i0, imin(QT, s->Tq - i0), 0, 0};
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-            row_dots(s, a, &t, q0, D);
+            qside_of(s, a, &t, h, q0, &q);
             for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
                 const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
-                tile_probs(s, a, &t, sees, h, q0, kv0, D, S, dS);
-                add_dq(s, a, &t, q0, kv0, dS);
-                add_dkv(s, a, &t, q0, kv0, S, dS);
+                tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
+                add_dq(s, a, &t, q0, kv0, dSt);
+                add_dkv(s, a, &t, q0, kv0, Pt, dSt);
             }
         }
     }
