@@ -287,7 +287,7 @@ static shard_status raw_write(shard_st_writer *w, const void *p, size_t n)
 {
     const char *c = p;
     while (n) {
-        ssize_t r = write(w->fd, c, n);
+        ssize_t r = write(w->fd, c, n < SHARD_WRITE_MAX ? n : SHARD_WRITE_MAX);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(errno));
         c += r;

@@ -1,6 +1,7 @@
 """The safetensors reader and writer against the `safetensors` Python library."""
 import ctypes
 import json
+import shutil
 
 import ml_dtypes
 import numpy as np
@@ -146,3 +147,32 @@ def test_multi_file_model_with_index(shard, tmp_path):
         assert names == sorted({**a, **b})
     finally:
         shard.shard_weights_close(h)
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_merge_writes_at_most_256_kib_at_a_time(tmp_path):
+    """smp-merge hands the kernel at most SHARD_WRITE_MAX (256 KiB) per write(2): larger
+    writes get large page-cache folios, which on a VM with free page reporting were
+    4-10x slower to fill (libshard/core/internal.h). A 16 MiB embedding, so that the
+    writer's 4 MiB buffer fills several times."""
+    import subprocess
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from conftest import BUILD, run
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=16384, hidden_size=256, intermediate_size=128, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(str(tmp_path / "hf"), safe_serialization=True)
+    run("smp-convert", "hf2smp", "--in", tmp_path / "hf", "--out", tmp_path / "ck", "--layout", "pp=1", check=0)
+    log = tmp_path / "strace.log"
+    p = subprocess.run(["strace", "-f", "-qq", "-e", "trace=write,pwrite64,writev", "-e", "signal=none", "-o", str(log),
+                        str(BUILD / "bin" / "smp-merge"), "--in", str(tmp_path / "ck"), "--out", str(tmp_path / "m"),
+                        "--no-fsync"], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    sizes = [int(line.rsplit("=", 1)[1]) for line in log.read_text().splitlines() if "= " in line and "write" in line
+             and line.rsplit("=", 1)[1].strip().lstrip("-").isdigit()]
+    out = (tmp_path / "m" / "model.safetensors").stat().st_size
+    assert out > 16 << 20 and sum(sizes) >= out, (out, sum(sizes))
+    assert max(sizes) <= 256 << 10, max(sizes)
+    src, got = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "m" / "model.safetensors"))
+    assert set(src) == set(got) and all(np.array_equal(src[k], got[k]) for k in src)
