@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "ops.h"
+#include "simd.h"
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -935,9 +936,36 @@ static void test_xent_fd(void **state)
         assert_true(d[1 * XV + j] == 0.0f);
 }
 
+/* smp_expf (simd.h) at its edges, as its comment promises: NaN stays NaN, 0 below
+ * e^-87.33, inf above e^88, and within 1 ulp of e^x (double exp, rounded) between */
+static int32_t ulps(float a, float b)
+{
+    int32_t ia, ib;
+    memcpy(&ia, &a, sizeof ia);
+    memcpy(&ib, &b, sizeof ib);
+    return ia > ib ? ia - ib : ib - ia;
+}
+
+static void test_expf_edges(void **state)
+{
+    (void)state;
+    assert_true(isnan(smp_expf(NAN)) && isnan(smp_expf(-NAN)));
+    assert_true(smp_expf(-INFINITY) == 0.0f && smp_expf(-87.5f) == 0.0f && smp_expf(-1e30f) == 0.0f);
+    assert_true(isinf(smp_expf(INFINITY)) && isinf(smp_expf(88.5f)) && isinf(smp_expf(1e30f)));
+    assert_true(smp_expf(0.0f) == 1.0f);
+    int32_t worst = 0;
+    for (int i = 0; i <= 1000000; i++) {
+        const float x = -87.3f + (88.0f + 87.3f) * (float)i / 1e6f;
+        const int32_t u = ulps(smp_expf(x), (float)exp((double)x));
+        worst = u > worst ? u : worst;
+    }
+    assert_true(worst <= 1);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_expf_edges),
         cmocka_unit_test(test_rmsnorm_fd),
         cmocka_unit_test(test_layernorm_fd),
         cmocka_unit_test(test_layernorm_threads),
