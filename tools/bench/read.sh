@@ -44,7 +44,10 @@
 #        bytes of fresh memory as (e)'s fp32 weights (2 x the checkpoint's bf16 data;
 #        Python: one bytes object, the time it prints). A load cannot be faster than its
 #        destination's first touch; on a VM the host's backing of guest memory makes
-#        that touch cost from 0.3 to several seconds per GB, varying from run to run
+#        that touch cost from 0.3 to several seconds per GB, varying from run to run,
+#        and the second of two runs reuses memory the first just freed before the host
+#        takes it back: (e) and (e'), (f) and (f') take turns running first (the load in
+#        odd rounds, the anchor in even ones)
 #   (h') what a user would do for (e)'s fp32 weights: torch loads the model's safetensors
 #        (safetensors.torch.load_file) and converts to float32; the load time it prints
 #   (i)  peak RSS (/usr/bin/time -v; under mpirun the largest process) of every command
@@ -249,6 +252,17 @@ measure() {
     printf "  %-6s %7.2f s%s   peak RSS %8.1f MiB\n" "$key" "$dt" "${lt:+   (load $lt s)}" "$(calc "$rss / 1024")"
 }
 
+# pair ROUND KEY1 CMD1... -- KEY2 CMD2...: both measured (no output folder), KEY1 first in
+# odd rounds, KEY2 first in even ones
+pair() {
+    local round=$1 k1=$2 k2; shift 2
+    local a=() b=()
+    while [ "$1" != -- ]; do a+=("$1"); shift; done
+    shift; k2=$1; shift; b=("$@")
+    if [ $((round % 2)) = 1 ]; then measure "$k1" - "${a[@]}"; measure "$k2" - "${b[@]}"
+    else measure "$k2" - "${b[@]}"; measure "$k1" - "${a[@]}"; fi
+}
+
 HAVE_LAYOUT=0
 if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--layout'; then HAVE_LAYOUT=1; fi
 echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg), $(df -h "$CACHE" | awk 'NR==2 {print $1}')"
@@ -266,13 +280,14 @@ for ((round = 1; round <= REPEAT; round++)); do
     measure rs "$OUT/x" "$BIN/smp-convert" reshard --in "$CKN" --out "$OUT/x" --layout tp=4 --compress none --no-fsync
     measure mg "$OUT/x" "$BIN/smp-merge" --in "$CKN" --out "$OUT/x" --no-fsync
     measure vf - "$BIN/smp-verify" "$CKN"
+    # a load and its anchor, in turns first: the one that runs second reuses memory the
+    # first just freed, before the host takes it back (see (e') above)
     if [ "$BIG" = 0 ]; then
-        measure ev - "$BIN/smp-eval" --ckpt "$CKN" "${EVAL[@]}"
-        measure mem - "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES))"
+        pair "$round" ev "$BIN/smp-eval" --ckpt "$CKN" "${EVAL[@]}" -- mem "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES))"
     fi
     if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
-        measure evp - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --ckpt "$CKN" --data "$TOK" --batch 2 --seq 16 --batches 1
-        measure memp - "${MPI[@]}" "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES / EVAL_SPLIT))"
+        pair "$round" evp "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --ckpt "$CKN" --data "$TOK" --batch 2 --seq 16 \
+            --batches 1 -- memp "${MPI[@]}" "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES / EVAL_SPLIT))"
     fi
     measure cps "$OUT/x" bash -c "cp -r '$CKN' '$OUT/x' && sync"
     measure rs-d "$OUT/x" "$BIN/smp-convert" reshard --in "$CKN" --out "$OUT/x" --layout tp=4 --compress none
