@@ -65,7 +65,7 @@
 # Llama-3-8B's shapes, hidden 4096, intermediate 14336, 32 layers, vocab 128256, 32
 # heads, 8 kv heads: 8.0 G parameters, 16 GB of bf16, in CACHE_DIR/hf-8b; (e), (f) and
 # (h) are skipped there: they would hold the model in fp32, or whole, in memory; it needs
-# ~65 GB of disk),
+# ~78 GB of disk, checked at start),
 # SMP_BENCH_EVAL_LAYOUT (the layout of (f), 8 ranks; default tp=4,dp=2), SMP_PY (python with torch, transformers,
 # safetensors, h5py, hdf5plugin; default the oracle venv under ~/.cache/smp), SMP_BIN
 # (default build/bin; not built here: build it first).
@@ -86,6 +86,14 @@ elif [ "$BIG" = 1 ]; then HF=$CACHE/hf-8b; OUT=$CACHE/out-read-8b
 else HF=$CACHE/hf; OUT=$CACHE/out-read; fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
+# the disk the run needs, the model's folder included: 5 copies of the model's bytes
+# (model, CK_NONE, CK_ZSTD ~0.7, round 1's kept merge, an output), checked before
+# anything is written (an 8B run once filled a disk after its first rows)
+NEED=$(if [ "$SMALL" = 1 ]; then echo 1; elif [ "$BIG" = 1 ]; then echo 78; else echo 8; fi)
+HAVE=$(( ($(df -B1 --output=avail "$CACHE" | tail -1) + $(du -sb "$HF" 2>/dev/null | cut -f1 || echo 0)) >> 30 ))
+if [ "$HAVE" -lt "$NEED" ]; then
+    echo "read.sh: $CACHE has ${HAVE} GB for the run (its model folder included), it needs ~$NEED GB"; exit 1
+fi
 if [ "$(id -u)" = 0 ]; then export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1; fi
 
 # ------------------------------------------------------------------- the binaries
