@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install what smp needs on a fresh Debian 12 machine; safe to run again.
-#   - Debian packages (build tools and libraries, Open MPI, OpenBLAS, python3-venv, valgrind)
+#   - Debian packages (build tools and libraries, Open MPI, OpenBLAS, python3-venv, valgrind and strace for two tests)
 #   - a Python venv with the pinned oracle packages (torch, transformers, ... all from PyPI;
 #     torch's wheel brings its CUDA libraries, ~5.8 GB), kept OUTSIDE the clone in
 #     ~/.cache/smp/venv-<hash of tests/requirements.txt + python version>, built once per
@@ -10,7 +10,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PKGS="scons gcc clang libclang-rt-14-dev pkg-config libhdf5-dev libzstd-dev libjansson-dev libxxhash-dev
-      libcmocka-dev libopenblas-dev libopenblas0-openmp libopenmpi-dev openmpi-bin python3-venv valgrind"
+      libcmocka-dev libopenblas-dev libopenblas0-openmp libopenmpi-dev openmpi-bin python3-venv valgrind strace"
 missing=()
 for p in $PKGS; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
