@@ -168,6 +168,8 @@ def test_merge_writes_at_most_256_kib_at_a_time(tmp_path):
     p = subprocess.run(["strace", "-f", "-qq", "-e", "trace=write,pwrite64,writev", "-e", "signal=none", "-o", str(log),
                         str(BUILD / "bin" / "smp-merge"), "--in", str(tmp_path / "ck"), "--out", str(tmp_path / "m"),
                         "--no-fsync"], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0 and "ptrace" in p.stderr.lower():
+        pytest.skip(f"strace cannot trace here: {p.stderr.strip().splitlines()[0]}")
     assert p.returncode == 0, p.stderr
     sizes = [int(line.rsplit("=", 1)[1]) for line in log.read_text().splitlines() if "= " in line and "write" in line
              and line.rsplit("=", 1)[1].strip().lstrip("-").isdigit()]
