@@ -516,19 +516,17 @@ static span span_of(const read_job *j, const task *tk, int64_t *r0, int64_t *nr)
     return sp;
 }
 
-/* Rows of chunk k that x wants, converted into their places in dst. */
-static shard_status scatter(const read_job *j, const task *tk, const uint8_t *raw)
+/* The span's rows of decoded chunk raw, converted into their places in dst. */
+static shard_status scatter(const read_job *j, const task *tk, const span *sp, const uint8_t *raw)
 {
     const shard_chunking *g = &tk->p->ix->g;
-    int64_t r0, nr;
-    const span sp = span_of(j, tk, &r0, &nr);
     const size_t des = shard_dtype_size(j->dt);
-    const uint8_t *src = raw + sp.src;
-    char *dst = sp.dst;
-    if (sp.nc == g->cols && sp.dstep == g->cols) /* whole rows, adjacent in dst too: one run */
-        return shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)((sp.hi - sp.lo) * sp.nc));
-    for (int64_t r = sp.lo; r < sp.hi; r++, src += (size_t)g->cols * g->es, dst += (size_t)sp.dstep * des) {
-        shard_status s = shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)sp.nc);
+    const uint8_t *src = raw + sp->src;
+    char *dst = sp->dst;
+    if (sp->nc == g->cols && sp->dstep == g->cols) /* whole rows, adjacent in dst too: one run */
+        return shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)((sp->hi - sp->lo) * sp->nc));
+    for (int64_t r = sp->lo; r < sp->hi; r++, src += (size_t)g->cols * g->es, dst += (size_t)sp->dstep * des) {
+        shard_status s = shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)sp->nc);
         if (s) return s;
     }
     return SHARD_OK;
@@ -538,15 +536,13 @@ static shard_status scatter(const read_job *j, const task *tk, const uint8_t *ra
  * run of dst (whole rows, adjacent there too): read straight into its place and
  * checked there, without a copy through the chunk cache (merge, reshard and loads in
  * the stored layout: most chunks). NULL when the task is not such. */
-static uint8_t *direct_place(const read_job *j, const task *tk)
+static uint8_t *direct_place(const read_job *j, const task *tk, const span *sp, int64_t r0, int64_t nr)
 {
     const piece_index *ix = tk->p->ix;
     const shard_chunking *g = &ix->g;
     if (ix->zstd || j->dt != j->t->t.dtype) return NULL;
-    int64_t r0, nr;
-    const span sp = span_of(j, tk, &r0, &nr);
-    const int whole = sp.lo == r0 && sp.hi == r0 + nr && sp.nc == g->cols && sp.dstep == g->cols;
-    return whole && ix->loc[tk->k].size == ckpt_chunk_valid(g, tk->k) ? (uint8_t *)sp.dst : NULL;
+    const int whole = sp->lo == r0 && sp->hi == r0 + nr && sp->nc == g->cols && sp->dstep == g->cols;
+    return whole && ix->loc[tk->k].size == ckpt_chunk_valid(g, tk->k) ? (uint8_t *)sp->dst : NULL;
 }
 
 static shard_status read_worker(void *arg, int worker)
@@ -559,14 +555,16 @@ static shard_status read_worker(void *arg, int worker)
         size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (st || i >= j->ntasks) break;
         const task *tk = &j->tasks[i];
+        int64_t r0, nr;
+        const span sp = span_of(j, tk, &r0, &nr);
         const uint8_t *raw, *stored;
-        uint8_t *place = direct_place(j, tk);
+        uint8_t *place = direct_place(j, tk, &sp, r0, nr);
         if (place) {
             st = decode_into(j->c, tk->p, tk->k, s, place, &stored);
         } else {
             cache_slot *slot;
             st = cache_get(j->c, tk->p, tk->k, s, &slot, &raw);
-            if (!st) st = scatter(j, tk, raw);
+            if (!st) st = scatter(j, tk, &sp, raw);
             cache_put(j->c, slot);
         }
         if (st) __atomic_store_n(&j->next, j->ntasks, __ATOMIC_RELAXED); /* the others stop too */
