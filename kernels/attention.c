@@ -5,8 +5,8 @@
  * Blocked as flash attention is: a tile of QT queries against a tile of KT keys at a
  * time, an online softmax per tile, and tiles that no (query, key) pair of can see
  * (causal, window, documents) skipped whole. Each tile product is one small GEMM on
- * the tensors in place (BLAS, single-threaded inside our OpenMP tasks; a plain loop
- * with -DSMP_NO_BLAS). No score matrix: a task's scratch is two QT x KT tiles and its
+ * the tensors in place (tile_gemm.c, register-blocked; B's rows always read in place,
+ * which is why the products are arranged so that no B is transposed). No score matrix: a task's scratch is two QT x KT tiles and its
  * query tile transposed (q; the backward's dout too: 64 KiB each) on its stack, so no
  * op here allocates. The exp is a polynomial the compiler vectorizes
  * (smp_expf, simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
@@ -19,6 +19,7 @@
  * they run. */
 #include "ops.h"
 #include "simd.h"
+#include "tile_gemm.h"
 
 #include <math.h>
 #include <string.h>
@@ -146,19 +147,25 @@ static inline __attribute__((always_inline)) void mask_tile(const attn_shape *s,
 
 /* ---- tile arithmetic --------------------------------------------------------------- */
 
-/* C[M][N] = alpha op(A) op(B) + beta C, op(X) = X or X^T (ta, tb); beta 0 or 1 */
+/* C[M][N] = alpha op(A) B + beta C, op(A) = A or A^T (ta), beta 0 or 1: the
+ * register-blocked tile product (tile_gemm.c; OpenBLAS's packing path ran these 2x
+ * slower on AVX2); B^T (tb) only in the hd > QT_HD_MAX forward, through BLAS */
 static void gemm(int ta, int tb, int M, int N, int K, float alpha, const float *A,
                  size_t lda, const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
+    if (!tb) {
+        smp_tile_gemm(M, N, K, alpha, A, ta ? 1 : lda, ta ? lda : 1, B, ldb, beta, C, ldc);
+        return;
+    }
 #ifndef SMP_NO_BLAS
-    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, tb ? CblasTrans : CblasNoTrans,
+    cblas_sgemm(CblasRowMajor, ta ? CblasTrans : CblasNoTrans, CblasTrans,
                 M, N, K, alpha, A, (int)lda, B, (int)ldb, beta, C, (int)ldc);
 #else
     for (int i = 0; i < M; i++) {
         for (int j = 0; j < N; j++) {
             float acc = 0.0f;
             for (int k = 0; k < K; k++)
-                acc += (ta ? A[k * lda + i] : A[i * lda + k]) * (tb ? B[j * ldb + k] : B[k * ldb + j]);
+                acc += (ta ? A[k * lda + i] : A[i * lda + k]) * B[j * ldb + k];
             float *c = C + i * ldc + j;
             *c = beta == 0.0f ? alpha * acc : *c + alpha * acc;
         }
@@ -195,7 +202,7 @@ static void transpose_rows(const attn_shape *s, const tile *t, const float *x, s
 
 /* Ct [KT][QT] = alpha Y X^T for the tile's keys (rows of Y, e.g. k or v) and queries (rows
  * of X, e.g. q or dout): from Xt when the caller transposed X (plain: hd <= QT_HD_MAX),
- * else from X itself (OpenBLAS's nn small kernel: 2.7 us for 64 x 64 x 32 here, nt 3.7) */
+ * else from X itself (X^T as B: BLAS's nt product) */
 static void keys_by_queries(const attn_shape *s, const tile *t, float alpha, const float *y,
                             const float *x, const float *Xt, float *Ct)
 {
@@ -313,8 +320,8 @@ typedef struct {
  * The backward works key-major, as the forward does: Pt, dSt [KT][QT] (keys as rows),
  * from K Q^T and V dout^T against the query tile's q and dout transposed once (plain
  * products), so that dv += Pt dout and dk += scale dSt q are plain products too and
- * only dq += scale dSt^T k is transposed (the query-major form ran two nt and two tn
- * products per tile, OpenBLAS's slowest). */
+ * only dq += scale dSt^T k has a transposed A (broadcast through strides: no cost in
+ * tile_gemm; the query-major form needed B^T in two products per tile). */
 
 /* A query tile's side of the backward: its rows' lse, D_i = dout_i . out_i (once per
  * query tile, not per key tile), and q, dout transposed (NULL: hd > QT_HD_MAX). Rows

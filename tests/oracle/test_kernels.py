@@ -82,6 +82,7 @@ SIGNATURES = {
     "op_fp8_quantize": (None, [P, P, P, SZ, F32, I]),
     "op_fp8_dequantize": (None, [P, P, SZ, F32, I]),
     "op_linear_forward_fp8": (None, [P, P, P, I, I, I, F32, F32, P]),
+    "smp_tile_gemm": (None, [I, I, I, F32, P, SZ, SZ, P, SZ, F32, P, SZ]),
 }
 OP_FP8_E4M3, OP_FP8_E5M2 = 0, 1
 
@@ -134,6 +135,39 @@ def close(got, ref, tol=TOL, what=""):
 
 def rng(seed):
     return np.random.default_rng(seed)
+
+
+# ---- the attention's tile product (kernels/tile_gemm.c) ------------------------
+
+# M, N, K: full 6 x 16 blocks, every row and column tail, one element, K = 0 (C = beta C),
+# a column tail with K past its padded copy (256: the scalar path), wide N
+TILE_SHAPES = [(64, 64, 32), (64, 32, 64), (61, 37, 29), (1, 1, 1), (7, 16, 0), (6, 15, 256),
+               (13, 33, 257), (5, 260, 64), (12, 48, 3)]
+
+
+@pytest.mark.parametrize("M,N,K", TILE_SHAPES)
+@pytest.mark.parametrize("ta", [0, 1])
+def test_tile_gemm(lib, M, N, K, ta):
+    """C = beta C + alpha op(A) B against numpy in float64, A through its strides (ta: A
+    stored transposed), every buffer with a row stride past its width: the elements
+    outside C's box untouched, and with beta 0 C not read (NaN there stays out)."""
+    r = rng(M * 1000 + N * 10 + K + ta)
+    pad = 3
+    A = f32(r.standard_normal((K, M + pad) if ta else (M, K + pad)))
+    B = f32(r.standard_normal((K, N + pad)))
+    opA = A[:, :M].T if ta else A[:, :K]
+    sam, sak = (1, M + pad) if ta else (K + pad, 1)
+    for alpha, beta in [(1.0, 0.0), (0.37, 1.0), (-2.0, 1.0)]:
+        C0 = f32(r.standard_normal((M, N + pad)))
+        if beta == 0.0:
+            C0[:, :N] = np.nan
+        C = C0.copy()
+        lib.smp_tile_gemm(M, N, K, alpha, ptr(A), sam, sak, ptr(B), N + pad, beta, ptr(C), N + pad)
+        ref = alpha * (opA.astype(np.float64) @ B[:, :N].astype(np.float64))
+        if beta:
+            ref += C0[:, :N]
+        close(C[:, :N], ref, what=f"tile_gemm alpha {alpha} beta {beta}")
+        np.testing.assert_array_equal(C[:, N:], C0[:, N:])  # the padding of each row
 
 
 # ---- embedding -----------------------------------------------------------------
