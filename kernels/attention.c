@@ -6,8 +6,8 @@
  * time, an online softmax per tile, and tiles that no (query, key) pair of can see
  * (causal, window, documents) skipped whole. Each tile product is one small GEMM on
  * the tensors in place (tile_gemm.c, register-blocked; B's rows always read in place,
- * which is why the products are arranged so that no B is transposed). No score matrix: a task's scratch is two QT x KT tiles and its
- * query tile transposed (q; the backward's dout too: 64 KiB each) on its stack, so no
+ * which is why the products are arranged so that no B is transposed). No score
+ * matrix: a task's scratch is two QT x KT tiles and its query tile transposed (q; the backward's dout too: 64 KiB each) on its stack, so no
  * op here allocates. The exp is a polynomial the compiler vectorizes
  * (smp_expf, simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
