@@ -67,7 +67,7 @@ static const char HELP[] =
     "                            the whole layer from its input (memory printed at start)\n"
     "  --save-every N            checkpoint every N steps (and always at the end)\n"
     "  --keep K                  keep the newest K checkpoints (default 0: all)\n"
-    "  --compress none|zstd|zstd:N  shard file compression (default zstd, level 3)\n"
+    "  --compress none|zstd|zstd:N  shard file compression (default zstd: level 1 tuned for numbers)\n"
     "  --log FILE.jsonl          one JSON object per step (appended)\n"
     "  --stop-at STEP            save and stop once STEP steps are done (the schedule\n"
     "                            still spans --steps)\n"

@@ -445,8 +445,11 @@ typedef struct {
     int zstd_level;
     int threads;  /* worker threads that fill, shuffle and compress chunks (>= 1) */
     int no_fsync; /* as shard_write_opts: close neither fsyncs nor starts writeback */
+    int planes;   /* 1: zstd's match finder tuned for byte planes of numbers (the default
+                   * "zstd"; docs/FORMAT.md), 0: zstd's own parameters of the level */
 } shard_compress;
-/* "none", "zstd" (level 3) or "zstd:N"; sets threads to 1 and no_fsync to 0. */
+/* "none", "zstd" (level 1 with planes = 1) or "zstd:N" (plain level N); sets threads
+ * to 1 and no_fsync to 0. */
 shard_status shard_compress_parse(const char *text, shard_compress *out);
 
 /* One shard file being written (by one rank). */

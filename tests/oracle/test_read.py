@@ -75,7 +75,7 @@ class CkptTensor(ctypes.Structure):
 
 
 class Compress(ctypes.Structure):
-    _fields_ = [("zstd_level", ctypes.c_int), ("threads", ctypes.c_int), ("no_fsync", ctypes.c_int)]
+    _fields_ = [("zstd_level", ctypes.c_int), ("threads", ctypes.c_int), ("no_fsync", ctypes.c_int), ("planes", ctypes.c_int)]
 
 
 def _load(build=BUILD):
