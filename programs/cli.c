@@ -1,5 +1,7 @@
 #include "cli.h"
 
+char *openblas_get_corename(void); /* OpenBLAS's, not in its cblas.h everywhere */
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -65,7 +67,8 @@ int cli_std_flags(int argc, char **argv, const char *help)
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) { fputs(help, stdout); return 1; }
         if (!strcmp(argv[i], "--version")) {
-            printf("%s (smp) %s\nbackends: cpu%s\n", g_cmd, SHARD_VERSION_STRING,
+            printf("%s (smp) %s\nbackends: cpu (OpenBLAS %s kernels)%s\n", g_cmd, SHARD_VERSION_STRING,
+                   openblas_get_corename(),
 #ifdef SMP_HAVE_CUDA
                    ", cuda"
 #else

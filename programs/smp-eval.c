@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "c/blas_pick.h"
 #include "cli.h"
 #include "launch.h"
 #include "opts.h"
@@ -64,6 +65,7 @@ static int eval_main(int argc, char **argv, par_ctx *P);
 int main(int argc, char **argv)
 {
     cli_init("smp-eval");
+    blas_pick_kernels(argv); /* first: it may start the process again */
     if (cli_std_flags(argc, argv, HELP)) return 0;
     return launch_ranks(argc, argv, eval_main);
 }

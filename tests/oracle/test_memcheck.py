@@ -25,7 +25,7 @@ VOCAB = models.CASES[MODEL][1]["vocab_size"]
 
 
 def memcheck(cmd, *args):
-    p = subprocess.run(["valgrind", "-q", "--error-exitcode=99", "--track-origins=yes",
+    p = subprocess.run(["valgrind", "-q", "--error-exitcode=99", "--track-origins=yes", "--trace-children=yes",
                         str(BUILD / "bin" / cmd), *map(str, args)],
                        capture_output=True, text=True, timeout=600, env={"OMP_NUM_THREADS": "1", "PATH": "/usr/bin:/bin"})
     assert p.returncode == 0, f"{cmd} {args}: exit {p.returncode}\n{p.stderr[-4000:]}"

@@ -12,8 +12,10 @@ import json
 import math
 import os
 import pathlib
+import re
 import signal
 import subprocess
+import sys
 import time
 
 import h5py
@@ -788,3 +790,41 @@ def test_fp8_trains_within_margin_of_fp32(tmp_path):
     assert tails["off"] < math.log(256) - 2.0, tails  # it learned (5.55 -> ~3.2)
     for mode in ["delayed", "current"]:
         assert abs(tails[mode] - tails["off"]) < 0.25, tails
+
+
+# OpenBLAS's x86-64 core names and the vectors of their sgemm kernels (bits)
+OPENBLAS_CORES = {n.lower(): w for w, names in {
+    128: "Prescott Core2 Penryn Dunnington Nehalem Atom Opteron Opteron(SSE3) Barcelona Bobcat Sandybridge Bulldozer "
+         "Piledriver Steamroller Excavator", 256: "Haswell Zen", 512: "SkylakeX Cooperlake SapphireRapids"}.items()
+    for n in names.split()}
+
+
+def cpu_width():
+    flags = set(next(ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")).split(":")[1].split())
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return 512
+    return 256 if {"avx2", "fma"} <= flags else 128
+
+
+def test_blas_kernels_match_the_cpu():
+    """smp-train and smp-eval run on OpenBLAS kernels as wide as the CPU's vectors: where
+    OpenBLAS alone picks narrower ones (0.3.21 gives an Emerald Rapids CPU its SSE3
+    "Prescott" kernels) the command starts again, silently, with OPENBLAS_CORETYPE set;
+    a setting found in the environment is kept. --version names the kernels."""
+    exe = BUILD / "bin" / "smp-eval"
+    lib = re.search(r"(/\S*libopenblas\S*)", subprocess.run(["ldd", exe], capture_output=True, text=True).stdout)
+    assert lib, "smp-eval does not link OpenBLAS"
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_CORETYPE"}
+    alone = subprocess.run([sys.executable, "-c", f"import ctypes; f = ctypes.CDLL({lib.group(1)!r}).openblas_get_corename;"
+                            " f.restype = ctypes.c_char_p; print(f().decode())"], capture_output=True, text=True,
+                           env=env, check=True).stdout.strip()
+    if alone.lower() not in OPENBLAS_CORES:
+        pytest.skip(f"OpenBLAS names its pick {alone!r}, a core this test does not know")
+    want = {512: "SkylakeX", 256: "Haswell"}.get(cpu_width()) if OPENBLAS_CORES[alone.lower()] < cpu_width() else alone
+    for cmd in ("smp-eval", "smp-train"):
+        p = subprocess.run([BUILD / "bin" / cmd, "--version"], capture_output=True, text=True, env=env, check=True)
+        assert f"OpenBLAS {want} kernels" in p.stdout, (alone, cpu_width(), p.stdout)
+        assert p.stderr == "", p.stderr  # silent: an error stays the one line on stderr
+        kept = subprocess.run([BUILD / "bin" / cmd, "--version"], capture_output=True, text=True,
+                              env={**env, "OPENBLAS_CORETYPE": "Prescott"}, check=True)
+        assert "OpenBLAS Prescott kernels" in kept.stdout and kept.stderr == "", kept

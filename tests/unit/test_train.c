@@ -1,6 +1,6 @@
 /* train/: the data order (files, sequences, shuffling by epoch, refusals), the
  * learning-rate schedule, the deterministic gradient norm and clipping, through
- * train/'s library (libsmptrain.a). */
+ * train/'s library (libsmptrain.a); the C backend's choice of OpenBLAS kernels. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -13,6 +13,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "c/blas_pick.h"
 #include "data.h"
 #include "dev.h"
 #include "optim.h"
@@ -196,11 +197,31 @@ static void test_norm_and_clip(void **st)
     free(g);
 }
 
+/* OpenBLAS's pick is kept unless it is a known core of narrower vectors than the CPU's. */
+static void test_blas_kernels(void **state)
+{
+    (void)state;
+    assert_string_equal(blas_better_kernels("Prescott", 512), "SkylakeX");
+    assert_string_equal(blas_better_kernels("prescott", 256), "Haswell");
+    assert_string_equal(blas_better_kernels("Sandybridge", 256), "Haswell");
+    assert_string_equal(blas_better_kernels("Haswell", 512), "SkylakeX");
+    assert_null(blas_better_kernels("Haswell", 256));
+    assert_null(blas_better_kernels("Zen", 256));
+    assert_null(blas_better_kernels("SkylakeX", 512));
+    assert_null(blas_better_kernels("Cooperlake", 512));
+    assert_null(blas_better_kernels("Prescott", 128)); /* nothing wider to ask for */
+    assert_null(blas_better_kernels("SomeNewCore", 512)); /* unknown: the library knows better */
+    assert_null(blas_better_kernels(NULL, 512));
+    int w = blas_cpu_width();
+    assert_true(w == 128 || w == 256 || w == 512);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
+        cmocka_unit_test(test_blas_kernels),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
