@@ -94,18 +94,11 @@ def main():
         subprocess.run([str(BIN / "smp-convert"), "hf2smp", "--in", str(tmp / "hf"), "--out", str(tmp / "ck"),
                         "--layout", "pp=1"], check=True, capture_output=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
-        # smp's OpenBLAS gets the kernels of this CPU (OpenBLAS 0.3.21 falls back to generic
-        # kernels on CPUs it does not know); PyPI's torch brings its own BLAS (MKL on x86)
-        if "OPENBLAS_CORETYPE" not in env:
-            flags = set()
-            for line in open("/proc/cpuinfo"):
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-            if {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= flags:
-                env["OPENBLAS_CORETYPE"] = "SkylakeX"
-            elif {"avx2", "fma"} <= flags:
-                env["OPENBLAS_CORETYPE"] = "Haswell"
+        # smp-train picks OpenBLAS kernels as wide as the CPU's vectors itself where
+        # OpenBLAS 0.3.21 does not know the CPU (backends/c/blas_pick.c), as a user gets
+        # them; PyPI's torch brings its own BLAS (MKL on x86)
+        ver = subprocess.run([str(BIN / "smp-train"), "--version"], env=env, capture_output=True, text=True).stdout
+        blas = next((ln.split("(", 1)[1].split(")")[0] for ln in ver.splitlines() if "OpenBLAS" in ln), "?")
         # a wrapper process, so that the peak is smp-train's alone
         wrap = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
                 "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
@@ -134,7 +127,8 @@ def main():
                              "all": [r["tokens_per_s"] for r in runs]} for attn, runs in torch_all.items()}
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
           f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
-          f"{a.threads} threads; fp32, AdamW; OPENBLAS_CORETYPE={env.get('OPENBLAS_CORETYPE', 'auto')}")
+          f"{a.threads} threads; fp32, AdamW; smp-train: {blas}"
+          + (f" (OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} from the environment)" if "OPENBLAS_CORETYPE" in env else ""))
     print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}" + ("   (median of %d rounds; each round)" % a.repeat
                                                               if a.repeat > 1 else ""))
     each = lambda xs: "   " + " ".join(f"{x:.0f}" for x in xs) if a.repeat > 1 else ""
