@@ -274,6 +274,7 @@ pair() {
 HAVE_LAYOUT=0
 if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--layout'; then HAVE_LAYOUT=1; fi
 echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg), $(df -h "$CACHE" | awk 'NR==2 {print $1}')"
+damon_note
 echo "model: $HF, $(numfmt --to=iec "$MODEL_BYTES") ($MODEL_BYTES bytes), bf16; binaries: $("$BIN/smp-convert" --version 2>&1 | head -1)"
 echo "CK_NONE: $(numfmt --to=iec "$CKN_BYTES") ($CKN_BYTES bytes); CK_ZSTD: $(numfmt --to=iec "$CKZ_BYTES") ($CKZ_BYTES bytes); pp=2,tp=2"
 echo "warm-up read ..."
