@@ -37,7 +37,7 @@ suite() { # $1: label, $2: OPENBLAS_CORETYPE or empty
     fi
     t1=$(date +%s.%N)
     local s
-    s=$(echo "$t1 - $t0" | bc)
+    s=$(awk "BEGIN {print $t1 - $t0}")
     echo "  $1: $(printf %.1f "$s") s, $(tail -1 "/tmp/smp-suite-$1.log" | sed 's/=//g;s/^ *//') (exit $rc)"
     T[$1]="${T[$1]:-} $s"
 }
@@ -48,4 +48,4 @@ done
 med() { tr ' ' '\n' | sed '/^$/d' | sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
 a=$(echo "${T[alone]}" | med) s=$(echo "${T[smp]}" | med)
 printf "oracle suite (median of %d): OpenBLAS's %s kernels %.1f s, smp's pick (%s) %.1f s: %.2fx\n" \
-    "$ROUNDS" "$alone" "$a" "$ours" "$s" "$(echo "$s / $a" | bc -l)"
+    "$ROUNDS" "$alone" "$a" "$ours" "$s" "$(awk "BEGIN {print $s / $a}")"
