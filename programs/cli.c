@@ -1,12 +1,12 @@
 #include "cli.h"
 
-char *openblas_get_corename(void); /* OpenBLAS's, not in its cblas.h everywhere */
-
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+
+char *openblas_get_corename(void); /* OpenBLAS's; not declared in every cblas.h */
 
 static const char *g_cmd = "smp";
 
