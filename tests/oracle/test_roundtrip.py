@@ -226,24 +226,24 @@ def test_chunked_pieces_hold_the_source(tmp_path):
         assert all(r == runs[0] for r in runs), dtype
 
 
-def stored_bytes(ck):
-    """The stored (compressed) bytes of every chunk of every shard file, and the zstd
-    filter's recorded levels."""
-    total, levels = 0, set()
+def shard_datasets(ck):
+    """One walk of every shard file: each piece as h5py decodes it (keyed by file and
+    dataset), the stored (compressed) bytes of all chunks, and the zstd filter's
+    recorded values."""
+    data, total, levels = {}, 0, set()
     for f5 in sorted(ck.glob("shard-*.h5")):
         with h5py.File(f5, "r") as f:
-            def visit(_, d):
+            def visit(name, d):
                 nonlocal total
-                if isinstance(d, h5py.Dataset):
-                    for i in range(d.id.get_num_chunks()):
-                        total += d.id.get_chunk_info(i).size
-                    plist = d.id.get_create_plist()
-                    for k in range(plist.get_nfilters()):
-                        code, _, vals, _ = plist.get_filter(k)
-                        if code == 32015:
-                            levels.add(tuple(vals))
+                if not isinstance(d, h5py.Dataset):
+                    return
+                data[(f5.name, name)] = d[()]
+                total += sum(d.id.get_chunk_info(i).size for i in range(d.id.get_num_chunks()))
+                plist = d.id.get_create_plist()
+                levels.update(tuple(vals) for code, _, vals, _ in map(plist.get_filter, range(plist.get_nfilters()))
+                              if code == 32015)
             f.visititems(visit)
-    return total, levels
+    return data, total, levels
 
 
 def test_default_zstd_is_tuned_for_number_planes(tmp_path):
@@ -260,22 +260,12 @@ def test_default_zstd_is_tuned_for_number_planes(tmp_path):
         ck = tmp_path / compress.replace(":", "-")
         run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2", "--compress", compress, check=0)
         run("smp-verify", ck, check=0)
-        sizes[compress], levels = stored_bytes(ck)
+        data[compress], sizes[compress], levels = shard_datasets(ck)
         assert levels == {(1,) if compress == "zstd" else (int(compress[5:]),)}, (compress, levels)
-        data[compress] = tensors_of_ck(ck)
     assert data["zstd"].keys() == data["zstd:3"].keys() and len(data["zstd"]) > 10
     for k, v in data["zstd"].items():
         assert np.array_equal(v, data["zstd:3"][k]) and np.array_equal(v, data["zstd:1"][k]), k
     assert sizes["zstd"] < sizes["zstd:1"] and sizes["zstd"] < sizes["zstd:3"], sizes
-
-
-def tensors_of_ck(ck):
-    """Every piece of a checkpoint as h5py decodes it, keyed by file and dataset."""
-    out = {}
-    for f5 in sorted(ck.glob("shard-*.h5")):
-        with h5py.File(f5, "r") as f:
-            f.visititems(lambda n, d: out.__setitem__((f5.name, n), d[()]) if isinstance(d, h5py.Dataset) else None)
-    return out
 
 
 def test_corruption_is_caught_and_named(tmp_path):

@@ -28,13 +28,8 @@ declare -A T
 suite() { # $1: label, $2: OPENBLAS_CORETYPE or empty
     local t0 t1 rc=0
     t0=$(date +%s.%N)
-    if [ -n "$2" ]; then
-        OPENBLAS_CORETYPE=$2 "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/oracle/test_cuda_backend.py \
-            tests/oracle >"/tmp/smp-suite-$1.log" 2>&1 || rc=$?
-    else
-        "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/oracle/test_cuda_backend.py \
-            tests/oracle >"/tmp/smp-suite-$1.log" 2>&1 || rc=$?
-    fi
+    env ${2:+OPENBLAS_CORETYPE=$2} "$PY" -m pytest -q -p no:cacheprovider --ignore=tests/oracle/test_cuda_backend.py \
+        tests/oracle >"/tmp/smp-suite-$1.log" 2>&1 || rc=$?
     t1=$(date +%s.%N)
     local s
     s=$(awk "BEGIN {print $t1 - $t0}")
