@@ -30,8 +30,9 @@ void cli_deferred(int print)
 /* One error line, in one write (ranks sharing a terminal do not interleave inside a
  * line). Under mpirun, rank r > 0 waits r x 100 ms first: a rank that fails earlier in
  * rank order (all of them, when the input is bad for all) prints and ends the run
- * (MPI_Abort) before the others print theirs, so the run says it once. */
-static void error_line(const char *msg, const char *tail)
+ * (MPI_Abort) before the others print theirs, so the run says it once; a rank that
+ * only learned of another's failure (shard_err_secondhand) waits longest. */
+static void error_line(const char *msg, const char *tail, int secondhand)
 {
     char line[4096];
     int n = snprintf(line, sizeof line, "%s: error: %s%s\n", g_cmd, msg, tail);
@@ -39,6 +40,9 @@ static void error_line(const char *msg, const char *tail)
     if (n >= (int)sizeof line) { n = (int)sizeof line - 1; line[n - 1] = '\n'; }
     if (g_defer) { memcpy(g_deferred, line, (size_t)n + 1); return; }
     if (g_rank > 0) usleep((useconds_t)(g_rank < 64 ? g_rank : 64) * 100000u);
+    /* another rank's failure: that rank prints its own line and ends the run; this
+     * one speaks only if it did not (after the longest wait above) */
+    if (secondhand) usleep(70 * 100000u);
     fflush(stderr);
     (void)!write(2, line, (size_t)n);
 }
@@ -46,7 +50,7 @@ static void error_line(const char *msg, const char *tail)
 int cli_fail(shard_status s)
 {
     const char *m = shard_errmsg();
-    error_line(m && m[0] ? m : shard_status_name(s), "");
+    error_line(m && m[0] ? m : shard_status_name(s), "", shard_err_secondhand());
     return shard_status_exit_code(s);
 }
 
@@ -58,7 +62,7 @@ int cli_usage(const char *fmt, ...)
     vsnprintf(msg, sizeof msg, fmt, ap);
     va_end(ap);
     snprintf(tail, sizeof tail, " (see %s --help)", g_cmd);
-    error_line(msg, tail);
+    error_line(msg, tail, 0);
     return 2;
 }
 

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 
 #include "cli.h"
+#include "opts.h"
 
 int launched_by_mpirun(void)
 {
@@ -37,4 +38,14 @@ int launch_ranks(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx
     par_free(&P);
     if (mpi) MPI_Finalize();
     return rc;
+}
+
+int launch_read_together(const char *val, par_ctx *P)
+{
+    static const char *const WORDS[] = {"no", "yes", "auto", NULL};
+    int w = 2;
+    int rc = cli_choice("--read-together", val, WORDS, &w);
+    if (rc) return rc;
+    P->read_together = w == 2 ? -1 : w;
+    return 0;
 }

@@ -11,5 +11,7 @@ int launched_by_mpirun(void);
  * world, fn; an error on one rank ends every rank (the others may be waiting in a
  * collective). Returns fn's exit code. */
 int launch_ranks(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx *p));
-
+/* --read-together auto|yes|no (val NULL: auto) into P->read_together; the exit code
+ * of a bad value (cli_usage), else 0. */
+int launch_read_together(const char *val, par_ctx *P);
 #endif

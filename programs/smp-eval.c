@@ -36,6 +36,10 @@ static const char HELP[] =
     "                not a target (docs/TRAINING.md \"Fine-tuning\")\n"
     "  --doc-sep ID  the separator token (default: the config's eos_token_id)\n"
     "  --loss-mask FILES  one loss mask file per token file (0: not a target)\n"
+    "  --read-together auto|yes|no  under mpirun: the ranks read the checkpoint together,\n"
+    "                each chunk by one rank, an all-to-all handing every rank its part\n"
+    "                (auto, the default: yes when the ranks span several hosts; ranks of\n"
+    "                one host share its page cache and load faster alone)\n"
     "The loss is the mean over the counted targets; \"tokens\" counts them.\n";
 
 /* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank
@@ -70,11 +74,11 @@ int main(int argc, char **argv)
     return launch_ranks(argc, argv, eval_main);
 }
 
-enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_DOCS, O_DOC_SEP, O_MASK, O_COUNT };
+enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_DOCS, O_DOC_SEP, O_MASK, O_TOGETHER, O_COUNT };
 static const cli_opt OPTS[O_COUNT] = {{"--ckpt", 0},    {"--data", 0},      {"--batch", 0},
                                       {"--seq", 0},     {"--batches", 0},   {"--layout", 0},
                                       {"--json", 1},    {"--documents", 1}, {"--doc-sep", 0},
-                                      {"--loss-mask", 0}};
+                                      {"--loss-mask", 0}, {"--read-together", 0}};
 
 static int eval_main(int argc, char **argv, par_ctx *P)
 {
@@ -93,6 +97,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if ((long long)B * S > INT32_MAX / 4) return cli_usage("--batch * --seq is too large");
     shard_layout lay = {1, 1, 1, P->size, 1};
     if (layout && shard_layout_parse(layout, &lay)) return cli_usage("--layout: %s", shard_errmsg());
+    if ((rc = launch_read_together(val[O_TOGETHER], P))) return rc;
     char lb[64];
     if (shard_layout_size(&lay) != P->size)
         return cli_usage("--layout %s is a layout of %d ranks, but %d processes run (start them with mpirun -np %d)",

@@ -37,6 +37,9 @@ static const char HELP[] =
     "                            dp=<ranks>); cp: each sequence in 2C chunks, ring attention\n"
     "  --stages S                layers per pipeline stage: \"auto\" or \"2,1,...\" (default: the\n"
     "                            checkpoint's when it has pp stages, else auto)\n"
+    "  --read-together auto|yes|no  the ranks load the checkpoint together: each chunk read\n"
+    "                            by one rank, an all-to-all hands every rank its part (auto,\n"
+    "                            the default: yes when the ranks span several hosts)\n"
     "  --sequence-parallel       with tp > 1: norms, residual stream and embedding output split\n"
     "                            over the tp ranks by token (reduce-scatter / all-gather\n"
     "                            instead of all-reduce); B/dp/M x S/cp must divide by tp\n"
@@ -106,7 +109,7 @@ enum {
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
     O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_DOCS, O_DOC_SEP, O_MASK, O_VAL_MASK,
-    O_COUNT
+    O_TOGETHER, O_COUNT
 };
 static const cli_opt OPTS[O_COUNT] = {
     [O_CKPT] = {"--ckpt", 0}, [O_DATA] = {"--data", 0}, [O_VAL_DATA] = {"--val-data", 0},
@@ -122,7 +125,7 @@ static const cli_opt OPTS[O_COUNT] = {
     [O_INJECT_NAN] = {"--inject-nan", 0}, [O_INJECT_FAIL] = {"--inject-fail", 0}, [O_STAGES] = {"--stages", 0},
     [O_DTYPE] = {"--dtype", 0}, [O_RECOMPUTE] = {"--recompute", 0}, [O_SEQPAR] = {"--sequence-parallel", 1},
     [O_DOCS] = {"--documents", 1}, [O_DOC_SEP] = {"--doc-sep", 0}, [O_MASK] = {"--loss-mask", 0},
-    [O_VAL_MASK] = {"--val-loss-mask", 0},
+    [O_VAL_MASK] = {"--val-loss-mask", 0}, [O_TOGETHER] = {"--read-together", 0},
 };
 /* the words of the choices, in the order of the values they stand for */
 static const char *const BACKENDS[] = {"cpu", "cuda", NULL};
@@ -188,6 +191,7 @@ static int read_args(train_cmd *t, par_ctx *P)
                          shard_layout_size(&a->layout));
     }
     if (P->size > 1 && v[O_DUMP_GRADS]) return cli_usage("--dump-grads runs on one rank");
+    if ((rc = launch_read_together(v[O_TOGETHER], P))) return rc;
     if (v[O_DOC_SEP] && !v[O_DOCS]) return cli_usage("--doc-sep is given without --documents");
     if (v[O_VAL_MASK] && !v[O_VAL_DATA]) return cli_usage("--val-loss-mask is given without --val-data");
     if ((rc = cli_choice("--backend", v[O_BACKEND], BACKENDS, &backend)) ||

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "ckptio.h"
 
@@ -12,6 +13,7 @@ shard_status par_init_world(par_ctx *p, int mpi)
 {
     memset(p, 0, sizeof *p);
     p->mpi = mpi;
+    p->read_together = -1;
     shard_status s = mpi ? shard_comm_mpi_world(&p->world) : shard_comm_self(&p->world);
     if (s) return s;
     p->rank = shard_comm_rank(p->world);
@@ -172,31 +174,60 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     return zero1_blocks(p, m);
 }
 
+/* --read-together auto: together when the ranks span more than one host. Ranks of
+ * one host share its page cache, so a chunk that two of them read costs the storage
+ * once and the second read is a copy from memory; reading together would add an
+ * all-to-all's copies for nothing (docs/TRAINING.md "Loading"). Collective. */
+static shard_status read_together(par_ctx *p, int *yes)
+{
+    if (p->read_together >= 0 || p->size == 1) {
+        *yes = p->size > 1 && p->read_together > 0;
+        return SHARD_OK;
+    }
+    enum { HOST = 64 };
+    char me[HOST] = {0}, *all = calloc((size_t)p->size, HOST);
+    if (!all) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    (void)gethostname(me, HOST - 1);
+    shard_status s = shard_comm_allgather(p->world, me, all, HOST, SHARD_DT_U8);
+    int hosts = 1;
+    for (int r = 1; !s && r < p->size; r++) hosts += memcmp(all, all + (size_t)r * HOST, HOST) != 0;
+    free(all);
+    p->read_together = *yes = hosts > 1;
+    return s;
+}
+
 shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *group, int *present)
 {
     *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
-    for (size_t i = 0; i < m->ntensors; i++) {
-        long k;
-        shard_status s = ckptio_group_tensor(c, group, &m->spec[i], &k);
-        if (s) return s;
-        if (!p->pp[i].holds || !m->numel[i]) continue;
-        float *host = model_params_host(m);
-        if (!host) return shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
-        if ((s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, host + m->offset[i], SHARD_DT_F32))) return s;
+    float *host = model_params_host(m);
+    shard_status s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
+    int together = 0;
+    if (!s) s = read_together(p, &together);
+    if (together) {
+        if ((s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL))) return s;
+        return par_coread(p, c, m, group, 0, host);
     }
-    return SHARD_OK;
+    for (size_t i = 0; !s && i < m->ntensors; i++) {
+        long k;
+        if ((s = ckptio_group_tensor(c, group, &m->spec[i], &k))) return s;
+        if (p->pp[i].holds && m->numel[i]) s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, host + m->offset[i], SHARD_DT_F32);
+    }
+    return s;
 }
 
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present)
 {
     *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
+    int together = 0;
+    shard_status s = read_together(p, &together);
+    if (s) return s;
+    if (together) return par_coread(p, c, m, group, 1, dst);
     size_t base = 0;
     for (size_t i = 0; i < m->ntensors; i++) {
         long k;
-        shard_status s = ckptio_group_tensor(c, group, &m->spec[i], &k);
-        if (s) return s;
+        if ((s = ckptio_group_tensor(c, group, &m->spec[i], &k))) return s;
         if (p->zn[i] && (s = shard_ckpt_read(c, (size_t)k, &p->op[i].box, dst + base, SHARD_DT_F32))) return s;
         base += p->zn[i];
     }

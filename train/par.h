@@ -17,8 +17,10 @@
  * Checkpoints: every rank writes its own shard file (params pieces where
  * shard_partition says writes = 1, optimizer pieces where shard_partition_optim says
  * writes = 1); rank 0 begins (staging folder, broadcast), commits after everyone
- * reported, and replaces `latest`. Loading reads every rank's boxes through the
- * planner, from a checkpoint of any layout.
+ * reported, and replaces `latest`. Loading, from a checkpoint of any layout: each
+ * rank reads the chunks its boxes touch through the planner, or, when the ranks span
+ * several hosts (or --read-together yes), the ranks read together (coread.c: each
+ * chunk read once by one rank, an all-to-all hands every rank its boxes).
  *
  * Tensor parallelism (Megatron, DESIGN.md "Parallel layout"): each rank holds only its
  * shard_partition pieces (model_localize). q/k/v/gate/up are column-parallel (whole
@@ -73,6 +75,8 @@ typedef struct {
     shard_layout l;
     int stages[SHARD_MAX_PP];
     shard_comm *world;       /* MPI (or self): host values (losses, norms, flags) */
+    int read_together;       /* loading: 1 coread.c, 0 each rank alone, -1 (the default)
+                              * together when the ranks span more than one host */
     shard_groups g;          /* its layout groups */
     /* the groups that move tensors in the backend's memory: g itself on the C
      * backend, NCCL communicators over the same ranks on CUDA (dev comm_for) */
@@ -126,6 +130,11 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *gr
 /* Read this rank's optimizer blocks of group ("optim/exp_avg", "optim/exp_avg_sq",
  * "optim/master") into host dst[zsum] (packed in tensor order). */
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present);
+/* Every rank's pieces of group (blocks: the optimizer blocks) read together, into
+ * dst: the model's host parameters (optim 0) or the packed blocks (optim 1), as the
+ * two above. Collective over the world; a failure on one rank fails all of them
+ * (the others' message says so: shard_err_secondhand). */
+shard_status par_coread(par_ctx *p, shard_ckpt *c, const model *m, const char *group, int blocks, float *dst);
 
 /* After the backward passes: sum the k/v weight gradients over the tp ranks that
  * share a kv head (kv heads fewer than tp), reduce-scatter the gradients over dpcp (every rank

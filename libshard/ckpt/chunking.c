@@ -3,6 +3,7 @@
 #include "ckpt.h"
 
 #include <emmintrin.h>
+#include <stdlib.h>
 
 void shard_chunking_init(shard_chunking *g, int ndim, const int64_t *len, size_t es, int64_t chunk_rows)
 {
@@ -52,6 +53,70 @@ void shard_chunking_at(const shard_chunking *g, uint64_t k, uint64_t *plane, int
     if (nd == 1) { hoff[0] = (hsize_t)*r0; return; }
     for (int d = nd - 3; d >= 0; d--) { hoff[d] = (hsize_t)(pl % (uint64_t)g->len[d]); pl /= (uint64_t)g->len[d]; }
     hoff[nd - 2] = (hsize_t)*r0;
+}
+
+/* ----------------------------------------------- cuts for readers together */
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* The chunk starts of the pieces along dim 0, inside (lo, hi), sorted, unique; a
+ * piece of 3 or more dims starts a chunk at every index of dim 0 (a plane each).
+ * NULL when out of memory; *n their count. */
+static int push(int64_t **v, size_t *n, size_t *cap, int64_t r)
+{
+    if (*n == *cap) {
+        int64_t *w = realloc(*v, (*cap *= 2) * sizeof *w);
+        if (!w) return 0;
+        *v = w;
+    }
+    (*v)[(*n)++] = r;
+    return 1;
+}
+
+static int64_t *chunk_starts(const tensor *t, int64_t lo, int64_t hi, size_t *n)
+{
+    const size_t es = shard_dtype_size(t->t.dtype);
+    size_t cap = 64, k = 0;
+    int64_t *v = malloc(cap * sizeof *v);
+    int ok = v != NULL;
+    for (size_t j = 0; ok && j < t->t.npieces; j++) {
+        const shard_box *b = &t->p[j].box;
+        int64_t step = b->ndim >= 3 ? 1 : shard_chunking_rows_for(b->ndim, b->len, es), e = b->off[0] + b->len[0];
+        if (step < 1) step = 1;
+        for (int64_t r = b->off[0]; ok && r <= e; r = r < e && r + step > e ? e : r + step)
+            if (r > lo && r < hi) ok = push(&v, &k, &cap, r);
+    }
+    if (!ok) { free(v); return NULL; }
+    qsort(v, k, sizeof *v, cmp_i64);
+    size_t u = 0;
+    for (size_t j = 0; j < k; j++)
+        if (!u || v[u - 1] != v[j]) v[u++] = v[j];
+    *n = u;
+    return v;
+}
+
+shard_status shard_ckpt_row_cuts(const shard_ckpt *c, size_t i, int64_t lo, int64_t hi, int parts, int64_t *cuts)
+{
+    if (i >= c->n || parts < 1 || hi < lo) return shard_fail(SHARD_E_USAGE, "row cuts: bad arguments");
+    size_t n = 0;
+    int64_t *v = chunk_starts(&c->t[i], lo, hi, &n);
+    if (!v) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    cuts[0] = lo;
+    cuts[parts] = hi;
+    size_t at = 0; /* v[at]: the first start past the ideal cut */
+    for (int q = 1; q < parts; q++) {
+        const double ideal = (double)lo + (double)(hi - lo) * q / parts;
+        int64_t best = cuts[q - 1]; /* the nearest of: the last cut, the starts either side */
+        while (at < n && (double)v[at] <= ideal) at++;
+        if (at > 0 && v[at - 1] > best) best = v[at - 1];
+        if (at < n && (double)v[at] - ideal < ideal - (double)best) best = v[at];
+        cuts[q] = best;
+    }
+    free(v);
+    return SHARD_OK;
 }
 
 /* ---------------------------------------------------- the byte shuffle */

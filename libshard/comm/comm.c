@@ -1,6 +1,7 @@
 /* The communicator interface: argument checks, byte counting, the single-process
  * backend, and the groups of a layout. Backends: self (here), MPI (mpi.c). */
 #include "comm.h"
+#include "../core/internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
@@ -174,7 +175,9 @@ shard_status shard_comm_agree(shard_comm *c, shard_status mine, const char *othe
     if (s) return s;
     if (!worst) return SHARD_OK;
     if (theirs) *theirs = 1;
-    return shard_fail((shard_status)worst, "%s", others);
+    shard_fail((shard_status)worst, "%s", others);
+    shard_set_secondhand();
+    return (shard_status)worst;
 }
 
 /* ----------------------------------------------------------- self backend */

@@ -37,6 +37,8 @@ void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync);
  * 4 MiB writes 2.0-4.4 s, 1 MiB 0.7-1.5 s, 256 KiB 0.27-0.40 s, as fast as cp. On bare
  * metal it costs 4 system calls per MiB. */
 #define SHARD_WRITE_MAX ((size_t)256 << 10)
+/* Mark the thread's last failure as another process's (shard_err_secondhand). */
+void shard_set_secondhand(void);
 /* Overflow-checked arithmetic: false on overflow. */
 static inline bool shard_mul_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline bool shard_add_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }

@@ -1,12 +1,15 @@
 /* Status codes and the per-thread error message. */
-#include "shard.h"
+#include "internal.h"
 
 #include <stdarg.h>
 #include <stdio.h>
 
 static _Thread_local char errbuf[2048];
+static _Thread_local int secondhand;
 
 const char *shard_errmsg(void) { return errbuf; }
+int shard_err_secondhand(void) { return secondhand; }
+void shard_set_secondhand(void) { secondhand = 1; }
 
 shard_status shard_fail(shard_status s, const char *fmt, ...)
 {
@@ -14,6 +17,7 @@ shard_status shard_fail(shard_status s, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(errbuf, sizeof errbuf, fmt, ap);
     va_end(ap);
+    secondhand = 0;
     return s;
 }
 

@@ -36,6 +36,9 @@ typedef enum {
 
 /* The message of the calling thread's last failure ("" if none). */
 const char *shard_errmsg(void);
+/* 1 when the thread's last failure is another process's, learned from
+ * shard_comm_agree (its message says only that); 0 after any other shard_fail. */
+int shard_err_secondhand(void);
 /* A fixed name for a status: "I/O error", "invalid input", ... */
 const char *shard_status_name(shard_status s);
 /* The exit code a command maps a status to: 0 ok, 1 runtime, 2 usage, 3 invalid
@@ -396,6 +399,11 @@ typedef struct {
 uint64_t shard_box_numel(const shard_box *b);
 /* 1 and out = a ∩ b when they overlap in a non-empty box; 0 otherwise. */
 int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out);
+/* Copy the elements of box x from src, which holds box sbox (C order) in dtype sdt,
+ * into dst, which holds box dbox (C order) in ddt, converting as shard_convert does;
+ * x lies inside both. */
+shard_status shard_box_copy(void *dst, shard_dtype ddt, const shard_box *dbox, const void *src, shard_dtype sdt,
+                            const shard_box *sbox, const shard_box *x);
 
 /* The piece of a model tensor that a rank holds in a layout.
  *   holds: 0 when the rank holds none of it (another stage's tensor)
@@ -524,6 +532,12 @@ shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, voi
 /* Threads that each shard_ckpt_read (the chunks of one call) and shard_ckpt_verify
  * (the files) use: 1 (the default) reads in the calling thread. */
 void shard_ckpt_set_threads(shard_ckpt *c, int threads);
+/* Cuts of dim 0 of tensor i's rows [lo, hi) into parts bands that readers can take
+ * one each without two of them reading one chunk: cuts[0] = lo <= cuts[1] <= ... <=
+ * cuts[parts] = hi, each inner cut at the start of a chunk of a stored piece (as
+ * smp's writer chunks them) nearest to an even split (bands may be empty). A pure
+ * function of the manifest: every process computes the same cuts. */
+shard_status shard_ckpt_row_cuts(const shard_ckpt *c, size_t i, int64_t lo, int64_t hi, int parts, int64_t *cuts);
 /* Bytes of shard files read so far (as stored: compressed where compressed). */
 uint64_t shard_ckpt_bytes_read(const shard_ckpt *c);
 /* Every whole-file checksum, every chunk's and piece's checksum, and coverage; each

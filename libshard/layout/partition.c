@@ -35,6 +35,33 @@ int shard_box_intersect(const shard_box *a, const shard_box *b, shard_box *out)
     return 1;
 }
 
+/* Rows of the last dim are contiguous in both buffers: one conversion (or memcpy)
+ * per row of x. */
+shard_status shard_box_copy(void *dst, shard_dtype ddt, const shard_box *dbox, const void *src, shard_dtype sdt,
+                            const shard_box *sbox, const shard_box *x)
+{
+    const int nd = x->ndim;
+    const size_t des = shard_dtype_size(ddt), ses = shard_dtype_size(sdt);
+    if (!des || !ses) return shard_fail(SHARD_E_USAGE, "box copy: invalid dtype");
+    if (shard_box_numel(x) == 0) return SHARD_OK;
+    if (nd == 0) return shard_convert(dst, ddt, src, sdt, 1);
+    int64_t idx[SHARD_MAX_DIMS] = {0};
+    const size_t row = (size_t)x->len[nd - 1];
+    for (;;) {
+        size_t so = 0, d = 0;
+        for (int k = 0; k < nd; k++) {
+            int64_t at = x->off[k] + (k < nd - 1 ? idx[k] : 0);
+            so = so * (size_t)sbox->len[k] + (size_t)(at - sbox->off[k]);
+            d = d * (size_t)dbox->len[k] + (size_t)(at - dbox->off[k]);
+        }
+        shard_status s = shard_convert((char *)dst + d * des, ddt, (const char *)src + so * ses, sdt, row);
+        if (s) return s;
+        int k = nd - 2;
+        while (k >= 0 && ++idx[k] == x->len[k]) idx[k--] = 0;
+        if (k < 0) return SHARD_OK;
+    }
+}
+
 /* The role table: each role's shape (in terms of the model's sizes), its
  * tensor-parallel split and how init fills it. Adding a role is a row here (and its
  * use in the model). */

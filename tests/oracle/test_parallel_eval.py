@@ -70,32 +70,87 @@ def test_refusals(setup):
     assert p.returncode != 0 and "not divisible by dp" in p.stderr
 
 
-def test_ranks_read_only_the_chunks_they_need(tmp_path):
-    """An embedding of 3 chunks (5000 x 128 f32, chunks of 2048 rows) and a head of 3:
-    under pp=2 each is read by one stage, under tp=2 each rank reads the chunks of its
-    half of the vocabulary (plus the one they share); whole-piece reads would read
-    every piece once per rank."""
+@pytest.fixture(scope="module")
+def chunky(tmp_path_factory):
+    """An embedding of 3 chunks (5000 x 128 f32, chunks of 2048 rows) and a head of 3,
+    stored at pp=1, uncompressed; the single rank's load bytes (every chunk once)."""
+    tmp = tmp_path_factory.mktemp("chunky")
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=5000, hidden_size=128, intermediate_size=96, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2)
-    hf = tmp_path / "hf"
+    hf = tmp / "hf"
     LlamaForCausalLM(cfg).save_pretrained(str(hf), safe_serialization=True)
-    ck = tmp_path / "ck"
+    ck = tmp / "ck"
     run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=1", "--compress", "none", check=0)
     stored = sum(f["bytes"] for f in json.loads((ck / "smp.json").read_text())["files"])
-    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(1).integers(0, 5000, size=300))
+    data = write_tokens(tmp / "d.bin", np.random.default_rng(1).integers(0, 5000, size=300))
     args = ["--ckpt", ck, "--data", data, "--batch", 2, "--seq", 16, "--batches", 1, "--json"]
     one = run("smp-eval", *args, check=0)
     read1 = int(LOADED.search(one.stderr).group(1))
     assert 0.9 * stored < read1 <= stored  # everything once (the file's metadata is not read by the load)
+    return ck, args, read1, json.loads(one.stdout)["loss"]
+
+
+def loaded(p):
+    return int(LOADED.search(p.stderr).group(1))
+
+
+def test_ranks_read_only_the_chunks_they_need(chunky):
+    """Under pp=2 each embedding chunk is read by one stage, under tp=2 each rank reads
+    the chunks of its half of the vocabulary (plus the one they share); whole-piece
+    reads would read every piece once per rank."""
+    _, args, read1, want = chunky
     for layout in ("pp=2", "tp=2"):
         p = mpirun_eval(2, "--layout", layout, *args)
-        read = int(LOADED.search(p.stderr).group(1))
+        read = loaded(p)
         assert read < 1.6 * read1, (layout, read, read1)  # whole pieces per rank: 2x
         # within fp32 rounding: tp adds the row-parallel partial sums in another order, and
         # the ranks run on other thread counts (1e-8 held with one CPU's BLAS kernels only)
-        got, want = json.loads(p.stdout)["loss"], json.loads(one.stdout)["loss"]
+        got = json.loads(p.stdout)["loss"]
         assert abs(got - want) <= 1e-6 * want, (layout, got, want)
+
+
+@pytest.mark.parametrize("layout,np_", [("dp=2", 2), ("tp=2", 2), ("pp=2,dp=2", 4), ("pp=2,tp=2,cp=2", 8)])
+def test_reading_together_reads_each_chunk_once(chunky, layout, np_):
+    """--read-together yes: the run reads every stored chunk exactly once between its
+    ranks (the single rank's bytes), and every rank gets the same bits as reading
+    alone (the losses are equal, not close). The default on one host reads alone: a
+    dp replica reads its chunks again."""
+    _, args, read1, _ = chunky
+    alone = mpirun_eval(np_, "--layout", layout, *args)
+    together = mpirun_eval(np_, "--layout", layout, "--read-together", "yes", *args)
+    assert loaded(together) == read1, (layout, loaded(together), read1)
+    assert json.loads(together.stdout)["loss"] == json.loads(alone.stdout)["loss"], layout
+    if "dp=2" in layout:
+        assert loaded(alone) > 1.9 * read1, (layout, loaded(alone), read1)
+
+
+def test_reading_together_catches_a_corrupt_chunk(chunky, tmp_path):
+    """A flipped byte in the embedding's second chunk: the rank that reads it names the
+    file, the run says it once and fails; the others stay silent."""
+    import shutil
+    import h5py
+    src, args, _, _ = chunky
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    m = json.loads((ck / "smp.json").read_text())
+    piece = [t for t in m["tensors"] if t["name"] == "model.embed_tokens.weight"][0]["pieces"][0]
+    with h5py.File(ck / piece["file"], "r") as f:
+        info = f[piece["dataset"]].id.get_chunk_info_by_coord((2048, 0))
+    with open(ck / piece["file"], "r+b") as fh:
+        fh.seek(info.byte_offset + info.size // 2)
+        b = fh.read(1)
+        fh.seek(info.byte_offset + info.size // 2)
+        fh.write(bytes([b[0] ^ 0x10]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    a = [str(x) for x in args]
+    a[a.index("--ckpt") + 1] = str(ck)
+    p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "4", str(BUILD / "bin" / "smp-eval"),
+                        "--layout", "tp=2,dp=2", "--read-together", "yes", *a], capture_output=True, text=True, env=env,
+                       timeout=120)
+    lines = [ln for ln in (p.stdout + p.stderr).splitlines() if "smp-eval: error:" in ln]
+    assert p.returncode != 0 and len(lines) == 1, (p.returncode, p.stderr)
+    assert piece["file"] in lines[0] and "another process" not in lines[0], lines[0]
 
 
 def test_one_error_line_for_the_run(setup, tmp_path):

@@ -222,6 +222,37 @@ static void test_boxes(void **st)
     assert_int_equal(shard_box_numel(&scalar), 1);
 }
 
+/* shard_box_copy against the element-by-element definition: a 3-D x inside a
+ * source and a destination box that both only partly overlap each other. */
+static void test_box_copy(void **st)
+{
+    (void)st;
+    const shard_box sb = {3, {1, 0, 2}, {3, 4, 5}}, db = {3, {2, 1, 0}, {4, 3, 9}}, x = {3, {2, 1, 3}, {2, 2, 3}};
+    int32_t src[3 * 4 * 5], dst[4 * 3 * 9], want[4 * 3 * 9];
+    for (int i = 0; i < 60; i++) src[i] = 1000 + i;
+    for (int i = 0; i < 108; i++) dst[i] = want[i] = -1;
+    for (int a = 0; a < 2; a++)
+        for (int b = 0; b < 2; b++)
+            for (int c = 0; c < 3; c++) {
+                const int g0 = 2 + a, g1 = 1 + b, g2 = 3 + c; /* global index */
+                want[((g0 - 2) * 3 + (g1 - 1)) * 9 + g2] = src[((g0 - 1) * 4 + g1) * 5 + (g2 - 2)];
+            }
+    assert_int_equal(shard_box_copy(dst, SHARD_DT_I32, &db, src, SHARD_DT_I32, &sb, &x), SHARD_OK);
+    assert_memory_equal(dst, want, sizeof want);
+    const shard_box empty = {3, {2, 1, 3}, {2, 0, 3}}; /* nothing to copy: nothing written */
+    int32_t before[108];
+    memcpy(before, dst, sizeof dst);
+    assert_int_equal(shard_box_copy(dst, SHARD_DT_I32, &db, src, SHARD_DT_I32, &sb, &empty), SHARD_OK);
+    assert_memory_equal(dst, before, sizeof dst);
+    /* 1-D, bf16 -> f32 on the way (1.0, 2.0, -0.5 ... as bf16 bits) */
+    const shard_box one = {1, {5}, {3}}, s1 = {1, {4}, {6}}, d1 = {1, {5}, {3}};
+    const uint16_t a1[6] = {0x3f80, 0x4000, 0xbf00, 0x4040, 0x4080, 0x40a0};
+    float b1[3] = {0};
+    assert_int_equal(shard_box_copy(b1, SHARD_DT_F32, &d1, a1, SHARD_DT_BF16, &s1, &one), SHARD_OK);
+    assert_true(b1[0] == 2.0f && b1[1] == -0.5f && b1[2] == 3.0f);
+    assert_int_equal(shard_box_copy(b1, SHARD_DT_I32, &d1, a1, SHARD_DT_BF16, &s1, &one), SHARD_E_USAGE);
+}
+
 static shard_piece piece(const shard_model_desc *d, const shard_layout *l, const int *lps, int role_index, int rank)
 {
     shard_tensor_spec t;
@@ -295,7 +326,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_parse_good),     cmocka_unit_test(test_parse_bad),   cmocka_unit_test(test_rank_coords),
         cmocka_unit_test(test_stages_explicit), cmocka_unit_test(test_stages_auto), cmocka_unit_test(test_layout_check),
-        cmocka_unit_test(test_boxes),          cmocka_unit_test(test_partition),
+        cmocka_unit_test(test_boxes),          cmocka_unit_test(test_box_copy),          cmocka_unit_test(test_partition),
     };
     return cmocka_run_group_tests_name("layout", tests, NULL, NULL);
 }

@@ -33,6 +33,9 @@
 #        stored pp=2,tp=2; one batch of 2 x 16 tokens): the largest load time printed
 #        over the ranks, and the whole command (skipped, said so, when smp-eval has no
 #        --layout)                                                 target: load <= 1.5 x (a)
+#   (f'') (f) with --read-together yes (each chunk read once by one rank, an all-to-all
+#        hands the ranks their parts; when smp-eval has it): its load and the bytes the
+#        ranks read, beside (f)'s
 #   (f') the physical anchor of (f): 8 processes (mpirun, as (f)) each writing, for the
 #        first time, as many bytes of fresh memory as its rank's fp32 weights (the
 #        model's fp32 bytes / (tp x pp) of the layout): the largest time printed
@@ -271,8 +274,9 @@ pair() {
     else measure "$k2" - "${b[@]}"; measure "$k1" - "${a[@]}"; fi
 }
 
-HAVE_LAYOUT=0
+HAVE_LAYOUT=0 HAVE_TOGETHER=0
 if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--layout'; then HAVE_LAYOUT=1; fi
+if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--read-together'; then HAVE_TOGETHER=1; fi
 echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg), $(df -h "$CACHE" | awk 'NR==2 {print $1}')"
 damon_note
 echo "model: $HF, $(numfmt --to=iec "$MODEL_BYTES") ($MODEL_BYTES bytes), bf16; binaries: $("$BIN/smp-convert" --version 2>&1 | head -1)"
@@ -297,6 +301,10 @@ for ((round = 1; round <= REPEAT; round++)); do
     if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
         pair "$round" evp "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --ckpt "$CKN" --data "$TOK" --batch 2 --seq 16 \
             --batches 1 -- memp "${MPI[@]}" "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES / EVAL_SPLIT))"
+        if [ "$HAVE_TOGETHER" = 1 ]; then
+            measure evt - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --read-together yes --ckpt "$CKN" --data "$TOK" \
+                --batch 2 --seq 16 --batches 1
+        fi
     fi
     measure cps "$OUT/x" bash -c "cp -r '$CKN' '$OUT/x' && sync"
     measure rs-d "$OUT/x" "$BIN/smp-convert" reshard --in "$CKN" --out "$OUT/x" --layout tp=4 --compress none
@@ -323,6 +331,7 @@ for k in "${!LS[@]}"; do LT[$k]=$(median "${LS[$k]}"); done
 load() { echo "${LT[$1]:-${T[$1]}}"; }
 loadnote() { if [ -n "${LT[$1]:-}" ]; then echo ""; else echo "   (no load line: whole command)"; fi; }
 mib() { calc "${RSS[$1]} / 1024"; }
+readbytes() { grep -oE 'loaded .*: [0-9]+ bytes' "$OUT/$1.log" | tail -1 | sed -E 's/.*: ([0-9]+) bytes/\1/'; }
 verdict() { if [ "$(calc "($1 <= $2)")" = 1 ]; then echo "ok"; else echo "MISSED"; fi; }
 echo
 echo "load average after the runs: $(cut -d' ' -f1-3 /proc/loadavg) (other processes share these cores: see ps)"
@@ -349,6 +358,10 @@ if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
         "$(load evp)" "$CKN_BYTES" evp "$(like "$(load evp)" "${T[cp]}" "(a)")"
     row "(f') 8 ranks' first touch of their fp32 bytes" "$(load memp)" "$CKN_BYTES" memp \
         "$(like "$(load evp)" "$(load memp)" "(f) load / (f')")"
+    if [ "$HAVE_TOGETHER" = 1 ]; then
+        row "(f'') (f) with --read-together yes, load" "$(load evt)" "$CKN_BYTES" evt "$(like "$(load evt)" "$(load evp)" "(f) load")"
+        echo "       bytes read by the 8 ranks: (f) $(readbytes evp), (f'') $(readbytes evt) (the checkpoint: $CKN_BYTES)"
+    fi
 fi
 row "(a') cp -r CK_NONE && sync" "${T[cps]}" "$CKN_BYTES" cps
 row "(b') reshard tp=4, durable" "${T[rs-d]}" "$CKN_BYTES" rs-d "$(like "${T[rs-d]}" "${T[cps]}" "(a')")"
