@@ -1,5 +1,7 @@
 /* kernels/tile_gemm.c: the small products of the C attention's tiles, register-blocked
- * (portable C with GCC vector types; one variant per vector width, as simd.h says).
+ * (portable C with GCC vector types): the body in tile_gemm_body.h, compiled here for
+ * vectors of 8 floats (AVX2, and SSE as pairs) and in tile_gemm512.c for 16 (AVX-512);
+ * smp_tile_gemm runs the widest the CPU has.
  *
  * Why not BLAS: a tile product is tens of thousands of multiply-adds (64 x 64 x 32),
  * and OpenBLAS 0.3.21 sends each through its packing path unless the CPU has its
@@ -15,105 +17,22 @@
 #include "tile_gemm.h"
 #include "simd.h"
 
-#include <string.h>
+#include <stdatomic.h>
 
-/* a * b + c as one FMA in the AVX2 and AVX-512 variants (ISO C contracts nothing) */
-#if defined(__clang__)
-#pragma clang fp contract(fast)
-#elif defined(__GNUC__)
-#pragma GCC optimize("fp-contract=fast")
-#endif
-/* the vector helpers are always inlined into their variant: no vector crosses a call */
-#pragma GCC diagnostic ignored "-Wpsabi"
-
-/* MR rows x NR columns of C per block, NR as NV vectors of 8: 12 of AVX2's 16 registers */
-enum { MR = 6, NV = 2, NR = 8 * NV };
-/* the longest k of a block narrower than NR (its B columns copied, zero-padded) */
-enum { TAIL_K_MAX = 256 };
-
-/* the row loops unrolled, so that acc stays in registers (-O2 keeps such loops) */
+#define TG_VW 8
+#define TG_MR 6 /* 6 x 2 accumulators: 12 of AVX2's 16 registers */
 #if defined(__GNUC__) && !defined(__clang__)
-#define SMP_UNROLL_MR _Pragma("GCC unroll 6")
+#define TG_UNROLL _Pragma("GCC unroll 6")
 #else
-#define SMP_UNROLL_MR _Pragma("unroll")
+#define TG_UNROLL _Pragma("unroll")
 #endif
+#define TG_NAME smp_tile_gemm_v8
+#define TG_ATTRS SMP_SIMD_CLONES
+#include "tile_gemm_body.h"
 
-typedef float vec __attribute__((vector_size(8 * sizeof(float))));
-
-SMP_SIMD_INLINE vec load(const float *p)
-{
-    vec v;
-    memcpy(&v, p, sizeof v); /* unaligned load */
-    return v;
-}
-
-/* C[0..mr)[0..NR) = beta C + alpha A B over k in [0, K); mr a constant where inlined */
-SMP_SIMD_INLINE void block(int mr, int K, float alpha, const float *A, size_t sam, size_t sak,
-                           const float *B, size_t ldb, float beta, float *C, size_t ldc)
-{
-    vec acc[MR][NV];
-    for (int r = 0; r < MR; r++)
-        for (int v = 0; v < NV; v++)
-            acc[r][v] = (vec){0};
-    for (int k = 0; k < K; k++) {
-        const float *b = B + (size_t)k * ldb, *a = A + (size_t)k * sak;
-        vec bv[NV];
-        for (int v = 0; v < NV; v++)
-            bv[v] = load(b + 8 * v);
-        SMP_UNROLL_MR
-        for (int r = 0; r < mr; r++)
-            for (int v = 0; v < NV; v++)
-                acc[r][v] += a[r * sam] * bv[v];
-    }
-    for (int r = 0; r < mr; r++) {
-        for (int v = 0; v < NV; v++) {
-            vec c = alpha * acc[r][v];
-            if (beta != 0.0f)
-                c += load(C + r * ldc + 8 * v);
-            memcpy(C + r * ldc + 8 * v, &c, sizeof c);
-        }
-    }
-}
-
-/* rows [0, M) of one NR-wide column block, MR rows at a time */
-SMP_SIMD_INLINE void column_block(int M, int K, float alpha, const float *A, size_t sam, size_t sak,
-                                  const float *B, size_t ldb, float beta, float *C, size_t ldc)
-{
-    int m = 0;
-    for (; m + MR <= M; m += MR)
-        block(MR, K, alpha, A + m * sam, sam, sak, B, ldb, beta, C + m * ldc, ldc);
-    const float *a = A + m * sam;
-    float *c = C + m * ldc;
-    switch (M - m) { /* each a constant row count, so each keeps its rows in registers */
-    case 5: block(5, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
-    case 4: block(4, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
-    case 3: block(3, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
-    case 2: block(2, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
-    case 1: block(1, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
-    default: break;
-    }
-}
-
-/* the last w < NR columns: B's copied zero-padded, C's through a padded row of MR */
-SMP_SIMD_INLINE void column_tail(int M, int w, int K, float alpha, const float *A, size_t sam, size_t sak,
-                                 const float *B, size_t ldb, float beta, float *C, size_t ldc)
-{
-    float bp[TAIL_K_MAX * NR], cp[MR * NR];
-    memset(bp, 0, (size_t)K * NR * sizeof(float));
-    for (int k = 0; k < K; k++)
-        memcpy(bp + k * NR, B + (size_t)k * ldb, (size_t)w * sizeof(float));
-    for (int m = 0; m < M; m += MR) {
-        const int mr = M - m < MR ? M - m : MR;
-        for (int r = 0; r < mr; r++)
-            memcpy(cp + r * NR, C + (size_t)(m + r) * ldc, (size_t)w * sizeof(float));
-        column_block(mr, K, alpha, A + m * sam, sam, sak, bp, NR, beta, cp, NR);
-        for (int r = 0; r < mr; r++)
-            memcpy(C + (size_t)(m + r) * ldc, cp + r * NR, (size_t)w * sizeof(float));
-    }
-}
-
-/* the same sums one element at a time: a tail with k too long for the padded copy */
-static void scalar_tail(int M, int n0, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
+/* the same sums one element at a time: a tail with k too long for the padded copy (both
+ * widths) */
+void smp_tile_gemm_scalar_tail(int M, int n0, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
                         const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
     for (int m = 0; m < M; m++) {
@@ -127,18 +46,34 @@ static void scalar_tail(int M, int n0, int N, int K, float alpha, const float *A
     }
 }
 
-SMP_SIMD_CLONES void smp_tile_gemm(int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
-                                   const float *B, size_t ldb, float beta, float *C, size_t ldc)
+static int widest(void)
 {
-    if (M <= 0 || N <= 0)
+#if SMP_TILE_GEMM_512
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("x86-64-v4") ? 16 : 8;
+#else
+    return 8;
+#endif
+}
+
+void smp_tile_gemm_w(int width, int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
+                     const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+#if SMP_TILE_GEMM_512
+    if (width == 16) {
+        smp_tile_gemm_v16(M, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
         return;
-    int n = 0;
-    for (; n + NR <= N; n += NR)
-        column_block(M, K, alpha, A, sam, sak, B + n, ldb, beta, C + n, ldc);
-    if (n == N)
-        return;
-    if (K <= TAIL_K_MAX)
-        column_tail(M, N - n, K, alpha, A, sam, sak, B + n, ldb, beta, C + n, ldc);
-    else
-        scalar_tail(M, n, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
+    }
+#endif
+    (void)width;
+    smp_tile_gemm_v8(M, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
+}
+
+void smp_tile_gemm(int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
+                   const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+    static atomic_int width; /* 0 until the first call asks the CPU (any thread may: same answer) */
+    int w = atomic_load_explicit(&width, memory_order_relaxed);
+    if (!w) atomic_store_explicit(&width, w = widest(), memory_order_relaxed);
+    smp_tile_gemm_w(w, M, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
 }

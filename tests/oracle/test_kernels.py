@@ -83,6 +83,7 @@ SIGNATURES = {
     "op_fp8_dequantize": (None, [P, P, SZ, F32, I]),
     "op_linear_forward_fp8": (None, [P, P, P, I, I, I, F32, F32, P]),
     "smp_tile_gemm": (None, [I, I, I, F32, P, SZ, SZ, P, SZ, F32, P, SZ]),
+    "smp_tile_gemm_w": (None, [I, I, I, I, F32, P, SZ, SZ, P, SZ, F32, P, SZ]),
 }
 OP_FP8_E4M3, OP_FP8_E5M2 = 0, 1
 
@@ -168,6 +169,32 @@ def test_tile_gemm(lib, M, N, K, ta):
             ref += C0[:, :N]
         close(C[:, :N], ref, what=f"tile_gemm alpha {alpha} beta {beta}")
         np.testing.assert_array_equal(C[:, N:], C0[:, N:])  # the padding of each row
+
+
+def avx512():
+    flags = open("/proc/cpuinfo").read() if os.path.exists("/proc/cpuinfo") else ""
+    return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
+
+
+@pytest.mark.parametrize("M,N,K", TILE_SHAPES + [(64, 64, 128), (8, 32, 7), (9, 33, 64)])
+@pytest.mark.parametrize("ta", [0, 1])
+def test_tile_gemm_widths_agree(lib, M, N, K, ta):
+    """The 16-float (AVX-512) form gives the 8-float form's bits, tails included: each
+    output is its own lane of one FMA chain over k in order at either width."""
+    if not avx512():
+        pytest.skip("this CPU has no AVX-512: the 16-float form does not run here")
+    r = rng(M * 7 + N * 3 + K + ta)
+    A = f32(r.standard_normal((K, M) if ta else (M, K)))
+    B = f32(r.standard_normal((K, N)))
+    sam, sak = (1, M) if ta else (K, 1)
+    for alpha, beta in [(1.0, 0.0), (0.37, 1.0)]:
+        C0 = f32(r.standard_normal((M, N)))
+        got = {}
+        for w in (8, 16):
+            C = C0.copy()
+            lib.smp_tile_gemm_w(w, M, N, K, alpha, ptr(A), sam, sak, ptr(B), N, beta, ptr(C), N)
+            got[w] = C
+        np.testing.assert_array_equal(got[8].view(np.uint32), got[16].view(np.uint32))
 
 
 # ---- embedding -----------------------------------------------------------------

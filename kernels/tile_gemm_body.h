@@ -1,0 +1,118 @@
+/* kernels/tile_gemm_body.h: the register-blocked tile product at one vector width,
+ * included once by each width's file (tile_gemm.c: 8 floats, tile_gemm512.c: 16), which
+ * defines TG_VW (floats a vector), TG_MR (rows a block), TG_UNROLL (the row loop's
+ * unroll pragma), TG_NAME and TG_ATTRS (the entry point and its attributes). The sums
+ * are the same whatever the width: each output element is its own lane, one chain
+ * over k in order. */
+#include "tile_gemm.h"
+#include "simd.h"
+
+#include <string.h>
+
+/* a * b + c as one FMA in the AVX2 and AVX-512 variants (ISO C contracts nothing) */
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+/* the vector helpers are always inlined into their variant: no vector crosses a call */
+#pragma GCC diagnostic ignored "-Wpsabi"
+
+/* MR rows x NR columns of C per block, NR as NV vectors of VW floats */
+enum { MR = TG_MR, NV = 2, VW = TG_VW, NR = VW * NV };
+/* the longest k of a block narrower than NR (its B columns copied, zero-padded) */
+enum { TAIL_K_MAX = 256 };
+
+typedef float vec __attribute__((vector_size(VW * sizeof(float))));
+
+SMP_SIMD_INLINE vec load(const float *p)
+{
+    vec v;
+    memcpy(&v, p, sizeof v); /* unaligned load */
+    return v;
+}
+
+/* C[0..mr)[0..NR) = beta C + alpha A B over k in [0, K); mr a constant where inlined */
+SMP_SIMD_INLINE void block(int mr, int K, float alpha, const float *A, size_t sam, size_t sak,
+                           const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+    vec acc[MR][NV];
+    for (int r = 0; r < MR; r++)
+        for (int v = 0; v < NV; v++)
+            acc[r][v] = (vec){0};
+    for (int k = 0; k < K; k++) {
+        const float *b = B + (size_t)k * ldb, *a = A + (size_t)k * sak;
+        vec bv[NV];
+        for (int v = 0; v < NV; v++)
+            bv[v] = load(b + VW * v);
+        TG_UNROLL
+        for (int r = 0; r < mr; r++)
+            for (int v = 0; v < NV; v++)
+                acc[r][v] += a[r * sam] * bv[v];
+    }
+    for (int r = 0; r < mr; r++) {
+        for (int v = 0; v < NV; v++) {
+            vec c = alpha * acc[r][v];
+            if (beta != 0.0f)
+                c += load(C + r * ldc + VW * v);
+            memcpy(C + r * ldc + VW * v, &c, sizeof c);
+        }
+    }
+}
+
+/* rows [0, M) of one NR-wide column block, MR rows at a time */
+SMP_SIMD_INLINE void column_block(int M, int K, float alpha, const float *A, size_t sam, size_t sak,
+                                  const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+    int m = 0;
+    for (; m + MR <= M; m += MR)
+        block(MR, K, alpha, A + m * sam, sam, sak, B, ldb, beta, C + m * ldc, ldc);
+    const float *a = A + m * sam;
+    float *c = C + m * ldc;
+    switch (M - m) { /* each a constant row count, so each keeps its rows in registers */
+#if TG_MR > 7
+    case 7: block(7, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+    case 6: block(6, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+#endif
+    case 5: block(5, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+    case 4: block(4, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+    case 3: block(3, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+    case 2: block(2, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+    case 1: block(1, K, alpha, a, sam, sak, B, ldb, beta, c, ldc); break;
+    default: break;
+    }
+}
+
+/* the last w < NR columns: B's copied zero-padded, C's through a padded row of MR */
+SMP_SIMD_INLINE void column_tail(int M, int w, int K, float alpha, const float *A, size_t sam, size_t sak,
+                                 const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+    float bp[TAIL_K_MAX * NR], cp[MR * NR];
+    memset(bp, 0, (size_t)K * NR * sizeof(float));
+    for (int k = 0; k < K; k++)
+        memcpy(bp + k * NR, B + (size_t)k * ldb, (size_t)w * sizeof(float));
+    for (int m = 0; m < M; m += MR) {
+        const int mr = M - m < MR ? M - m : MR;
+        for (int r = 0; r < mr; r++)
+            memcpy(cp + r * NR, C + (size_t)(m + r) * ldc, (size_t)w * sizeof(float));
+        column_block(mr, K, alpha, A + m * sam, sam, sak, bp, NR, beta, cp, NR);
+        for (int r = 0; r < mr; r++)
+            memcpy(C + (size_t)(m + r) * ldc, cp + r * NR, (size_t)w * sizeof(float));
+    }
+}
+
+TG_ATTRS void TG_NAME(int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
+                                   const float *B, size_t ldb, float beta, float *C, size_t ldc)
+{
+    if (M <= 0 || N <= 0)
+        return;
+    int n = 0;
+    for (; n + NR <= N; n += NR)
+        column_block(M, K, alpha, A, sam, sak, B + n, ldb, beta, C + n, ldc);
+    if (n == N)
+        return;
+    if (K <= TAIL_K_MAX)
+        column_tail(M, N - n, K, alpha, A, sam, sak, B + n, ldb, beta, C + n, ldc);
+    else
+        smp_tile_gemm_scalar_tail(M, n, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
+}
