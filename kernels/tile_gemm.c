@@ -17,6 +17,7 @@
 #include "tile_gemm.h"
 #include "simd.h"
 
+#include <math.h>
 #include <stdatomic.h>
 
 #define TG_VW 8
@@ -31,7 +32,7 @@
 #include "tile_gemm_body.h"
 
 /* the same sums one element at a time: a tail with k too long for the padded copy (both
- * widths) */
+ * widths; fmaf rounds as the vector forms' FMA does, so the widths agree here too) */
 void smp_tile_gemm_scalar_tail(int M, int n0, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
                         const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
@@ -39,7 +40,7 @@ void smp_tile_gemm_scalar_tail(int M, int n0, int N, int K, float alpha, const f
         for (int n = n0; n < N; n++) {
             float acc = 0.0f;
             for (int k = 0; k < K; k++)
-                acc += A[m * sam + (size_t)k * sak] * B[(size_t)k * ldb + n];
+                acc = fmaf(A[m * sam + (size_t)k * sak], B[(size_t)k * ldb + n], acc); /* as the vectors' FMA */
             float *c = C + (size_t)m * ldc + n;
             *c = beta != 0.0f ? alpha * acc + *c : alpha * acc;
         }

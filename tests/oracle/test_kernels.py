@@ -176,7 +176,7 @@ def avx512():
     return all(f in flags.split() for f in ("avx512f", "avx512bw", "avx512dq", "avx512vl"))
 
 
-@pytest.mark.parametrize("M,N,K", TILE_SHAPES + [(64, 64, 128), (8, 32, 7), (9, 33, 64)])
+@pytest.mark.parametrize("M,N,K", TILE_SHAPES + [(64, 64, 128), (8, 32, 7), (9, 33, 64), (64, 16, 64), (9, 40, 300), (3, 24, 17)])
 @pytest.mark.parametrize("ta", [0, 1])
 def test_tile_gemm_widths_agree(lib, M, N, K, ta):
     """The 16-float (AVX-512) form gives the 8-float form's bits, tails included: each

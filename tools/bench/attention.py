@@ -22,6 +22,7 @@ SHAPES = [  # B, T, heads, kv heads, head dim, calls
     (8, 256, 8, 4, 32, 20),
     (1, 4096, 8, 4, 32, 5),
     (1, 4096, 8, 4, 64, 3),
+    (1, 16384, 4, 4, 16, 2),  # tools/bench/long.sh's heads of 16, a cp rank's share of its sequence
 ]
 
 
