@@ -68,7 +68,7 @@
 # Llama-3-8B's shapes, hidden 4096, intermediate 14336, 32 layers, vocab 128256, 32
 # heads, 8 kv heads: 8.0 G parameters, 16 GB of bf16, in CACHE_DIR/hf-8b; (e), (f) and
 # (h) are skipped there: they would hold the model in fp32, or whole, in memory; it needs
-# ~78 GB of disk, checked at start),
+# ~62 GB of disk, checked at start),
 # SMP_BENCH_EVAL_LAYOUT (the layout of (f), 8 ranks; default tp=4,dp=2), SMP_PY (python with torch, transformers,
 # safetensors, h5py, hdf5plugin; default the oracle venv under ~/.cache/smp), SMP_BIN
 # (default build/bin; not built here: build it first).
@@ -89,10 +89,10 @@ elif [ "$BIG" = 1 ]; then HF=$CACHE/hf-8b; OUT=$CACHE/out-read-8b
 else HF=$CACHE/hf; OUT=$CACHE/out-read; fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
-# the disk the run needs, the model's folder included: 5 copies of the model's bytes
-# (model, CK_NONE, CK_ZSTD ~0.7, round 1's kept merge, an output), checked before
-# anything is written (an 8B run once filled a disk after its first rows)
-NEED=$(if [ "$SMALL" = 1 ]; then echo 1; elif [ "$BIG" = 1 ]; then echo 78; else echo 8; fi)
+# the disk the run needs, the model's folder included: 4 copies of the model's bytes
+# (model, CK_NONE, CK_ZSTD ~0.7, an output), checked before anything is written (an 8B
+# run once filled a disk after its first rows, when round 1's merge was kept whole)
+NEED=$(if [ "$SMALL" = 1 ]; then echo 1; elif [ "$BIG" = 1 ]; then echo 62; else echo 7; fi)
 HAVE=$(( ($(df -B1 --output=avail "$CACHE" | tail -1) + $(du -sb "$HF" 2>/dev/null | cut -f1 || echo 0)) >> 30 ))
 if [ "$HAVE" -lt "$NEED" ]; then
     echo "read.sh: $CACHE has ${HAVE} GB for the run (its model folder included), it needs ~$NEED GB"; exit 1
@@ -194,28 +194,34 @@ print(f"loaded fresh memory: {len(b)} bytes in {time.time() - t0:.3f} s", file=s
 '
 SAME=$OUT/same_tensors.py
 cat >"$SAME" <<'EOF'
-"""same_tensors.py A B: the safetensors files of folders A and B hold the same tensors, byte for byte."""
-import glob, json, mmap, os, struct, sys
+"""same_tensors.py --digest FOLDER OUT: each tensor of FOLDER's safetensors files (name, element width,
+shape, BLAKE2b of its bytes) into OUT; same_tensors.py DIGEST FOLDER: FOLDER holds those tensors, byte for
+byte. (A digest, not a kept folder: the 16 GB run would need another 16 GB of disk for it.)"""
+import glob, hashlib, json, mmap, os, struct, sys
 WIDTH = {"BF16": 2, "F16": 2, "U16": 2, "I16": 2, "F32": 4, "U32": 4, "I32": 4, "F64": 8, "U64": 8, "I64": 8,
          "U8": 1, "I8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 def tensors(folder):
     out = {}
     for p in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        f = open(p, "rb")
-        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        n = struct.unpack("<Q", mm[:8])[0]
-        for k, v in json.loads(mm[8:8 + n]).items():
-            if k != "__metadata__":
-                a, b = v["data_offsets"]
-                out[k] = (WIDTH[v["dtype"]], tuple(v["shape"]), mm, 8 + n + a, 8 + n + b)
+        with open(p, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            n = struct.unpack("<Q", mm[:8])[0]
+            view = memoryview(mm)
+            for k, v in json.loads(mm[8:8 + n]).items():
+                if k != "__metadata__":
+                    a, b = v["data_offsets"]
+                    h = hashlib.blake2b(view[8 + n + a:8 + n + b], digest_size=16).hexdigest()
+                    out[k] = [WIDTH[v["dtype"]], list(v["shape"]), h]
+            view.release()
     return out
-A, B = tensors(sys.argv[1]), tensors(sys.argv[2])
+if sys.argv[1] == "--digest":
+    json.dump(tensors(sys.argv[2]), open(sys.argv[3], "w"))
+    sys.exit(0)
+A, B = json.load(open(sys.argv[1])), tensors(sys.argv[2])
 if sorted(A) != sorted(B):
     sys.exit(f"different tensors: {sorted(set(A) ^ set(B))[:5]}")
 for k in A:
-    (wa, sa, ma, a0, a1), (wb, sb, mb, b0, b1) = A[k], B[k]
-    if (wa, sa) != (wb, sb) or ma[a0:a1] != mb[b0:b1]:
-        sys.exit(f"{k}: differs ({wa}-byte {sa} vs {wb}-byte {sb})")
+    if A[k] != B[k]:
+        sys.exit(f"{k}: differs ({A[k][0]}-byte {A[k][1]} vs {B[k][0]}-byte {B[k][1]})")
 EOF
 
 # ------------------------------------------------------------------- measuring
@@ -223,14 +229,14 @@ calc() { awk "BEGIN { print $* }"; }
 median() { tr ' ' '\n' <<<"$1" | grep . | sort -g | awk '{ v[NR] = $1 } END { print (NR % 2) ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2 }'; }
 TMPT=$(mktemp)
 trap 'rm -f "$TMPT"' EXIT
-KEEP=$OUT/keep-merge   # round 1: smp-merge --no-fsync of CK_NONE, the reference of the checks
+KEEP=$OUT/keep-merge.json   # round 1: the tensors of smp-merge --no-fsync of CK_NONE, the checks' reference
 declare -A TS LS RSS NLOAD T LT
 fail() { echo "FAILED: $*"; exit 1; }
 # check KEY OUTPATH: round 1 only, not timed
 check() {
     case $1 in
         rs|rs-d|rs-z) "$BIN/smp-verify" "$2" >/dev/null || fail "smp-verify $2 (the output of $1)" ;;
-        mg) rm -rf "$KEEP"; mv "$2" "$KEEP" ;;
+        mg) "$PY" "$SAME" --digest "$2" "$KEEP" ;;
         mg-d|mg-z|py|py-z) "$PY" "$SAME" "$KEEP" "$2" || fail "$1: not the tensors of smp-merge of CK_NONE" ;;
     esac
 }
@@ -319,7 +325,7 @@ for ((round = 1; round <= REPEAT; round++)); do
         measure tl - "$PY" -c "$TORCHLOAD" "$HF/model.safetensors"
     fi
     if [ "$round" = 1 ]; then
-        rm -rf "$KEEP"; sync
+        rm -f "$KEEP"
         echo "  checked: smp-verify of the 3 reshard outputs; smp-merge (durable, zstd)$(if [ "$BIG" = 0 ]; then echo " and both Python merges"; fi) give the tensors of smp-merge of CK_NONE"
     fi
 done
