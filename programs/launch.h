@@ -14,4 +14,5 @@ int launch_ranks(int argc, char **argv, int (*fn)(int argc, char **argv, par_ctx
 /* --read-together auto|yes|no (val NULL: auto) into P->read_together; the exit code
  * of a bad value (cli_usage), else 0. */
 int launch_read_together(const char *val, par_ctx *P);
+
 #endif
