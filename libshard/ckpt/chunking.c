@@ -62,9 +62,7 @@ static int cmp_i64(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-/* The chunk starts of the pieces along dim 0, inside (lo, hi), sorted, unique; a
- * piece of 3 or more dims starts a chunk at every index of dim 0 (a plane each).
- * NULL when out of memory; *n their count. */
+/* v[(*n)++] = r, growing v; 0 when out of memory */
 static int push(int64_t **v, size_t *n, size_t *cap, int64_t r)
 {
     if (*n == *cap) {
@@ -76,6 +74,9 @@ static int push(int64_t **v, size_t *n, size_t *cap, int64_t r)
     return 1;
 }
 
+/* The chunk starts of the pieces along dim 0, inside (lo, hi), sorted, unique; a
+ * piece of 3 or more dims starts a chunk at every index of dim 0 (a plane each).
+ * NULL when out of memory; *n their count. */
 static int64_t *chunk_starts(const tensor *t, int64_t lo, int64_t hi, size_t *n)
 {
     const size_t es = shard_dtype_size(t->t.dtype);
