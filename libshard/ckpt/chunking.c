@@ -87,8 +87,10 @@ static int64_t *chunk_starts(const tensor *t, int64_t lo, int64_t hi, size_t *n)
         const shard_box *b = &t->p[j].box;
         int64_t step = b->ndim >= 3 ? 1 : shard_chunking_rows_for(b->ndim, b->len, es), e = b->off[0] + b->len[0];
         if (step < 1) step = 1;
-        for (int64_t r = b->off[0]; ok && r <= e; r = r < e && r + step > e ? e : r + step)
-            if (r > lo && r < hi) ok = push(&v, &k, &cap, r);
+        int64_t r = b->off[0];
+        if (lo > r) r += (lo - r) / step * step; /* the last start at or before lo: O(the band), not O(the piece) */
+        for (; ok && r <= e && r < hi; r = r < e && r + step > e ? e : r + step)
+            if (r > lo) ok = push(&v, &k, &cap, r);
     }
     if (!ok) { free(v); return NULL; }
     qsort(v, k, sizeof *v, cmp_i64);
