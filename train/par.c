@@ -203,7 +203,8 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *gr
     float *host = model_params_host(m);
     shard_status s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
     int together = 0;
-    if (!s) s = read_together(p, &together);
+    shard_status t = read_together(p, &together); /* collective: every rank, whatever its s */
+    if (!s) s = t;
     if (together) {
         if ((s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL))) return s;
         return par_coread(p, c, m, group, 0, host);

@@ -1,5 +1,6 @@
 """The issue's own example: a run saved at pp=2,tp=2,dp=2 resumes at tp=4,cp=2 (8
 ranks each), optimizer state included, and tracks the straight single-rank run."""
+import re
 import shutil
 
 import numpy as np
@@ -25,13 +26,16 @@ def test_resume_pp2_tp2_dp2_at_tp4_cp2(tmp_path):
     assert (a / "latest").read_text().strip() == "step-000003"
     b = tmp_path / "b"
     shutil.copytree(a, b, symlinks=True)
-    mpirun(8, "--ckpt", a, "--data", data, "--save-dir", a, "--layout", "tp=4,cp=2", "--log", a / "log.jsonl")
+    alone = mpirun(8, "--ckpt", a, "--data", data, "--save-dir", a, "--layout", "tp=4,cp=2", "--log", a / "log.jsonl")
     rows = read_log(a / "log.jsonl")
     assert_tracks(rows, read_log(ref / "log.jsonl"), 5e-4, "pp=2,tp=2,dp=2 then tp=4,cp=2")
     run("smp-verify", a / "step-000006", check=0)
     # the ranks reading together (each chunk once, an all-to-all) load the same bits:
     # parameters, fp32 master and both moments, so the resumed steps are identical
-    mpirun(8, "--ckpt", b, "--data", data, "--save-dir", b, "--layout", "tp=4,cp=2", "--log", b / "log.jsonl",
-           "--read-together", "yes")
+    together = mpirun(8, "--ckpt", b, "--data", data, "--save-dir", b, "--layout", "tp=4,cp=2", "--log",
+                      b / "log.jsonl", "--read-together", "yes")
     strip = lambda rows: [(r["step"], r["loss"], r["grad_norm"]) for r in rows]  # noqa: E731
     assert strip(read_log(b / "log.jsonl")) == strip(rows)
+    # ...through the together path: the cp=2 replicas each read their chunks when alone
+    read = [int(re.search(r"loaded .*: (\d+) bytes", p.stderr).group(1)) for p in (alone, together)]
+    assert read[1] < 0.75 * read[0], read
