@@ -57,17 +57,18 @@ static int widest(void)
 #endif
 }
 
-void smp_tile_gemm_w(int width, int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
-                     const float *B, size_t ldb, float beta, float *C, size_t ldc)
+int smp_tile_gemm_w(int width, int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
+                    const float *B, size_t ldb, float beta, float *C, size_t ldc)
 {
 #if SMP_TILE_GEMM_512
     if (width == 16) {
         smp_tile_gemm_v16(M, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
-        return;
+        return 16;
     }
 #endif
     (void)width;
     smp_tile_gemm_v8(M, N, K, alpha, A, sam, sak, B, ldb, beta, C, ldc);
+    return 8;
 }
 
 void smp_tile_gemm(int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,

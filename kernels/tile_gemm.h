@@ -11,9 +11,10 @@
 void smp_tile_gemm(int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
                    const float *B, size_t ldb, float beta, float *C, size_t ldc);
 /* The same at a given vector width: 8, or 16 (AVX-512 CPUs only; where the build has no
- * 16-float form, 8). The bits are the same at both: tests compare them. */
-void smp_tile_gemm_w(int width, int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
-                     const float *B, size_t ldb, float beta, float *C, size_t ldc);
+ * 16-float form, 8); returns the width it ran. The bits are the same at both: tests
+ * compare them. */
+int smp_tile_gemm_w(int width, int M, int N, int K, float alpha, const float *A, size_t sam, size_t sak,
+                    const float *B, size_t ldb, float beta, float *C, size_t ldc);
 
 /* The widths' own forms and their shared scalar tail (tile_gemm_body.h). */
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && !defined(SMP_NO_SIMD_CLONES)

@@ -83,7 +83,7 @@ SIGNATURES = {
     "op_fp8_dequantize": (None, [P, P, SZ, F32, I]),
     "op_linear_forward_fp8": (None, [P, P, P, I, I, I, F32, F32, P]),
     "smp_tile_gemm": (None, [I, I, I, F32, P, SZ, SZ, P, SZ, F32, P, SZ]),
-    "smp_tile_gemm_w": (None, [I, I, I, I, F32, P, SZ, SZ, P, SZ, F32, P, SZ]),
+    "smp_tile_gemm_w": (I, [I, I, I, I, F32, P, SZ, SZ, P, SZ, F32, P, SZ]),
 }
 OP_FP8_E4M3, OP_FP8_E5M2 = 0, 1
 
@@ -192,7 +192,8 @@ def test_tile_gemm_widths_agree(lib, M, N, K, ta):
         got = {}
         for w in (8, 16):
             C = C0.copy()
-            lib.smp_tile_gemm_w(w, M, N, K, alpha, ptr(A), sam, sak, ptr(B), N, beta, ptr(C), N)
+            # the width that ran: a build without the 16-float form would run 8 twice
+            assert lib.smp_tile_gemm_w(w, M, N, K, alpha, ptr(A), sam, sak, ptr(B), N, beta, ptr(C), N) == w
             got[w] = C
         np.testing.assert_array_equal(got[8].view(np.uint32), got[16].view(np.uint32))
 
