@@ -21,6 +21,13 @@
 #include "simd.h"
 #include "tile_gemm.h"
 
+/* the softmax's exps (smp_expf's polynomial) as FMAs in the AVX2 and AVX-512 variants,
+ * as the tile products already are: results differ from the SSE variant's in the last
+ * bits, not between thread counts */
+#if defined(__GNUC__) && !defined(__clang__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
 #include <math.h>
 #include <string.h>
 

@@ -4,7 +4,9 @@
  * (x86-64-v4), and the loader's ifunc picks the widest this CPU has. Results stay
  * the same bits for any thread count; between CPUs of different widths a vector
  * reduction (a row's sum) may round differently. ISO C (-std=c11) contracts no a*b+c
- * into an FMA, so element-wise results are the same on every variant. */
+ * into an FMA, so element-wise results are the same on every variant, but in the two
+ * files that ask for FMAs (tile_gemm_body.h, attention.c: the tiles' products and exps),
+ * whose AVX2 and AVX-512 variants round otherwise than their SSE one. */
 #ifndef SMP_KERNELS_SIMD_H
 #define SMP_KERNELS_SIMD_H
 
