@@ -17,16 +17,17 @@
  * kv head, or, with fewer heads than the threads can share, a query tile for dq and
  * a key tile for dk/dv, adding in the same order); the threads only pick which tasks
  * they run. */
-#include "ops.h"
-#include "simd.h"
-#include "tile_gemm.h"
-
 /* the softmax's exps (smp_expf's polynomial) as FMAs in the AVX2 and AVX-512 variants,
  * as the tile products already are: results differ from the SSE variant's in the last
- * bits, not between thread counts */
+ * bits, not between thread counts. Before simd.h, so that smp_expf itself is defined
+ * under it, not only the functions it is inlined into. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=fast")
 #endif
+
+#include "ops.h"
+#include "simd.h"
+#include "tile_gemm.h"
 
 #include <math.h>
 #include <string.h>
