@@ -6,7 +6,7 @@
 # GPU programs (which skip cleanly where there is no GPU), and checks the CUDA backend
 # on the CPU emulator: each op and the backend's table against the C ones (tools/emu-check).
 # The emulated CUDA backend's tests run single-threaded in the background beside the
-# other oracle tests (about 13 of the suite's minutes on 2 cores would be 20 in a row).
+# other oracle tests (2.5 minutes of the suite's ~10 on 2 cores).
 #   FUZZ_SECONDS=N   seconds of fresh fuzzing per harness (default 20)
 set -uo pipefail
 cd "$(dirname "$0")/.."

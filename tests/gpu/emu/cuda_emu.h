@@ -5,8 +5,10 @@
  * Compiled with a host C++17 compiler and -DSMP_CUDA_EMU; kernels/cuda_common.cuh
  * includes this header instead of <cuda_runtime.h>. What it models:
  *   - a launch runs its blocks one after another; the threads of a block are
- *     cooperative fibers (ucontext), switched only at synchronization points, so
- *     __shared__ variables (static here) and dynamic shared memory are per block;
+ *     cooperative fibers, switched only at synchronization points (on x86-64 by a
+ *     few instructions of cuda_emu.cpp's own; under AddressSanitizer and elsewhere
+ *     by ucontext), so __shared__ variables (static here) and dynamic shared memory
+ *     are per block;
  *   - __syncthreads, __syncwarp and every warp-collective (shuffles, __any_sync,
  *     mma.sync, ldmatrix) are barriers over the threads (or the warp's lanes) that
  *     have not exited; collectives exchange values through per-warp slots;
