@@ -329,7 +329,7 @@ static shard_status decode_into(shard_ckpt *c, const piece *p, uint64_t k, scrat
         }
         if (es > 1) shard_unshuffle(raw, s->tmp, full / es, es);
     }
-    if (ix->xxh3 && XXH3_64bits(raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k]) {
+    if (ix->xxh3 && shard_xxh3(raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k]) {
         ckpt_file_path(c, p->file_index, path, sizeof path);
         return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
                           (unsigned long long)k);

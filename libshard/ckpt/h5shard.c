@@ -403,7 +403,7 @@ static void *pipeline_worker(void *arg)
         size_t valid = (size_t)shard_box_numel(&sub) * es;
         if (valid < full) memset(raw + valid, 0, full - valid);
         shard_status s = pc->fill(pc->ctx, &sub, raw, pc->dt);
-        if (!s) run->chunk_xxh3[k] = XXH3_64bits(raw, valid); /* a chunk's own: readers of a slice check it alone */
+        if (!s) run->chunk_xxh3[k] = shard_xxh3(raw, valid); /* a chunk's own: readers of a slice check it alone */
         const void *out = raw;
         size_t outn = full;
         if (!s && level) {

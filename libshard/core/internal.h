@@ -16,6 +16,17 @@ json_t *shard_model_to_json(const shard_model_desc *d);
 char *shard_path_join(const char *dir, const char *name);
 /* 1 when name is a plain relative path that stays inside its folder. */
 int shard_path_is_contained(const char *name);
+/* XXH3_64bits (seed 0) of a chunk's bytes, the same value as libxxhash's, computed
+ * with the CPU's widest vectors (xxh3.c). */
+uint64_t shard_xxh3(const void *data, size_t len);
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SHARD_XXH3_WIDE 1
+uint64_t shard_xxh3_base(const void *data, size_t len);
+uint64_t shard_xxh3_avx2(const void *data, size_t len);
+uint64_t shard_xxh3_avx512(const void *data, size_t len);
+#else
+#define SHARD_XXH3_WIDE 0
+#endif
 /* XXH64 (seed 0) of a whole file and its size (fd: an open descriptor of path). */
 shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
 shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);

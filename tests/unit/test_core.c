@@ -182,12 +182,43 @@ static void test_file_hash_and_note(void **st)
     free(buf);
 }
 
+/* the chunks' XXH3 (libshard/core/xxh3.c) gives libxxhash's value in every form this
+ * CPU runs, over the lengths where XXH3 changes its code path (0, 1-3, 4-8, 9-16,
+ * 17-128, 129-240, longer; stripes, blocks, a 1 MiB chunk and a tail) and at odd
+ * addresses */
+static void test_chunk_xxh3_forms(void **st)
+{
+    (void)st;
+    const size_t lens[] = {0, 1, 3, 4, 8, 9, 16, 17, 128, 129, 240, 241, 1023, 1024, 4096, 65537, (1u << 20) + 7};
+    const size_t max = (1u << 20) + 32; /* the longest length at the last offset */
+    unsigned char *buf = malloc(max);
+    assert_non_null(buf);
+    for (size_t i = 0; i < max; i++) buf[i] = (unsigned char)(i * 2654435761u >> 11);
+#if SHARD_XXH3_WIDE
+    __builtin_cpu_init();
+    const int v3 = __builtin_cpu_supports("x86-64-v3"), v4 = __builtin_cpu_supports("x86-64-v4");
+    if (!v4) print_message("test_chunk_xxh3_forms: no AVX-512 on this CPU: its form is not run\n");
+#endif
+    for (size_t i = 0; i < sizeof lens / sizeof *lens; i++)
+        for (size_t at = 0; at < 3; at++) {
+            const unsigned char *p = buf + at * 5;
+            const uint64_t want = XXH3_64bits(p, lens[i]);
+            assert_true(shard_xxh3(p, lens[i]) == want);
+#if SHARD_XXH3_WIDE
+            assert_true(shard_xxh3_base(p, lens[i]) == want);
+            if (v3) assert_true(shard_xxh3_avx2(p, lens[i]) == want);
+            if (v4) assert_true(shard_xxh3_avx512(p, lens[i]) == want);
+#endif
+        }
+    free(buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract),
-        cmocka_unit_test(test_file_hash_and_note),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }

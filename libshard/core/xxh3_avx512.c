@@ -1,0 +1,10 @@
+/* libshard/core/xxh3_avx512.c: the chunks' XXH3 (xxh3.c) built for x86-64-v4. */
+#include "internal.h"
+
+#if SHARD_XXH3_WIDE
+#pragma GCC target("arch=x86-64-v4")
+#define XXH3_BODY_NAME shard_xxh3_avx512
+#include "xxh3_body.h"
+#else
+typedef int shard_xxh3_avx512_unused; /* ISO C wants a declaration in every file */
+#endif
