@@ -214,7 +214,7 @@ void fiber_init(Fiber &f, char *stack)
 #if EMU_FAST_SWITCH
     uintptr_t top = ((uintptr_t)stack + STACK) & ~(uintptr_t)15;
     uint64_t *sp = (uint64_t *)top - 9;
-    uint32_t csr[2];
+    uint32_t csr[2] = {0, 0}; /* MXCSR, and the x87 control word in the low half of the next */
     asm volatile("stmxcsr %0\n fnstcw %1" : "=m"(csr[0]), "=m"(csr[1])); /* this thread's modes */
     memcpy(&sp[0], csr, 8);
     for (int r = 1; r <= 6; r++) sp[r] = 0;              /* r15 ... rbp */
