@@ -31,7 +31,7 @@ if [ ! -x "$VENV/bin/python" ] || [ ! -f "$VENV/.complete" ]; then
     mkdir -p "$(dirname "$VENV")"
     $PY -m venv "$VENV" >&2
     "$VENV/bin/pip" install -q --disable-pip-version-check -r tests/requirements.txt >&2
-    "$VENV/bin/python" -c "import torch, transformers, safetensors, ml_dtypes, h5py, hdf5plugin, numpy" >&2
+    "$VENV/bin/python" -c "import torch, transformers, safetensors, ml_dtypes, h5py, hdf5plugin, numpy, xdist" >&2
     touch "$VENV/.complete"
 fi
 echo "$VENV"
