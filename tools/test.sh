@@ -49,8 +49,8 @@ done
 step "oracle tests (pytest, one worker per core), the CUDA backend on the CPU emulator among them"
 # pytest-xdist, a test file per worker at a time (--dist loadfile: a file's tests run in
 # order, on one worker, as they do alone). The emulated CUDA backend's file is one of them
-# (its tests run single-threaded; its fixture finds the emulator built above). Measured
-# on a 2-core VM: 1104 tests in 372 s on one worker, 217 s on two.
+# (its tests run single-threaded; its fixture finds the emulator built above). README,
+# "Tests", has the figures.
 SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
     -n "$JOBS" --dist loadfile tests/oracle
 rc=$?

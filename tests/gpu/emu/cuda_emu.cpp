@@ -86,7 +86,6 @@ struct Copy {
     bool pred;
 };
 
-
 struct Fiber {
     fiber_ctx ctx;
     uint3 tid;
