@@ -232,7 +232,8 @@ def test_embedding_vocab_shard(lib):
 
 # ---- linear ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("N,IN,OUT", [(7, 33, 19), (70, 130, 150)])
+# (the larger ones are split among the threads: C's rows, or its columns when it has more)
+@pytest.mark.parametrize("N,IN,OUT", [(7, 33, 19), (70, 130, 150), (333, 70, 90), (40, 200, 261)])
 def test_linear(lib, N, IN, OUT):
     r = rng(2)
     x, w, g = r.standard_normal((N, IN)), r.standard_normal((OUT, IN)), r.standard_normal((N, OUT))
@@ -256,6 +257,32 @@ def test_linear(lib, N, IN, OUT):
     close(dw, dw0 + Wt.grad.numpy(), what="linear dweight untouched by NULL")
     lib.op_linear_backward(None, ptr(dw), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
     close(dw, dw0 + 2 * Wt.grad.numpy(), what="linear dweight twice")
+
+
+def test_linear_threads(lib):
+    """1, 2, 3 and 4 OpenMP threads: C's rows (or columns) cut into 1..4 parts, unequal
+    ones at 3, each part one single-threaded BLAS call; every count matches torch, a
+    row-split and a column-split shape. (Not the same bits: OpenBLAS sums a part's
+    first rows' last columns in another order than the middle of a call; its own
+    threading differed between thread counts in 76% of the elements here.)"""
+    omp = ctypes.CDLL("libgomp.so.1")
+    r = rng(21)
+    for N, IN, OUT in [(333, 70, 90), (40, 200, 261)]:
+        x, w, g = r.standard_normal((N, IN)), r.standard_normal((OUT, IN)), r.standard_normal((N, OUT))
+        X, Wt = t64(x, True), t64(w, True)
+        (X @ Wt.T * t64(g)).sum().backward()
+        try:
+            for threads in (1, 2, 3, 4):
+                omp.omp_set_num_threads(threads)
+                out = np.full((N, OUT), np.nan, dtype=np.float32)
+                dx, dw = np.ones((N, IN), np.float32), np.ones((OUT, IN), np.float32)
+                lib.op_linear_forward(ptr(out), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
+                lib.op_linear_backward(ptr(dx), ptr(dw), ptr(f32(g)), ptr(f32(x)), ptr(f32(w)), N, IN, OUT)
+                close(out, (X @ Wt.T).detach().numpy(), what=f"linear forward, {threads} threads")
+                close(dx, 1 + X.grad.numpy(), what=f"linear dinp, {threads} threads")
+                close(dw, 1 + Wt.grad.numpy(), what=f"linear dweight, {threads} threads")
+        finally:
+            omp.omp_set_num_threads(os.cpu_count())
 
 
 # ---- bias (Qwen2's q/k/v projections) ------------------------------------------------
