@@ -1,6 +1,6 @@
 /* kernels/linear.c: y = x @ W^T and its backward (portable C).
  *
- * With BLAS (the default) every product is cblas_sgemm, one call per thread. Built with
+ * With BLAS (the default) every product is one cblas_sgemm. Built with
  * -DSMP_NO_BLAS (machines without BLAS, e.g. the GPU parity runner) the same
  * products go through a small cache-blocked OpenMP GEMM below: slower, same
  * results to fp32 rounding. */
@@ -11,51 +11,6 @@
 
 #ifndef SMP_NO_BLAS
 #include <cblas.h>
-#ifdef _OPENMP
-#include <omp.h>
-#endif
-
-/* rows (or columns) of C per part: a multiple of the sgemm kernels' unroll */
-enum { SPLIT_ALIGN = 16 };
-/* below this many multiply-adds one call on one thread beats a parallel region */
-#define SPLIT_MIN_MACS (1 << 20)
-
-/* C[M,N] = op(A) op(B) + beta C (beta 0 or 1), row-major, as cblas_sgemm with alpha 1.
- * With several OpenMP threads, C's longer side is cut into one part per thread, each
- * part one sgemm called from inside the parallel region, where OpenBLAS (its OpenMP
- * build, which SConstruct links) runs on the calling thread alone. OpenBLAS's own
- * threading splits these thin products (2048 tokens x 128..704 outputs x 256 inputs)
- * less well: by hand, 2 threads, 136-162 GFLOP/s its way, 160-214 this way (docs/
- * DESIGN.md, "The C backend's GEMMs"). Neither way gives the same bits for every
- * thread count (test_kernels.py, test_linear_threads). */
-static void sgemm(int ta, int tb, int M, int N, int K, const float *A, int lda, const float *B, int ldb,
-                  float beta, float *C, int ldc)
-{
-    const CBLAS_TRANSPOSE TA = ta ? CblasTrans : CblasNoTrans, TB = tb ? CblasTrans : CblasNoTrans;
-    int nt = 1;
-#ifdef _OPENMP
-    if (!omp_in_parallel() && (double)M * N * K >= SPLIT_MIN_MACS)
-        nt = omp_get_max_threads();
-#endif
-    const int rows = M >= N, len = rows ? M : N;
-    const int part = ((len + nt - 1) / nt + SPLIT_ALIGN - 1) / SPLIT_ALIGN * SPLIT_ALIGN;
-    if (nt <= 1 || part >= len) {
-        cblas_sgemm(CblasRowMajor, TA, TB, M, N, K, 1.0f, A, lda, B, ldb, beta, C, ldc);
-        return;
-    }
-    const int parts = (len + part - 1) / part;
-    #pragma omp parallel for num_threads(nt) schedule(static, 1)
-    for (int p = 0; p < parts; p++) {
-        const size_t o = (size_t)p * part;
-        const int n = p == parts - 1 ? len - (int)o : part;
-        if (rows) /* rows o.. of C and of op(A) */
-            cblas_sgemm(CblasRowMajor, TA, TB, n, N, K, 1.0f, A + (ta ? o : o * lda), lda, B, ldb, beta,
-                        C + o * ldc, ldc);
-        else /* columns o.. of C and of op(B) */
-            cblas_sgemm(CblasRowMajor, TA, TB, M, n, K, 1.0f, A, lda, B + (tb ? o * ldb : o), ldb, beta,
-                        C + o, ldc);
-    }
-}
 
 void op_linear_forward(float *out, const float *inp, const float *weight,
                        int N, int IN, int OUT)
@@ -66,7 +21,8 @@ void op_linear_forward(float *out, const float *inp, const float *weight,
         memset(out, 0, (size_t)N * OUT * sizeof(float));
         return;
     }
-    sgemm(0, 1, N, OUT, IN, inp, IN, weight, IN, 0.0f, out, OUT);
+    cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OUT, IN,
+                1.0f, inp, IN, weight, IN, 0.0f, out, OUT);
 }
 
 void op_linear_backward(float *dinp, float *dweight, const float *dout,
@@ -75,9 +31,11 @@ void op_linear_backward(float *dinp, float *dweight, const float *dout,
     if (N <= 0 || IN <= 0 || OUT <= 0) /* nothing to add; BLAS would reject lda = 0 */
         return;
     if (dinp) /* dinp[N,IN] += dout[N,OUT] @ W[OUT,IN] */
-        sgemm(0, 0, N, IN, OUT, dout, OUT, weight, IN, 1.0f, dinp, IN);
+        cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasNoTrans, N, IN, OUT,
+                    1.0f, dout, OUT, weight, IN, 1.0f, dinp, IN);
     if (dweight) /* dW[OUT,IN] += dout^T @ inp[N,IN] */
-        sgemm(1, 0, OUT, IN, N, dout, OUT, inp, IN, 1.0f, dweight, IN);
+        cblas_sgemm(CblasRowMajor, CblasTrans, CblasNoTrans, OUT, IN, N,
+                    1.0f, dout, OUT, inp, IN, 1.0f, dweight, IN);
 }
 
 #else /* SMP_NO_BLAS */

@@ -232,7 +232,7 @@ def test_embedding_vocab_shard(lib):
 
 # ---- linear ----------------------------------------------------------------------
 
-# (the larger ones are split among the threads: C's rows, or its columns when it has more)
+# (the larger ones are cut among OpenBLAS's threads)
 @pytest.mark.parametrize("N,IN,OUT", [(7, 33, 19), (70, 130, 150), (333, 70, 90), (40, 200, 261)])
 def test_linear(lib, N, IN, OUT):
     r = rng(2)
@@ -260,11 +260,10 @@ def test_linear(lib, N, IN, OUT):
 
 
 def test_linear_threads(lib):
-    """1, 2, 3 and 4 OpenMP threads: C's rows (or columns) cut into 1..4 parts, unequal
-    ones at 3, each part one single-threaded BLAS call; every count matches torch, a
-    row-split and a column-split shape. (Not the same bits: OpenBLAS sums a part's
-    first rows' last columns in another order than the middle of a call; its own
-    threading differed between thread counts in 76% of the elements here.)"""
+    """1, 2, 3 and 4 OpenMP threads (OpenBLAS's OpenMP build threads with them), a
+    shape with more rows than columns and one with more columns: every count matches
+    torch. (Not the same bits: the threads' parts sum differently in 76% of the
+    elements here.)"""
     omp = ctypes.CDLL("libgomp.so.1")
     r = rng(21)
     for N, IN, OUT in [(333, 70, 90), (40, 200, 261)]:
