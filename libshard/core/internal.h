@@ -19,6 +19,8 @@ int shard_path_is_contained(const char *name);
 /* XXH3_64bits (seed 0) of a chunk's bytes, the same value as libxxhash's, computed
  * with the CPU's widest vectors (xxh3.c). */
 uint64_t shard_xxh3(const void *data, size_t len);
+/* the vector bits of the form shard_xxh3 runs: 512, 256 or 128 (SSE2, or not x86-64) */
+int shard_xxh3_bits(void);
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
 #define SHARD_XXH3_WIDE 1
 uint64_t shard_xxh3_base(const void *data, size_t len);

@@ -19,7 +19,7 @@ static xxh3_fn widest(void)
     return shard_xxh3_base;
 }
 
-uint64_t shard_xxh3(const void *data, size_t len)
+static xxh3_fn picked(void)
 {
     static xxh3_fn fn; /* picked once; a race between threads picks the same */
     xxh3_fn f = __atomic_load_n(&fn, __ATOMIC_RELAXED);
@@ -27,8 +27,17 @@ uint64_t shard_xxh3(const void *data, size_t len)
         f = widest();
         __atomic_store_n(&fn, f, __ATOMIC_RELAXED);
     }
-    return f(data, len);
+    return f;
+}
+
+uint64_t shard_xxh3(const void *data, size_t len) { return picked()(data, len); }
+
+int shard_xxh3_bits(void)
+{
+    const xxh3_fn f = picked();
+    return f == shard_xxh3_avx512 ? 512 : f == shard_xxh3_avx2 ? 256 : 128;
 }
 #else
 uint64_t shard_xxh3(const void *data, size_t len) { return shard_xxh3_base(data, len); }
+int shard_xxh3_bits(void) { return 128; }
 #endif
