@@ -262,8 +262,8 @@ def test_linear(lib, N, IN, OUT):
 def test_linear_threads(lib):
     """1, 2, 3 and 4 OpenMP threads (OpenBLAS's OpenMP build threads with them), a
     shape with more rows than columns and one with more columns: every count matches
-    torch. (Not the same bits: the threads' parts sum differently in 76% of the
-    elements here.)"""
+    torch. (Not the same bits: the threads' parts sum differently, in 76% of the
+    first shape's dweight.)"""
     omp = ctypes.CDLL("libgomp.so.1")
     r = rng(21)
     for N, IN, OUT in [(333, 70, 90), (40, 200, 261)]:
