@@ -48,12 +48,18 @@ def run(lib, B, T, nh, nkv, hd, calls):
     return best
 
 
-def main():
+def load_libs():
+    """The libraries named on the command line (default: this build's), and their paths;
+    OPENBLAS_CORETYPE set first, as train.py sets it for smp-train."""
     flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
     if "OPENBLAS_CORETYPE" not in os.environ and "avx512f" in flags:
         os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"  # read by OpenBLAS when it loads
     paths = sys.argv[1:] or [str(ROOT / "build" / "lib" / "libsmpkernels.so")]
-    libs = [ctypes.CDLL(x) for x in paths]
+    return paths, [ctypes.CDLL(x) for x in paths]
+
+
+def main():
+    paths, libs = load_libs()
     print(f"threads {os.environ.get('OMP_NUM_THREADS', 'all')}, OPENBLAS_CORETYPE "
           f"{os.environ.get('OPENBLAS_CORETYPE', 'auto')}; best of the calls, ms")
     for *shape, calls in SHAPES:

@@ -13,13 +13,12 @@ machine hits each of them; OPENBLAS_CORETYPE is set as attention.py sets it.
 """
 import ctypes
 import os
-import pathlib
-import sys
 import time
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from attention import load_libs  # this folder's (the script's own folder is on sys.path)
+
 N, LAYERS = 8 * 256, 4
 LINEARS = [  # IN, OUT, per step: q, k and v, o, gate and up, down, the head
     (256, 256, 2 * LAYERS), (256, 128, 2 * LAYERS), (256, 704, 2 * LAYERS), (704, 256, LAYERS), (256, 4096, 1)]
@@ -47,11 +46,7 @@ def best_ms(lib, IN, OUT):
 
 
 def main():
-    flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
-    if "OPENBLAS_CORETYPE" not in os.environ and "avx512f" in flags:
-        os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"  # read by OpenBLAS when it loads
-    paths = sys.argv[1:] or [str(ROOT / "build" / "lib" / "libsmpkernels.so")]
-    libs = [ctypes.CDLL(x) for x in paths]
+    paths, libs = load_libs()
     ms = {}  # (lib, shape) -> best of the rounds' bests, per part
     for _ in range(ROUNDS):
         for li, lib in enumerate(libs):
