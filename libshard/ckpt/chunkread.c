@@ -12,7 +12,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 #include <zstd.h>
 
 struct scratch {
@@ -435,19 +434,18 @@ static void cache_put(shard_ckpt *c, cache_slot *slot)
 shard_status ckpt_verify_piece(shard_ckpt *c, piece *p)
 {
     scratch *s = ckpt_scratch_get(c);
-    XXH64_state_t *h = XXH64_createState();
-    shard_status st = s && h ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (h) XXH64_reset(h, 0);
+    shard_xxh64_state h;
+    shard_status st = s ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_xxh64_reset(&h);
     for (uint64_t k = 0; k < p->ix->g.nchunks && !st; k++) {
         const uint8_t *raw;
-        if (!(st = ckpt_chunk_decode(c, p, k, s, NULL, &raw))) XXH64_update(h, raw, ckpt_chunk_valid(&p->ix->g, k));
+        if (!(st = ckpt_chunk_decode(c, p, k, s, NULL, &raw))) shard_xxh64_update(&h, raw, ckpt_chunk_valid(&p->ix->g, k));
     }
-    if (!st && XXH64_digest(h) != p->xxh64) {
+    if (!st && shard_xxh64_digest(&h) != p->xxh64) {
         char path[4200];
         ckpt_file_path(c, p->file_index, path, sizeof path);
         st = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: checksum mismatch (damaged data)", path, p->dataset);
     }
-    if (h) XXH64_freeState(h);
     ckpt_scratch_put(c, s);
     if (!st) __atomic_store_n(&p->verified, 1, __ATOMIC_RELEASE);
     return st;

@@ -14,7 +14,6 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 struct shard_ckpt_writer {
     char *final_dir, *staging;
@@ -80,9 +79,8 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
     }
     int o = open(dst, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (o < 0) { close(in); return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dst, strerror(errno)); }
-    XXH64_state_t *h = XXH64_createState();
-    if (!h) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-    else XXH64_reset(h, 0);
+    shard_xxh64_state h;
+    shard_xxh64_reset(&h);
     char buf[1 << 16];
     uint64_t total = 0;
     while (!s) {
@@ -90,7 +88,7 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", src, strerror(errno)); break; }
         if (r == 0) break;
-        XXH64_update(h, buf, (size_t)r);
+        shard_xxh64_update(&h, buf, (size_t)r);
         total += (uint64_t)r;
         for (ssize_t k = 0; k < r && !s;) {
             ssize_t wr = write(o, buf + k, (size_t)(r - k));
@@ -99,10 +97,9 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
             else k += wr;
         }
     }
-    if (!s && want_hash && (total != want_bytes || XXH64_digest(h) != *want_hash))
+    if (!s && want_hash && (total != want_bytes || shard_xxh64_digest(&h) != *want_hash))
         s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", src);
     if (!s && !(opts && opts->no_fsync) && fsync(o) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", dst, strerror(errno));
-    XXH64_freeState(h);
     close(in);
     if (close(o) != 0 && !s) s = shard_fail(SHARD_E_IO, "%s: write failed: %s", dst, strerror(errno));
     if (s) unlink(dst);

@@ -10,16 +10,15 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #define HASH_BUF (256u << 10) /* read a piece at a time that stays in the core's cache */
 
 shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes)
 {
-    XXH64_state_t *h = XXH64_createState();
+    shard_xxh64_state h;
     char *buf = malloc(HASH_BUF);
-    if (!h || !buf) { XXH64_freeState(h); free(buf); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
-    XXH64_reset(h, 0);
+    if (!buf) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
+    shard_xxh64_reset(&h);
     uint64_t total = 0;
     shard_status s = SHARD_OK;
     for (;;) {
@@ -27,12 +26,11 @@ shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno)); break; }
         if (r == 0) break;
-        XXH64_update(h, buf, (size_t)r);
+        shard_xxh64_update(&h, buf, (size_t)r);
         total += (uint64_t)r;
     }
-    *hash = XXH64_digest(h);
+    *hash = shard_xxh64_digest(&h);
     *bytes = total;
-    XXH64_freeState(h);
     free(buf);
     return s;
 }

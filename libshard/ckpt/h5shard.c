@@ -15,7 +15,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <xxhash.h>
 #include <zstd.h>
 
 /* ---------------------------------------------------------- the zstd filter */
@@ -238,7 +237,7 @@ typedef struct {
     hid_t ds;
     shard_chunking g;
     uint64_t first;                    /* its first chunk in the stream */
-    XXH64_state_t *hash;
+    shard_xxh64_state hash; /* the piece's checksum, fed in stream order */
     uint64_t *chunk_xxh3;              /* g.nchunks: each chunk's own checksum */
     char hex[17];
 } piece_run;
@@ -280,8 +279,7 @@ static shard_status plan_run(piece_run *r, const shard_h5_piece *pc)
     shard_chunking_init(&r->g, pc->ndim, pc->box.len, es, shard_chunking_rows_for(pc->ndim, pc->box.len, es));
     if (r->g.full > SHARD_CHUNK_BYTES_MAX) return shard_fail(SHARD_E_UNSUPPORTED, "%s: tensor \"%s\": rows too long to chunk", pc->w->path, pc->name);
     r->chunk_xxh3 = malloc(r->g.nchunks * sizeof *r->chunk_xxh3);
-    r->hash = XXH64_createState();
-    return r->chunk_xxh3 && r->hash ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    return r->chunk_xxh3 ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
 }
 
 static shard_status create_dataset(piece_run *r)
@@ -419,9 +417,9 @@ static void *pipeline_worker(void *arg)
         int failed = wait_turn(p, &p->next_hash, c);
         pthread_mutex_unlock(&p->mu);
         if (failed) break;
-        if (k == 0) XXH64_reset(run->hash, 0);
-        XXH64_update(run->hash, raw, valid);
-        if (k + 1 == run->g.nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)XXH64_digest(run->hash));
+        if (k == 0) shard_xxh64_reset(&run->hash);
+        shard_xxh64_update(&run->hash, raw, valid);
+        if (k + 1 == run->g.nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)shard_xxh64_digest(&run->hash));
         /* the write, in stream order (the chunks' places in the file follow it) */
         pthread_mutex_lock(&p->mu);
         end_turn(p, &p->next_hash, SHARD_OK);
@@ -479,7 +477,6 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
     }
     for (size_t i = 0; i < p.nruns; i++) {
         if (p.runs[i].ds >= 0) H5Dclose(p.runs[i].ds); /* a piece left unfinished by a failure */
-        XXH64_freeState(p.runs[i].hash);
         free(p.runs[i].chunk_xxh3);
     }
     free(p.runs);

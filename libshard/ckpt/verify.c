@@ -9,7 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include <xxhash.h>
 
 #define GAP_BLOCK (4u << 20)
 
@@ -21,7 +20,7 @@ typedef struct {
 typedef struct {
     tensor *t;
     piece *p;
-    XXH64_state_t *h;
+    shard_xxh64_state h;
     uint64_t next_k; /* chunks folded into h so far, in order */
     int out_of_order;
 } piece_ref;
@@ -40,7 +39,7 @@ static int by_addr(const void *a, const void *b)
 }
 
 /* Bytes [from, to) of the file into its hash (the HDF5 metadata between chunks). */
-static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t to, uint8_t *buf, XXH64_state_t *h)
+static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t to, uint8_t *buf, shard_xxh64_state *h)
 {
     while (from < to) {
         size_t n = to - from < GAP_BLOCK ? (size_t)(to - from) : GAP_BLOCK;
@@ -48,7 +47,7 @@ static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t t
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) return r < 0 ? shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno))
                                  : shard_fail(SHARD_E_CORRUPT, "%s: truncated", path);
-        XXH64_update(h, buf, (size_t)r);
+        shard_xxh64_update(h, buf, (size_t)r);
         from += (uint64_t)r;
     }
     return SHARD_OK;
@@ -78,27 +77,26 @@ static shard_status locate_all(shard_ckpt *c, piece_ref *refs, size_t nref, loca
 /* The walk through one shard file. */
 static shard_status walk_file(shard_ckpt *c, size_t fi, piece_ref *refs, const located *l, size_t n, const char *path)
 {
-    XXH64_state_t *fh = XXH64_createState();
+    shard_xxh64_state fh;
     uint8_t *gap = malloc(GAP_BLOCK);
     scratch *s = ckpt_scratch_get(c);
-    shard_status st = fh && gap && s ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_status st = gap && s ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
     const int fd = c->fd[fi];
     uint64_t pos = 0;
-    if (fh) XXH64_reset(fh, 0);
+    shard_xxh64_reset(&fh);
     for (size_t i = 0; i < n && !st; i++) {
         piece_ref *r = &refs[l[i].ref];
         if (l[i].addr < pos) { st = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunks overlap", path, r->p->dataset); break; }
-        if ((st = hash_gap(fd, path, pos, l[i].addr, gap, fh))) break;
+        if ((st = hash_gap(fd, path, pos, l[i].addr, gap, &fh))) break;
         const uint8_t *stored, *raw;
         if ((st = ckpt_chunk_decode(c, r->p, l[i].k, s, &stored, &raw))) break;
-        XXH64_update(fh, stored, l[i].size);
-        if (l[i].k == r->next_k) { XXH64_update(r->h, raw, ckpt_chunk_valid(&r->p->ix->g, l[i].k)); r->next_k++; }
+        shard_xxh64_update(&fh, stored, l[i].size);
+        if (l[i].k == r->next_k) { shard_xxh64_update(&r->h, raw, ckpt_chunk_valid(&r->p->ix->g, l[i].k)); r->next_k++; }
         else r->out_of_order = 1;
         pos = l[i].addr + l[i].size;
     }
-    if (!st) st = hash_gap(fd, path, pos, c->file_bytes[fi], gap, fh);
-    if (!st && XXH64_digest(fh) != c->file_hash[fi]) st = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
-    XXH64_freeState(fh);
+    if (!st) st = hash_gap(fd, path, pos, c->file_bytes[fi], gap, &fh);
+    if (!st && shard_xxh64_digest(&fh) != c->file_hash[fi]) st = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
     free(gap);
     ckpt_scratch_put(c, s);
     return st;
@@ -114,9 +112,9 @@ static shard_status check_pieces(shard_ckpt *c, piece_ref *refs, size_t nref, co
             if (s) return s;
             continue;
         }
-        if (XXH64_digest(refs[r].h) != p->xxh64)
+        if (shard_xxh64_digest(&refs[r].h) != p->xxh64)
             return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: checksum mismatch (stored %016llx, read %016llx)", path, p->dataset,
-                              (unsigned long long)p->xxh64, (unsigned long long)XXH64_digest(refs[r].h));
+                              (unsigned long long)p->xxh64, (unsigned long long)shard_xxh64_digest(&refs[r].h));
         __atomic_store_n(&p->verified, 1, __ATOMIC_RELEASE);
     }
     return SHARD_OK;
@@ -134,13 +132,11 @@ static shard_status verify_shard_file(verify_job *j, size_t fi, const char *path
         size_t code = j->refs[j->first[fi] + r];
         refs[r].t = &c->t[code >> 32];
         refs[r].p = &refs[r].t->p[code & 0xffffffffu];
-        if (!(refs[r].h = XXH64_createState())) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-        else XXH64_reset(refs[r].h, 0);
+        shard_xxh64_reset(&refs[r].h);
     }
     if (!s) s = locate_all(c, refs, nref, &l, &n);
     if (!s) s = walk_file(c, fi, refs, l, n, path);
     if (!s) s = check_pieces(c, refs, nref, path);
-    for (size_t r = 0; r < nref && refs; r++) XXH64_freeState(refs[r].h);
     free(refs);
     free(l);
     return s;

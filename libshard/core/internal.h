@@ -29,6 +29,22 @@ uint64_t shard_xxh3_avx512(const void *data, size_t len);
 #else
 #define SHARD_XXH3_WIDE 0
 #endif
+/* XXH64 (seed 0), libxxhash's value, streamed (xxh64.c): reset, update with the bytes
+ * in order, digest (the state is left as it was). */
+typedef struct {
+    uint64_t v[4], total;
+    uint8_t mem[32]; /* a partial stripe */
+    unsigned n;
+} shard_xxh64_state;
+void shard_xxh64_reset(shard_xxh64_state *s);
+void shard_xxh64_update(shard_xxh64_state *s, const void *data, size_t len);
+uint64_t shard_xxh64_digest(const shard_xxh64_state *s);
+uint64_t shard_xxh64(const void *data, size_t len);
+/* the bits of the stripe loop that runs: 256 (one vector, AMD AVX-512 cores) or 64 */
+int shard_xxh64_bits(void);
+/* tests: the one-shot hash through the scalar (0) or the vector (1) stripe loop, the
+ * latter on AVX-512 x86-64 only */
+uint64_t shard_xxh64_form(int vector, const void *data, size_t len);
 /* XXH64 (seed 0) of a whole file and its size (fd: an open descriptor of path). */
 shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
 shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);

@@ -214,12 +214,55 @@ static void test_chunk_xxh3_forms(void **st)
     free(buf);
 }
 
+/* the pieces' and files' XXH64 (libshard/core/xxh64.c) gives libxxhash's value in both
+ * stripe loops, one shot and streamed in uneven parts (partial stripes carried across
+ * updates, updates of 0 bytes), over the lengths where XXH64 changes its code path
+ * (below a stripe of 32, its tails of 8, 4 and single bytes) and at odd addresses */
+static void test_xxh64_forms(void **st)
+{
+    (void)st;
+    const size_t lens[] = {0, 1, 3, 4, 7, 8, 12, 31, 32, 33, 63, 64, 100, 1023, 4096, 65537, (1u << 20) + 7};
+    const size_t max = (1u << 20) + 32;
+    unsigned char *buf = malloc(max);
+    assert_non_null(buf);
+    for (size_t i = 0; i < max; i++) buf[i] = (unsigned char)(i * 2654435761u >> 9);
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    const int vec = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+                    __builtin_cpu_supports("avx512dq");
+    if (!vec) print_message("test_xxh64_forms: no AVX-512 on this CPU: the vector loop is not run\n");
+    assert_int_equal(shard_xxh64_bits(), vec && __builtin_cpu_is("amd") ? 256 : 64); /* AMD's vpmullq only */
+#else
+    const int vec = 0;
+#endif
+    const size_t parts[] = {1, 5, 0, 31, 32, 33, 7, 4096, 100000};
+    for (size_t i = 0; i < sizeof lens / sizeof *lens; i++)
+        for (size_t at = 0; at < 3; at++) {
+            const unsigned char *p = buf + at * 5;
+            const uint64_t want = XXH64(p, lens[i], 0);
+            assert_true(shard_xxh64(p, lens[i]) == want);
+            assert_true(shard_xxh64_form(0, p, lens[i]) == want);
+            if (vec) assert_true(shard_xxh64_form(1, p, lens[i]) == want);
+            shard_xxh64_state h;
+            shard_xxh64_reset(&h);
+            for (size_t done = 0, k = 0; done < lens[i]; k++) {
+                size_t n = parts[k % (sizeof parts / sizeof *parts)];
+                n = n < lens[i] - done ? n : lens[i] - done;
+                shard_xxh64_update(&h, p + done, n);
+                done += n;
+                assert_true(shard_xxh64_digest(&h) == XXH64(p, done, 0)); /* digest leaves the state be */
+            }
+            assert_true(shard_xxh64_digest(&h) == want);
+        }
+    free(buf);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_xxh64_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
