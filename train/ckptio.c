@@ -11,6 +11,7 @@
 #include <unistd.h>
 
 #include "fp8.h"
+#include "prefault.h"
 #include "state.h"
 
 static char *join(const char *a, const char *b)
@@ -97,6 +98,8 @@ shard_status ckptio_read_group(shard_ckpt *c, const model *m, const char *group,
 {
     *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
+    const prefault_span all = {dst, m->nparams * sizeof(float)}; /* every tensor is read whole */
+    prefault_spans(&all, 1, ckptio_load_threads(1));
     for (size_t i = 0; i < m->ntensors; i++) {
         const shard_tensor_spec *t = &m->spec[i];
         long k;

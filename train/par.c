@@ -1,5 +1,6 @@
 /* train/par.c: smp-train across processes (par.h). */
 #include "par.h"
+#include "prefault.h"
 
 #include <mpi.h>
 #include <stdio.h>
@@ -196,12 +197,25 @@ static shard_status read_together(par_ctx *p, int *yes)
     return s;
 }
 
+/* The host copy's pages of the tensors this rank reads, faulted in first (prefault.h) */
+static void prefault_held(const par_ctx *p, const model *m, float *host)
+{
+    prefault_span *sp = malloc((m->ntensors + 1) * sizeof *sp);
+    if (!sp) return; /* the load faults them in */
+    size_t n = 0;
+    for (size_t i = 0; i < m->ntensors; i++)
+        if (p->pp[i].holds && m->numel[i]) sp[n++] = (prefault_span){host + m->offset[i], m->numel[i] * sizeof(float)};
+    prefault_spans(sp, n, ckptio_load_threads(p->size));
+    free(sp);
+}
+
 shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *group, int *present)
 {
     *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
     float *host = model_params_host(m);
     shard_status s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
+    if (host) prefault_held(p, m, host);
     int together = 0;
     shard_status t = read_together(p, &together); /* collective: every rank, whatever its s */
     if (!s) s = t;
@@ -221,6 +235,10 @@ shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const cha
 {
     *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
+    size_t total = 0;
+    for (size_t i = 0; i < m->ntensors; i++) total += p->zn[i];
+    const prefault_span all = {dst, total * sizeof(float)}; /* this rank's blocks, read whole */
+    prefault_spans(&all, 1, ckptio_load_threads(p->size));
     int together = 0;
     shard_status s = read_together(p, &together);
     if (s) return s;
