@@ -8,13 +8,8 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
-
-#ifndef MADV_POPULATE_READ
-#define MADV_POPULATE_READ 22 /* Linux 5.14; elsewhere the pages fault in as they are read */
-#endif
 
 #define HASH_BUF (256u << 10) /* read a piece at a time that stays in the core's cache */
 
@@ -38,25 +33,6 @@ shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *
     *bytes = total;
     free(buf);
     return s;
-}
-
-/* A file this process has just written and closed (a shard writer's, at its close):
- * hashed where it lies in the page cache, mapped, instead of copied out by pread (the
- * third copy of every byte a conversion writes: 8% of a reshard's CPU, by hand, Zen 4
- * VM). Not for files of a checkpoint being read: a file another process truncates
- * under a mapping faults the reader (SIGBUS) where pread returns an error. */
-shard_status shard_own_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes)
-{
-    struct stat st;
-    if (fstat(fd, &st) != 0 || st.st_size < (1 << 20) || (uint64_t)st.st_size > SIZE_MAX)
-        return shard_fd_xxh64(fd, path, hash, bytes);
-    void *m = mmap(NULL, (size_t)st.st_size, PROT_READ, MAP_SHARED, fd, 0);
-    if (m == MAP_FAILED) return shard_fd_xxh64(fd, path, hash, bytes);
-    (void)madvise(m, (size_t)st.st_size, MADV_POPULATE_READ); /* one call maps every page: no trap each */
-    *hash = shard_xxh64(m, (size_t)st.st_size);
-    *bytes = (uint64_t)st.st_size;
-    munmap(m, (size_t)st.st_size);
-    return SHARD_OK;
 }
 
 shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes)

@@ -523,7 +523,7 @@ shard_status shard_h5_close(shard_h5_writer *w)
         /* the file's checksum for the commit, while the disk writes the rest back */
         uint64_t hash, bytes;
         if (!w->c.no_fsync) sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-        s = shard_own_fd_xxh64(fd, w->path, &hash, &bytes);
+        s = shard_fd_xxh64(fd, w->path, &hash, &bytes);
         if (!s && !w->c.no_fsync && fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
         if (!s) (void)shard_file_hash_note(w->path, fd, hash, bytes); /* without a note, the commit reads the file */
     }

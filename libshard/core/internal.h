@@ -48,8 +48,6 @@ uint64_t shard_xxh64_form(int vector, const void *data, size_t len);
 /* XXH64 (seed 0) of a whole file and its size (fd: an open descriptor of path). */
 shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
 shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);
-/* the same for a file this process has just written and closed, hashed mapped (no copy) */
-shard_status shard_own_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);
 /* A shard file's whole-file checksum, computed by its writer at close, kept beside it
  * in "<path>.xxh64" with the file's identity (inode, size, mtime) so that the
  * commit need not read the file again. note: write it (fd: the file, open); noted: 1

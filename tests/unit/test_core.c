@@ -147,11 +147,6 @@ static void test_file_hash_and_note(void **st)
     uint64_t h, bytes;
     assert_int_equal(shard_file_xxh64(path, &h, &bytes), SHARD_OK);
     assert_true(h == XXH64(buf, n, 0) && bytes == n);
-    int own = open(path, O_RDONLY); /* a writer's own file, hashed mapped */
-    h = 0;
-    assert_int_equal(shard_own_fd_xxh64(own, path, &h, &bytes), SHARD_OK);
-    close(own);
-    assert_true(h == XXH64(buf, n, 0) && bytes == n);
     char empty[300];
     snprintf(empty, sizeof empty, "%s/empty", dir);
     fclose(fopen(empty, "wb"));
