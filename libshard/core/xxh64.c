@@ -25,9 +25,12 @@ static inline uint64_t round1(uint64_t acc, uint64_t in) { return rotl(acc + in 
 static inline uint64_t read64(const uint8_t *p)
 {
     uint64_t v;
-    memcpy(&v, p, 8); /* XXH64 reads little-endian words: x86-64 and the hosts smp builds for */
+    memcpy(&v, p, 8); /* XXH64 reads little-endian words, as these hosts store them */
     return v;
 }
+#if defined(__BYTE_ORDER__)
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "xxh64.c reads words in the host's order: little-endian only");
+#endif
 
 typedef void (*stripes_fn)(uint64_t v[4], const uint8_t *p, size_t n);
 
