@@ -22,7 +22,7 @@
 #endif
 
 enum { MAX_THREADS = 16 };
-#define MIN_BYTES ((size_t)16 << 20) /* below this, threads cost more than they save */
+#define MIN_BYTES ((size_t)16 << 20) /* below this, the load faults its few pages in itself */
 
 typedef struct {
     const prefault_span *spans;

@@ -145,24 +145,22 @@ uint64_t shard_xxh64_digest(const shard_xxh64_state *s)
     return h;
 }
 
-uint64_t shard_xxh64(const void *data, size_t len)
+static uint64_t one_shot(stripes_fn f, const void *data, size_t len)
 {
-    shard_xxh64_state s;
-    shard_xxh64_reset(&s);
-    shard_xxh64_update(&s, data, len);
-    return shard_xxh64_digest(&s);
-}
-
-uint64_t shard_xxh64_form(int vector, const void *data, size_t len)
-{
-    stripes_fn f = stripes_scalar;
-#if XXH64_VECTOR
-    if (vector) f = stripes_avx512;
-#else
-    (void)vector;
-#endif
     shard_xxh64_state s;
     shard_xxh64_reset(&s);
     update_with(f, &s, data, len);
     return shard_xxh64_digest(&s);
+}
+
+uint64_t shard_xxh64(const void *data, size_t len) { return one_shot(picked(), data, len); }
+
+uint64_t shard_xxh64_form(int vector, const void *data, size_t len)
+{
+#if XXH64_VECTOR
+    return one_shot(vector ? stripes_avx512 : stripes_scalar, data, len);
+#else
+    (void)vector;
+    return one_shot(stripes_scalar, data, len);
+#endif
 }
