@@ -17,8 +17,9 @@
 #      tokens a step), bf16 and --fp8 delayed, --recompute none (attention, then full, if
 #      that runs out of memory): tokens/s over the steps after the first 3, MFU, the
 #      fp8/bf16 ratio;
-#   4. the longest sequence that fits with cp=1: batch 1, --recompute full, bf16,
-#      sequences 8192, 16384, ... 131072, 2 steps each, stopping at the first failure;
+#   4. the longest sequence that fits with cp=1: batch 1, bf16, --recompute none and
+#      then full, sequences 8192, 16384, ... 131072, 2 steps each, stopping at the
+#      first failure;
 #   5. OUTDIR/e2e.txt (the summary, < 60 lines) and OUTDIR/e2e-logs/ (each run's output
 #      and --log file).
 #
@@ -56,7 +57,8 @@
 #   E2E_PARITY_STEPS    (default 20)
 #   E2E_MAXSEQ          sequences tried for the longest one (default
 #                       "8192 16384 32768 65536 131072"); E2E_MAXSEQ_STEPS (default 2),
-#                       E2E_MAXSEQ_TIMEOUT per run (default 120 s)
+#                       E2E_MAXSEQ_TIMEOUT per run (default 120 s); E2E_MAXSEQ_RECOMPUTE
+#                       the --recompute modes tried (default "none full")
 #   E2E_PARTS           which parts run, default "parity families throughput maxseq"
 #
 # Exit status: 0 every check ran and passed (performance targets that are missed are
@@ -600,15 +602,16 @@ if grep -qw throughput <<<"$PARTS"; then
 fi
 
 # ------------------------------------------------------------------ 4. longest sequence with cp=1
-if grep -qw maxseq <<<"$PARTS"; then
-    best=0 bestmem="" why=""
-    sum "longest sequence with cp=1: batch 1, --recompute full, bf16, $MSTEPS steps each, up from ${MAXSEQ%% *} doubling to the first failure"
+# without recomputation first (it runs out of memory sooner), then with --recompute full
+maxseq() { # RECOMPUTE
+    local m=$1 s best=0 bestmem="" why=""
+    sum "longest sequence with cp=1: batch 1, --recompute $m, bf16, $MSTEPS steps each, up from ${MAXSEQ%% *} doubling to the first failure"
     for s in $MAXSEQ; do
-        flags gpu bf16 off full
-        run "maxseq-$s" "$MTIME" "$MSTEPS" "${BIGP[@]}" --steps "$MSTEPS" --batch 1 --seq "$s" --lr 1e-4 "${F[@]}"
+        flags gpu bf16 off "$m"
+        run "maxseq-$m-$s" "$MTIME" "$MSTEPS" "${BIGP[@]}" --steps "$MSTEPS" --batch 1 --seq "$s" --lr 1e-4 "${F[@]}"
         if [ "$R_STATE" = ok ]; then
             best=$s bestmem=$R_MEM
-            sum "  seq $s: ok, last step $(py laststep "$LOGS/maxseq-$s.jsonl") s, ${R_S}s in all (start-up included)"
+            sum "  seq $s: ok, last step $(py laststep "$LOGS/maxseq-$m-$s.jsonl") s, ${R_S}s in all (start-up included)"
         else
             why="seq $s: $R_STATE${R_ERR:+: $R_ERR}"
             sum "  $why"
@@ -616,12 +619,16 @@ if grep -qw maxseq <<<"$PARTS"; then
         fi
     done
     if [ "$best" -gt 0 ]; then
-        sum "longest sequence, cp=1: $best$([ -z "$why" ] && echo " (the longest tried)"); ${bestmem:-memory: (no memory: line)}"
+        sum "longest sequence, cp=1, --recompute $m: $best$([ -z "$why" ] && echo " (the longest tried)"); ${bestmem:-memory: (no memory: line)}"
     else
-        sum "longest sequence, cp=1: none of $MAXSEQ completed"
+        sum "longest sequence, cp=1, --recompute $m: none of $MAXSEQ completed"
         # the shortest failing from a lack of time is the budget's fault, not the program's
-        [ "$R_STATE" != timeout ] && status=1
+        [ "$R_STATE" != timeout ] && [ "$R_STATE" != oom ] && status=1
     fi
+    return 0
+}
+if grep -qw maxseq <<<"$PARTS"; then
+    for m in ${E2E_MAXSEQ_RECOMPUTE:-none full}; do maxseq "$m"; done
 fi
 
 [ -n "$WARN" ] && sum "WARN broke after their last logged step (results kept): ${WARN% } (first: $WARN_MSG)"
