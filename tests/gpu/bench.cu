@@ -312,7 +312,7 @@ static void bench_ops()
         float *s = rand_f32(1, 0.0f, 100.0f), *am = (float *)dalloc(4);
         ms = time_ms("fp8 quantize", [&] { return cuda_op_fp8_quantize(q, am, x, nh, s, OP_FP8_E4M3, BF, 0); });
         report_bw("fp8 quantize+amax bf16->e4m3 8192x4096", ms, nh * 3.0);
-        ms = time_ms("fp8 transpose", [&] { return cuda_op_fp8_transpose(qt, q, N, H, 0); });
+        ms = time_ms("fp8 transpose", [&] { return cuda_op_fp8_transpose(qt, N, q, N, H, 0); });
         report_bw("fp8 transpose 8192x4096", ms, nh * 2.0);
         cudaFree(q);
         cudaFree(qt);
