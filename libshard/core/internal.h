@@ -3,6 +3,7 @@
 #define SHARD_INTERNAL_H
 
 #include "shard.h"
+#include "core.h"
 
 #include <jansson.h>
 #include <stdbool.h>
@@ -16,35 +17,6 @@ json_t *shard_model_to_json(const shard_model_desc *d);
 char *shard_path_join(const char *dir, const char *name);
 /* 1 when name is a plain relative path that stays inside its folder. */
 int shard_path_is_contained(const char *name);
-/* XXH3_64bits (seed 0) of a chunk's bytes, the same value as libxxhash's, computed
- * with the CPU's widest vectors (xxh3.c). */
-uint64_t shard_xxh3(const void *data, size_t len);
-/* the vector bits of the form shard_xxh3 runs: 512, 256 or 128 (SSE2, or not x86-64) */
-int shard_xxh3_bits(void);
-#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
-#define SHARD_XXH3_WIDE 1
-uint64_t shard_xxh3_base(const void *data, size_t len);
-uint64_t shard_xxh3_avx2(const void *data, size_t len);
-uint64_t shard_xxh3_avx512(const void *data, size_t len);
-#else
-#define SHARD_XXH3_WIDE 0
-#endif
-/* XXH64 (seed 0), libxxhash's value, streamed (xxh64.c): reset, update with the bytes
- * in order, digest (the state is left as it was). */
-typedef struct {
-    uint64_t v[4], total;
-    uint8_t mem[32]; /* a partial stripe */
-    unsigned n;
-} shard_xxh64_state;
-void shard_xxh64_reset(shard_xxh64_state *s);
-void shard_xxh64_update(shard_xxh64_state *s, const void *data, size_t len);
-uint64_t shard_xxh64_digest(const shard_xxh64_state *s);
-uint64_t shard_xxh64(const void *data, size_t len);
-/* the bits of the stripe loop that runs: 256 (one vector, AMD AVX-512 cores) or 64 */
-int shard_xxh64_bits(void);
-/* tests: the one-shot hash through the scalar (0) or the vector (1) stripe loop, the
- * latter on AVX-512 x86-64 only */
-uint64_t shard_xxh64_form(int vector, const void *data, size_t len);
 /* XXH64 (seed 0) of a whole file and its size (fd: an open descriptor of path). */
 shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
 shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);
@@ -66,8 +38,6 @@ void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync);
  * 4 MiB writes 2.0-4.4 s, 1 MiB 0.7-1.5 s, 256 KiB 0.27-0.40 s, as fast as cp. On bare
  * metal it costs 4 system calls per MiB. */
 #define SHARD_WRITE_MAX ((size_t)256 << 10)
-/* Mark the thread's last failure as another process's (shard_err_secondhand). */
-void shard_set_secondhand(void);
 /* Overflow-checked arithmetic: false on overflow. */
 static inline bool shard_mul_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline bool shard_add_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }

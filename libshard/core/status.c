@@ -1,5 +1,5 @@
 /* Status codes and the per-thread error message. */
-#include "internal.h"
+#include "core.h"
 
 #include <stdarg.h>
 #include <stdio.h>

@@ -3,7 +3,7 @@
  * is built for the SSE2 baseline and not inlined: 15-19 GB/s on a 1 MiB chunk on a
  * Zen 4 core, where the inlined forms ran at 27 (SSE2) and 33-42 (AVX2) GB/s. The
  * same function, so the same value, in every form (tests/unit/test_core.c). */
-#include "internal.h"
+#include "core.h"
 
 #define XXH3_BODY_NAME shard_xxh3_base
 #include "xxh3_body.h"

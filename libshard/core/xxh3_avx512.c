@@ -1,5 +1,5 @@
 /* libshard/core/xxh3_avx512.c: the chunks' XXH3 (xxh3.c) built for x86-64-v4. */
-#include "internal.h"
+#include "core.h"
 
 #if SHARD_XXH3_WIDE
 #pragma GCC target("arch=x86-64-v4")

@@ -10,7 +10,7 @@
  * 15 cycles for vpmullq (three uops), slower than their scalar loop: they run the
  * scalar one. Every command that writes or checks a checkpoint hashes each byte with
  * XXH64 once or twice. */
-#include "internal.h"
+#include "core.h"
 
 #include <string.h>
 

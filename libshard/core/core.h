@@ -1,0 +1,44 @@
+/* libshard/core's own declarations: the checksums and the error state. Needs libc
+ * alone (no jansson, HDF5 or zstd), so that tools/gpu-check can build libshard/core on
+ * a GPU machine that has none of them. */
+#ifndef SHARD_CORE_H
+#define SHARD_CORE_H
+
+#include "shard.h"
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* XXH3_64bits (seed 0) of a chunk's bytes, the same value as libxxhash's, computed
+ * with the CPU's widest vectors (xxh3.c). */
+uint64_t shard_xxh3(const void *data, size_t len);
+/* the vector bits of the form shard_xxh3 runs: 512, 256 or 128 (SSE2, or not x86-64) */
+int shard_xxh3_bits(void);
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
+#define SHARD_XXH3_WIDE 1
+uint64_t shard_xxh3_base(const void *data, size_t len);
+uint64_t shard_xxh3_avx2(const void *data, size_t len);
+uint64_t shard_xxh3_avx512(const void *data, size_t len);
+#else
+#define SHARD_XXH3_WIDE 0
+#endif
+/* XXH64 (seed 0), libxxhash's value, streamed (xxh64.c): reset, update with the bytes
+ * in order, digest (the state is left as it was). */
+typedef struct {
+    uint64_t v[4], total;
+    uint8_t mem[32]; /* a partial stripe */
+    unsigned n;
+} shard_xxh64_state;
+void shard_xxh64_reset(shard_xxh64_state *s);
+void shard_xxh64_update(shard_xxh64_state *s, const void *data, size_t len);
+uint64_t shard_xxh64_digest(const shard_xxh64_state *s);
+uint64_t shard_xxh64(const void *data, size_t len);
+/* the bits of the stripe loop that runs: 256 (one vector, AMD AVX-512 cores) or 64 */
+int shard_xxh64_bits(void);
+/* tests: the one-shot hash through the scalar (0) or the vector (1) stripe loop, the
+ * latter on AVX-512 x86-64 only */
+uint64_t shard_xxh64_form(int vector, const void *data, size_t len);
+/* Mark the thread's last failure as another process's (shard_err_secondhand). */
+void shard_set_secondhand(void);
+
+#endif
