@@ -6,8 +6,8 @@
 ROOT=$PWD
 CACHE=${1:-/tmp/smp-bench}
 BIN=${SMP_BIN:-$ROOT/build/bin}
-PY=${SMP_PY:-$(ls -d "$HOME"/.cache/smp/venv-*/bin/python 2>/dev/null | head -1 || true)}
-if [ -z "$PY" ] || [ ! -x "$PY" ]; then PY="$(tools/bootstrap.sh | tail -1)/bin/python"; fi
+# the venv of today's pins (bootstrap.sh names it by their hash; an older one may lie beside it)
+PY=${SMP_PY:-"$(tools/bootstrap.sh | tail -1)/bin/python"}
 if [ ! -x /usr/bin/time ]; then
     echo "installing GNU time (for peak RSS)"; apt-get install -y time >/dev/null
 fi
