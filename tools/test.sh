@@ -90,6 +90,26 @@ gpu_program() {  # a program that prints SKIP and exits 0 where there is no GPU
 gpu_program build/bin/smp-gpu-parity
 gpu_program build/bin/smp-nccl-test
 gpu_program build/bin/smp-dev-check
+gpu_program build/bin/smp-gpu-bench
+
+step "tools/gpu-check's own build, as on a GPU machine without the host's libraries"
+# the GPU machine has the CUDA toolkit, gcc and libc, and none of jansson, HDF5, zstd,
+# BLAS or MPI (the first GPU run's build stopped at jansson.h): their headers, shadowed
+# by ones that fail (CPATH comes before the system's folders), must not be needed
+if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; then
+    poison=$(mktemp -d)
+    for h in jansson.h hdf5.h H5public.h zstd.h cblas.h mpi.h; do
+        echo "#error \"$h: not on the GPU machine (tools/gpu-check builds without it)\"" >"$poison/$h"
+    done
+    if CPATH=$poison GPU_CHECK_BUILD_ONLY=1 GPU_CHECK_E2E=0 tools/gpu-check "$LOG/gpu-check-build" >"$LOG/gpu-check-build.log" 2>&1; then
+        ok "gpu-check builds without the host's libraries ($(grep -E '^build:' "$LOG/gpu-check-build/gpu-check.txt"))"
+    else
+        tail -30 "$LOG/gpu-check-build.log"; bad "gpu-check's build"
+    fi
+    rm -rf "$poison"
+else
+    echo "no nvcc: gpu-check's build not tried"
+fi
 
 step "the CUDA backend on the CPU emulator: every op against its C op, the backend against the C one"
 if tools/emu-check >"$LOG/emu-check.log" 2>&1; then
