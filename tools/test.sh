@@ -94,11 +94,11 @@ gpu_program build/bin/smp-gpu-bench
 
 step "tools/gpu-check's own build, as on a GPU machine without the host's libraries"
 # the GPU machine has the CUDA toolkit, gcc and libc, and none of jansson, HDF5, zstd,
-# BLAS or MPI (the first GPU run's build stopped at jansson.h): their headers, shadowed
+# BLAS, MPI or xxhash (the first GPU run's build stopped at jansson.h): their headers, shadowed
 # by ones that fail (CPATH comes before the system's folders), must not be needed
 if [ -x /usr/local/cuda/bin/nvcc ] || command -v nvcc >/dev/null; then
     poison=$(mktemp -d)
-    for h in jansson.h hdf5.h H5public.h zstd.h cblas.h mpi.h; do
+    for h in jansson.h hdf5.h H5public.h zstd.h cblas.h mpi.h xxhash.h; do
         echo "#error \"$h: not on the GPU machine (tools/gpu-check builds without it)\"" >"$poison/$h"
     done
     if CPATH=$poison GPU_CHECK_BUILD_ONLY=1 GPU_CHECK_E2E=0 tools/gpu-check "$LOG/gpu-check-build" >"$LOG/gpu-check-build.log" 2>&1; then
