@@ -21,6 +21,7 @@
 #include "cuda_common.cuh"
 
 #include <cublasLt.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -41,6 +42,8 @@ typedef struct {
     int used;
 } gemm_entry;
 
+enum { SCALE_SLOT = 16 }; /* bytes: the alignment cuBLASLt wants of an FP8 scale's pointer */
+
 struct cuda_gemm {
     cublasLtHandle_t lt;
     void *ws;
@@ -50,6 +53,7 @@ struct cuda_gemm {
     gemm_entry cache[GEMM_CACHE];
     int nused, evict;
     int amax_d_ok[2]; /* AMAX_D_POINTER with a bf16 [0] / fp32 [1] output: -1 unknown, 0 no, 1 yes */
+    float *scales;    /* two 16-byte-aligned device slots for FP8 scales that are not (run_gemm) */
 };
 
 static cudaError_t lt_fail(cublasStatus_t st, const char *fn, const char *what)
@@ -137,6 +141,12 @@ extern "C" cudaError_t cuda_gemm_create(cuda_gemm **out, size_t workspace_bytes,
         g->ws = NULL;
         goto fail;
     }
+    e = cudaMalloc((void **)&g->scales, 2 * SCALE_SLOT);
+    if (e != cudaSuccess) {
+        e = smp_cuda_fail(e, "cuda_gemm_create", "scale slots: %s", cudaGetErrorString(e));
+        g->scales = NULL;
+        goto fail;
+    }
     if (fp8_scratch_bytes) {
         e = cudaMalloc((void **)&g->scratch, fp8_scratch_bytes);
         if (e != cudaSuccess) {
@@ -160,6 +170,7 @@ extern "C" void cuda_gemm_free(cuda_gemm *g)
     for (int i = 0; i < g->nused; i++) entry_destroy(&g->cache[i]);
     if (g->ws) cudaFree(g->ws);
     if (g->scratch) cudaFree(g->scratch);
+    if (g->scales) cudaFree(g->scales);
     if (g->lt) cublasLtDestroy(g->lt);
     free(g);
 }
@@ -296,9 +307,30 @@ fail:
     return NULL;
 }
 
-static cudaError_t run_gemm(cuda_gemm *g, const gemm_call *c, const char *fn, cudaStream_t stream,
+/* cuBLASLt's FP8 GEMMs refuse scale pointers that are not 16-byte aligned: at
+ * cublasLtMatmul, with CUBLAS_STATUS_NOT_SUPPORTED, after the heuristic accepted the
+ * call (seen on an H200, cuBLASLt 13.0, 2026-12-04; the documentation names only the
+ * matrices' pointers). The backend keeps its scales in arrays, a float a tensor, so
+ * such a scale is first copied, in stream order, into one of the gemm's own slots. */
+static cudaError_t align_scales(cuda_gemm *g, gemm_call *c, const char *fn, cudaStream_t stream)
+{
+    const float **p[2] = {&c->a_scale, &c->b_scale};
+    for (int i = 0; i < 2; i++) {
+        if (!*p[i] || !((uintptr_t)*p[i] & (SCALE_SLOT - 1))) continue;
+        float *slot = (float *)((char *)g->scales + i * SCALE_SLOT);
+        cudaError_t e = cudaMemcpyAsync(slot, *p[i], sizeof(float), cudaMemcpyDeviceToDevice, stream);
+        if (e != cudaSuccess) return smp_cuda_fail(e, fn, "copying an FP8 scale: %s", cudaGetErrorString(e));
+        *p[i] = slot;
+    }
+    return cudaSuccess;
+}
+
+static cudaError_t run_gemm(cuda_gemm *g, const gemm_call *call, const char *fn, cudaStream_t stream,
                             cublasStatus_t *st_out)
 {
+    gemm_call cc = *call, *c = &cc;
+    cudaError_t ae = align_scales(g, c, fn, stream);
+    if (ae != cudaSuccess) return ae;
     cublasStatus_t st = CUBLAS_STATUS_SUCCESS;
     const char *what = "";
     gemm_entry *en = entry_for(g, c, &st, &what);

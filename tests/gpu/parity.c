@@ -206,6 +206,14 @@ static void *to_dev_bytes(const void *x, size_t bytes)
 }
 static int32_t *to_dev_i32(const int32_t *x, size_t n) { return (int32_t *)to_dev_bytes(x, n * 4); }
 static float *dev_scalar(float v) { return (float *)to_dev_bytes(&v, 4); }
+/* v at float k of a fresh buffer: a scale that is not 16-byte aligned, as the CUDA
+ * backend's are (one array, a float a tensor; cuBLASLt's FP8 GEMMs refuse such) */
+static float *dev_scalar_at(float v, int k)
+{
+    float h[16] = {0};
+    h[k] = v;
+    return (float *)to_dev_bytes(h, sizeof h) + k;
+}
 
 /* ------------------------------------------------------------ comparison */
 /* one check's line (NaN fails) */
@@ -1019,7 +1027,7 @@ static void test_gemm_fp8(cudaDataType_t out_dt, int N, int IN, int OUT, int fas
     op_linear_forward_fp8(y, x, w, N, IN, OUT, s_x, s_w, scratch);
     float *d_x = (float *)to_dev(x, nx, F32), *d_w = (float *)to_dev(w, nw, F32);
     uint8_t *d_xq = (uint8_t *)dmalloc(nx), *d_wq = (uint8_t *)dmalloc(nw);
-    float *d_sx = dev_scalar(s_x), *d_sw = dev_scalar(s_w), *d_isx = dev_scalar(1.0f / s_x), *d_isw = dev_scalar(1.0f / s_w);
+    float *d_sx = dev_scalar(s_x), *d_sw = dev_scalar(s_w), *d_isx = dev_scalar(1.0f / s_x), *d_isw = dev_scalar_at(1.0f / s_w, 1);
     CK(cuda_op_fp8_quantize(d_xq, NULL, d_x, nx, d_sx, OP_FP8_E4M3, F32, 0));
     CK(cuda_op_fp8_quantize(d_wq, NULL, d_w, nw, d_sw, OP_FP8_E4M3, F32, 0));
     void *d_y = dmalloc(ny * esize(out_dt));
@@ -1040,7 +1048,7 @@ static void test_gemm_fp8(cudaDataType_t out_dt, int N, int IN, int OUT, int fas
     const float s_g = 57344.0f / host_amax(g, ny) / 4.0f;
     float *gq = fp8_roundtrip(g, ny, s_g, OP_FP8_E5M2), *xq = fp8_roundtrip(x, nx, s_x, OP_FP8_E4M3);
     float *wq = fp8_roundtrip(w, nw, s_w, OP_FP8_E4M3);
-    float *d_g = (float *)to_dev(g, ny, F32), *d_sg = dev_scalar(s_g), *d_isg = dev_scalar(1.0f / s_g);
+    float *d_g = (float *)to_dev(g, ny, F32), *d_sg = dev_scalar(s_g), *d_isg = dev_scalar_at(1.0f / s_g, 3);
     uint8_t *d_gq = (uint8_t *)dmalloc(ny);
     CK(cuda_op_fp8_quantize(d_gq, NULL, d_g, ny, d_sg, OP_FP8_E5M2, F32, 0));
     void *d_dx = to_dev(dx, nx, BF16);

@@ -761,7 +761,8 @@ cublasStatus_t cublasLtMatmulPreferenceSetAttribute(cublasLtMatmulPreference_t, 
 /* The rules the real library enforces that matter to gemm.cu (cuBLAS docs,
  * cublasLtMatmul): shapes consistent with the transposes; FP8 only TN, sizes
  * multiples of 16, not E5M2 x E5M2, scales only for FP8; fp32 inputs need fp32
- * output; bf16 inputs give bf16 or fp32. SMP_EMU_LT_AMAX_FP8_ONLY=1 also refuses
+ * output; bf16 inputs give bf16 or fp32; FP8 scale pointers 16-byte aligned (at
+ * cublasLtMatmul). SMP_EMU_LT_AMAX_FP8_ONLY=1 also refuses
  * AMAX_D for non-FP8 outputs, to exercise gemm.cu's fallback. */
 static cublasStatus_t lt_check(const LtDesc *x, const LtLayout *a, const LtLayout *b, const LtLayout *d)
 {
@@ -816,6 +817,9 @@ cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const
     const LtLayout *a = (const LtLayout *)A, *b = (const LtLayout *)B, *c = (const LtLayout *)C, *d = (const LtLayout *)D;
     cublasStatus_t st = lt_check(x, a, b, d);
     if (st != CUBLAS_STATUS_SUCCESS) return st;
+    /* FP8 scales at addresses not 16-byte aligned: refused here, after the heuristic took
+     * the call (as cuBLASLt 13.0 did on an H200, 2026-12-04) */
+    if (((uintptr_t)x->as & 15) || ((uintptr_t)x->bs & 15)) return CUBLAS_STATUS_NOT_SUPPORTED;
     const float alpha = *(const float *)alpha_p, beta = *(const float *)beta_p;
     const float sab = (x->as ? *x->as : 1.0f) * (x->bs ? *x->bs : 1.0f);
     const uint64_t m = d->rows, n = d->cols, k = x->ta == CUBLAS_OP_N ? a->cols : a->rows;
