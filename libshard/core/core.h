@@ -1,6 +1,7 @@
 /* libshard/core's own declarations: the checksums and the error state. Needs libc
- * alone (no jansson, HDF5 or zstd), so that tools/gpu-check can build libshard/core on
- * a GPU machine that has none of them. */
+ * alone (no jansson, HDF5 or zstd), so that tools/gpu-check can build status.c and
+ * dtype.c on a GPU machine that has none of them (the checksums' files also need
+ * xxhash.h: gpu-check leaves them out). */
 #ifndef SHARD_CORE_H
 #define SHARD_CORE_H
 
