@@ -37,24 +37,24 @@ void optim_free(optim *o)
     o->m = o->v = o->master = o->hm = o->hv = o->hmaster = NULL;
 }
 
-shard_status optim_host(optim *o)
+shard_status optim_host(optim *o, int moments)
 {
     if (!o->dev->cuda) {
         o->hm = o->m, o->hv = o->v, o->hmaster = o->master;
         return SHARD_OK;
     }
-    const size_t n = o->n ? o->n : 1; /* zeros: a run without saved moments starts from them */
-    if (!o->hm) o->hm = calloc(n, sizeof(float));
-    if (!o->hv) o->hv = calloc(n, sizeof(float));
+    const size_t n = o->n ? o->n : 1;
+    if (moments && !o->hm) o->hm = calloc(n, sizeof(float));
+    if (moments && !o->hv) o->hv = calloc(n, sizeof(float));
     if (o->master && !o->hmaster) o->hmaster = calloc(n, sizeof(float));
-    if (!o->hm || !o->hv || (o->master && !o->hmaster))
+    if ((moments && (!o->hm || !o->hv)) || (o->master && !o->hmaster))
         return shard_fail(SHARD_E_NOMEM, "out of host memory for the optimizer state");
     return SHARD_OK;
 }
 
 void optim_download(optim *o)
 {
-    if (!o->dev->cuda || optim_host(o)) return;
+    if (!o->dev->cuda || optim_host(o, 1)) return;
     dev *d = o->dev;
     d->ops->download(d, o->hm, o->m, o->n * sizeof(float));
     d->ops->download(d, o->hv, o->v, o->n * sizeof(float));
@@ -63,10 +63,10 @@ void optim_download(optim *o)
 
 void optim_upload(optim *o)
 {
-    if (!o->dev->cuda || !o->hm) return;
+    if (!o->dev->cuda) return;
     dev *d = o->dev;
-    d->ops->upload(d, o->m, o->hm, o->n * sizeof(float));
-    d->ops->upload(d, o->v, o->hv, o->n * sizeof(float));
+    if (o->hm) d->ops->upload(d, o->m, o->hm, o->n * sizeof(float));
+    if (o->hv) d->ops->upload(d, o->v, o->hv, o->n * sizeof(float));
     if (o->master && o->hmaster) d->ops->upload(d, o->master, o->hmaster, o->n * sizeof(float));
 }
 

@@ -44,8 +44,10 @@ typedef struct {
  * d->dt is not fp32. */
 shard_status optim_create(optim *o, const optim_hparams *h, size_t nparams, dev *d);
 /* Host views of m, v and master for checkpoint I/O (the arrays themselves on the C
- * backend): optim_download fills them from the backend, optim_upload sends them. */
-shard_status optim_host(optim *o);
+ * backend): optim_download fills them from the backend, optim_upload sends those that
+ * exist. moments 0: the master's alone (a run that reads no saved moments keeps the
+ * backend's zeros); optim_download makes the rest when a save needs them. */
+shard_status optim_host(optim *o, int moments);
 void optim_download(optim *o);
 void optim_upload(optim *o);
 void optim_free(optim *o);
