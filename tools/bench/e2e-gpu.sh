@@ -18,8 +18,8 @@
 #      that runs out of memory): tokens/s over the steps after the first 3, MFU, the
 #      fp8/bf16 ratio;
 #   4. the longest sequence that fits with cp=1: batch 1, bf16, --recompute none and
-#      then full, sequences 8192, 16384, ... 131072, 2 steps each, stopping at the
-#      first failure;
+#      then full (from the longest that none ran), sequences 8192, 16384, ... 131072,
+#      2 steps each, stopping at the first failure;
 #   5. OUTDIR/e2e.txt (the summary, < 60 lines) and OUTDIR/e2e-logs/ (each run's output
 #      and --log file).
 #
@@ -603,14 +603,22 @@ fi
 
 # ------------------------------------------------------------------ 4. longest sequence with cp=1
 # without recomputation first (it runs out of memory sooner), then with --recompute full
+# from the longest that fitted without (less memory: it fits too; the budget goes to the
+# lengths that matter)
+FITS=0 # the longest sequence a mode has run
 maxseq() { # RECOMPUTE
-    local m=$1 s best=0 bestmem="" why=""
+    local m=$1 s best=0 bestmem="" why="" from=$FITS
     sum "longest sequence with cp=1: batch 1, --recompute $m, bf16, $MSTEPS steps each, up from ${MAXSEQ%% *} doubling to the first failure"
     for s in $MAXSEQ; do
+        if [ "$s" -lt "$from" ]; then
+            sum "  seq $s: not run (ran with less recomputation)"
+            continue
+        fi
         flags gpu bf16 off "$m"
         run "maxseq-$m-$s" "$MTIME" "$MSTEPS" "${BIGP[@]}" --steps "$MSTEPS" --batch 1 --seq "$s" --lr 1e-4 "${F[@]}"
         if [ "$R_STATE" = ok ]; then
             best=$s bestmem=$R_MEM
+            [ "$s" -gt "$FITS" ] && FITS=$s
             sum "  seq $s: ok, last step $(py laststep "$LOGS/maxseq-$m-$s.jsonl") s, ${R_S}s in all (start-up included)"
         else
             why="seq $s: $R_STATE${R_ERR:+: $R_ERR}"
