@@ -10,8 +10,16 @@
             "bad shape B=%d Tq=%d Tk=%d nh=%d nkv=%d hd=%d (nh a multiple of nkv, hd <= 256)", B, Tq, Tk, nh, nkv, \
             hd);                                                                                                  \
     SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)dt);                                \
-    SMP_ARG(B <= 65535 && nh <= 65535, "B=%d or nh=%d exceeds the grid", B, nh)
+    SMP_ARG(B <= 65535 && nh <= 65535, "B=%d or nh=%d exceeds the grid", B, nh);                                \
+    SMP_ARG(Tq <= INT_MAX - ATTN_PAD && Tk <= INT_MAX - ATTN_PAD, "Tq=%d or Tk=%d too large", Tq, Tk)
 
+extern "C" size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh)
+{
+    if (B <= 0 || Tq <= 0 || Tk < 0 || nh <= 0 || Tq > INT_MAX - ATTN_PAD || Tk > INT_MAX - ATTN_PAD) return 16;
+    return attn_scratch_layout(B, Tq, Tk, nh, true).bytes;
+}
+
+/* the tensor-core kernels: bf16, hd 32/64/128, every pointer (the scratch too) 16-byte aligned */
 static bool use_mma(cudaDataType_t dt, int hd, const void *a, const void *b, const void *c, const void *d,
                     const void *e, const void *f)
 {
@@ -23,15 +31,15 @@ static bool use_mma(cudaDataType_t dt, int hd, const void *a, const void *b, con
 extern "C" cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k, const void *v,
                                                  const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
                                                  const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv, int hd,
-                                                 int window, cudaDataType_t dt, cudaStream_t stream)
+                                                 int window, void *scratch, cudaDataType_t dt,
+                                                 cudaStream_t stream)
 {
     ATTN_ARGS_CHECK();
     if (B == 0 || Tq == 0) return cudaSuccess;
-    SMP_ARG(out && lse && q && qpos && (Tk == 0 || (k && v && kpos)), "NULL pointer");
+    SMP_ARG(out && lse && q && qpos && scratch && (Tk == 0 || (k && v && kpos)), "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
-    SMP_ARG((Tq + S_BQ - 1) / S_BQ <= INT_MAX, "Tq=%d too large", Tq);
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc};
-    if (use_mma(dt, hd, out, q, k, v, q, q)) return attn_mma_forward(out, lse, q, k, v, s, stream);
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch};
+    if (use_mma(dt, hd, out, q, k, v, scratch, q)) return attn_mma_forward(out, lse, q, k, v, s, stream);
     return attn_simt_forward(out, lse, q, k, v, s, dt, stream);
 }
 
@@ -39,14 +47,15 @@ extern "C" cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, 
                                                   const void *k, const void *v, const void *out, const float *lse,
                                                   const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
                                                   const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv, int hd,
-                                                  int window, cudaDataType_t dt, cudaStream_t stream)
+                                                  int window, void *scratch, cudaDataType_t dt,
+                                                  cudaStream_t stream)
 {
     ATTN_ARGS_CHECK();
     if (B == 0 || Tq == 0 || Tk == 0) return cudaSuccess;
-    SMP_ARG(dq && dk && dv && dout && q && k && v && out && lse && qpos && kpos, "NULL pointer");
+    SMP_ARG(dq && dk && dv && dout && q && k && v && out && lse && qpos && kpos && scratch, "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc};
-    if (use_mma(dt, hd, dq, dk, dv, dout, q, k) && use_mma(dt, hd, v, out, q, q, q, q))
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch};
+    if (use_mma(dt, hd, dq, dk, dv, dout, q, k) && use_mma(dt, hd, v, out, scratch, q, q, q))
         return attn_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
     return attn_simt_backward(dq, dk, dv, dout, q, k, v, out, lse, s, dt, stream);
 }

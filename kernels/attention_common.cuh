@@ -16,7 +16,10 @@
  *    gradient row has one writer and nothing needs atomics or scratch memory: one
  *    per query tile for dq (recomputing P and dP), one per key tile for dk and dv
  *    (recomputing P^T and dP^T, looping over the query heads of its kv group).
- *    D_i = dout_i . out_i is computed on the fly from out and dout.
+ *    Small prep kernels first tabulate, per call, what the tiles consult (each key's
+ *    position and document, each 16 tokens' ranges, and for the backward each query
+ *    row's lse and D_i = dout_i . out_i): a tile then copies its part with its data
+ *    (cp.async) instead of waiting on scattered global loads.
  *  - attention_simt.cu, portable fp32 (any storage dtype, hd <= 256): the same
  *    tiling in plain fp32 arithmetic, one warp per row and one lane per key; used for
  *    fp32 storage (the parity tests against C) and for head sizes the tensor-core
@@ -114,13 +117,6 @@ template <typename R> __device__ __forceinline__ void warp_keep(R &dst, const R 
     if ((threadIdx.x & 31) == 0) dst = r;
     __syncwarp();
 }
-/* r (this warp's) for tokens t0 .. t0+n; by a warp. */
-__device__ __forceinline__ void tile_tok_ranges(const int32_t *pos, const int32_t *doc, int t0, int n, int T,
-                                                TileRanges &r)
-{
-    const TokRange blk = warp_tok_range(pos, doc, t0, n, T);
-    warp_keep(r, {blk, warp_tok_range(pos, doc, t0 + (threadIdx.x >> 5) * 16, 16, T)});
-}
 /* No query of q sees a key of k0 .. k0+n (keys < Tk); by a warp. */
 __device__ __forceinline__ bool keys_hidden(const int32_t *kpos, const int32_t *kdoc, int k0, int n, int Tk,
                                             const TokRange &q, int window)
@@ -132,12 +128,6 @@ __device__ __forceinline__ bool queries_hidden(const int32_t *qpos, const int32_
                                                const TokRange &k, int window)
 {
     return attn_skip(warp_tok_range(qpos, qdoc, q0, n, Tq), k, window);
-}
-/* tok_at(a, i0 + r, T, fill) into dst[r] for r < n; by thread tid of nthreads. */
-__device__ __forceinline__ void load_tok(int *dst, const int32_t *a, int i0, int n, int T, int fill, int tid,
-                                         int nthreads)
-{
-    for (int r = tid; r < n; r += nthreads) dst[r] = tok_at(a, i0 + r, T, fill);
 }
 
 /* -------------------------------------------------- shared-memory layouts */
@@ -257,6 +247,84 @@ template <typename T, int NPL> __device__ __forceinline__ void simt_add_row(T *d
 }
 
 /* ============================================================ tensor cores */
+/* ---- the tables the mma kernels read instead of positions, documents, lse, out
+ * Made once per call by attention_mma.cu's prep kernels in the op's scratch, so that
+ * no tile waits on global loads and a warp reduction to learn what it may skip, and
+ * the backward's D is computed once per row instead of once per key block:
+ *   ktok  [B][Tkp]      each key's position (INT_MAX past Tk) and document (0 there),
+ *                       copied into shared memory with the K and V tiles (cp.async);
+ *   kstrip [B][Tkp/16], qstrip [B][Tqp/16]: the TokRange of each 16 keys / queries
+ *                       (positions (INT_MAX, INT_MIN) where there are none); a tile's
+ *                       range is the min/max of a few of them, cached loads;
+ *   qrow  [B][nh][4][Tqp] (backward) four planes of 32-bit words a head: each query
+ *                       row's lse in log2 units (+inf where no key is visible to it,
+ *                       and past Tq), D = dout . out, position (INT_MIN where +inf)
+ *                       and document, copied like ktok (planes, not a struct a row:
+ *                       the dk/dv kernel's loop held a row's four in registers and
+ *                       spilled).
+ * Tkp, Tqp: Tk, Tq rounded up to ATTN_PAD, so that no tile reads past them. */
+enum { ATTN_PAD = 128, ATTN_STRIP = 16 };
+struct KeyTok {
+    int pos, doc;
+};
+enum { QR_L, QR_D, QR_POS, QR_DOC, QR_PLANES };
+/* one head's rows: the planes of qrow */
+struct QRows {
+    const float *L, *D;
+    const int *pos, *doc;
+};
+struct AttnTables {
+    const KeyTok *ktok;
+    const TokRange *kstrip, *qstrip;
+    const uint32_t *qrow;
+    int Tkp, Tqp;
+};
+struct AttnScratchLayout {
+    size_t ktok, kstrip, qstrip, qrow, bytes;
+    int Tkp, Tqp;
+};
+__host__ __device__ inline size_t attn_al256(size_t n) { return (n + 255) / 256 * 256; }
+/* where each table lies in the scratch (qrow only when rows) */
+__host__ __device__ inline AttnScratchLayout attn_scratch_layout(int B, int Tq, int Tk, int nh, bool rows)
+{
+    AttnScratchLayout l;
+    l.Tkp = (int)(((long long)Tk + ATTN_PAD - 1) / ATTN_PAD * ATTN_PAD);
+    l.Tqp = (int)(((long long)Tq + ATTN_PAD - 1) / ATTN_PAD * ATTN_PAD);
+    l.ktok = 0;
+    l.kstrip = l.ktok + attn_al256((size_t)B * l.Tkp * sizeof(KeyTok));
+    l.qstrip = l.kstrip + attn_al256((size_t)B * (l.Tkp / ATTN_STRIP) * sizeof(TokRange));
+    l.qrow = l.qstrip + attn_al256((size_t)B * (l.Tqp / ATTN_STRIP) * sizeof(TokRange));
+    l.bytes = l.qrow + (rows ? attn_al256((size_t)B * nh * QR_PLANES * l.Tqp * sizeof(uint32_t)) : 0);
+    return l;
+}
+/* The TokRange of strips i0 .. i0+n of one sequence's strip table */
+__device__ __forceinline__ TokRange strip_range(const TokRange *s, int i0, int n)
+{
+    TokRange r = {INT_MAX, INT_MIN, INT_MAX, INT_MIN};
+    for (int i = 0; i < n; i++) {
+        const int4 x = __ldg(reinterpret_cast<const int4 *>(s + i0 + i));
+        r.pmin = imin(r.pmin, x.x);
+        r.pmax = imax(r.pmax, x.y);
+        r.dmin = imin(r.dmin, x.z);
+        r.dmax = imax(r.dmax, x.w);
+    }
+    return r;
+}
+/* r (this warp's) for the n tokens from t0 (a multiple of 16), from their strips;
+ * by a warp */
+__device__ __forceinline__ void strip_ranges(const TokRange *s, int t0, int n, TileRanges &r)
+{
+    const int i0 = t0 / ATTN_STRIP;
+    warp_keep(r, {strip_range(s, i0, n / ATTN_STRIP), strip_range(s, i0 + (int)(threadIdx.x >> 5), 1)});
+}
+/* n entries of 16 bytes (or 2n of 8) from src into shared dst with cp.async; by
+ * thread tid of nthreads */
+__device__ __forceinline__ void load_rows16_async(void *dst, const void *src, int n, int tid, int nthreads)
+{
+    for (int c = tid; c < n; c += nthreads)
+        cp_async16(static_cast<char *>(dst) + c * 16, static_cast<const char *>(src) + c * 16, true);
+}
+
 /* Fragment addressing (see cuda_common.cuh for the layouts), with LD the row
  * stride in elements of a shared tile (HD + 8: rows shift by 16 bytes, so the
  * eight rows of an ldmatrix hit distinct banks):
@@ -506,10 +574,11 @@ __device__ __forceinline__ void tile_pipeline(int n, Skip skip, Load load, First
 
 /* ============================================================ launchers */
 /* The shape of one call and what decides visibility (device pointers; qdoc, kdoc
- * [B][T] or both NULL); attention.cu has checked them. */
+ * [B][T] or both NULL), and its scratch; attention.cu has checked them. */
 struct AttnShape {
     int B, Tq, Tk, nh, nkv, hd, window;
     const int32_t *qpos, *kpos, *qdoc, *kdoc;
+    void *scratch; /* the tables of the mma kernels (cuda_op_attention_scratch bytes) */
 };
 /* attention_mma.cu: hd 32, 64 or 128, bf16, every pointer 16-byte aligned */
 cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,

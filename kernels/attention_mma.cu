@@ -8,30 +8,44 @@
 /* a block of 8 warps owns 128 query rows of one head (16 per warp, Q in registers) */
 enum { F_WARPS = 8, F_BQ = F_WARPS * 16, F_BK = 64 };
 
-/* Q [F_BQ][LD], K and V [2][F_BK][LD], key positions and documents [2][F_BK] */
+/* Q [F_BQ][LD], K and V [2][F_BK][LD], the keys' positions and documents [2][F_BK] */
 struct FwdSmem {
-    int q, k, v, kp, kd, bytes;
+    int q, k, v, kt, bytes;
 };
 template <int HD> __host__ __device__ constexpr FwdSmem fwd_smem()
 {
     SmemLayout s;
     const int q = s.add<bf16>(F_BQ * (HD + 8)), k = s.add<bf16>(2 * F_BK * (HD + 8)),
-              v = s.add<bf16>(2 * F_BK * (HD + 8)), kp = s.add<int>(2 * F_BK), kd = s.add<int>(2 * F_BK);
-    return {q, k, v, kp, kd, s.bytes};
+              v = s.add<bf16>(2 * F_BK * (HD + 8)), kt = s.add<KeyTok>(2 * F_BK);
+    return {q, k, v, kt, s.bytes};
 }
 
-/* Key tile k0.. (BK keys) into buffer buf of the [2][BK][LD] tiles sK, sV (cp.async)
- * and of the [2][BK] positions sKp (INT_MAX past Tk) and documents sKd */
+/* Key tile k0.. (BK keys) into buffer buf of the [2][BK][LD] tiles sK, sV and of the
+ * [2][BK] KeyToks sKt (from the sequence's ktok table), all by cp.async */
 template <int HD, int BK>
-__device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, int *sKp, int *sKd, int buf, const bf16 *kb,
-                                             const bf16 *vb, size_t ks, const int32_t *kpos, const int32_t *kdoc,
-                                             int k0, int Tk, int tid, int nthreads)
+__device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, KeyTok *sKt, int buf, const bf16 *kb,
+                                             const bf16 *vb, size_t ks, const KeyTok *ktok, int k0, int Tk, int tid,
+                                             int nthreads)
 {
     constexpr int LD = HD + 8;
     load_tile_async<HD, BK>(sK + buf * BK * LD, kb, ks, k0, Tk, tid, nthreads);
     load_tile_async<HD, BK>(sV + buf * BK * LD, vb, ks, k0, Tk, tid, nthreads);
-    load_tok(sKp + buf * BK, kpos, k0, BK, Tk, INT_MAX, tid, nthreads);
-    load_tok(sKd + buf * BK, kdoc, k0, BK, Tk, 0, tid, nthreads);
+    load_rows16_async(sKt + buf * BK, ktok + k0, BK / 2, tid, nthreads);
+}
+/* a sequence's rows of the tables */
+__device__ __forceinline__ const KeyTok *ktok_of(const AttnTables &t, int b) { return t.ktok + (size_t)b * t.Tkp; }
+__device__ __forceinline__ const TokRange *kstrip_of(const AttnTables &t, int b)
+{
+    return t.kstrip + (size_t)b * (t.Tkp / ATTN_STRIP);
+}
+__device__ __forceinline__ const TokRange *qstrip_of(const AttnTables &t, int b)
+{
+    return t.qstrip + (size_t)b * (t.Tqp / ATTN_STRIP);
+}
+/* The range of the n (a multiple of 16) tokens from t0 */
+__device__ __forceinline__ TokRange range_at(const TokRange *strips, int t0, int n)
+{
+    return strip_range(strips, t0 / ATTN_STRIP, n / ATTN_STRIP);
 }
 
 /* One key tile of the online softmax of the two rows a thread holds, r0 (accumulator
@@ -40,8 +54,8 @@ __device__ __forceinline__ void load_kv_tile(bf16 *sK, bf16 *sV, int *sKp, int *
  * max m0, m1 (log2 units) and sum l0, l1 take them in, the output o is rescaled. */
 template <int NT, int DT>
 __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT][4], float &m0, float &m1, float &l0,
-                                               float &l1, const int *kp, const int *kd, int qp0, int qp1, int qd0,
-                                               int qd1, bool full, int window, float scale_log2, int tq)
+                                               float &l1, const KeyTok *kt, int qp0, int qp1, int qd0, int qd1,
+                                               bool full, int window, float scale_log2, int tq)
 {
     float mx0 = -INFINITY, mx1 = -INFINITY;
 #pragma unroll
@@ -50,7 +64,8 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
         for (int e = 0; e < 2; e++) {
             float a = s[nt][e] * scale_log2, c = s[nt][2 + e] * scale_log2;
             if (!full) {
-                const int p = kp[nt * 8 + tq * 2 + e], d = kd[nt * 8 + tq * 2 + e];
+                const KeyTok key = kt[nt * 8 + tq * 2 + e];
+                const int p = key.pos, d = key.doc;
                 if (!attn_visible(qp0, p, qd0, d, window)) a = -INFINITY;
                 if (!attn_visible(qp1, p, qd1, d, window)) c = -INFINITY;
             }
@@ -92,14 +107,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
 template <int HD>
 __global__ void __launch_bounds__(F_WARPS * 32, 1)
     attn_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const int32_t *qpos,
-                 const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int Tq, int Tk, int nh, int nkv,
-                 int window, float scale_log2)
+                 const int32_t *qdoc, AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale_log2)
 {
     constexpr int LD = HD + 8, NT = F_BK / 8, KS = HD / 16, DT = HD / 8, NTHR = F_WARPS * 32;
     constexpr FwdSmem L = fwd_smem<HD>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
-    int *sKp = smem_at<int>(smem, L.kp), *sKd = smem_at<int>(smem, L.kd);
+    KeyTok *sKt = smem_at<KeyTok>(smem, L.kt);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
     const int h = blockIdx.y, b = blockIdx.z, g = h / (nh / nkv);
@@ -113,30 +127,29 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
     cp_async_commit();
 
     qdoc = doc_row(qdoc, b, Tq);
-    kdoc = doc_row(kdoc, b, Tk);
     const int r0 = q0 + warp * 16 + gq, r1 = r0 + 8;
     const int qp0 = tok_at(qpos, r0, Tq, INT_MIN), qp1 = tok_at(qpos, r1, Tq, INT_MIN);
     const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
+    const KeyTok *ktok = ktok_of(t, b);
+    const TokRange *kstrip = kstrip_of(t, b);
     __shared__ TileRanges sR[F_WARPS];
     const TileRanges &qr = sR[warp];
-    tile_tok_ranges(qpos, qdoc, q0, F_BQ, Tq, sR[warp]);
+    strip_ranges(qstrip_of(t, b), q0, F_BQ, sR[warp]);
 
     float o[DT][4];
     frag_zero(o);
     float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
     uint32_t qf[KS][4];
     tile_pipeline(
-        (Tk + F_BK - 1) / F_BK, [&](int j) { return keys_hidden(kpos, kdoc, j * F_BK, F_BK, Tk, qr.blk, window); },
-        [&](int j, int buf) {
-            load_kv_tile<HD, F_BK>(sK, sV, sKp, sKd, buf, kb, vb, ks, kpos, kdoc, j * F_BK, Tk, tid, NTHR);
-        },
+        (Tk + F_BK - 1) / F_BK, [&](int j) { return attn_skip(qr.blk, range_at(kstrip, j * F_BK, F_BK), window); },
+        [&](int j, int buf) { load_kv_tile<HD, F_BK>(sK, sV, sKt, buf, kb, vb, ks, ktok, j * F_BK, Tk, tid, NTHR); },
         [&] {
             cp_async_wait<1>(); /* Q has landed */
             __syncthreads();
             frag_ld_a_rows(qf, sQ, warp * 16, LD, lane);
         },
         [&](int j, int buf) {
-            const TokRange kr = warp_tok_range(kpos, kdoc, j * F_BK, F_BK, Tk);
+            const TokRange kr = range_at(kstrip, j * F_BK, F_BK);
             if (attn_skip(qr.wrp, kr, window)) return;
             const bool full = (j + 1) * F_BK <= Tk && attn_full(qr.wrp, kr, window);
             const bf16 *cK = sK + buf * F_BK * LD, *cV = sV + buf * F_BK * LD;
@@ -144,8 +157,7 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
             frag_zero(s);
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) mma_qk(kk * 16, LD, lane, qk_term(s, qf[kk], cK));
-            online_softmax(s, o, m0, m1, l0, l1, sKp + buf * F_BK, sKd + buf * F_BK, qp0, qp1, qd0, qd1, full, window,
-                           scale_log2, tq);
+            online_softmax(s, o, m0, m1, l0, l1, sKt + buf * F_BK, qp0, qp1, qd0, qd1, full, window, scale_log2, tq);
             mma_pv(LD, lane, pv_term(o, s, cV));
         });
     l0 = quad_sum(l0);
@@ -164,31 +176,38 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
 enum { BQ_WARPS = 4, BQ_BQ = BQ_WARPS * 16 };
 template <int HD> struct DqCfg { static constexpr int BK = HD >= 128 ? 32 : 64; };
 
-/* Q and dout [BQ_BQ][LD], K and V [2][BK][LD], key positions and documents [2][BK] */
+/* Q and dout [BQ_BQ][LD], K and V [2][BK][LD], the keys' positions and documents [2][BK] */
 struct DqSmem {
-    int q, g, k, v, kp, kd, bytes;
+    int q, g, k, v, kt, bytes;
 };
 template <int HD> __host__ __device__ constexpr DqSmem dq_smem()
 {
     constexpr int BK = DqCfg<HD>::BK;
     SmemLayout s;
     const int q = s.add<bf16>(BQ_BQ * (HD + 8)), g = s.add<bf16>(BQ_BQ * (HD + 8)),
-              k = s.add<bf16>(2 * BK * (HD + 8)), v = s.add<bf16>(2 * BK * (HD + 8)), kp = s.add<int>(2 * BK),
-              kd = s.add<int>(2 * BK);
-    return {q, g, k, v, kp, kd, s.bytes};
+              k = s.add<bf16>(2 * BK * (HD + 8)), v = s.add<bf16>(2 * BK * (HD + 8)), kt = s.add<KeyTok>(2 * BK);
+    return {q, g, k, v, kt, s.bytes};
+}
+/* A head's planes of the qrow table, from row r0 on */
+__device__ __forceinline__ QRows qrows_of(const AttnTables &t, int b, int h, int nh, int r0)
+{
+    const uint32_t *p = t.qrow + ((size_t)b * nh + h) * QR_PLANES * t.Tqp + r0;
+    return {reinterpret_cast<const float *>(p + QR_L * t.Tqp), reinterpret_cast<const float *>(p + QR_D * t.Tqp),
+            reinterpret_cast<const int *>(p + QR_POS * t.Tqp), reinterpret_cast<const int *>(p + QR_DOC * t.Tqp)};
 }
 
 /* dS = P (dP - D) in place of s, P = exp2(s * scale_log2 - L), 0 where not visible */
 template <int NT>
-__device__ __forceinline__ void dq_ds(float (&s)[NT][4], const float (&dp)[NT][4], const int *kp, const int *kd,
-                                      int qp0, int qp1, int qd0, int qd1, float L0, float L1, float D0, float D1,
-                                      int window, float scale_log2, int tq)
+__device__ __forceinline__ void dq_ds(float (&s)[NT][4], const float (&dp)[NT][4], const KeyTok *kt, int qp0, int qp1,
+                                      int qd0, int qd1, float L0, float L1, float D0, float D1, int window,
+                                      float scale_log2, int tq)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
-            const int p = kp[nt * 8 + tq * 2 + e], d = kd[nt * 8 + tq * 2 + e];
+            const KeyTok key = kt[nt * 8 + tq * 2 + e];
+            const int p = key.pos, d = key.doc;
             const float p0 = attn_visible(qp0, p, qd0, d, window) ? exp2f(s[nt][e] * scale_log2 - L0) : 0.0f;
             const float p1 = attn_visible(qp1, p, qd1, d, window) ? exp2f(s[nt][2 + e] * scale_log2 - L1) : 0.0f;
             s[nt][e] = p0 * (dp[nt][e] - D0);
@@ -199,17 +218,15 @@ __device__ __forceinline__ void dq_ds(float (&s)[NT][4], const float (&dp)[NT][4
 
 template <int HD>
 __global__ void __launch_bounds__(BQ_WARPS * 32)
-    attn_bwd_dq_mma(bf16 *dq, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v, const bf16 *out,
-                    const float *lse, const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
-                    const int32_t *kdoc, int Tq, int Tk, int nh, int nkv, int window, float scale, float scale_log2)
+    attn_bwd_dq_mma(bf16 *dq, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v, AttnTables t, int Tq,
+                    int Tk, int nh, int nkv, int window, float scale, float scale_log2)
 {
     constexpr int BK = DqCfg<HD>::BK, LD = HD + 8, NT = BK / 8, KS = HD / 16, DT = HD / 8, NTHR = BQ_WARPS * 32;
     constexpr DqSmem L = dq_smem<HD>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sG = smem_at<bf16>(smem, L.g);
     bf16 *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
-    int *sKp = smem_at<int>(smem, L.kp), *sKd = smem_at<int>(smem, L.kd);
-    __shared__ float sDr[BQ_BQ];
+    KeyTok *sKt = smem_at<KeyTok>(smem, L.kt);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x;
     const int h = blockIdx.y, b = blockIdx.z, g = h / (nh / nkv);
@@ -222,33 +239,22 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
     load_tile_async<HD, BQ_BQ>(sQ, q + qoff, qs, q0, Tq, tid, NTHR);
     load_tile_async<HD, BQ_BQ>(sG, dout + qoff, qs, q0, Tq, tid, NTHR);
     cp_async_commit();
-    for (int r = warp * 16; r < warp * 16 + 16; r++) { /* D of this warp's rows */
-        const int row = q0 + r;
-        float d = row < Tq ? row_dot_warp<HD>(dout + qoff + (size_t)row * qs, out + qoff + (size_t)row * qs) : 0.0f;
-        if (lane == 0) sDr[r] = d;
-    }
-    __syncwarp();
     const int r0 = q0 + warp * 16 + gq, r1 = r0 + 8;
-    const float *lrow = lse + ((size_t)b * nh + h) * Tq;
-    const float L0 = lse_log2(lrow, r0, Tq), L1 = lse_log2(lrow, r1, Tq);
-    const float D0 = sDr[warp * 16 + gq], D1 = sDr[warp * 16 + gq + 8];
-    const int qp0 = (r0 < Tq && L0 != INFINITY) ? qpos[r0] : INT_MIN;
-    const int qp1 = (r1 < Tq && L1 != INFINITY) ? qpos[r1] : INT_MIN;
-    qdoc = doc_row(qdoc, b, Tq);
-    kdoc = doc_row(kdoc, b, Tk);
-    const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
+    const QRows qr0 = qrows_of(t, b, h, nh, r0);
+    const float L0 = qr0.L[0], L1 = qr0.L[8], D0 = qr0.D[0], D1 = qr0.D[8];
+    const int qp0 = qr0.pos[0], qp1 = qr0.pos[8], qd0 = qr0.doc[0], qd1 = qr0.doc[8];
+    const KeyTok *ktok = ktok_of(t, b);
+    const TokRange *kstrip = kstrip_of(t, b);
     __shared__ TileRanges sR[BQ_WARPS];
     const TileRanges &qr = sR[warp];
-    tile_tok_ranges(qpos, qdoc, q0, BQ_BQ, Tq, sR[warp]);
+    strip_ranges(qstrip_of(t, b), q0, BQ_BQ, sR[warp]);
 
     float acc[DT][4];
     frag_zero(acc);
     uint32_t qf[KS][4], gf[KS][4];
     tile_pipeline(
-        (Tk + BK - 1) / BK, [&](int j) { return keys_hidden(kpos, kdoc, j * BK, BK, Tk, qr.blk, window); },
-        [&](int j, int buf) {
-            load_kv_tile<HD, BK>(sK, sV, sKp, sKd, buf, kb, vb, ks, kpos, kdoc, j * BK, Tk, tid, NTHR);
-        },
+        (Tk + BK - 1) / BK, [&](int j) { return attn_skip(qr.blk, range_at(kstrip, j * BK, BK), window); },
+        [&](int j, int buf) { load_kv_tile<HD, BK>(sK, sV, sKt, buf, kb, vb, ks, ktok, j * BK, Tk, tid, NTHR); },
         [&] {
             cp_async_wait<1>(); /* Q and dout have landed */
             __syncthreads();
@@ -256,7 +262,7 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
             frag_ld_a_rows(gf, sG, warp * 16, LD, lane);
         },
         [&](int j, int buf) {
-            if (keys_hidden(kpos, kdoc, j * BK, BK, Tk, qr.wrp, window)) return;
+            if (attn_skip(qr.wrp, range_at(kstrip, j * BK, BK), window)) return;
             const bf16 *cK = sK + buf * BK * LD, *cV = sV + buf * BK * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);
@@ -264,7 +270,7 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
 #pragma unroll
             for (int kk = 0; kk < KS; kk++) /* S = Q K^T, dP = dO V^T */
                 mma_qk(kk * 16, LD, lane, qk_term(s, qf[kk], cK), qk_term(dp, gf[kk], cV));
-            dq_ds(s, dp, sKp + buf * BK, sKd + buf * BK, qp0, qp1, qd0, qd1, L0, L1, D0, D1, window, scale_log2, tq);
+            dq_ds(s, dp, sKt + buf * BK, qp0, qp1, qd0, qd1, L0, L1, D0, D1, window, scale_log2, tq);
             mma_pv(LD, lane, pv_term(acc, s, cK)); /* dQ += dS K */
         });
     frag_add_rows(dq + qoff, qs, r0, r1, Tq, acc, scale, tq);
@@ -276,35 +282,33 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
 enum { BK_WARPS = 4, BK_BKV = BK_WARPS * 16 };
 template <int HD> struct DkvCfg { static constexpr int BQ = HD >= 128 ? 32 : 64; };
 
-/* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; per query row lse (log2 units, +inf:
- * none), D, position and document, [2][BQ] each */
+/* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; the query rows' four qrow planes [2][4][BQ] */
 struct DkvSmem {
-    int k, v, q, g, l, d, qp, qd, bytes;
+    int k, v, q, g, qr, bytes;
 };
 template <int HD> __host__ __device__ constexpr DkvSmem dkv_smem()
 {
     constexpr int BQ = DkvCfg<HD>::BQ;
     SmemLayout s;
     const int k = s.add<bf16>(BK_BKV * (HD + 8)), v = s.add<bf16>(BK_BKV * (HD + 8)),
-              q = s.add<bf16>(2 * BQ * (HD + 8)), g = s.add<bf16>(2 * BQ * (HD + 8)), l = s.add<float>(2 * BQ),
-              d = s.add<float>(2 * BQ), qp = s.add<int>(2 * BQ), qd = s.add<int>(2 * BQ);
-    return {k, v, q, g, l, d, qp, qd, s.bytes};
+              q = s.add<bf16>(2 * BQ * (HD + 8)), g = s.add<bf16>(2 * BQ * (HD + 8)), qr = s.add<uint32_t>(2 * QR_PLANES * BQ);
+    return {k, v, q, g, qr, s.bytes};
 }
 
 /* P^T and dS^T = P^T (dP^T - D) in place of s and dp (keys kp0, kp1 of documents
- * kd0, kd1 in this thread's rows; per query column its position, document, lse and D) */
-template <int NT>
-__device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], const int *qp, const int *qd,
-                                         const float *Ls, const float *Ds, int kp0, int kp1, int kd0, int kd1,
-                                         int window, float scale_log2, int tq)
+ * kd0, kd1 in this thread's rows; per query column its qrow planes' words, of planes
+ * [4][BQ] from qr) */
+template <int NT, int BQ>
+__device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], const uint32_t *qr, int kp0, int kp1,
+                                         int kd0, int kd1, int window, float scale_log2, int tq)
 {
 #pragma unroll
     for (int nt = 0; nt < NT; nt++) {
 #pragma unroll
         for (int e = 0; e < 2; e++) {
             const int c = nt * 8 + tq * 2 + e;
-            const int p = qp[c], d = qd[c];
-            const float L = Ls[c], D = Ds[c];
+            const int p = (int)qr[QR_POS * BQ + c], d = (int)qr[QR_DOC * BQ + c];
+            const float L = __uint_as_float(qr[QR_L * BQ + c]), D = __uint_as_float(qr[QR_D * BQ + c]);
             const float p0 = attn_visible(p, kp0, d, kd0, window) ? exp2f(s[nt][e] * scale_log2 - L) : 0.0f;
             const float p1 = attn_visible(p, kp1, d, kd1, window) ? exp2f(s[nt][2 + e] * scale_log2 - L) : 0.0f;
             s[nt][e] = p0;
@@ -318,17 +322,14 @@ __device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], 
 template <int HD>
 __global__ void __launch_bounds__(BK_WARPS * 32)
     attn_bwd_dkv_mma(bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v,
-                     const bf16 *out, const float *lse, const int32_t *qpos, const int32_t *kpos,
-                     const int32_t *qdoc, const int32_t *kdoc, int Tq, int Tk, int nh, int nkv, int window,
-                     float scale, float scale_log2)
+                     AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale, float scale_log2)
 {
     constexpr int BQ = DkvCfg<HD>::BQ, LD = HD + 8, NT = BQ / 8, KS = HD / 16, DT = HD / 8, NTHR = BK_WARPS * 32;
     constexpr DkvSmem L = dkv_smem<HD>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sG = smem_at<bf16>(smem, L.g);
-    float *sL = smem_at<float>(smem, L.l), *sD = smem_at<float>(smem, L.d);
-    int *sQp = smem_at<int>(smem, L.qp), *sQd = smem_at<int>(smem, L.qd);
+    uint32_t *sQr = smem_at<uint32_t>(smem, L.qr);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int k0 = blockIdx.x * BK_BKV, g = blockIdx.y, b = blockIdx.z, rep = nh / nkv;
     const size_t qs = (size_t)nh * HD, ks = (size_t)nkv * HD;
@@ -338,14 +339,13 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
     load_tile_async<HD, BK_BKV>(sV, v + koff, ks, k0, Tk, tid, NTHR);
     cp_async_commit();
 
-    qdoc = doc_row(qdoc, b, Tq);
-    kdoc = doc_row(kdoc, b, Tk);
+    const KeyTok *ktok = ktok_of(t, b);
     const int kr0 = k0 + warp * 16 + gq, kr1 = kr0 + 8;
-    const int kp0 = tok_at(kpos, kr0, Tk, INT_MAX), kp1 = tok_at(kpos, kr1, Tk, INT_MAX);
-    const int kd0 = tok_at(kdoc, kr0, Tk, 0), kd1 = tok_at(kdoc, kr1, Tk, 0);
+    const KeyTok key0 = ktok[kr0], key1 = ktok[kr1];
+    const TokRange *qstrip = qstrip_of(t, b);
     __shared__ TileRanges sR[BK_WARPS];
     const TileRanges &kr = sR[warp];
-    tile_tok_ranges(kpos, kdoc, k0, BK_BKV, Tk, sR[warp]);
+    strip_ranges(kstrip_of(t, b), k0, BK_BKV, sR[warp]);
 
     /* item i: query head g*rep + i/nqt, query tile i%nqt */
     const int nqt = (Tq + BQ - 1) / BQ;
@@ -354,29 +354,22 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
         const size_t qoff = (size_t)b * Tq * qs + (size_t)h * HD;
         load_tile_async<HD, BQ>(sQ + buf * BQ * LD, q + qoff, qs, qt0, Tq, tid, NTHR);
         load_tile_async<HD, BQ>(sG + buf * BQ * LD, dout + qoff, qs, qt0, Tq, tid, NTHR);
-        const float *lrow = lse + ((size_t)b * nh + h) * Tq;
-        for (int r = warp; r < BQ; r += BK_WARPS) {
-            const int row = qt0 + r;
-            const float d =
-                row < Tq ? row_dot_warp<HD>(dout + qoff + (size_t)row * qs, out + qoff + (size_t)row * qs) : 0.0f;
-            if (lane == 0) {
-                const float Lr = lse_log2(lrow, row, Tq);
-                sD[buf * BQ + r] = d;
-                sL[buf * BQ + r] = Lr;
-                sQp[buf * BQ + r] = (row < Tq && Lr != INFINITY) ? qpos[row] : INT_MIN;
-                sQd[buf * BQ + r] = tok_at(qdoc, row, Tq, 0);
-            }
-        }
+        const QRows rows = qrows_of(t, b, h, nh, qt0);
+        uint32_t *dst = sQr + buf * QR_PLANES * BQ;
+        load_rows16_async(dst + QR_L * BQ, rows.L, BQ / 4, tid, NTHR);
+        load_rows16_async(dst + QR_D * BQ, rows.D, BQ / 4, tid, NTHR);
+        load_rows16_async(dst + QR_POS * BQ, rows.pos, BQ / 4, tid, NTHR);
+        load_rows16_async(dst + QR_DOC * BQ, rows.doc, BQ / 4, tid, NTHR);
     };
 
     float ak[DT][4], av[DT][4];
     frag_zero(ak);
     frag_zero(av);
     tile_pipeline(
-        rep * nqt, [&](int i) { return queries_hidden(qpos, qdoc, (i % nqt) * BQ, BQ, Tq, kr.blk, window); }, load_q,
+        rep * nqt, [&](int i) { return attn_skip(range_at(qstrip, (i % nqt) * BQ, BQ), kr.blk, window); }, load_q,
         [] {}, /* K and V land with the first item */
         [&](int it, int buf) {
-            if (queries_hidden(qpos, qdoc, (it % nqt) * BQ, BQ, Tq, kr.wrp, window)) return;
+            if (attn_skip(range_at(qstrip, (it % nqt) * BQ, BQ), kr.wrp, window)) return;
             const bf16 *cQ = sQ + buf * BQ * LD, *cG = sG + buf * BQ * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);
@@ -388,12 +381,87 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
                 frag_ld_a(vf, sV, warp * 16, kk * 16, LD, lane);
                 mma_qk(kk * 16, LD, lane, qk_term(s, kf, cQ), qk_term(dp, vf, cG));
             }
-            dkv_p_ds(s, dp, sQp + buf * BQ, sQd + buf * BQ, sL + buf * BQ, sD + buf * BQ, kp0, kp1, kd0, kd1, window,
-                     scale_log2, tq);
+            dkv_p_ds<NT, BQ>(s, dp, sQr + buf * QR_PLANES * BQ, key0.pos, key1.pos, key0.doc, key1.doc, window,
+                             scale_log2, tq);
             mma_pv(LD, lane, pv_term(av, s, cG), pv_term(ak, dp, cQ)); /* dV += P^T dO, dK += dS^T Q */
         });
     frag_add_rows(dk + koff, ks, kr0, kr1, Tk, ak, scale, tq);
     frag_add_rows(dv + koff, ks, kr0, kr1, Tk, av, 1.0f, tq);
+}
+
+/* ============================================================ the tables */
+/* grid-stride loops over n items (the grid capped; n may exceed what one launch spans) */
+#define GRID_STRIDE(i, n) \
+    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < (n); i += (long long)gridDim.x * blockDim.x)
+static dim3 stride_grid(long long n) { return dim3((unsigned)(n / 256 + 1 < 4096 ? n / 256 + 1 : 4096)); }
+
+__global__ void attn_prep_keys(KeyTok *ktok, const int32_t *kpos, const int32_t *kdoc, int Tk, int Tkp, int B)
+{
+    GRID_STRIDE(i, (long long)B * Tkp)
+    {
+        const int b = (int)(i / Tkp), j = (int)(i % Tkp);
+        ktok[i] = {j < Tk ? kpos[j] : INT_MAX, j < Tk && kdoc ? kdoc[(size_t)b * Tk + j] : 0};
+    }
+}
+
+/* the TokRange of each 16 tokens of each sequence: out [B][ns] */
+__global__ void attn_prep_strips(TokRange *out, const int32_t *pos, const int32_t *doc, int T, int ns, int B)
+{
+    GRID_STRIDE(i, (long long)B * ns)
+    {
+        const int b = (int)(i / ns), st = (int)(i % ns);
+        const int32_t *d = doc_row(doc, b, T);
+        TokRange r = {INT_MAX, INT_MIN, d ? INT_MAX : 0, d ? INT_MIN : 0};
+        for (int x = st * ATTN_STRIP; x < imin(T, (st + 1) * ATTN_STRIP); x++) {
+            r.pmin = imin(r.pmin, pos[x]);
+            r.pmax = imax(r.pmax, pos[x]);
+            if (d) r.dmin = imin(r.dmin, d[x]), r.dmax = imax(r.dmax, d[x]);
+        }
+        out[i] = r;
+    }
+}
+
+/* qrow [B][nh][4][Tqp]: a warp a row (8 a block; blocks (Tqp / 8, nh, B)) */
+template <int HD>
+__global__ void __launch_bounds__(256)
+    attn_prep_rows(uint32_t *qrow, const bf16 *dout, const bf16 *out, const float *lse, const int32_t *qpos,
+                   const int32_t *qdoc, int Tq, int Tqp, int nh)
+{
+    const int row = blockIdx.x * 8 + (threadIdx.x >> 5), h = blockIdx.y, b = blockIdx.z;
+    const size_t off = ((size_t)b * Tq + row) * nh * HD + (size_t)h * HD;
+    const float D = row < Tq ? row_dot_warp<HD>(dout + off, out + off) : 0.0f;
+    if ((threadIdx.x & 31) == 0) {
+        const float L = lse_log2(lse + ((size_t)b * nh + h) * Tq, row, Tq);
+        uint32_t *p = qrow + ((size_t)b * nh + h) * QR_PLANES * Tqp + row;
+        p[QR_L * Tqp] = __float_as_uint(L);
+        p[QR_D * Tqp] = __float_as_uint(D);
+        p[QR_POS * Tqp] = (uint32_t)(L != INFINITY ? qpos[row] : INT_MIN);
+        p[QR_DOC * Tqp] = (uint32_t)tok_at(doc_row(qdoc, b, Tq), row, Tq, 0);
+    }
+}
+
+/* The tables of a call in its scratch (qrow too when dout is given: the backward) */
+template <int HD>
+static AttnTables prep_tables(const AttnShape &s, const void *dout, const void *out, const float *lse,
+                              cudaStream_t stream)
+{
+    const AttnScratchLayout l = attn_scratch_layout(s.B, s.Tq, s.Tk, s.nh, dout != nullptr);
+    unsigned char *base = static_cast<unsigned char *>(s.scratch);
+    KeyTok *ktok = reinterpret_cast<KeyTok *>(base + l.ktok);
+    TokRange *ks = reinterpret_cast<TokRange *>(base + l.kstrip), *qs = reinterpret_cast<TokRange *>(base + l.qstrip);
+    uint32_t *qrow = dout ? reinterpret_cast<uint32_t *>(base + l.qrow) : nullptr;
+    const long long nk = (long long)s.B * l.Tkp, nks = (long long)s.B * (l.Tkp / ATTN_STRIP),
+                    nqs = (long long)s.B * (l.Tqp / ATTN_STRIP);
+    if (nk > 0) {
+        SMP_LAUNCH(attn_prep_keys, stride_grid(nk), 256, 0, stream, ktok, s.kpos, s.kdoc, s.Tk, l.Tkp, s.B);
+        SMP_LAUNCH(attn_prep_strips, stride_grid(nks), 256, 0, stream, ks, s.kpos, s.kdoc, s.Tk, l.Tkp / ATTN_STRIP,
+                   s.B);
+    }
+    SMP_LAUNCH(attn_prep_strips, stride_grid(nqs), 256, 0, stream, qs, s.qpos, s.qdoc, s.Tq, l.Tqp / ATTN_STRIP, s.B);
+    if (dout)
+        SMP_LAUNCH(attn_prep_rows<HD>, dim3(l.Tqp / 8, s.nh, s.B), 256, 0, stream, qrow, (const bf16 *)dout,
+                   (const bf16 *)out, lse, s.qpos, s.qdoc, s.Tq, l.Tqp, s.nh);
+    return {ktok, ks, qs, qrow, l.Tkp, l.Tqp};
 }
 
 /* ============================================================ launchers */
@@ -405,10 +473,10 @@ static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, 
     constexpr size_t smem = fwd_smem<HD>().bytes;
     cudaError_t e = smp_cuda_smem_optin((const void *)kern, smem, "cuda_op_attention_forward");
     if (e != cudaSuccess) return e;
+    const AttnTables t = prep_tables<HD>(s, nullptr, nullptr, nullptr, stream);
     dim3 grid((s.Tq + F_BQ - 1) / F_BQ, s.nh, s.B);
     SMP_LAUNCH(kern, grid, F_WARPS * 32, smem, stream, (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k,
-               (const bf16 *)v, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk, s.nh, s.nkv, s.window,
-               LOG2E_F / sqrtf((float)HD));
+               (const bf16 *)v, s.qpos, s.qdoc, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, LOG2E_F / sqrtf((float)HD));
     return smp_cuda_launched("cuda_op_attention_forward");
 }
 
@@ -423,18 +491,13 @@ static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const
     cudaError_t e = smp_cuda_smem_optin((const void *)kq, sq, "cuda_op_attention_backward");
     if (e == cudaSuccess) e = smp_cuda_smem_optin((const void *)kkv, skv, "cuda_op_attention_backward");
     if (e != cudaSuccess) return e;
-    if (s.Tq > 0) {
-        dim3 grid((s.Tq + BQ_BQ - 1) / BQ_BQ, s.nh, s.B);
-        SMP_LAUNCH(kq, grid, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q,
-                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk,
-                   s.nh, s.nkv, s.window, scale, scale_log2);
-    }
-    if (s.Tk > 0) {
-        dim3 grid((s.Tk + BK_BKV - 1) / BK_BKV, s.nkv, s.B);
-        SMP_LAUNCH(kkv, grid, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
-                   (const bf16 *)k, (const bf16 *)v, (const bf16 *)out, lse, s.qpos, s.kpos, s.qdoc, s.kdoc, s.Tq, s.Tk,
-                   s.nh, s.nkv, s.window, scale, scale_log2);
-    }
+    const AttnTables t = prep_tables<HD>(s, dout, out, lse, stream);
+    dim3 gq((s.Tq + BQ_BQ - 1) / BQ_BQ, s.nh, s.B);
+    SMP_LAUNCH(kq, gq, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q, (const bf16 *)k,
+               (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
+    dim3 gkv((s.Tk + BK_BKV - 1) / BK_BKV, s.nkv, s.B);
+    SMP_LAUNCH(kkv, gkv, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
+               (const bf16 *)k, (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
     return smp_cuda_launched("cuda_op_attention_backward");
 }
 

@@ -147,19 +147,23 @@ cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin
  * stored. bf16 with hd in {32, 64, 128} and 16-byte aligned tensors runs on the
  * tensor cores (mma.sync); every other case (fp32, other hd up to 256) runs a
  * portable fp32 kernel. hd <= 256. Backward: dq, dk, dv accumulated (dt), needs
- * the FINAL out and lse; deterministic (no atomics). */
+ * the FINAL out and lse; deterministic (no atomics). scratch: device memory of
+ * cuda_op_attention_scratch(B, Tq, Tk, nh) bytes, 16-byte aligned, any contents, used
+ * in stream order (the tensor-core kernels' per-call tables: ~16 bytes a query row a
+ * head, 8 a key). */
+size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh);
 cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k,
                                       const void *v, const int32_t *qpos, const int32_t *kpos,
                                       const int32_t *qdoc, const int32_t *kdoc,
                                       int B, int Tq, int Tk, int nh, int nkv, int hd, int window,
-                                      cudaDataType_t dt, cudaStream_t stream);
+                                      void *scratch, cudaDataType_t dt, cudaStream_t stream);
 cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, const void *dout,
                                        const void *q, const void *k, const void *v,
                                        const void *out, const float *lse,
                                        const int32_t *qpos, const int32_t *kpos,
                                        const int32_t *qdoc, const int32_t *kdoc,
                                        int B, int Tq, int Tk, int nh, int nkv, int hd, int window,
-                                       cudaDataType_t dt, cudaStream_t stream);
+                                       void *scratch, cudaDataType_t dt, cudaStream_t stream);
 cudaError_t cuda_op_attention_merge(void *out, float *lse, const void *out2, const float *lse2,
                                     int B, int T, int nh, int hd, cudaDataType_t dt,
                                     cudaStream_t stream);

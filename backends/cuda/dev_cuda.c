@@ -40,7 +40,7 @@ static void cu_fini(dev *d)
     cu_fp8_free(d);
     cuda_gemm_free(c->gemm);
     cudaFree(c->d_sum);
-    cudaFree(c->moe);
+    cudaFree(c->scratch);
     for (int i = 0; i < CU_STAGE_SLOTS; i++)
         if (c->stage_ev[i]) cudaEventDestroy(c->stage_ev[i]);
     if (c->stage) cudaFreeHost(c->stage);
@@ -226,37 +226,38 @@ static void cu_moe_scatter_add(dev *d, void *dx, const void *dxs, const int32_t 
 {
     cu_op(d, cuda_op_moe_scatter_add(dx, dxs, slot, N, k, H, DT, ST));
 }
-/* the MoE grouping's device memory, grown to `bytes` (NULL after a failure, recorded) */
-static void *moe_scratch(dev *d, size_t bytes)
+/* the ops' scratch, grown to `bytes` (NULL after a failure, recorded): one buffer,
+ * since the stream orders its users; `what` names the op in the error */
+static void *cu_scratch(dev *d, size_t bytes, const char *what)
 {
     cu_impl *c = cu_of(d);
-    if (bytes > c->moe_bytes) {
+    if (bytes > c->scratch_bytes) {
         cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize"); /* the old buffer may still be in use */
-        cudaFree(c->moe);
-        c->moe = NULL;
-        c->moe_bytes = 0;
-        if (cudaMalloc(&c->moe, bytes) != cudaSuccess) {
+        cudaFree(c->scratch);
+        c->scratch = NULL;
+        c->scratch_bytes = 0;
+        if (cudaMalloc(&c->scratch, bytes) != cudaSuccess) {
             (void)cudaGetLastError();
-            c->moe = NULL;
-            dev_fail(d, SHARD_E_NOMEM, "out of device memory for the experts' grouping (%zu bytes)", bytes);
+            c->scratch = NULL;
+            dev_fail(d, SHARD_E_NOMEM, "out of device memory for %s's scratch (%zu bytes)", what, bytes);
         } else {
-            c->moe_bytes = bytes;
+            c->scratch_bytes = bytes;
         }
     }
-    return d->err ? NULL : c->moe;
+    return d->err ? NULL : c->scratch;
 }
 /* grouped on the device; only the E + 1 offsets come to the host (the GEMMs' sizes) */
 static void cu_moe_group(dev *d, int32_t *off, int32_t *rows, int32_t *slot, const int32_t *idx, int N, int k, int E)
 {
     const size_t ob = ((size_t)(E + 1) * sizeof(int32_t) + 255) / 256 * 256;
-    int32_t *doff = moe_scratch(d, ob + cuda_op_moe_group_scratch(N, k, E));
+    int32_t *doff = cu_scratch(d, ob + cuda_op_moe_group_scratch(N, k, E), "the experts' grouping");
     if (!doff) return;
     cu_op(d, cuda_op_moe_group(doff, rows, slot, (int32_t *)((char *)doff + ob), idx, N, k, E, ST));
     cu_download(d, off, doff, (size_t)(E + 1) * sizeof(int32_t));
 }
 static void cu_moe_prob_sums(dev *d, double *sums, const float *probs, int N, int E)
 {
-    double *ds = moe_scratch(d, (size_t)E * sizeof(double));
+    double *ds = cu_scratch(d, (size_t)E * sizeof(double), "the experts' grouping");
     if (!ds) return;
     cu_op(d, cuda_op_moe_prob_sums(ds, probs, N, E, ST));
     cu_download(d, sums, ds, (size_t)E * sizeof(double));
@@ -299,16 +300,20 @@ static void cu_attention_forward(dev *d, void *out, float *lse, const void *q, c
                                  const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv,
                                  int hd, int window)
 {
-    cu_op(d, cuda_op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window, DT,
-                                       ST));
+    void *scratch = cu_scratch(d, cuda_op_attention_scratch(B, Tq, Tk, nh), "attention");
+    if (scratch)
+        cu_op(d, cuda_op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window,
+                                           scratch, DT, ST));
 }
 static void cu_attention_backward(dev *d, void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k,
                                   const void *v, const void *out, const float *lse, const int32_t *qpos,
                                   const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int B, int Tq, int Tk,
                                   int nh, int nkv, int hd, int window)
 {
-    cu_op(d, cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh,
-                                        nkv, hd, window, DT, ST));
+    void *scratch = cu_scratch(d, cuda_op_attention_scratch(B, Tq, Tk, nh), "attention");
+    if (scratch)
+        cu_op(d, cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh,
+                                            nkv, hd, window, scratch, DT, ST));
 }
 static void cu_attention_merge(dev *d, void *out, float *lse, const void *out2, const float *lse2, int B, int T,
                                int nh, int hd)

@@ -30,8 +30,8 @@ typedef struct {
     cudaEvent_t stage_ev[CU_STAGE_SLOTS];
     int stage_next;
     cu_fp8 *fp8;              /* dev_cuda_fp8.c */
-    void *moe;                /* moe_group / moe_prob_sums: sums, offsets, the sort's scratch */
-    size_t moe_bytes;
+    void *scratch;            /* the ops' scratch (attention's tables, the experts' grouping), */
+    size_t scratch_bytes;     /* grown as needed, used in stream order */
     char desc[256];
 } cu_impl;
 

@@ -444,6 +444,7 @@ static void bench_attention()
     __nv_bfloat16 *q = rand_bf16(nq, 2.0f), *k = rand_bf16(nq, 2.0f), *v = rand_bf16(nq), *o = rand_bf16(nq);
     __nv_bfloat16 *dout = rand_bf16(nq), *dq = rand_bf16(nq), *dk = rand_bf16(nq), *dv = rand_bf16(nq);
     float *lse = rand_f32((size_t)Bmax * nh * T);
+    void *scratch = dalloc(cuda_op_attention_scratch(Bmax, T, T, nh));
     check_device_or_exit("attention setup");
     for (const Case &c : cases) {
         const double fl = 4.0 * c.B * nh * (double)T * T * hd / 2.0; /* causal: half */
@@ -451,13 +452,13 @@ static void bench_attention()
         snprintf(name, sizeof name, "attention fwd bf16 B=%d T=%d nh=%d nkv=%d hd=%d", c.B, T, nh, c.nkv, hd);
         double ms = time_ms(name, [&] {
             return cuda_op_attention_forward(o, lse, q, k, v, pos, pos, NULL, NULL, c.B, T, T, nh, c.nkv, hd, 0,
-                                             CUDA_R_16BF, 0);
+                                             scratch, CUDA_R_16BF, 0);
         });
         report_flops(name, ms, fl);
         snprintf(name, sizeof name, "attention bwd bf16 B=%d T=%d nh=%d nkv=%d hd=%d", c.B, T, nh, c.nkv, hd);
         ms = time_ms(name, [&] {
             return cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, pos, pos, NULL, NULL, c.B, T, T, nh,
-                                              c.nkv, hd, 0, CUDA_R_16BF, 0);
+                                              c.nkv, hd, 0, scratch, CUDA_R_16BF, 0);
         });
         report_flops(name, ms, 2.5 * fl);
     }
@@ -468,7 +469,7 @@ static void bench_attention()
         const double fl = 4.0 * B * nhs * (double)Ts * Ts * hd / 2.0;
         double ms = time_ms("attention fwd f32", [&] {
             return cuda_op_attention_forward(of, lse, qf, kf, vf, pos, pos, NULL, NULL, B, Ts, Ts, nhs, nhs, hd, 0,
-                                             CUDA_R_32F, 0);
+                                             scratch, CUDA_R_32F, 0);
         });
         report_flops("attention fwd f32 (portable) B=1 T=1024 nh=8 hd=128", ms, fl);
         cudaFree(qf);
@@ -477,6 +478,7 @@ static void bench_attention()
         cudaFree(of);
     }
     cudaFree(pos);
+    cudaFree(scratch);
     cudaFree(q);
     cudaFree(k);
     cudaFree(v);

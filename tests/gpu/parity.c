@@ -635,6 +635,7 @@ static void test_attention(const attn_case *c)
                           c->nkv, c->hd, c->window);
     int32_t *d_qpos = to_dev_i32(qpos, c->Tq), *d_kpos = to_dev_i32(kpos, c->Tk);
     float *d_lse = (float *)dmalloc(nl * 4);
+    void *d_scratch = dmalloc(cuda_op_attention_scratch(c->B, c->Tq, c->Tk, c->nh));
     for (int di = 0; di < 2; di++) {
         const cudaDataType_t dt = di ? BF16 : F32;
         char what[64];
@@ -642,7 +643,7 @@ static void test_attention(const attn_case *c)
         void *d_out = dmalloc(nq * esize(dt));
         poison(d_lse, nl * 4);
         CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B, c->Tq,
-                                          c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
+                                          c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch, dt, 0));
         snprintf(what, sizeof what, "%s fwd out", dtname(dt));
         compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
         snprintf(what, sizeof what, "%s fwd lse", dtname(dt));
@@ -652,7 +653,8 @@ static void test_attention(const attn_case *c)
         void *d_dq = to_dev(dq0, nq, dt), *d_dk = to_dev(dk0, nk, dt), *d_dv = to_dev(dv0, nk, dt);
         CK(cudaMemcpy(d_lse, lse, nl * 4, cudaMemcpyHostToDevice));
         CK_SYNC(cuda_op_attention_backward(d_dq, d_dk, d_dv, d_g, d_q, d_k, d_v, d_o, d_lse, d_qpos, d_kpos, d_qdoc,
-                                           d_kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, dt, 0));
+                                           d_kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch,
+                                           dt, 0));
         const double tb = dt == F32 ? 2e-5 : 2e-2;
         snprintf(what, sizeof what, "%s bwd dq", dtname(dt));
         compare_dev(what, d_dq, dt, dq, nq, tb);
