@@ -1,9 +1,9 @@
 /* tests/gpu/bench.cu: timings of the CUDA ops (kernels/ops_cuda.h) on one GPU.
  *
- *   smp-gpu-bench [--quick]
+ *   smp-gpu-bench [--quick] [--only copy|ops|gemms|attention]
  *
- * Built by tools/gpu-check (nvcc), not by SConstruct: SConstruct links every
- * tests/gpu/ C file into the parity program, and this file has its own main.
+ * Built by tools/gpu-check (nvcc) and by SConstruct (build/bin/smp-gpu-bench, which
+ * skips without a GPU); --only runs one group (gpu-check's profile of attention).
  *
  * Method (/work/.library/device/METHOD.md): random non-zero data, buffers larger
  * than the L2 cache, warm-up runs, then the median of repeated runs timed with CUDA
@@ -492,19 +492,20 @@ static void bench_attention()
 
 int main(int argc, char **argv)
 {
-    if (!check_args(argc, argv, &quick, NULL)) return 2;
+    const char *only = NULL; /* copy, ops, gemms or attention: that group alone (the profile of gpu-check) */
+    if (!check_args(argc, argv, &quick, &only)) return 2;
     if (!check_device("bench")) return 0;
     cudaDeviceProp p;
     cudaGetDeviceProperties(&p, 0);
     printf("bench: device %s, %d SMs, L2 %d MiB, %.1f GiB\n", p.name, p.multiProcessorCount, p.l2CacheSize >> 20,
            p.totalGlobalMem / 1073741824.0);
     fflush(stdout);
-    bench_copy();
-    bench_ops();
+    if (!only || strstr("copy", only)) bench_copy();
+    if (!only || strstr("ops", only)) bench_ops();
     check_device_or_exit("ops");
-    bench_gemms();
+    if (!only || strstr("gemms", only)) bench_gemms();
     check_device_or_exit("gemms");
-    bench_attention();
+    if (!only || strstr("attention", only)) bench_attention();
     check_device_or_exit("attention");
     printf("\nbench summary (%d failed)\n", n_fail);
     for (const Summary &s : summary) printf("  %-52s %10.2f %s\n", s.name, s.value, s.unit);
