@@ -280,7 +280,11 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
 /* a block of 4 warps owns 64 keys of one kv head and walks the (query head, query
  * tile) items of its group */
 enum { BK_WARPS = 4, BK_BKV = BK_WARPS * 16 };
-template <int HD> struct DkvCfg { static constexpr int BQ = HD >= 128 ? 32 : 64; };
+/* MINB: blocks a multiprocessor must hold, registers capped to fit (below hd 128: 3,
+ * at <= 170 registers, as before the tables; left to itself nvcc took 201 at hd 64) */
+template <int HD> struct DkvCfg {
+    static constexpr int BQ = HD >= 128 ? 32 : 64, MINB = HD >= 128 ? 2 : 3;
+};
 
 /* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; the query rows' four qrow planes [2][4][BQ] */
 struct DkvSmem {
@@ -320,7 +324,7 @@ __device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], 
 }
 
 template <int HD>
-__global__ void __launch_bounds__(BK_WARPS * 32)
+__global__ void __launch_bounds__(BK_WARPS * 32, DkvCfg<HD>::MINB)
     attn_bwd_dkv_mma(bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                      AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale, float scale_log2)
 {
@@ -354,12 +358,12 @@ __global__ void __launch_bounds__(BK_WARPS * 32)
         const size_t qoff = (size_t)b * Tq * qs + (size_t)h * HD;
         load_tile_async<HD, BQ>(sQ + buf * BQ * LD, q + qoff, qs, qt0, Tq, tid, NTHR);
         load_tile_async<HD, BQ>(sG + buf * BQ * LD, dout + qoff, qs, qt0, Tq, tid, NTHR);
-        const QRows rows = qrows_of(t, b, h, nh, qt0);
-        uint32_t *dst = sQr + buf * QR_PLANES * BQ;
-        load_rows16_async(dst + QR_L * BQ, rows.L, BQ / 4, tid, NTHR);
-        load_rows16_async(dst + QR_D * BQ, rows.D, BQ / 4, tid, NTHR);
-        load_rows16_async(dst + QR_POS * BQ, rows.pos, BQ / 4, tid, NTHR);
-        load_rows16_async(dst + QR_DOC * BQ, rows.doc, BQ / 4, tid, NTHR);
+        /* the BQ words of each plane from row qt0: BQ / 4 copies a plane, one a thread */
+        const uint32_t *src = t.qrow + ((size_t)b * nh + h) * QR_PLANES * t.Tqp + qt0;
+        for (int c = tid; c < BQ; c += NTHR) {
+            const int plane = c / (BQ / 4), w = (c % (BQ / 4)) * 4;
+            cp_async16(sQr + (buf * QR_PLANES + plane) * BQ + w, src + (size_t)plane * t.Tqp + w, true);
+        }
     };
 
     float ak[DT][4], av[DT][4];
