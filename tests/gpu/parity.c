@@ -1193,6 +1193,11 @@ static void test_attention_cases(void)
         {QUICK, {2, 33, 41, 2, 1, 48, 0, POS_RANDOM, DOC_RANDOM}},
         {QUICK, {2, 160, 160, 2, 1, 64, 0, POS_CAUSAL, DOC_TILE_EDGE}},
         {QUICK, {2, 40, 40, 2, 2, 64, 8, POS_CAUSAL, DOC_ONE_TOKEN}},
+        /* where a tile's range decides (skip, fully visible): unsorted positions in
+         * windows, and an odd offset between the sides against every tile edge */
+        {QUICK, {1, 150, 170, 2, 1, 64, 40, POS_RANDOM, DOC_NONE}},
+        {QUICK, {2, 130, 150, 2, 2, 128, 0, POS_RANDOM, DOC_RANDOM}},
+        {QUICK, {1, 83, 147, 2, 1, 32, 21, POS_LATER_Q, DOC_NONE}},
         {FULL, {2, 37, 37, 4, 4, 64, 0, POS_CAUSAL, DOC_NONE}},
         {FULL, {1, 100, 100, 8, 4, 64, 0, POS_CAUSAL, DOC_NONE}},
         {FULL, {1, 130, 130, 8, 2, 128, 0, POS_CAUSAL, DOC_NONE}},
