@@ -268,6 +268,11 @@ struct KeyTok {
     int pos, doc;
 };
 enum { QR_L, QR_D, QR_POS, QR_DOC, QR_PLANES };
+/* where head h of sequence b starts in qrow (its four planes follow, Tqp words each) */
+__host__ __device__ inline size_t qrow_head(int b, int h, int nh, int Tqp)
+{
+    return ((size_t)b * nh + h) * QR_PLANES * Tqp;
+}
 /* one head's rows: the planes of qrow */
 struct QRows {
     const float *L, *D;

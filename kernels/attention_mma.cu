@@ -191,7 +191,7 @@ template <int HD> __host__ __device__ constexpr DqSmem dq_smem()
 /* A head's planes of the qrow table, from row r0 on */
 __device__ __forceinline__ QRows qrows_of(const AttnTables &t, int b, int h, int nh, int r0)
 {
-    const uint32_t *p = t.qrow + ((size_t)b * nh + h) * QR_PLANES * t.Tqp + r0;
+    const uint32_t *p = t.qrow + qrow_head(b, h, nh, t.Tqp) + r0;
     return {reinterpret_cast<const float *>(p + QR_L * t.Tqp), reinterpret_cast<const float *>(p + QR_D * t.Tqp),
             reinterpret_cast<const int *>(p + QR_POS * t.Tqp), reinterpret_cast<const int *>(p + QR_DOC * t.Tqp)};
 }
@@ -359,7 +359,7 @@ __global__ void __launch_bounds__(BK_WARPS * 32, DkvCfg<HD>::MINB)
         load_tile_async<HD, BQ>(sQ + buf * BQ * LD, q + qoff, qs, qt0, Tq, tid, NTHR);
         load_tile_async<HD, BQ>(sG + buf * BQ * LD, dout + qoff, qs, qt0, Tq, tid, NTHR);
         /* the BQ words of each plane from row qt0: BQ / 4 copies a plane, one a thread */
-        const uint32_t *src = t.qrow + ((size_t)b * nh + h) * QR_PLANES * t.Tqp + qt0;
+        const uint32_t *src = t.qrow + qrow_head(b, h, nh, t.Tqp) + qt0;
         for (int c = tid; c < BQ; c += NTHR) {
             const int plane = c / (BQ / 4), w = (c % (BQ / 4)) * 4;
             cp_async16(sQr + (buf * QR_PLANES + plane) * BQ + w, src + (size_t)plane * t.Tqp + w, true);
@@ -436,7 +436,7 @@ __global__ void __launch_bounds__(256)
     const float D = row < Tq ? row_dot_warp<HD>(dout + off, out + off) : 0.0f;
     if ((threadIdx.x & 31) == 0) {
         const float L = lse_log2(lse + ((size_t)b * nh + h) * Tq, row, Tq);
-        uint32_t *p = qrow + ((size_t)b * nh + h) * QR_PLANES * Tqp + row;
+        uint32_t *p = qrow + qrow_head(b, h, nh, Tqp) + row;
         p[QR_L * Tqp] = __float_as_uint(L);
         p[QR_D * Tqp] = __float_as_uint(D);
         p[QR_POS * Tqp] = (uint32_t)(L != INFINITY ? qpos[row] : INT_MIN);
