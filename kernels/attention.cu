@@ -5,6 +5,9 @@
  * attention_common.cuh describes both. */
 #include "attention_common.cuh"
 
+#include <stdlib.h>
+#include <string.h>
+
 #define ATTN_ARGS_CHECK()                                                                                         \
     SMP_ARG(B >= 0 && Tq >= 0 && Tk >= 0 && nh > 0 && nkv > 0 && nh % nkv == 0 && hd > 0 && hd <= 256,          \
             "bad shape B=%d Tq=%d Tk=%d nh=%d nkv=%d hd=%d (nh a multiple of nkv, hd <= 256)", B, Tq, Tk, nh, nkv, \
@@ -13,10 +16,28 @@
     SMP_ARG(B <= 65535 && nh <= 65535, "B=%d or nh=%d exceeds the grid", B, nh);                                \
     SMP_ARG(Tq <= INT_MAX - ATTN_PAD && Tk <= INT_MAX - ATTN_PAD, "Tq=%d or Tk=%d too large", Tq, Tk)
 
-extern "C" size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh)
+/* the backward's form: -1 until the first call reads SMP_CUDA_ATTN_BWD (docs/TRAINING.md) */
+static int fused_bwd = -1;
+
+extern "C" int cuda_op_attention_fused_backward(void)
 {
-    if (B <= 0 || Tq <= 0 || Tk < 0 || nh <= 0 || Tq > INT_MAX - ATTN_PAD || Tk > INT_MAX - ATTN_PAD) return 16;
-    return attn_scratch_layout(B, Tq, Tk, nh, true).bytes;
+    int f = __atomic_load_n(&fused_bwd, __ATOMIC_RELAXED);
+    if (f < 0) {
+        const char *e = getenv("SMP_CUDA_ATTN_BWD");
+        f = e && strcmp(e, "fused") == 0;
+        __atomic_store_n(&fused_bwd, f, __ATOMIC_RELAXED);
+    }
+    return f;
+}
+
+extern "C" void cuda_op_attention_set_fused_backward(int on) { __atomic_store_n(&fused_bwd, on != 0, __ATOMIC_RELAXED); }
+
+extern "C" size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd)
+{
+    if (B <= 0 || Tq <= 0 || Tk < 0 || nh <= 0 || hd <= 0 || Tq > INT_MAX - ATTN_PAD || Tk > INT_MAX - ATTN_PAD)
+        return 16;
+    const bool fused = cuda_op_attention_fused_backward() && (hd == 32 || hd == 64 || hd == 128);
+    return attn_scratch_layout(B, Tq, Tk, nh, true, fused ? hd : 0).bytes;
 }
 
 /* the tensor-core kernels: bf16, hd 32/64/128, every pointer (the scratch too) 16-byte aligned */
@@ -38,7 +59,7 @@ extern "C" cudaError_t cuda_op_attention_forward(void *out, float *lse, const vo
     if (B == 0 || Tq == 0) return cudaSuccess;
     SMP_ARG(out && lse && q && qpos && scratch && (Tk == 0 || (k && v && kpos)), "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch};
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch, false};
     if (use_mma(dt, hd, out, q, k, v, scratch, q)) return attn_mma_forward(out, lse, q, k, v, s, stream);
     return attn_simt_forward(out, lse, q, k, v, s, dt, stream);
 }
@@ -54,7 +75,8 @@ extern "C" cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, 
     if (B == 0 || Tq == 0 || Tk == 0) return cudaSuccess;
     SMP_ARG(dq && dk && dv && dout && q && k && v && out && lse && qpos && kpos && scratch, "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch};
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch,
+                         cuda_op_attention_fused_backward() != 0};
     if (use_mma(dt, hd, dq, dk, dv, dout, q, k) && use_mma(dt, hd, v, out, scratch, q, q, q))
         return attn_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
     return attn_simt_backward(dq, dk, dv, dout, q, k, v, out, lse, s, dt, stream);

@@ -285,12 +285,13 @@ struct AttnTables {
     int Tkp, Tqp;
 };
 struct AttnScratchLayout {
-    size_t ktok, kstrip, qstrip, qrow, bytes;
+    size_t ktok, kstrip, qstrip, qrow, dqacc, bytes;
     int Tkp, Tqp;
 };
 __host__ __device__ inline size_t attn_al256(size_t n) { return (n + 255) / 256 * 256; }
-/* where each table lies in the scratch (qrow only when rows) */
-__host__ __device__ inline AttnScratchLayout attn_scratch_layout(int B, int Tq, int Tk, int nh, bool rows)
+/* where each table lies in the scratch (qrow only when rows; the fused backward's
+ * fp32 dQ accumulator [B][Tq][nh][dq_hd] after it when dq_hd > 0) */
+__host__ __device__ inline AttnScratchLayout attn_scratch_layout(int B, int Tq, int Tk, int nh, bool rows, int dq_hd)
 {
     AttnScratchLayout l;
     l.Tkp = (int)(((long long)Tk + ATTN_PAD - 1) / ATTN_PAD * ATTN_PAD);
@@ -299,7 +300,8 @@ __host__ __device__ inline AttnScratchLayout attn_scratch_layout(int B, int Tq, 
     l.kstrip = l.ktok + attn_al256((size_t)B * l.Tkp * sizeof(KeyTok));
     l.qstrip = l.kstrip + attn_al256((size_t)B * (l.Tkp / ATTN_STRIP) * sizeof(TokRange));
     l.qrow = l.qstrip + attn_al256((size_t)B * (l.Tqp / ATTN_STRIP) * sizeof(TokRange));
-    l.bytes = l.qrow + (rows ? attn_al256((size_t)B * nh * QR_PLANES * l.Tqp * sizeof(uint32_t)) : 0);
+    l.dqacc = l.qrow + (rows ? attn_al256((size_t)B * nh * QR_PLANES * l.Tqp * sizeof(uint32_t)) : 0);
+    l.bytes = l.dqacc + (rows && dq_hd > 0 ? attn_al256((size_t)B * Tq * nh * dq_hd * sizeof(float)) : 0);
     return l;
 }
 /* The TokRange of strips i0 .. i0+n of one sequence's strip table */
@@ -352,6 +354,12 @@ __device__ __forceinline__ void frag_ld_a_rows(uint32_t (&f)[KS][4], const bf16 
 {
 #pragma unroll
     for (int kk = 0; kk < KS; kk++) frag_ld_a(f[kk], tile, row0, kk * 16, LD, lane);
+}
+/* ... and from a shared [k][m] tile (A stored transposed: ldmatrix .trans; matrix
+ * j = lane / 8 of the fragment holds rows m0 + 8 (j & 1), columns k0 + 8 (j >> 1)) */
+__device__ __forceinline__ void frag_ld_at(uint32_t (&f)[4], const bf16 *tile, int m0, int k0, int LD, int lane)
+{
+    ldmatrix_x4_trans(f, tile + (k0 + (lane >> 4) * 8 + (lane & 7)) * LD + m0 + ((lane >> 3) & 1) * 8);
 }
 /* B fragments of the n-tiles n0/8, n0/8 + 1 at k0 from a [n][k] tile, and from a [k][n] tile */
 __device__ __forceinline__ void frag_ld_bn(uint32_t (&f)[4], const bf16 *tile, int n0, int k0, int LD, int lane)
@@ -584,6 +592,7 @@ struct AttnShape {
     int B, Tq, Tk, nh, nkv, hd, window;
     const int32_t *qpos, *kpos, *qdoc, *kdoc;
     void *scratch; /* the tables of the mma kernels (cuda_op_attention_scratch bytes) */
+    bool fused_bwd; /* the backward in one kernel, dQ through the scratch's fp32 accumulator */
 };
 /* attention_mma.cu: hd 32, 64 or 128, bf16, every pointer 16-byte aligned */
 cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,

@@ -278,7 +278,11 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
 
 /* ============================================================ backward, dk and dv */
 /* a block of 4 warps owns 64 keys of one kv head and walks the (query head, query
- * tile) items of its group */
+ * tile) items of its group. FUSED: the block also computes dQ of each item,
+ * dS K over its 64 keys, and adds it into the scratch's fp32 accumulator with
+ * atomics (FlashAttention-2's backward: 5 tile products instead of the split
+ * kernels' 7, without the dq kernel's second pass over the keys; the adds' order,
+ * and so dQ's last bits, vary from run to run) */
 enum { BK_WARPS = 4, BK_BKV = BK_WARPS * 16 };
 /* MINB: blocks a multiprocessor must hold, registers capped to fit (below hd 128: 3,
  * at <= 170 registers, as before the tables; left to itself nvcc took 201 at hd 64) */
@@ -286,17 +290,19 @@ template <int HD> struct DkvCfg {
     static constexpr int BQ = HD >= 128 ? 32 : 64, MINB = HD >= 128 ? 2 : 3;
 };
 
-/* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; the query rows' four qrow planes [2][4][BQ] */
+/* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; the query rows' four qrow planes [2][4][BQ];
+ * FUSED: dS^T [BK_BKV][BQ + 8] (keys x queries, bf16) */
 struct DkvSmem {
-    int k, v, q, g, qr, bytes;
+    int k, v, q, g, qr, ds, bytes;
 };
-template <int HD> __host__ __device__ constexpr DkvSmem dkv_smem()
+template <int HD, bool FUSED> __host__ __device__ constexpr DkvSmem dkv_smem()
 {
     constexpr int BQ = DkvCfg<HD>::BQ;
     SmemLayout s;
     const int k = s.add<bf16>(BK_BKV * (HD + 8)), v = s.add<bf16>(BK_BKV * (HD + 8)),
-              q = s.add<bf16>(2 * BQ * (HD + 8)), g = s.add<bf16>(2 * BQ * (HD + 8)), qr = s.add<uint32_t>(2 * QR_PLANES * BQ);
-    return {k, v, q, g, qr, s.bytes};
+              q = s.add<bf16>(2 * BQ * (HD + 8)), g = s.add<bf16>(2 * BQ * (HD + 8)), qr = s.add<uint32_t>(2 * QR_PLANES * BQ),
+              ds = FUSED ? s.add<bf16>(BK_BKV * (BQ + 8)) : 0;
+    return {k, v, q, g, qr, ds, s.bytes};
 }
 
 /* P^T and dS^T = P^T (dP^T - D) in place of s and dp (keys kp0, kp1 of documents
@@ -323,13 +329,73 @@ __device__ __forceinline__ void dkv_p_ds(float (&s)[NT][4], float (&dp)[NT][4], 
     }
 }
 
-template <int HD>
+/* A warp's 16 x 8 NT accumulator tile, rounded to bf16 as the tile products round
+ * it, into rows row0.. of a shared [.][LDS] tile */
+template <int NT, int LDS>
+__device__ __forceinline__ void frag_to_smem(bf16 *tile, int row0, const float (&acc)[NT][4], int lane)
+{
+    uint32_t *r0 = reinterpret_cast<uint32_t *>(tile + (row0 + (lane >> 2)) * LDS + (lane & 3) * 2);
+#pragma unroll
+    for (int nt = 0; nt < NT; nt++) {
+        r0[nt * 4] = pack_bf16x2(acc[nt][0], acc[nt][1]);
+        r0[nt * 4 + 8 * LDS / 2] = pack_bf16x2(acc[nt][2], acc[nt][3]);
+    }
+}
+
+/* p[0] += a, p[1] += b (8-byte aligned): one vector atomic where the GPU has it */
+__device__ __forceinline__ void atomic_add2(float *p, float a, float b)
+{
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    atomicAdd(reinterpret_cast<float2 *>(p), make_float2(a, b));
+#else
+    atomicAdd(p, a);
+    atomicAdd(p + 1, b);
+#endif
+}
+
+/* dQ of an item, dS K over the block's keys: dS^T from sDs [BK_BKV][BQ + 8], K from
+ * sK; warp w takes query rows 16 (w % WM).., columns (w / WM) HD / WN.., in parts of
+ * at most 32 columns (fewer live accumulators: nvcc spilled at hd 64 with all 64), and
+ * adds its tile into dst ([rows][stride] fp32, rows past `rows` left out) */
+template <int HD, int BQ>
+__device__ __forceinline__ void dq_tile_add(float *dst, size_t stride, int rows, const bf16 *sDs, const bf16 *sK,
+                                            int warp, int lane)
+{
+    constexpr int WM = BQ / 16, WN = BK_WARPS / WM, DTW = HD / WN / 8, CH = DTW < 4 ? DTW : 4, LD = HD + 8,
+                  LDS = BQ + 8;
+    static_assert(WM * WN == BK_WARPS && DTW % CH == 0 && CH % 2 == 0, "the warps tile the item's dQ");
+    const int m0 = (warp % WM) * 16, r0 = m0 + (lane >> 2), r1 = r0 + 8;
+#pragma unroll
+    for (int n0 = (warp / WM) * (HD / WN), ne = n0 + HD / WN; n0 < ne; n0 += CH * 8) {
+        float acc[CH][4];
+        frag_zero(acc);
+#pragma unroll
+        for (int kk = 0; kk < BK_BKV / 16; kk++) {
+            uint32_t a[4];
+            frag_ld_at(a, sDs, m0, kk * 16, LDS, lane);
+#pragma unroll
+            for (int dt = 0; dt < CH; dt += 2) {
+                uint32_t f[4];
+                frag_ld_bt(f, sK, kk * 16, n0 + dt * 8, LD, lane);
+                mma_pair(acc[dt], acc[dt + 1], a, f);
+            }
+        }
+#pragma unroll
+        for (int dt = 0; dt < CH; dt++) {
+            const int col = n0 + dt * 8 + (lane & 3) * 2;
+            if (r0 < rows) atomic_add2(dst + (size_t)r0 * stride + col, acc[dt][0], acc[dt][1]);
+            if (r1 < rows) atomic_add2(dst + (size_t)r1 * stride + col, acc[dt][2], acc[dt][3]);
+        }
+    }
+}
+
+template <int HD, bool FUSED>
 __global__ void __launch_bounds__(BK_WARPS * 32, DkvCfg<HD>::MINB)
-    attn_bwd_dkv_mma(bf16 *dk, bf16 *dv, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v,
+    attn_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dqacc, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                      AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale, float scale_log2)
 {
     constexpr int BQ = DkvCfg<HD>::BQ, LD = HD + 8, NT = BQ / 8, KS = HD / 16, DT = HD / 8, NTHR = BK_WARPS * 32;
-    constexpr DkvSmem L = dkv_smem<HD>();
+    constexpr DkvSmem L = dkv_smem<HD, FUSED>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sG = smem_at<bf16>(smem, L.g);
@@ -373,21 +439,33 @@ __global__ void __launch_bounds__(BK_WARPS * 32, DkvCfg<HD>::MINB)
         rep * nqt, [&](int i) { return attn_skip(range_at(qstrip, (i % nqt) * BQ, BQ), kr.blk, window); }, load_q,
         [] {}, /* K and V land with the first item */
         [&](int it, int buf) {
-            if (attn_skip(range_at(qstrip, (it % nqt) * BQ, BQ), kr.wrp, window)) return;
+            /* a warp whose keys the item's queries do not see: no products (dS^T = 0) */
+            const bool hidden = attn_skip(range_at(qstrip, (it % nqt) * BQ, BQ), kr.wrp, window);
+            if (!FUSED && hidden) return;
             const bf16 *cQ = sQ + buf * BQ * LD, *cG = sG + buf * BQ * LD;
             float s[NT][4], dp[NT][4];
             frag_zero(s);
             frag_zero(dp);
+            if (!hidden) {
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) { /* S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x BQ queries) */
-                uint32_t kf[4], vf[4];
-                frag_ld_a(kf, sK, warp * 16, kk * 16, LD, lane);
-                frag_ld_a(vf, sV, warp * 16, kk * 16, LD, lane);
-                mma_qk(kk * 16, LD, lane, qk_term(s, kf, cQ), qk_term(dp, vf, cG));
+                for (int kk = 0; kk < KS; kk++) { /* S^T = K_w Q^T and dP^T = V_w dO^T (16 keys x BQ queries) */
+                    uint32_t kf[4], vf[4];
+                    frag_ld_a(kf, sK, warp * 16, kk * 16, LD, lane);
+                    frag_ld_a(vf, sV, warp * 16, kk * 16, LD, lane);
+                    mma_qk(kk * 16, LD, lane, qk_term(s, kf, cQ), qk_term(dp, vf, cG));
+                }
+                dkv_p_ds<NT, BQ>(s, dp, sQr + buf * QR_PLANES * BQ, key0.pos, key1.pos, key0.doc, key1.doc, window,
+                                 scale_log2, tq);
+                mma_pv(LD, lane, pv_term(av, s, cG), pv_term(ak, dp, cQ)); /* dV += P^T dO, dK += dS^T Q */
             }
-            dkv_p_ds<NT, BQ>(s, dp, sQr + buf * QR_PLANES * BQ, key0.pos, key1.pos, key0.doc, key1.doc, window,
-                             scale_log2, tq);
-            mma_pv(LD, lane, pv_term(av, s, cG), pv_term(ak, dp, cQ)); /* dV += P^T dO, dK += dS^T Q */
+            if constexpr (FUSED) { /* dQ += dS K: the warps' dS^T through shared memory */
+                bf16 *sDs = smem_at<bf16>(smem, L.ds);
+                frag_to_smem<NT, BQ + 8>(sDs, warp * 16, dp, lane);
+                __syncthreads();
+                const int h = g * rep + it / nqt, qt0 = (it % nqt) * BQ;
+                dq_tile_add<HD, BQ>(dqacc + ((size_t)b * Tq + qt0) * qs + (size_t)h * HD, qs, Tq - qt0, sDs, sK, warp,
+                                    lane);
+            }
         });
     frag_add_rows(dk + koff, ks, kr0, kr1, Tk, ak, scale, tq);
     frag_add_rows(dv + koff, ks, kr0, kr1, Tk, av, 1.0f, tq);
@@ -444,12 +522,24 @@ __global__ void __launch_bounds__(256)
     }
 }
 
+/* dq += scale acc, [n2] pairs (the fused backward's fp32 dQ into the bf16 gradient,
+ * rounded once, as the dq kernel's frag_add_rows rounds it) */
+__global__ void attn_dq_finish(bf16 *dq, const float *acc, long long n2, float scale)
+{
+    GRID_STRIDE(i, n2)
+    {
+        __nv_bfloat162 *p = reinterpret_cast<__nv_bfloat162 *>(dq) + i;
+        const float2 a = reinterpret_cast<const float2 *>(acc)[i], x = __bfloat1622float2(*p);
+        *p = __floats2bfloat162_rn(x.x + scale * a.x, x.y + scale * a.y);
+    }
+}
+
 /* The tables of a call in its scratch (qrow too when dout is given: the backward) */
 template <int HD>
 static AttnTables prep_tables(const AttnShape &s, const void *dout, const void *out, const float *lse,
                               cudaStream_t stream)
 {
-    const AttnScratchLayout l = attn_scratch_layout(s.B, s.Tq, s.Tk, s.nh, dout != nullptr);
+    const AttnScratchLayout l = attn_scratch_layout(s.B, s.Tq, s.Tk, s.nh, dout != nullptr, 0);
     unsigned char *base = static_cast<unsigned char *>(s.scratch);
     KeyTok *ktok = reinterpret_cast<KeyTok *>(base + l.ktok);
     TokRange *ks = reinterpret_cast<TokRange *>(base + l.kstrip), *qs = reinterpret_cast<TokRange *>(base + l.qstrip);
@@ -490,18 +580,30 @@ static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const
 {
     const float scale = 1.0f / sqrtf((float)HD), scale_log2 = scale * LOG2E_F;
     auto kq = attn_bwd_dq_mma<HD>;
-    auto kkv = attn_bwd_dkv_mma<HD>;
-    constexpr size_t sq = dq_smem<HD>().bytes, skv = dkv_smem<HD>().bytes;
-    cudaError_t e = smp_cuda_smem_optin((const void *)kq, sq, "cuda_op_attention_backward");
+    auto kkv = s.fused_bwd ? attn_bwd_dkv_mma<HD, true> : attn_bwd_dkv_mma<HD, false>;
+    constexpr size_t sq = dq_smem<HD>().bytes;
+    const size_t skv = s.fused_bwd ? dkv_smem<HD, true>().bytes : dkv_smem<HD, false>().bytes;
+    cudaError_t e = s.fused_bwd ? cudaSuccess : smp_cuda_smem_optin((const void *)kq, sq, "cuda_op_attention_backward");
     if (e == cudaSuccess) e = smp_cuda_smem_optin((const void *)kkv, skv, "cuda_op_attention_backward");
     if (e != cudaSuccess) return e;
     const AttnTables t = prep_tables<HD>(s, dout, out, lse, stream);
-    dim3 gq((s.Tq + BQ_BQ - 1) / BQ_BQ, s.nh, s.B);
-    SMP_LAUNCH(kq, gq, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q, (const bf16 *)k,
-               (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
+    float *dqacc = nullptr;
+    const long long nq = (long long)s.B * s.Tq * s.nh * HD;
+    if (s.fused_bwd) {
+        dqacc = reinterpret_cast<float *>(static_cast<unsigned char *>(s.scratch) +
+                                          attn_scratch_layout(s.B, s.Tq, s.Tk, s.nh, true, HD).dqacc);
+        e = cudaMemsetAsync(dqacc, 0, (size_t)nq * sizeof(float), stream);
+        if (e != cudaSuccess) return e;
+    } else {
+        dim3 gq((s.Tq + BQ_BQ - 1) / BQ_BQ, s.nh, s.B);
+        SMP_LAUNCH(kq, gq, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q, (const bf16 *)k,
+                   (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
+    }
     dim3 gkv((s.Tk + BK_BKV - 1) / BK_BKV, s.nkv, s.B);
-    SMP_LAUNCH(kkv, gkv, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, (const bf16 *)dout, (const bf16 *)q,
-               (const bf16 *)k, (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
+    SMP_LAUNCH(kkv, gkv, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, dqacc, (const bf16 *)dout,
+               (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale,
+               scale_log2);
+    if (s.fused_bwd) SMP_LAUNCH(attn_dq_finish, stride_grid(nq / 2), 256, 0, stream, (bf16 *)dq, dqacc, nq / 2, scale);
     return smp_cuda_launched("cuda_op_attention_backward");
 }
 

@@ -147,11 +147,18 @@ cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin
  * stored. bf16 with hd in {32, 64, 128} and 16-byte aligned tensors runs on the
  * tensor cores (mma.sync); every other case (fp32, other hd up to 256) runs a
  * portable fp32 kernel. hd <= 256. Backward: dq, dk, dv accumulated (dt), needs
- * the FINAL out and lse; deterministic (no atomics). scratch: device memory of
- * cuda_op_attention_scratch(B, Tq, Tk, nh) bytes, 16-byte aligned, any contents, used
- * in stream order (the tensor-core kernels' per-call tables: ~16 bytes a query row a
- * head, 8 a key). */
-size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh);
+ * the FINAL out and lse; deterministic (no atomics) in its default, split form (a dq
+ * kernel and a dk/dv kernel). The fused form (the tensor-core kernels only:
+ * SMP_CUDA_ATTN_BWD=fused in the environment, or
+ * cuda_op_attention_set_fused_backward(1)) computes all three in one kernel and adds
+ * dq's parts in fp32 with atomics: dq's last bits vary from run to run. scratch:
+ * device memory of cuda_op_attention_scratch(B, Tq, Tk, nh, hd) bytes, 16-byte
+ * aligned, any contents, used in stream order (the tensor-core kernels' per-call
+ * tables: ~16 bytes a query row a head, 8 a key; in the fused form also the fp32 dq,
+ * 4 bytes an element): size it after picking the form. */
+int cuda_op_attention_fused_backward(void);
+void cuda_op_attention_set_fused_backward(int on);
+size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd);
 cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k,
                                       const void *v, const int32_t *qpos, const int32_t *kpos,
                                       const int32_t *qdoc, const int32_t *kdoc,

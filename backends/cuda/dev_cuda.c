@@ -300,7 +300,7 @@ static void cu_attention_forward(dev *d, void *out, float *lse, const void *q, c
                                  const int32_t *kdoc, int B, int Tq, int Tk, int nh, int nkv,
                                  int hd, int window)
 {
-    void *scratch = cu_scratch(d, cuda_op_attention_scratch(B, Tq, Tk, nh), "attention");
+    void *scratch = cu_scratch(d, cuda_op_attention_scratch(B, Tq, Tk, nh, hd), "attention");
     if (scratch)
         cu_op(d, cuda_op_attention_forward(out, lse, q, k, v, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window,
                                            scratch, DT, ST));
@@ -310,7 +310,7 @@ static void cu_attention_backward(dev *d, void *dq, void *dk, void *dv, const vo
                                   const int32_t *kpos, const int32_t *qdoc, const int32_t *kdoc, int B, int Tq, int Tk,
                                   int nh, int nkv, int hd, int window)
 {
-    void *scratch = cu_scratch(d, cuda_op_attention_scratch(B, Tq, Tk, nh), "attention");
+    void *scratch = cu_scratch(d, cuda_op_attention_scratch(B, Tq, Tk, nh, hd), "attention");
     if (scratch)
         cu_op(d, cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, out, lse, qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh,
                                             nkv, hd, window, scratch, DT, ST));

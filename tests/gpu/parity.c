@@ -635,19 +635,25 @@ static void test_attention(const attn_case *c)
                           c->nkv, c->hd, c->window);
     int32_t *d_qpos = to_dev_i32(qpos, c->Tq), *d_kpos = to_dev_i32(kpos, c->Tk);
     float *d_lse = (float *)dmalloc(nl * 4);
-    void *d_scratch = dmalloc(cuda_op_attention_scratch(c->B, c->Tq, c->Tk, c->nh));
-    for (int di = 0; di < 2; di++) {
+    const int fused0 = cuda_op_attention_fused_backward();
+    cuda_op_attention_set_fused_backward(1); /* room for the fused backward's dq too */
+    void *d_scratch = dmalloc(cuda_op_attention_scratch(c->B, c->Tq, c->Tk, c->nh, c->hd));
+    /* fp32, bf16 with the split backward (the default), bf16 with the fused one */
+    for (int di = 0; di < 3; di++) {
         const cudaDataType_t dt = di ? BF16 : F32;
+        cuda_op_attention_set_fused_backward(di == 2);
         char what[64];
         void *d_q = to_dev(q, nq, dt), *d_k = to_dev(k, nk, dt), *d_v = to_dev(v, nk, dt);
-        void *d_out = dmalloc(nq * esize(dt));
-        poison(d_lse, nl * 4);
-        CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B, c->Tq,
-                                          c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch, dt, 0));
-        snprintf(what, sizeof what, "%s fwd out", dtname(dt));
-        compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
-        snprintf(what, sizeof what, "%s fwd lse", dtname(dt));
-        compare_dev(what, d_lse, F32, lse, nl, dt == F32 ? 1e-5 : 1e-4);
+        if (di < 2) { /* the forward once a dtype */
+            void *d_out = dmalloc(nq * esize(dt));
+            poison(d_lse, nl * 4);
+            CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B,
+                                              c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch, dt, 0));
+            snprintf(what, sizeof what, "%s fwd out", dtname(dt));
+            compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
+            snprintf(what, sizeof what, "%s fwd lse", dtname(dt));
+            compare_dev(what, d_lse, F32, lse, nl, dt == F32 ? 1e-5 : 1e-4);
+        }
 
         void *d_g = to_dev(g, nq, dt), *d_o = to_dev(o_in, nq, dt);
         void *d_dq = to_dev(dq0, nq, dt), *d_dk = to_dev(dk0, nk, dt), *d_dv = to_dev(dv0, nk, dt);
@@ -656,13 +662,15 @@ static void test_attention(const attn_case *c)
                                            d_kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch,
                                            dt, 0));
         const double tb = dt == F32 ? 2e-5 : 2e-2;
-        snprintf(what, sizeof what, "%s bwd dq", dtname(dt));
+        const char *form = di == 2 ? " fused" : "";
+        snprintf(what, sizeof what, "%s bwd%s dq", dtname(dt), form);
         compare_dev(what, d_dq, dt, dq, nq, tb);
-        snprintf(what, sizeof what, "%s bwd dk", dtname(dt));
+        snprintf(what, sizeof what, "%s bwd%s dk", dtname(dt), form);
         compare_dev(what, d_dk, dt, dk, nk, tb);
-        snprintf(what, sizeof what, "%s bwd dv", dtname(dt));
+        snprintf(what, sizeof what, "%s bwd%s dv", dtname(dt), form);
         compare_dev(what, d_dv, dt, dv, nk, tb);
     }
+    cuda_op_attention_set_fused_backward(fused0);
     TEST_END();
 }
 
