@@ -79,11 +79,14 @@ static shard_status cu_init(dev *d, int device)
         return s;
     }
     struct cudaDeviceProp p;
+    /* the attention backward's form, when not the default (SMP_CUDA_ATTN_BWD) */
+#define FUSED_NOTE (cuda_op_attention_fused_backward() ? "; attention backward fused" : "")
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
-        snprintf(c->desc, sizeof c->desc, "%.200s, %.1f GiB (device %d)", p.name, (double)p.totalGlobalMem / (1 << 30),
-                 device);
+        snprintf(c->desc, sizeof c->desc, "%.200s, %.1f GiB (device %d%s)", p.name,
+                 (double)p.totalGlobalMem / (1 << 30), device, FUSED_NOTE);
     else
-        snprintf(c->desc, sizeof c->desc, "CUDA device %d", device);
+        snprintf(c->desc, sizeof c->desc, "CUDA device %d%s", device, FUSED_NOTE);
+#undef FUSED_NOTE
     return SHARD_OK;
 }
 

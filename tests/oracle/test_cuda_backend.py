@@ -38,6 +38,7 @@ from test_train import datasets, make_ckpt, read_log, write_tokens
 
 CASE = "llama-cuda"
 COMMON = ["--batch", 4, "--seq", 32, "--lr", 3e-3, "--warmup", 2, "--seed", 3, "--clip", 0.5]
+FUSED_TOL = 2e-5  # see test_cuda_fused_attention_backward_tracks_c_backend
 STEPS = 4  # the emulator is slow: 4 steps (warmup 2, then the cosine) show the tracking
 
 
@@ -66,14 +67,14 @@ def env_for(lib):
     return dict(os.environ, SMP_CUDA_LIB=str(lib), OMP_NUM_THREADS="1", SMP_EMU_DEVICES="8")
 
 
-def train(setup, out, *args, np_=1, check=True):
+def train(setup, out, *args, np_=1, check=True, env_extra=None):
     tmp, ck, data, refs, lib = setup
     exe = str(BUILD / "bin" / "smp-train")
     cmd = [exe, "--ckpt", ck, "--data", data, "--save-dir", out, "--log", out / "log.jsonl", *COMMON, *args]
     if np_ > 1:
         cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(np_), *cmd]
     env = env_for(lib)
-    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **(env_extra or {}))
     p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=env, timeout=900)
     if check:
         assert p.returncode == 0, p.stdout + p.stderr
@@ -149,6 +150,27 @@ def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
           *extra, np_=np_)
     assert_tracks(read_log(out / "log.jsonl"), refs["off"][:steps], tol, f"cuda {dtype} {layout} vs C one rank")
     assert run("smp-verify", out / f"step-{steps:06d}").returncode == 0
+
+
+@pytest.mark.parametrize("layout,np_", [("cp=1", 1), ("cp=2", 2)])
+def test_cuda_fused_attention_backward_tracks_c_backend(setup, layout, np_):
+    """SMP_CUDA_ATTN_BWD=fused: dK, dV and dQ in one kernel (dQ's parts added with
+    atomics), bf16 (the tensor-core kernels; heads of 32), on one rank and in the
+    ring of cp=2 (whose blocks add into the same gradients): within 1e-2 of the C
+    backend like the split default, and within FUSED_TOL of the split kernels' run
+    (the same bf16 rounding of each gradient, only dQ's sums in another order; at 32
+    tokens one key block, so on the emulator the two runs log the same numbers. A dQ
+    left out stays within bf16's 1e-2 of C, 1.3e-4 on the loss, but not within this)"""
+    tmp, ck, data, refs, lib = setup
+    steps, logs = 3, {}
+    for form in ("split", "fused"):
+        out = tmp / f"cuda-{form}-{layout}"
+        p = train(setup, out, "--steps", STEPS, "--stop-at", steps, "--layout", layout, "--backend", "cuda", "--dtype",
+                  "bf16", np_=np_, env_extra={"SMP_CUDA_ATTN_BWD": form})
+        assert ("attention backward fused" in p.stderr) == (form == "fused"), p.stderr
+        logs[form] = read_log(out / "log.jsonl")
+    assert_tracks(logs["fused"], refs["off"][:steps], 1e-2, f"cuda bf16 {layout} fused backward vs C")
+    assert_tracks(logs["fused"], logs["split"], FUSED_TOL, f"cuda bf16 {layout} fused vs split backward")
 
 
 def test_cuda_documents_and_masks_track_c_backend(setup, tmp_path):

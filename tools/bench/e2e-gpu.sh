@@ -16,7 +16,8 @@
 #   3. throughput of the 1B model at seq 4096, --batch 8 --microbatches 8 (8 x 4096
 #      tokens a step), bf16 and --fp8 delayed, --recompute none (attention, then full, if
 #      that runs out of memory): tokens/s over the steps after the first 3, MFU, the
-#      fp8/bf16 ratio;
+#      fp8/bf16 ratio; then bf16 with the fused attention backward
+#      (SMP_CUDA_ATTN_BWD=fused: one kernel, dQ by atomics) beside the split default;
 #   4. the longest sequence that fits with cp=1: batch 1, bf16, --recompute none and
 #      then full (from the longest that none ran), sequences 8192, 16384, ... 131072,
 #      2 steps each, stopping at the first failure;
@@ -54,6 +55,8 @@
 #   E2E_PEAK_TFLOPS     the peak of the MFU (default 989)
 #   E2E_BATCH, E2E_MICRO, E2E_SEQ, E2E_STEPS   throughput run (default 8, 8, 4096, 12)
 #   E2E_SKIP            steps left out of the timing (default 3)
+#   E2E_TPUT_MODES      the throughput runs, in order (default "bf16 fp8 bf16-fused"; a
+#                       -fused mode runs with SMP_CUDA_ATTN_BWD=fused)
 #   E2E_PARITY_STEPS    (default 20)
 #   E2E_MAXSEQ          sequences tried for the longest one (default
 #                       "8192 16384 32768 65536 131072"); E2E_MAXSEQ_STEPS (default 2),
@@ -562,9 +565,10 @@ if grep -qw throughput <<<"$PARTS"; then
     sum "throughput: seq $SEQ, batch $BATCH x $SEQ tokens a step in $MICRO microbatches, $STEPS steps, timed over steps $((SKIP + 1))-$STEPS"
     RECOMP=none
     declare -A TPS=() MFU=()
-    for mode in bf16 fp8; do
+    for mode in ${E2E_TPUT_MODES:-bf16 fp8 bf16-fused}; do
         f8=off
-        [ $mode = fp8 ] && f8=delayed
+        [ "${mode%-fused}" = fp8 ] && f8=delayed
+        if [ "${mode%-fused}" != "$mode" ]; then export SMP_CUDA_ATTN_BWD=fused; else unset SMP_CUDA_ATTN_BWD; fi
         while :; do
             flags gpu bf16 "$f8" "$RECOMP"
             run "tput-$mode-$RECOMP" 150 "$STEPS" "${TP[@]}" "${F[@]}"
@@ -575,7 +579,8 @@ if grep -qw throughput <<<"$PARTS"; then
             fi
             break
         done
-        label="$mode$([ $mode = fp8 ] && echo ' delayed'), recompute $RECOMP"
+        unset SMP_CUDA_ATTN_BWD
+        label="$mode$([ "${mode%-fused}" = fp8 ] && echo ' delayed'), recompute $RECOMP"
         if [ "$R_STATE" != ok ]; then
             sum "  $label: $R_STATE${R_ERR:+: $R_ERR}"
             status=1
@@ -598,6 +603,9 @@ if grep -qw throughput <<<"$PARTS"; then
     if [ -n "${TPS[bf16]:-}" ] && [ -n "${TPS[fp8]:-}" ]; then
         r=$(py fmt "round(${TPS[fp8]} / ${TPS[bf16]}, 3)")
         sum "TARGET fp8/bf16 tokens/s >= 1.3: $r $(py fmt "'ok' if $r >= 1.3 else 'MISSED'")"
+    fi
+    if [ -n "${TPS[bf16]:-}" ] && [ -n "${TPS[bf16-fused]:-}" ]; then
+        sum "fused / split attention backward, bf16 tokens/s: $(py fmt "round(${TPS[bf16-fused]} / ${TPS[bf16]}, 3)")"
     fi
 fi
 
