@@ -593,6 +593,7 @@ struct AttnShape {
     const int32_t *qpos, *kpos, *qdoc, *kdoc;
     void *scratch; /* the tables of the mma kernels (cuda_op_attention_scratch bytes) */
     bool fused_bwd; /* the backward in one kernel, dQ through the scratch's fp32 accumulator */
+    int fwd_warps;  /* the forward's warps a block: 8 or 4 */
 };
 /* attention_mma.cu: hd 32, 64 or 128, bf16, every pointer 16-byte aligned */
 cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,

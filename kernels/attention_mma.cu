@@ -5,17 +5,20 @@
 #include "attention_common.cuh"
 
 /* ============================================================ forward */
-/* a block of 8 warps owns 128 query rows of one head (16 per warp, Q in registers) */
-enum { F_WARPS = 8, F_BQ = F_WARPS * 16, F_BK = 64 };
+/* a block of W warps owns 16 W query rows of one head (16 per warp, Q in registers):
+ * W = 8 (the default: one block a multiprocessor at hd 128, 212 registers a thread),
+ * or 4 (SMP_CUDA_ATTN_FWD_WARPS=4: two blocks a multiprocessor, one computing while
+ * the other waits at a barrier, for twice the K/V traffic from L2) */
+enum { F_BK = 64 };
 
-/* Q [F_BQ][LD], K and V [2][F_BK][LD], the keys' positions and documents [2][F_BK] */
+/* Q [16 W][LD], K and V [2][F_BK][LD], the keys' positions and documents [2][F_BK] */
 struct FwdSmem {
     int q, k, v, kt, bytes;
 };
-template <int HD> __host__ __device__ constexpr FwdSmem fwd_smem()
+template <int HD, int W> __host__ __device__ constexpr FwdSmem fwd_smem()
 {
     SmemLayout s;
-    const int q = s.add<bf16>(F_BQ * (HD + 8)), k = s.add<bf16>(2 * F_BK * (HD + 8)),
+    const int q = s.add<bf16>(W * 16 * (HD + 8)), k = s.add<bf16>(2 * F_BK * (HD + 8)),
               v = s.add<bf16>(2 * F_BK * (HD + 8)), kt = s.add<KeyTok>(2 * F_BK);
     return {q, k, v, kt, s.bytes};
 }
@@ -104,13 +107,13 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
     }
 }
 
-template <int HD>
-__global__ void __launch_bounds__(F_WARPS * 32, 1)
+template <int HD, int W>
+__global__ void __launch_bounds__(W * 32, 8 / W)
     attn_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const int32_t *qpos,
                  const int32_t *qdoc, AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale_log2)
 {
-    constexpr int LD = HD + 8, NT = F_BK / 8, KS = HD / 16, DT = HD / 8, NTHR = F_WARPS * 32;
-    constexpr FwdSmem L = fwd_smem<HD>();
+    constexpr int LD = HD + 8, NT = F_BK / 8, KS = HD / 16, DT = HD / 8, NTHR = W * 32, F_BQ = W * 16;
+    constexpr FwdSmem L = fwd_smem<HD, W>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
     KeyTok *sKt = smem_at<KeyTok>(smem, L.kt);
@@ -132,7 +135,7 @@ __global__ void __launch_bounds__(F_WARPS * 32, 1)
     const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
     const KeyTok *ktok = ktok_of(t, b);
     const TokRange *kstrip = kstrip_of(t, b);
-    __shared__ TileRanges sR[F_WARPS];
+    __shared__ TileRanges sR[W];
     const TileRanges &qr = sR[warp];
     strip_ranges(qstrip_of(t, b), q0, F_BQ, sR[warp]);
 
@@ -559,19 +562,25 @@ static AttnTables prep_tables(const AttnShape &s, const void *dout, const void *
 }
 
 /* ============================================================ launchers */
+template <int HD, int W>
+static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
+                           cudaStream_t stream)
+{
+    auto kern = attn_fwd_mma<HD, W>;
+    constexpr size_t smem = fwd_smem<HD, W>().bytes;
+    cudaError_t e = smp_cuda_smem_optin((const void *)kern, smem, "cuda_op_attention_forward");
+    if (e != cudaSuccess) return e;
+    const AttnTables t = prep_tables<HD>(s, nullptr, nullptr, nullptr, stream);
+    dim3 grid((s.Tq + W * 16 - 1) / (W * 16), s.nh, s.B);
+    SMP_LAUNCH(kern, grid, W * 32, smem, stream, (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
+               s.qpos, s.qdoc, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, LOG2E_F / sqrtf((float)HD));
+    return smp_cuda_launched("cuda_op_attention_forward");
+}
 template <int HD>
 static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
                            cudaStream_t stream)
 {
-    auto kern = attn_fwd_mma<HD>;
-    constexpr size_t smem = fwd_smem<HD>().bytes;
-    cudaError_t e = smp_cuda_smem_optin((const void *)kern, smem, "cuda_op_attention_forward");
-    if (e != cudaSuccess) return e;
-    const AttnTables t = prep_tables<HD>(s, nullptr, nullptr, nullptr, stream);
-    dim3 grid((s.Tq + F_BQ - 1) / F_BQ, s.nh, s.B);
-    SMP_LAUNCH(kern, grid, F_WARPS * 32, smem, stream, (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k,
-               (const bf16 *)v, s.qpos, s.qdoc, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, LOG2E_F / sqrtf((float)HD));
-    return smp_cuda_launched("cuda_op_attention_forward");
+    return s.fwd_warps == 4 ? fwd_mma<HD, 4>(out, lse, q, k, v, s, stream) : fwd_mma<HD, 8>(out, lse, q, k, v, s, stream);
 }
 
 template <int HD>

@@ -79,14 +79,15 @@ static shard_status cu_init(dev *d, int device)
         return s;
     }
     struct cudaDeviceProp p;
-    /* the attention backward's form, when not the default (SMP_CUDA_ATTN_BWD) */
-#define FUSED_NOTE (cuda_op_attention_fused_backward() ? "; attention backward fused" : "")
+    /* the attention kernels' forms, where not the defaults (SMP_CUDA_ATTN_BWD, _FWD_WARPS) */
+    char note[64];
+    snprintf(note, sizeof note, "%s%s", cuda_op_attention_fused_backward() ? "; attention backward fused" : "",
+             cuda_op_attention_forward_warps() == 4 ? "; attention forward 4 warps" : "");
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
-        snprintf(c->desc, sizeof c->desc, "%.200s, %.1f GiB (device %d%s)", p.name,
-                 (double)p.totalGlobalMem / (1 << 30), device, FUSED_NOTE);
+        snprintf(c->desc, sizeof c->desc, "%.150s, %.1f GiB (device %d%s)", p.name,
+                 (double)p.totalGlobalMem / (1 << 30), device, note);
     else
-        snprintf(c->desc, sizeof c->desc, "CUDA device %d%s", device, FUSED_NOTE);
-#undef FUSED_NOTE
+        snprintf(c->desc, sizeof c->desc, "CUDA device %d%s", device, note);
     return SHARD_OK;
 }
 

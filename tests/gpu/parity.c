@@ -635,25 +635,26 @@ static void test_attention(const attn_case *c)
                           c->nkv, c->hd, c->window);
     int32_t *d_qpos = to_dev_i32(qpos, c->Tq), *d_kpos = to_dev_i32(kpos, c->Tk);
     float *d_lse = (float *)dmalloc(nl * 4);
-    const int fused0 = cuda_op_attention_fused_backward();
+    const int fused0 = cuda_op_attention_fused_backward(), warps0 = cuda_op_attention_forward_warps();
     cuda_op_attention_set_fused_backward(1); /* room for the fused backward's dq too */
     void *d_scratch = dmalloc(cuda_op_attention_scratch(c->B, c->Tq, c->Tk, c->nh, c->hd));
-    /* fp32, bf16 with the split backward (the default), bf16 with the fused one */
+    /* fp32; bf16 in the default forms (8 warps a forward block, the split backward);
+     * bf16 in the others (4 warps, the fused backward) */
     for (int di = 0; di < 3; di++) {
         const cudaDataType_t dt = di ? BF16 : F32;
         cuda_op_attention_set_fused_backward(di == 2);
+        cuda_op_attention_set_forward_warps(di == 2 ? 4 : 8);
         char what[64];
         void *d_q = to_dev(q, nq, dt), *d_k = to_dev(k, nk, dt), *d_v = to_dev(v, nk, dt);
-        if (di < 2) { /* the forward once a dtype */
-            void *d_out = dmalloc(nq * esize(dt));
-            poison(d_lse, nl * 4);
-            CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B,
-                                              c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch, dt, 0));
-            snprintf(what, sizeof what, "%s fwd out", dtname(dt));
-            compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
-            snprintf(what, sizeof what, "%s fwd lse", dtname(dt));
-            compare_dev(what, d_lse, F32, lse, nl, dt == F32 ? 1e-5 : 1e-4);
-        }
+        const char *form = di == 2 ? " fused" : "";
+        void *d_out = dmalloc(nq * esize(dt));
+        poison(d_lse, nl * 4);
+        CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B,
+                                          c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch, dt, 0));
+        snprintf(what, sizeof what, "%s fwd%s out", dtname(dt), di == 2 ? " 4 warps" : "");
+        compare_dev(what, d_out, dt, out, nq, dt == F32 ? 2e-5 : 1e-2);
+        snprintf(what, sizeof what, "%s fwd%s lse", dtname(dt), di == 2 ? " 4 warps" : "");
+        compare_dev(what, d_lse, F32, lse, nl, dt == F32 ? 1e-5 : 1e-4);
 
         void *d_g = to_dev(g, nq, dt), *d_o = to_dev(o_in, nq, dt);
         void *d_dq = to_dev(dq0, nq, dt), *d_dk = to_dev(dk0, nk, dt), *d_dv = to_dev(dv0, nk, dt);
@@ -662,7 +663,6 @@ static void test_attention(const attn_case *c)
                                            d_kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch,
                                            dt, 0));
         const double tb = dt == F32 ? 2e-5 : 2e-2;
-        const char *form = di == 2 ? " fused" : "";
         snprintf(what, sizeof what, "%s bwd%s dq", dtname(dt), form);
         compare_dev(what, d_dq, dt, dq, nq, tb);
         snprintf(what, sizeof what, "%s bwd%s dk", dtname(dt), form);
@@ -671,6 +671,7 @@ static void test_attention(const attn_case *c)
         compare_dev(what, d_dv, dt, dv, nk, tb);
     }
     cuda_op_attention_set_fused_backward(fused0);
+    cuda_op_attention_set_forward_warps(warps0);
     TEST_END();
 }
 
