@@ -17,27 +17,32 @@
     SMP_ARG(Tq <= INT_MAX - ATTN_PAD && Tk <= INT_MAX - ATTN_PAD, "Tq=%d or Tk=%d too large", Tq, Tk)
 
 /* the kernels' forms: -1 until the first call reads the environment (docs/TRAINING.md) */
-static int fused_bwd = -1, fwd_warps = -1;
+static int fused_bwd = -1, fwd_shape = -1;
+static const char *const BWD_FORMS[] = {"split", "fused", NULL}, *const FWD_SHAPES[] = {"8x16", "4x16", "4x32", NULL};
 
-/* *slot, or (the first time) alt_value when the environment sets var to alt, else dflt */
-static int choice(int *slot, const char *var, const char *alt, int alt_value, int dflt)
+/* *slot, or (the first time) the index of var's value among names (0 when unset or
+ * not among them) */
+static int choice(int *slot, const char *var, const char *const *names)
 {
     int v = __atomic_load_n(slot, __ATOMIC_RELAXED);
     if (v < 0) {
         const char *e = getenv(var);
-        v = e && strcmp(e, alt) == 0 ? alt_value : dflt;
+        v = 0;
+        for (int i = 0; e && names[i]; i++)
+            if (strcmp(e, names[i]) == 0) v = i;
         __atomic_store_n(slot, v, __ATOMIC_RELAXED);
     }
     return v;
 }
 
-extern "C" int cuda_op_attention_fused_backward(void) { return choice(&fused_bwd, "SMP_CUDA_ATTN_BWD", "fused", 1, 0); }
+extern "C" int cuda_op_attention_fused_backward(void) { return choice(&fused_bwd, "SMP_CUDA_ATTN_BWD", BWD_FORMS); }
 extern "C" void cuda_op_attention_set_fused_backward(int on) { __atomic_store_n(&fused_bwd, on != 0, __ATOMIC_RELAXED); }
-extern "C" int cuda_op_attention_forward_warps(void) { return choice(&fwd_warps, "SMP_CUDA_ATTN_FWD_WARPS", "4", 4, 8); }
-extern "C" void cuda_op_attention_set_forward_warps(int w)
+extern "C" int cuda_op_attention_forward_shape(void) { return choice(&fwd_shape, "SMP_CUDA_ATTN_FWD", FWD_SHAPES); }
+extern "C" void cuda_op_attention_set_forward_shape(int shape)
 {
-    __atomic_store_n(&fwd_warps, w == 4 ? 4 : 8, __ATOMIC_RELAXED);
+    __atomic_store_n(&fwd_shape, shape >= 0 && shape <= 2 ? shape : 0, __ATOMIC_RELAXED);
 }
+extern "C" const char *cuda_op_attention_forward_shape_name(int shape) { return FWD_SHAPES[shape >= 0 && shape <= 2 ? shape : 0]; }
 
 extern "C" size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd)
 {
@@ -67,7 +72,7 @@ extern "C" cudaError_t cuda_op_attention_forward(void *out, float *lse, const vo
     SMP_ARG(out && lse && q && qpos && scratch && (Tk == 0 || (k && v && kpos)), "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
     const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch, false,
-                         cuda_op_attention_forward_warps()};
+                         cuda_op_attention_forward_shape()};
     if (use_mma(dt, hd, out, q, k, v, scratch, q)) return attn_mma_forward(out, lse, q, k, v, s, stream);
     return attn_simt_forward(out, lse, q, k, v, s, dt, stream);
 }
@@ -84,7 +89,7 @@ extern "C" cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, 
     SMP_ARG(dq && dk && dv && dout && q && k && v && out && lse && qpos && kpos && scratch, "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
     const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch,
-                         cuda_op_attention_fused_backward() != 0, 8};
+                         cuda_op_attention_fused_backward() != 0, 0};
     if (use_mma(dt, hd, dq, dk, dv, dout, q, k) && use_mma(dt, hd, v, out, scratch, q, q, q))
         return attn_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
     return attn_simt_backward(dq, dk, dv, dout, q, k, v, out, lse, s, dt, stream);

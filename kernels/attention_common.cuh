@@ -317,12 +317,12 @@ __device__ __forceinline__ TokRange strip_range(const TokRange *s, int i0, int n
     }
     return r;
 }
-/* r (this warp's) for the n tokens from t0 (a multiple of 16), from their strips;
- * by a warp */
-__device__ __forceinline__ void strip_ranges(const TokRange *s, int t0, int n, TileRanges &r)
+/* r (this warp's) for the n tokens from t0 (a multiple of 16), from their strips,
+ * warp w owning strips w m.. (m of them); by a warp */
+__device__ __forceinline__ void strip_ranges(const TokRange *s, int t0, int n, TileRanges &r, int m = 1)
 {
     const int i0 = t0 / ATTN_STRIP;
-    warp_keep(r, {strip_range(s, i0, n / ATTN_STRIP), strip_range(s, i0 + (int)(threadIdx.x >> 5), 1)});
+    warp_keep(r, {strip_range(s, i0, n / ATTN_STRIP), strip_range(s, i0 + (int)(threadIdx.x >> 5) * m, m)});
 }
 /* n entries of 16 bytes (or 2n of 8) from src into shared dst with cp.async; by
  * thread tid of nthreads */
@@ -593,7 +593,7 @@ struct AttnShape {
     const int32_t *qpos, *kpos, *qdoc, *kdoc;
     void *scratch; /* the tables of the mma kernels (cuda_op_attention_scratch bytes) */
     bool fused_bwd; /* the backward in one kernel, dQ through the scratch's fp32 accumulator */
-    int fwd_warps;  /* the forward's warps a block: 8 or 4 */
+    int fwd_shape;  /* the forward's block: 0 8 warps x 16 rows, 1 4 x 16, 2 4 x 32 */
 };
 /* attention_mma.cu: hd 32, 64 or 128, bf16, every pointer 16-byte aligned */
 cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,

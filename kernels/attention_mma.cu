@@ -5,20 +5,21 @@
 #include "attention_common.cuh"
 
 /* ============================================================ forward */
-/* a block of W warps owns 16 W query rows of one head (16 per warp, Q in registers):
- * W = 8 (the default: one block a multiprocessor at hd 128, 212 registers a thread),
- * or 4 (SMP_CUDA_ATTN_FWD_WARPS=4: two blocks a multiprocessor, one computing while
- * the other waits at a barrier, for twice the K/V traffic from L2) */
+/* a block of W warps owns 16 W MT query rows of one head, in one of three shapes
+ * (cuda_op_attention_forward_shape): 8 warps of 16 rows (the default: one block a
+ * multiprocessor at hd 128, 212 registers a thread), 4 of 16 (two blocks a
+ * multiprocessor, one computing while the other waits at a barrier, for twice the
+ * K/V traffic from L2), 4 of 32 (FlashAttention-2's: two blocks of 128 rows) */
 enum { F_BK = 64 };
 
-/* Q [16 W][LD], K and V [2][F_BK][LD], the keys' positions and documents [2][F_BK] */
+/* Q [16 R][LD] (R m-tiles), K and V [2][F_BK][LD], the keys' positions and documents [2][F_BK] */
 struct FwdSmem {
     int q, k, v, kt, bytes;
 };
-template <int HD, int W> __host__ __device__ constexpr FwdSmem fwd_smem()
+template <int HD, int R> __host__ __device__ constexpr FwdSmem fwd_smem()
 {
     SmemLayout s;
-    const int q = s.add<bf16>(W * 16 * (HD + 8)), k = s.add<bf16>(2 * F_BK * (HD + 8)),
+    const int q = s.add<bf16>(R * 16 * (HD + 8)), k = s.add<bf16>(2 * F_BK * (HD + 8)),
               v = s.add<bf16>(2 * F_BK * (HD + 8)), kt = s.add<KeyTok>(2 * F_BK);
     return {q, k, v, kt, s.bytes};
 }
@@ -107,20 +108,66 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
     }
 }
 
-template <int HD, int W>
+/* S = Q K^T of a key tile for MT m-tiles at once: each k-step loads the m-tiles' Q
+ * fragments (rows w0.. of sQ) and each B fragment of K once for all of them */
+template <int MT, int NT, int KS>
+__device__ __forceinline__ void fwd_scores(float (&s)[MT][NT][4], const bf16 *sQ, int w0, const bf16 *cK, int LD,
+                                           int lane)
+{
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) frag_zero(s[mt]);
+#pragma unroll
+    for (int kk = 0; kk < KS; kk++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) frag_ld_a(a[mt], sQ, w0 + mt * 16, kk * 16, LD, lane);
+#pragma unroll
+        for (int nt = 0; nt < NT; nt += 2) {
+            uint32_t f[4];
+            frag_ld_bn(f, cK, nt * 8, kk * 16, LD, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) mma_pair(s[mt][nt], s[mt][nt + 1], a[mt], f);
+        }
+    }
+}
+/* O += P V for MT m-tiles, each B fragment of V loaded once for all of them */
+template <int MT, int NT, int DT>
+__device__ __forceinline__ void fwd_pv(float (&o)[MT][DT][4], const float (&p)[MT][NT][4], const bf16 *cV, int LD,
+                                       int lane)
+{
+#pragma unroll
+    for (int kk = 0; kk < NT / 2; kk++) {
+        uint32_t a[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; mt++) frag_pack_a(a[mt], p[mt][2 * kk], p[mt][2 * kk + 1]);
+#pragma unroll
+        for (int dt = 0; dt < DT; dt += 2) {
+            uint32_t f[4];
+            frag_ld_bt(f, cV, kk * 16, dt * 8, LD, lane);
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++) mma_pair(o[mt][dt], o[mt][dt + 1], a[mt], f);
+        }
+    }
+}
+
+/* W warps of MT m-tiles each (16 MT rows a warp, 16 W MT a block). MT = 1 keeps the
+ * warp's Q fragments in registers; MT = 2 (FlashAttention-2's shape: each K and V
+ * fragment a warp loads serves 32 rows, half the shared-memory reads a product)
+ * loads them from shared memory at each k-step, as its accumulators fill the rest */
+template <int HD, int W, int MT>
 __global__ void __launch_bounds__(W * 32, 8 / W)
     attn_fwd_mma(bf16 *out, float *lse, const bf16 *q, const bf16 *k, const bf16 *v, const int32_t *qpos,
                  const int32_t *qdoc, AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale_log2)
 {
-    constexpr int LD = HD + 8, NT = F_BK / 8, KS = HD / 16, DT = HD / 8, NTHR = W * 32, F_BQ = W * 16;
-    constexpr FwdSmem L = fwd_smem<HD, W>();
+    constexpr int LD = HD + 8, NT = F_BK / 8, KS = HD / 16, DT = HD / 8, NTHR = W * 32, F_BQ = W * 16 * MT;
+    constexpr FwdSmem L = fwd_smem<HD, W * MT>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
     KeyTok *sKt = smem_at<KeyTok>(smem, L.kt);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
     const int qt = gridDim.x - 1 - blockIdx.x; /* the longest rows first */
     const int h = blockIdx.y, b = blockIdx.z, g = h / (nh / nkv);
-    const int q0 = qt * F_BQ;
+    const int q0 = qt * F_BQ, w0 = warp * 16 * MT; /* the warp's rows: w0.. of the block's */
     const size_t qs = (size_t)nh * HD, ks = (size_t)nkv * HD;
     const bf16 *qb = q + (size_t)b * Tq * qs + (size_t)h * HD;
     const bf16 *kb = k + (size_t)b * Tk * ks + (size_t)g * HD;
@@ -130,47 +177,68 @@ __global__ void __launch_bounds__(W * 32, 8 / W)
     cp_async_commit();
 
     qdoc = doc_row(qdoc, b, Tq);
-    const int r0 = q0 + warp * 16 + gq, r1 = r0 + 8;
-    const int qp0 = tok_at(qpos, r0, Tq, INT_MIN), qp1 = tok_at(qpos, r1, Tq, INT_MIN);
-    const int qd0 = tok_at(qdoc, r0, Tq, 0), qd1 = tok_at(qdoc, r1, Tq, 0);
+    int qp0[MT], qp1[MT], qd0[MT], qd1[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int r0 = q0 + w0 + mt * 16 + gq, r1 = r0 + 8;
+        qp0[mt] = tok_at(qpos, r0, Tq, INT_MIN), qp1[mt] = tok_at(qpos, r1, Tq, INT_MIN);
+        qd0[mt] = tok_at(qdoc, r0, Tq, 0), qd1[mt] = tok_at(qdoc, r1, Tq, 0);
+    }
     const KeyTok *ktok = ktok_of(t, b);
     const TokRange *kstrip = kstrip_of(t, b);
     __shared__ TileRanges sR[W];
     const TileRanges &qr = sR[warp];
-    strip_ranges(qstrip_of(t, b), q0, F_BQ, sR[warp]);
+    strip_ranges(qstrip_of(t, b), q0, F_BQ, sR[warp], MT);
 
-    float o[DT][4];
-    frag_zero(o);
-    float m0 = -INFINITY, m1 = -INFINITY, l0 = 0.0f, l1 = 0.0f;
-    uint32_t qf[KS][4];
+    float o[MT][DT][4], m0[MT], m1[MT], l0[MT], l1[MT];
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        frag_zero(o[mt]);
+        m0[mt] = m1[mt] = -INFINITY;
+        l0[mt] = l1[mt] = 0.0f;
+    }
+    uint32_t qf[MT == 1 ? KS : 1][4]; /* MT = 1: the warp's Q, kept */
     tile_pipeline(
         (Tk + F_BK - 1) / F_BK, [&](int j) { return attn_skip(qr.blk, range_at(kstrip, j * F_BK, F_BK), window); },
         [&](int j, int buf) { load_kv_tile<HD, F_BK>(sK, sV, sKt, buf, kb, vb, ks, ktok, j * F_BK, Tk, tid, NTHR); },
         [&] {
             cp_async_wait<1>(); /* Q has landed */
             __syncthreads();
-            frag_ld_a_rows(qf, sQ, warp * 16, LD, lane);
+            if constexpr (MT == 1) frag_ld_a_rows(qf, sQ, w0, LD, lane);
         },
         [&](int j, int buf) {
             const TokRange kr = range_at(kstrip, j * F_BK, F_BK);
             if (attn_skip(qr.wrp, kr, window)) return;
             const bool full = (j + 1) * F_BK <= Tk && attn_full(qr.wrp, kr, window);
             const bf16 *cK = sK + buf * F_BK * LD, *cV = sV + buf * F_BK * LD;
-            float s[NT][4];
-            frag_zero(s);
+            float s[MT][NT][4];
+            if constexpr (MT == 1) {
+                frag_zero(s[0]);
 #pragma unroll
-            for (int kk = 0; kk < KS; kk++) mma_qk(kk * 16, LD, lane, qk_term(s, qf[kk], cK));
-            online_softmax(s, o, m0, m1, l0, l1, sKt + buf * F_BK, qp0, qp1, qd0, qd1, full, window, scale_log2, tq);
-            mma_pv(LD, lane, pv_term(o, s, cV));
+                for (int kk = 0; kk < KS; kk++) mma_qk(kk * 16, LD, lane, qk_term(s[0], qf[kk], cK));
+            } else {
+                fwd_scores<MT, NT, KS>(s, sQ, w0, cK, LD, lane);
+            }
+#pragma unroll
+            for (int mt = 0; mt < MT; mt++)
+                online_softmax(s[mt], o[mt], m0[mt], m1[mt], l0[mt], l1[mt], sKt + buf * F_BK, qp0[mt], qp1[mt],
+                               qd0[mt], qd1[mt], full, window, scale_log2, tq);
+            if constexpr (MT == 1)
+                mma_pv(LD, lane, pv_term(o[0], s[0], cV));
+            else
+                fwd_pv<MT, NT, DT>(o, s, cV, LD, lane);
         });
-    l0 = quad_sum(l0);
-    l1 = quad_sum(l1);
-    const float inv0 = l0 > 0.0f ? 1.0f / l0 : 0.0f, inv1 = l1 > 0.0f ? 1.0f / l1 : 0.0f;
-    frag_store_rows(out + (size_t)b * Tq * qs + (size_t)h * HD, qs, r0, r1, Tq, o, inv0, inv1, tq);
-    if (tq == 0) {
-        float *lb = lse + ((size_t)b * nh + h) * Tq;
-        if (r0 < Tq) lb[r0] = l0 > 0.0f ? (m0 + log2f(l0)) * LN2_F : -INFINITY;
-        if (r1 < Tq) lb[r1] = l1 > 0.0f ? (m1 + log2f(l1)) * LN2_F : -INFINITY;
+#pragma unroll
+    for (int mt = 0; mt < MT; mt++) {
+        const int r0 = q0 + w0 + mt * 16 + gq, r1 = r0 + 8;
+        const float L0 = quad_sum(l0[mt]), L1 = quad_sum(l1[mt]);
+        const float inv0 = L0 > 0.0f ? 1.0f / L0 : 0.0f, inv1 = L1 > 0.0f ? 1.0f / L1 : 0.0f;
+        frag_store_rows(out + (size_t)b * Tq * qs + (size_t)h * HD, qs, r0, r1, Tq, o[mt], inv0, inv1, tq);
+        if (tq == 0) {
+            float *lb = lse + ((size_t)b * nh + h) * Tq;
+            if (r0 < Tq) lb[r0] = L0 > 0.0f ? (m0[mt] + log2f(L0)) * LN2_F : -INFINITY;
+            if (r1 < Tq) lb[r1] = L1 > 0.0f ? (m1[mt] + log2f(L1)) * LN2_F : -INFINITY;
+        }
     }
 }
 
@@ -562,25 +630,31 @@ static AttnTables prep_tables(const AttnShape &s, const void *dout, const void *
 }
 
 /* ============================================================ launchers */
-template <int HD, int W>
+template <int HD, int W, int MT>
 static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
                            cudaStream_t stream)
 {
-    auto kern = attn_fwd_mma<HD, W>;
-    constexpr size_t smem = fwd_smem<HD, W>().bytes;
+    auto kern = attn_fwd_mma<HD, W, MT>;
+    constexpr size_t smem = fwd_smem<HD, W * MT>().bytes;
+    constexpr int BQ = W * 16 * MT;
     cudaError_t e = smp_cuda_smem_optin((const void *)kern, smem, "cuda_op_attention_forward");
     if (e != cudaSuccess) return e;
     const AttnTables t = prep_tables<HD>(s, nullptr, nullptr, nullptr, stream);
-    dim3 grid((s.Tq + W * 16 - 1) / (W * 16), s.nh, s.B);
+    dim3 grid((s.Tq + BQ - 1) / BQ, s.nh, s.B);
     SMP_LAUNCH(kern, grid, W * 32, smem, stream, (bf16 *)out, lse, (const bf16 *)q, (const bf16 *)k, (const bf16 *)v,
                s.qpos, s.qdoc, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, LOG2E_F / sqrtf((float)HD));
     return smp_cuda_launched("cuda_op_attention_forward");
 }
+/* the shapes of cuda_op_attention_forward_shape: 8 x 16 rows, 4 x 16, 4 x 32 */
 template <int HD>
 static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,
                            cudaStream_t stream)
 {
-    return s.fwd_warps == 4 ? fwd_mma<HD, 4>(out, lse, q, k, v, s, stream) : fwd_mma<HD, 8>(out, lse, q, k, v, s, stream);
+    switch (s.fwd_shape) {
+    case 1: return fwd_mma<HD, 4, 1>(out, lse, q, k, v, s, stream);
+    case 2: return fwd_mma<HD, 4, 2>(out, lse, q, k, v, s, stream);
+    default: return fwd_mma<HD, 8, 1>(out, lse, q, k, v, s, stream);
+    }
 }
 
 template <int HD>

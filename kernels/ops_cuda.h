@@ -155,13 +155,15 @@ cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin
  * device memory of cuda_op_attention_scratch(B, Tq, Tk, nh, hd) bytes, 16-byte
  * aligned, any contents, used in stream order (the tensor-core kernels' per-call
  * tables: ~16 bytes a query row a head, 8 a key; in the fused form also the fp32 dq,
- * 4 bytes an element): size it after picking the form. The tensor-core forward runs
- * 8 warps a block (128 query rows), or 4 (SMP_CUDA_ATTN_FWD_WARPS=4, or
- * cuda_op_attention_set_forward_warps(4)): the same results, another occupancy. */
+ * 4 bytes an element): size it after picking the form. The tensor-core forward's
+ * blocks come in three shapes, warps x query rows a warp (SMP_CUDA_ATTN_FWD=8x16, the
+ * default, 4x16 or 4x32; or cuda_op_attention_set_forward_shape(0, 1 or 2)): the same
+ * results, another occupancy and shared-memory traffic. */
 int cuda_op_attention_fused_backward(void);
 void cuda_op_attention_set_fused_backward(int on);
-int cuda_op_attention_forward_warps(void);
-void cuda_op_attention_set_forward_warps(int warps);
+int cuda_op_attention_forward_shape(void);
+void cuda_op_attention_set_forward_shape(int shape);
+const char *cuda_op_attention_forward_shape_name(int shape);
 size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd);
 cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k,
                                       const void *v, const int32_t *qpos, const int32_t *kpos,

@@ -79,10 +79,11 @@ static shard_status cu_init(dev *d, int device)
         return s;
     }
     struct cudaDeviceProp p;
-    /* the attention kernels' forms, where not the defaults (SMP_CUDA_ATTN_BWD, _FWD_WARPS) */
+    /* the attention kernels' forms, where not the defaults (SMP_CUDA_ATTN_BWD, _FWD) */
     char note[64];
-    snprintf(note, sizeof note, "%s%s", cuda_op_attention_fused_backward() ? "; attention backward fused" : "",
-             cuda_op_attention_forward_warps() == 4 ? "; attention forward 4 warps" : "");
+    const int shape = cuda_op_attention_forward_shape();
+    snprintf(note, sizeof note, "%s%s%s", cuda_op_attention_fused_backward() ? "; attention backward fused" : "",
+             shape ? "; attention forward " : "", shape ? cuda_op_attention_forward_shape_name(shape) : "");
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
         snprintf(c->desc, sizeof c->desc, "%.150s, %.1f GiB (device %d%s)", p.name,
                  (double)p.totalGlobalMem / (1 << 30), device, note);

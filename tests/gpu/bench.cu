@@ -444,7 +444,7 @@ static void bench_attention()
     __nv_bfloat16 *q = rand_bf16(nq, 2.0f), *k = rand_bf16(nq, 2.0f), *v = rand_bf16(nq), *o = rand_bf16(nq);
     __nv_bfloat16 *dout = rand_bf16(nq), *dq = rand_bf16(nq), *dk = rand_bf16(nq), *dv = rand_bf16(nq);
     float *lse = rand_f32((size_t)Bmax * nh * T);
-    const int fused0 = cuda_op_attention_fused_backward(), warps0 = cuda_op_attention_forward_warps();
+    const int fused0 = cuda_op_attention_fused_backward(), shape0 = cuda_op_attention_forward_shape();
     cuda_op_attention_set_fused_backward(1); /* the scratch with room for the fused form's dq */
     void *scratch = dalloc(cuda_op_attention_scratch(Bmax, T, T, nh, hd));
     check_device_or_exit("attention setup");
@@ -452,17 +452,17 @@ static void bench_attention()
         const double fl = 4.0 * c.B * nh * (double)T * T * hd / 2.0; /* causal: half */
         char name[96];
         double ms = 0;
-        for (int warps = 8; warps >= 4; warps -= 4) { /* the default 8 warps a block, then 4 */
-            cuda_op_attention_set_forward_warps(warps);
-            snprintf(name, sizeof name, "attention fwd%s bf16 B=%d T=%d nh=%d nkv=%d hd=%d",
-                     warps == 4 ? " 4 warps" : "", c.B, T, nh, c.nkv, hd);
+        for (int shape = 0; shape < 3; shape++) { /* blocks of 8 x 16 rows (the default), 4 x 16, 4 x 32 */
+            cuda_op_attention_set_forward_shape(shape);
+            snprintf(name, sizeof name, "attention fwd%s%s bf16 B=%d T=%d nh=%d nkv=%d hd=%d", shape ? " " : "",
+                     shape ? cuda_op_attention_forward_shape_name(shape) : "", c.B, T, nh, c.nkv, hd);
             ms = time_ms(name, [&] {
                 return cuda_op_attention_forward(o, lse, q, k, v, pos, pos, NULL, NULL, c.B, T, T, nh, c.nkv, hd, 0,
                                                  scratch, CUDA_R_16BF, 0);
             });
             report_flops(name, ms, fl);
         }
-        cuda_op_attention_set_forward_warps(warps0);
+        cuda_op_attention_set_forward_shape(shape0);
         for (int fused = 0; fused < 2; fused++) { /* the split kernels (the default), then the fused one */
             cuda_op_attention_set_fused_backward(fused);
             snprintf(name, sizeof name, "attention bwd%s bf16 B=%d T=%d nh=%d nkv=%d hd=%d", fused ? " fused" : "",

@@ -155,8 +155,8 @@ def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
 @pytest.mark.parametrize("layout,np_", [("cp=1", 1), ("cp=2", 2)])
 def test_cuda_fused_attention_backward_tracks_c_backend(setup, layout, np_):
     """SMP_CUDA_ATTN_BWD=fused: dK, dV and dQ in one kernel (dQ's parts added with
-    atomics), with SMP_CUDA_ATTN_FWD_WARPS=4 (the forward's 4-warp blocks: the same
-    numbers), bf16 (the tensor-core kernels; heads of 32), on one rank and in the
+    atomics), with SMP_CUDA_ATTN_FWD=4x32 (the forward's blocks of 4 warps x 32 rows:
+    the same numbers), bf16 (the tensor-core kernels; heads of 32), on one rank and in the
     ring of cp=2 (whose blocks add into the same gradients): within 1e-2 of the C
     backend like the split default, and within FUSED_TOL of the split kernels' run
     (the same bf16 rounding of each gradient, only dQ's sums in another order; at 32
@@ -166,10 +166,10 @@ def test_cuda_fused_attention_backward_tracks_c_backend(setup, layout, np_):
     steps, logs = 3, {}
     for form in ("split", "fused"):
         out = tmp / f"cuda-{form}-{layout}"
-        env = {"SMP_CUDA_ATTN_BWD": form, "SMP_CUDA_ATTN_FWD_WARPS": "4" if form == "fused" else "8"}
+        env = {"SMP_CUDA_ATTN_BWD": form, "SMP_CUDA_ATTN_FWD": "4x32" if form == "fused" else "8x16"}
         p = train(setup, out, "--steps", STEPS, "--stop-at", steps, "--layout", layout, "--backend", "cuda", "--dtype",
                   "bf16", np_=np_, env_extra=env)
-        assert ("attention backward fused; attention forward 4 warps" in p.stderr) == (form == "fused"), p.stderr
+        assert ("attention backward fused; attention forward 4x32" in p.stderr) == (form == "fused"), p.stderr
         logs[form] = read_log(out / "log.jsonl")
     assert_tracks(logs["fused"], refs["off"][:steps], 1e-2, f"cuda bf16 {layout} fused backward vs C")
     assert_tracks(logs["fused"], logs["split"], FUSED_TOL, f"cuda bf16 {layout} fused vs split backward")

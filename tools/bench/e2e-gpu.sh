@@ -56,8 +56,8 @@
 #   E2E_BATCH, E2E_MICRO, E2E_SEQ, E2E_STEPS   throughput run (default 8, 8, 4096, 12)
 #   E2E_SKIP            steps left out of the timing (default 3)
 #   E2E_TPUT_MODES      the throughput runs, in order (default "bf16 fp8 bf16-fused"):
-#                       bf16 or fp8, then -fused (SMP_CUDA_ATTN_BWD=fused) and/or -w4
-#                       (SMP_CUDA_ATTN_FWD_WARPS=4: the attention forward's 4-warp blocks)
+#                       bf16 or fp8, then -fused (SMP_CUDA_ATTN_BWD=fused) and/or
+#                       -4x16 or -4x32 (SMP_CUDA_ATTN_FWD: the attention forward's blocks)
 #   E2E_PARITY_STEPS    (default 20)
 #   E2E_MAXSEQ          sequences tried for the longest one (default
 #                       "8192 16384 32768 65536 131072"); E2E_MAXSEQ_STEPS (default 2),
@@ -569,9 +569,9 @@ if grep -qw throughput <<<"$PARTS"; then
     for mode in ${E2E_TPUT_MODES:-bf16 fp8 bf16-fused}; do
         f8=off
         [ "${mode%%-*}" = fp8 ] && f8=delayed
-        unset SMP_CUDA_ATTN_BWD SMP_CUDA_ATTN_FWD_WARPS
+        unset SMP_CUDA_ATTN_BWD SMP_CUDA_ATTN_FWD
         case "$mode" in *-fused*) export SMP_CUDA_ATTN_BWD=fused ;; esac
-        case "$mode" in *-w4*) export SMP_CUDA_ATTN_FWD_WARPS=4 ;; esac
+        case "$mode" in *-4x16*) export SMP_CUDA_ATTN_FWD=4x16 ;; *-4x32*) export SMP_CUDA_ATTN_FWD=4x32 ;; esac
         while :; do
             flags gpu bf16 "$f8" "$RECOMP"
             run "tput-$mode-$RECOMP" 150 "$STEPS" "${TP[@]}" "${F[@]}"
@@ -582,7 +582,7 @@ if grep -qw throughput <<<"$PARTS"; then
             fi
             break
         done
-        unset SMP_CUDA_ATTN_BWD SMP_CUDA_ATTN_FWD_WARPS
+        unset SMP_CUDA_ATTN_BWD SMP_CUDA_ATTN_FWD
         label="$mode$([ $f8 = delayed ] && echo ' delayed'), recompute $RECOMP"
         if [ "$R_STATE" != ok ]; then
             sum "  $label: $R_STATE${R_ERR:+: $R_ERR}"
