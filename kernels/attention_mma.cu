@@ -108,44 +108,23 @@ __device__ __forceinline__ void online_softmax(float (&s)[NT][4], float (&o)[DT]
     }
 }
 
-/* S = Q K^T of a key tile for MT m-tiles at once: each k-step loads the m-tiles' Q
- * fragments (rows w0.. of sQ) and each B fragment of K once for all of them */
-template <int MT, int NT, int KS>
-__device__ __forceinline__ void fwd_scores(float (&s)[MT][NT][4], const bf16 *sQ, int w0, const bf16 *cK, int LD,
-                                           int lane)
+/* acc[mt][n] += A_mt B_n over KSTEPS k-steps, for MT m-tiles and N n-tiles (in pairs):
+ * load_a(a, mt, kk) gives m-tile mt's A fragment of k-step kk, load_b(f, kk, n) the B
+ * fragments of n-tiles n, n + 1, each loaded once for all MT m-tiles */
+template <int MT, int KSTEPS, int N, typename LoadA, typename LoadB>
+__device__ __forceinline__ void mma_shared_b(float (&acc)[MT][N][4], LoadA load_a, LoadB load_b)
 {
 #pragma unroll
-    for (int mt = 0; mt < MT; mt++) frag_zero(s[mt]);
-#pragma unroll
-    for (int kk = 0; kk < KS; kk++) {
+    for (int kk = 0; kk < KSTEPS; kk++) {
         uint32_t a[MT][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; mt++) frag_ld_a(a[mt], sQ, w0 + mt * 16, kk * 16, LD, lane);
+        for (int mt = 0; mt < MT; mt++) load_a(a[mt], mt, kk);
 #pragma unroll
-        for (int nt = 0; nt < NT; nt += 2) {
+        for (int n = 0; n < N; n += 2) {
             uint32_t f[4];
-            frag_ld_bn(f, cK, nt * 8, kk * 16, LD, lane);
+            load_b(f, kk, n);
 #pragma unroll
-            for (int mt = 0; mt < MT; mt++) mma_pair(s[mt][nt], s[mt][nt + 1], a[mt], f);
-        }
-    }
-}
-/* O += P V for MT m-tiles, each B fragment of V loaded once for all of them */
-template <int MT, int NT, int DT>
-__device__ __forceinline__ void fwd_pv(float (&o)[MT][DT][4], const float (&p)[MT][NT][4], const bf16 *cV, int LD,
-                                       int lane)
-{
-#pragma unroll
-    for (int kk = 0; kk < NT / 2; kk++) {
-        uint32_t a[MT][4];
-#pragma unroll
-        for (int mt = 0; mt < MT; mt++) frag_pack_a(a[mt], p[mt][2 * kk], p[mt][2 * kk + 1]);
-#pragma unroll
-        for (int dt = 0; dt < DT; dt += 2) {
-            uint32_t f[4];
-            frag_ld_bt(f, cV, kk * 16, dt * 8, LD, lane);
-#pragma unroll
-            for (int mt = 0; mt < MT; mt++) mma_pair(o[mt][dt], o[mt][dt + 1], a[mt], f);
+            for (int mt = 0; mt < MT; mt++) mma_pair(acc[mt][n], acc[mt][n + 1], a[mt], f);
         }
     }
 }
@@ -216,8 +195,12 @@ __global__ void __launch_bounds__(W * 32, 8 / W)
                 frag_zero(s[0]);
 #pragma unroll
                 for (int kk = 0; kk < KS; kk++) mma_qk(kk * 16, LD, lane, qk_term(s[0], qf[kk], cK));
-            } else {
-                fwd_scores<MT, NT, KS>(s, sQ, w0, cK, LD, lane);
+            } else { /* S = Q K^T, Q's fragments from shared memory */
+#pragma unroll
+                for (int mt = 0; mt < MT; mt++) frag_zero(s[mt]);
+                mma_shared_b<MT, KS, NT>(
+                    s, [&](uint32_t(&a)[4], int mt, int kk) { frag_ld_a(a, sQ, w0 + mt * 16, kk * 16, LD, lane); },
+                    [&](uint32_t(&f)[4], int kk, int n) { frag_ld_bn(f, cK, n * 8, kk * 16, LD, lane); });
             }
 #pragma unroll
             for (int mt = 0; mt < MT; mt++)
@@ -225,8 +208,10 @@ __global__ void __launch_bounds__(W * 32, 8 / W)
                                qd0[mt], qd1[mt], full, window, scale_log2, tq);
             if constexpr (MT == 1)
                 mma_pv(LD, lane, pv_term(o[0], s[0], cV));
-            else
-                fwd_pv<MT, NT, DT>(o, s, cV, LD, lane);
+            else /* O += P V */
+                mma_shared_b<MT, NT / 2, DT>(
+                    o, [&](uint32_t(&a)[4], int mt, int kk) { frag_pack_a(a, s[mt][2 * kk], s[mt][2 * kk + 1]); },
+                    [&](uint32_t(&f)[4], int kk, int n) { frag_ld_bt(f, cV, kk * 16, n * 8, LD, lane); });
         });
 #pragma unroll
     for (int mt = 0; mt < MT; mt++) {
