@@ -17,8 +17,8 @@
     SMP_ARG(Tq <= INT_MAX - ATTN_PAD && Tk <= INT_MAX - ATTN_PAD, "Tq=%d or Tk=%d too large", Tq, Tk)
 
 /* the kernels' forms: -1 until the first call reads the environment (docs/TRAINING.md) */
-static int fused_bwd = -1, fwd_shape = -1;
-static const char *const BWD_FORMS[] = {"split", "fused", NULL}, *const FWD_SHAPES[] = {"8x16", "4x16", "4x32", NULL};
+static int bwd_form = -1, fwd_shape = -1;
+static const char *const BWD_FORMS[] = {"split", "fused", "fused-8x16", NULL}, *const FWD_SHAPES[] = {"8x16", "4x16", "4x32", NULL};
 
 /* *slot, or (the first time) the index of var's value among names (0 when unset or
  * not among them) */
@@ -35,20 +35,27 @@ static int choice(int *slot, const char *var, const char *const *names)
     return v;
 }
 
-extern "C" int cuda_op_attention_fused_backward(void) { return choice(&fused_bwd, "SMP_CUDA_ATTN_BWD", BWD_FORMS); }
-extern "C" void cuda_op_attention_set_fused_backward(int on) { __atomic_store_n(&fused_bwd, on != 0, __ATOMIC_RELAXED); }
+/* a form or shape's index in names (n of them), 0 when out of range */
+static int in_range(int v, int n) { return v >= 0 && v < n ? v : 0; }
+
+extern "C" int cuda_op_attention_backward_form(void) { return choice(&bwd_form, "SMP_CUDA_ATTN_BWD", BWD_FORMS); }
+extern "C" void cuda_op_attention_set_backward_form(int form)
+{
+    __atomic_store_n(&bwd_form, in_range(form, 3), __ATOMIC_RELAXED);
+}
+extern "C" const char *cuda_op_attention_backward_form_name(int form) { return BWD_FORMS[in_range(form, 3)]; }
 extern "C" int cuda_op_attention_forward_shape(void) { return choice(&fwd_shape, "SMP_CUDA_ATTN_FWD", FWD_SHAPES); }
 extern "C" void cuda_op_attention_set_forward_shape(int shape)
 {
-    __atomic_store_n(&fwd_shape, shape >= 0 && shape <= 2 ? shape : 0, __ATOMIC_RELAXED);
+    __atomic_store_n(&fwd_shape, in_range(shape, 3), __ATOMIC_RELAXED);
 }
-extern "C" const char *cuda_op_attention_forward_shape_name(int shape) { return FWD_SHAPES[shape >= 0 && shape <= 2 ? shape : 0]; }
+extern "C" const char *cuda_op_attention_forward_shape_name(int shape) { return FWD_SHAPES[in_range(shape, 3)]; }
 
 extern "C" size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd)
 {
     if (B <= 0 || Tq <= 0 || Tk < 0 || nh <= 0 || hd <= 0 || Tq > INT_MAX - ATTN_PAD || Tk > INT_MAX - ATTN_PAD)
         return 16;
-    const bool fused = cuda_op_attention_fused_backward() && (hd == 32 || hd == 64 || hd == 128);
+    const bool fused = cuda_op_attention_backward_form() != 0 && (hd == 32 || hd == 64 || hd == 128);
     return attn_scratch_layout(B, Tq, Tk, nh, true, fused ? hd : 0).bytes;
 }
 
@@ -71,7 +78,7 @@ extern "C" cudaError_t cuda_op_attention_forward(void *out, float *lse, const vo
     if (B == 0 || Tq == 0) return cudaSuccess;
     SMP_ARG(out && lse && q && qpos && scratch && (Tk == 0 || (k && v && kpos)), "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
-    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch, false,
+    const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch, 0,
                          cuda_op_attention_forward_shape()};
     if (use_mma(dt, hd, out, q, k, v, scratch, q)) return attn_mma_forward(out, lse, q, k, v, s, stream);
     return attn_simt_forward(out, lse, q, k, v, s, dt, stream);
@@ -89,7 +96,7 @@ extern "C" cudaError_t cuda_op_attention_backward(void *dq, void *dk, void *dv, 
     SMP_ARG(dq && dk && dv && dout && q && k && v && out && lse && qpos && kpos && scratch, "NULL pointer");
     SMP_ARG(!qdoc == !kdoc, "qdoc and kdoc are both given or both NULL");
     const AttnShape s = {B, Tq, Tk, nh, nkv, hd, window, qpos, kpos, qdoc, kdoc, scratch,
-                         cuda_op_attention_fused_backward() != 0, 0};
+                         cuda_op_attention_backward_form(), 0};
     if (use_mma(dt, hd, dq, dk, dv, dout, q, k) && use_mma(dt, hd, v, out, scratch, q, q, q))
         return attn_mma_backward(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
     return attn_simt_backward(dq, dk, dv, dout, q, k, v, out, lse, s, dt, stream);

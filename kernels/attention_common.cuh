@@ -592,7 +592,8 @@ struct AttnShape {
     int B, Tq, Tk, nh, nkv, hd, window;
     const int32_t *qpos, *kpos, *qdoc, *kdoc;
     void *scratch; /* the tables of the mma kernels (cuda_op_attention_scratch bytes) */
-    bool fused_bwd; /* the backward in one kernel, dQ through the scratch's fp32 accumulator */
+    int bwd_form;   /* the backward: 0 split; 1 fused (dQ through the scratch's fp32
+                     * accumulator), 2 fused with 8 warps a block */
     int fwd_shape;  /* the forward's block: 0 8 warps x 16 rows, 1 4 x 16, 2 4 x 32 */
 };
 /* attention_mma.cu: hd 32, 64 or 128, bf16, every pointer 16-byte aligned */

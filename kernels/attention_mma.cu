@@ -339,25 +339,27 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
  * atomics (FlashAttention-2's backward: 5 tile products instead of the split
  * kernels' 7, without the dq kernel's second pass over the keys; the adds' order,
  * and so dQ's last bits, vary from run to run) */
-enum { BK_WARPS = 4, BK_BKV = BK_WARPS * 16 };
+/* KW: the block's warps, 16 keys each: 4 (64 keys, the split and fused forms) or 8
+ * (128 keys, fused-8x16: dQ's parts added once per 128 keys, Q and dout read once per
+ * 128, one block a multiprocessor at hd 128) */
 /* MINB: blocks a multiprocessor must hold, registers capped to fit (below hd 128: 3,
  * at <= 170 registers, as before the tables; left to itself nvcc took 201 at hd 64) */
 template <int HD> struct DkvCfg {
     static constexpr int BQ = HD >= 128 ? 32 : 64, MINB = HD >= 128 ? 2 : 3;
 };
 
-/* K and V [BK_BKV][LD]; Q and dout [2][BQ][LD]; the query rows' four qrow planes [2][4][BQ];
- * FUSED: dS^T [BK_BKV][BQ + 8] (keys x queries, bf16) */
+/* K and V [16 KW][LD]; Q and dout [2][BQ][LD]; the query rows' four qrow planes [2][4][BQ];
+ * FUSED: dS^T [16 KW][BQ + 8] (keys x queries, bf16) */
 struct DkvSmem {
     int k, v, q, g, qr, ds, bytes;
 };
-template <int HD, bool FUSED> __host__ __device__ constexpr DkvSmem dkv_smem()
+template <int HD, bool FUSED, int KW> __host__ __device__ constexpr DkvSmem dkv_smem()
 {
     constexpr int BQ = DkvCfg<HD>::BQ;
     SmemLayout s;
-    const int k = s.add<bf16>(BK_BKV * (HD + 8)), v = s.add<bf16>(BK_BKV * (HD + 8)),
+    const int k = s.add<bf16>(KW * 16 * (HD + 8)), v = s.add<bf16>(KW * 16 * (HD + 8)),
               q = s.add<bf16>(2 * BQ * (HD + 8)), g = s.add<bf16>(2 * BQ * (HD + 8)), qr = s.add<uint32_t>(2 * QR_PLANES * BQ),
-              ds = FUSED ? s.add<bf16>(BK_BKV * (BQ + 8)) : 0;
+              ds = FUSED ? s.add<bf16>(KW * 16 * (BQ + 8)) : 0;
     return {k, v, q, g, qr, ds, s.bytes};
 }
 
@@ -409,24 +411,24 @@ __device__ __forceinline__ void atomic_add2(float *p, float a, float b)
 #endif
 }
 
-/* dQ of an item, dS K over the block's keys: dS^T from sDs [BK_BKV][BQ + 8], K from
+/* dQ of an item, dS K over the block's keys: dS^T from sDs [16 KW][BQ + 8], K from
  * sK; warp w takes query rows 16 (w % WM).., columns (w / WM) HD / WN.., in parts of
  * at most 32 columns (fewer live accumulators: nvcc spilled at hd 64 with all 64), and
  * adds its tile into dst ([rows][stride] fp32, rows past `rows` left out) */
-template <int HD, int BQ>
+template <int HD, int BQ, int KW>
 __device__ __forceinline__ void dq_tile_add(float *dst, size_t stride, int rows, const bf16 *sDs, const bf16 *sK,
                                             int warp, int lane)
 {
-    constexpr int WM = BQ / 16, WN = BK_WARPS / WM, DTW = HD / WN / 8, CH = DTW < 4 ? DTW : 4, LD = HD + 8,
+    constexpr int WM = BQ / 16, WN = KW / WM, DTW = HD / WN / 8, CH = DTW < 4 ? DTW : 4, LD = HD + 8,
                   LDS = BQ + 8;
-    static_assert(WM * WN == BK_WARPS && DTW % CH == 0 && CH % 2 == 0, "the warps tile the item's dQ");
+    static_assert(WM * WN == KW && DTW % CH == 0 && CH % 2 == 0, "the warps tile the item's dQ");
     const int m0 = (warp % WM) * 16, r0 = m0 + (lane >> 2), r1 = r0 + 8;
 #pragma unroll
     for (int n0 = (warp / WM) * (HD / WN), ne = n0 + HD / WN; n0 < ne; n0 += CH * 8) {
         float acc[CH][4];
         frag_zero(acc);
 #pragma unroll
-        for (int kk = 0; kk < BK_BKV / 16; kk++) {
+        for (int kk = 0; kk < KW; kk++) {
             uint32_t a[4];
             frag_ld_at(a, sDs, m0, kk * 16, LDS, lane);
 #pragma unroll
@@ -445,33 +447,34 @@ __device__ __forceinline__ void dq_tile_add(float *dst, size_t stride, int rows,
     }
 }
 
-template <int HD, bool FUSED>
-__global__ void __launch_bounds__(BK_WARPS * 32, DkvCfg<HD>::MINB)
+template <int HD, bool FUSED, int KW>
+__global__ void __launch_bounds__(KW * 32, KW == 8 ? 1 : DkvCfg<HD>::MINB)
     attn_bwd_dkv_mma(bf16 *dk, bf16 *dv, float *dqacc, const bf16 *dout, const bf16 *q, const bf16 *k, const bf16 *v,
                      AttnTables t, int Tq, int Tk, int nh, int nkv, int window, float scale, float scale_log2)
 {
-    constexpr int BQ = DkvCfg<HD>::BQ, LD = HD + 8, NT = BQ / 8, KS = HD / 16, DT = HD / 8, NTHR = BK_WARPS * 32;
-    constexpr DkvSmem L = dkv_smem<HD, FUSED>();
+    constexpr int BQ = DkvCfg<HD>::BQ, LD = HD + 8, NT = BQ / 8, KS = HD / 16, DT = HD / 8, NTHR = KW * 32,
+                  BKV = KW * 16;
+    constexpr DkvSmem L = dkv_smem<HD, FUSED, KW>();
     SMP_DYN_SMEM(unsigned char, smem);
     bf16 *sK = smem_at<bf16>(smem, L.k), *sV = smem_at<bf16>(smem, L.v);
     bf16 *sQ = smem_at<bf16>(smem, L.q), *sG = smem_at<bf16>(smem, L.g);
     uint32_t *sQr = smem_at<uint32_t>(smem, L.qr);
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31, gq = lane >> 2, tq = lane & 3;
-    const int k0 = blockIdx.x * BK_BKV, g = blockIdx.y, b = blockIdx.z, rep = nh / nkv;
+    const int k0 = blockIdx.x * BKV, g = blockIdx.y, b = blockIdx.z, rep = nh / nkv;
     const size_t qs = (size_t)nh * HD, ks = (size_t)nkv * HD;
     const size_t koff = (size_t)b * Tk * ks + (size_t)g * HD;
 
-    load_tile_async<HD, BK_BKV>(sK, k + koff, ks, k0, Tk, tid, NTHR);
-    load_tile_async<HD, BK_BKV>(sV, v + koff, ks, k0, Tk, tid, NTHR);
+    load_tile_async<HD, BKV>(sK, k + koff, ks, k0, Tk, tid, NTHR);
+    load_tile_async<HD, BKV>(sV, v + koff, ks, k0, Tk, tid, NTHR);
     cp_async_commit();
 
     const KeyTok *ktok = ktok_of(t, b);
     const int kr0 = k0 + warp * 16 + gq, kr1 = kr0 + 8;
     const KeyTok key0 = ktok[kr0], key1 = ktok[kr1];
     const TokRange *qstrip = qstrip_of(t, b);
-    __shared__ TileRanges sR[BK_WARPS];
+    __shared__ TileRanges sR[KW];
     const TileRanges &kr = sR[warp];
-    strip_ranges(kstrip_of(t, b), k0, BK_BKV, sR[warp]);
+    strip_ranges(kstrip_of(t, b), k0, BKV, sR[warp]);
 
     /* item i: query head g*rep + i/nqt, query tile i%nqt */
     const int nqt = (Tq + BQ - 1) / BQ;
@@ -519,7 +522,7 @@ __global__ void __launch_bounds__(BK_WARPS * 32, DkvCfg<HD>::MINB)
                 frag_to_smem<NT, BQ + 8>(sDs, warp * 16, dp, lane);
                 __syncthreads();
                 const int h = g * rep + it / nqt, qt0 = (it % nqt) * BQ;
-                dq_tile_add<HD, BQ>(dqacc + ((size_t)b * Tq + qt0) * qs + (size_t)h * HD, qs, Tq - qt0, sDs, sK, warp,
+                dq_tile_add<HD, BQ, KW>(dqacc + ((size_t)b * Tq + qt0) * qs + (size_t)h * HD, qs, Tq - qt0, sDs, sK, warp,
                                     lane);
             }
         });
@@ -642,22 +645,21 @@ static cudaError_t fwd_mma(void *out, float *lse, const void *q, const void *k, 
     }
 }
 
-template <int HD>
+template <int HD, bool FUSED, int KW>
 static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k, const void *v,
                            const void *out, const float *lse, const AttnShape &s, cudaStream_t stream)
 {
     const float scale = 1.0f / sqrtf((float)HD), scale_log2 = scale * LOG2E_F;
     auto kq = attn_bwd_dq_mma<HD>;
-    auto kkv = s.fused_bwd ? attn_bwd_dkv_mma<HD, true> : attn_bwd_dkv_mma<HD, false>;
-    constexpr size_t sq = dq_smem<HD>().bytes;
-    const size_t skv = s.fused_bwd ? dkv_smem<HD, true>().bytes : dkv_smem<HD, false>().bytes;
-    cudaError_t e = s.fused_bwd ? cudaSuccess : smp_cuda_smem_optin((const void *)kq, sq, "cuda_op_attention_backward");
+    auto kkv = attn_bwd_dkv_mma<HD, FUSED, KW>;
+    constexpr size_t sq = dq_smem<HD>().bytes, skv = dkv_smem<HD, FUSED, KW>().bytes;
+    cudaError_t e = FUSED ? cudaSuccess : smp_cuda_smem_optin((const void *)kq, sq, "cuda_op_attention_backward");
     if (e == cudaSuccess) e = smp_cuda_smem_optin((const void *)kkv, skv, "cuda_op_attention_backward");
     if (e != cudaSuccess) return e;
     const AttnTables t = prep_tables<HD>(s, dout, out, lse, stream);
     float *dqacc = nullptr;
     const long long nq = (long long)s.B * s.Tq * s.nh * HD;
-    if (s.fused_bwd) {
+    if (FUSED) {
         dqacc = reinterpret_cast<float *>(static_cast<unsigned char *>(s.scratch) +
                                           attn_scratch_layout(s.B, s.Tq, s.Tk, s.nh, true, HD).dqacc);
         e = cudaMemsetAsync(dqacc, 0, (size_t)nq * sizeof(float), stream);
@@ -667,12 +669,22 @@ static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const
         SMP_LAUNCH(kq, gq, BQ_WARPS * 32, sq, stream, (bf16 *)dq, (const bf16 *)dout, (const bf16 *)q, (const bf16 *)k,
                    (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
     }
-    dim3 gkv((s.Tk + BK_BKV - 1) / BK_BKV, s.nkv, s.B);
-    SMP_LAUNCH(kkv, gkv, BK_WARPS * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, dqacc, (const bf16 *)dout,
-               (const bf16 *)q, (const bf16 *)k, (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale,
-               scale_log2);
-    if (s.fused_bwd) SMP_LAUNCH(attn_dq_finish, stride_grid(nq / 2), 256, 0, stream, (bf16 *)dq, dqacc, nq / 2, scale);
+    dim3 gkv((s.Tk + KW * 16 - 1) / (KW * 16), s.nkv, s.B);
+    SMP_LAUNCH(kkv, gkv, KW * 32, skv, stream, (bf16 *)dk, (bf16 *)dv, dqacc, (const bf16 *)dout, (const bf16 *)q,
+               (const bf16 *)k, (const bf16 *)v, t, s.Tq, s.Tk, s.nh, s.nkv, s.window, scale, scale_log2);
+    if (FUSED) SMP_LAUNCH(attn_dq_finish, stride_grid(nq / 2), 256, 0, stream, (bf16 *)dq, dqacc, nq / 2, scale);
     return smp_cuda_launched("cuda_op_attention_backward");
+}
+/* the forms of cuda_op_attention_backward_form: split, fused, fused-8x16 */
+template <int HD>
+static cudaError_t bwd_mma(void *dq, void *dk, void *dv, const void *dout, const void *q, const void *k, const void *v,
+                           const void *out, const float *lse, const AttnShape &s, cudaStream_t stream)
+{
+    switch (s.bwd_form) {
+    case 1: return bwd_mma<HD, true, 4>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
+    case 2: return bwd_mma<HD, true, 8>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
+    default: return bwd_mma<HD, false, 4>(dq, dk, dv, dout, q, k, v, out, lse, s, stream);
+    }
 }
 
 cudaError_t attn_mma_forward(void *out, float *lse, const void *q, const void *k, const void *v, const AttnShape &s,

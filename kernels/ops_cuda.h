@@ -148,10 +148,11 @@ cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin
  * tensor cores (mma.sync); every other case (fp32, other hd up to 256) runs a
  * portable fp32 kernel. hd <= 256. Backward: dq, dk, dv accumulated (dt), needs
  * the FINAL out and lse; deterministic (no atomics) in its default, split form (a dq
- * kernel and a dk/dv kernel). The fused form (the tensor-core kernels only:
- * SMP_CUDA_ATTN_BWD=fused in the environment, or
- * cuda_op_attention_set_fused_backward(1)) computes all three in one kernel and adds
- * dq's parts in fp32 with atomics: dq's last bits vary from run to run. scratch:
+ * kernel and a dk/dv kernel). The fused forms (the tensor-core kernels only:
+ * SMP_CUDA_ATTN_BWD=fused or fused-8x16 in the environment, or
+ * cuda_op_attention_set_backward_form(1 or 2)) compute all three in one kernel of 4 or
+ * 8 warps and add dq's parts in fp32 with atomics: dq's last bits vary from run to
+ * run. scratch:
  * device memory of cuda_op_attention_scratch(B, Tq, Tk, nh, hd) bytes, 16-byte
  * aligned, any contents, used in stream order (the tensor-core kernels' per-call
  * tables: ~16 bytes a query row a head, 8 a key; in the fused form also the fp32 dq,
@@ -159,8 +160,9 @@ cudaError_t cuda_op_rope_backward(void *dx, const float *cos_t, const float *sin
  * blocks come in three shapes, warps x query rows a warp (SMP_CUDA_ATTN_FWD=8x16, the
  * default, 4x16 or 4x32; or cuda_op_attention_set_forward_shape(0, 1 or 2)): the same
  * results, another occupancy and shared-memory traffic. */
-int cuda_op_attention_fused_backward(void);
-void cuda_op_attention_set_fused_backward(int on);
+int cuda_op_attention_backward_form(void);
+void cuda_op_attention_set_backward_form(int form);
+const char *cuda_op_attention_backward_form_name(int form);
 int cuda_op_attention_forward_shape(void);
 void cuda_op_attention_set_forward_shape(int shape);
 const char *cuda_op_attention_forward_shape_name(int shape);

@@ -81,9 +81,10 @@ static shard_status cu_init(dev *d, int device)
     struct cudaDeviceProp p;
     /* the attention kernels' forms, where not the defaults (SMP_CUDA_ATTN_BWD, _FWD) */
     char note[64];
-    const int shape = cuda_op_attention_forward_shape();
-    snprintf(note, sizeof note, "%s%s%s", cuda_op_attention_fused_backward() ? "; attention backward fused" : "",
-             shape ? "; attention forward " : "", shape ? cuda_op_attention_forward_shape_name(shape) : "");
+    const int shape = cuda_op_attention_forward_shape(), form = cuda_op_attention_backward_form();
+    snprintf(note, sizeof note, "%s%s%s%s", form ? "; attention backward " : "",
+             form ? cuda_op_attention_backward_form_name(form) : "", shape ? "; attention forward " : "",
+             shape ? cuda_op_attention_forward_shape_name(shape) : "");
     if (cudaGetDeviceProperties(&p, device) == cudaSuccess)
         snprintf(c->desc, sizeof c->desc, "%.150s, %.1f GiB (device %d%s)", p.name,
                  (double)p.totalGlobalMem / (1 << 30), device, note);

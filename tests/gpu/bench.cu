@@ -444,8 +444,8 @@ static void bench_attention()
     __nv_bfloat16 *q = rand_bf16(nq, 2.0f), *k = rand_bf16(nq, 2.0f), *v = rand_bf16(nq), *o = rand_bf16(nq);
     __nv_bfloat16 *dout = rand_bf16(nq), *dq = rand_bf16(nq), *dk = rand_bf16(nq), *dv = rand_bf16(nq);
     float *lse = rand_f32((size_t)Bmax * nh * T);
-    const int fused0 = cuda_op_attention_fused_backward(), shape0 = cuda_op_attention_forward_shape();
-    cuda_op_attention_set_fused_backward(1); /* the scratch with room for the fused form's dq */
+    const int form0 = cuda_op_attention_backward_form(), shape0 = cuda_op_attention_forward_shape();
+    cuda_op_attention_set_backward_form(1); /* the scratch with room for the fused forms' dq */
     void *scratch = dalloc(cuda_op_attention_scratch(Bmax, T, T, nh, hd));
     check_device_or_exit("attention setup");
     for (const Case &c : cases) {
@@ -463,17 +463,17 @@ static void bench_attention()
             report_flops(name, ms, fl);
         }
         cuda_op_attention_set_forward_shape(shape0);
-        for (int fused = 0; fused < 2; fused++) { /* the split kernels (the default), then the fused one */
-            cuda_op_attention_set_fused_backward(fused);
-            snprintf(name, sizeof name, "attention bwd%s bf16 B=%d T=%d nh=%d nkv=%d hd=%d", fused ? " fused" : "",
-                     c.B, T, nh, c.nkv, hd);
+        for (int form = 0; form < 3; form++) { /* the split kernels (the default), fused, fused-8x16 */
+            cuda_op_attention_set_backward_form(form);
+            snprintf(name, sizeof name, "attention bwd%s%s bf16 B=%d T=%d nh=%d nkv=%d hd=%d", form ? " " : "",
+                     form ? cuda_op_attention_backward_form_name(form) : "", c.B, T, nh, c.nkv, hd);
             ms = time_ms(name, [&] {
                 return cuda_op_attention_backward(dq, dk, dv, dout, q, k, v, o, lse, pos, pos, NULL, NULL, c.B, T, T,
                                                   nh, c.nkv, hd, 0, scratch, CUDA_R_16BF, 0);
             });
             report_flops(name, ms, 2.5 * fl);
         }
-        cuda_op_attention_set_fused_backward(fused0);
+        cuda_op_attention_set_backward_form(form0);
     }
     { /* the portable fp32 kernel (parity tests, odd head sizes), for scale */
         const int B = 1, Ts = T / 4, nhs = nh / 4;

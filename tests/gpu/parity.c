@@ -635,19 +635,20 @@ static void test_attention(const attn_case *c)
                           c->nkv, c->hd, c->window);
     int32_t *d_qpos = to_dev_i32(qpos, c->Tq), *d_kpos = to_dev_i32(kpos, c->Tk);
     float *d_lse = (float *)dmalloc(nl * 4);
-    const int fused0 = cuda_op_attention_fused_backward(), shape0 = cuda_op_attention_forward_shape();
-    cuda_op_attention_set_fused_backward(1); /* room for the fused backward's dq too */
+    const int form0 = cuda_op_attention_backward_form(), shape0 = cuda_op_attention_forward_shape();
+    cuda_op_attention_set_backward_form(1); /* room for the fused backward's dq too */
     void *d_scratch = dmalloc(cuda_op_attention_scratch(c->B, c->Tq, c->Tk, c->nh, c->hd));
     /* fp32; bf16 in the default forms (forward blocks of 8 warps x 16 rows, the split
-     * backward); bf16 in the others (4 x 16 and 4 x 32, the fused backward) */
+     * backward); bf16 in the others (4 x 16 with the fused backward, 4 x 32 with the
+     * fused one of 8 warps) */
     for (int di = 0; di < 4; di++) {
         const cudaDataType_t dt = di ? BF16 : F32;
-        cuda_op_attention_set_fused_backward(di >= 2);
+        cuda_op_attention_set_backward_form(di >= 2 ? di - 1 : 0);
         cuda_op_attention_set_forward_shape(di >= 2 ? di - 1 : 0);
         const char *shape = di >= 2 ? cuda_op_attention_forward_shape_name(di - 1) : "";
         char what[64];
         void *d_q = to_dev(q, nq, dt), *d_k = to_dev(k, nk, dt), *d_v = to_dev(v, nk, dt);
-        const char *form = di >= 2 ? " fused" : "";
+        const char *form = di >= 2 ? cuda_op_attention_backward_form_name(di - 1) : "";
         void *d_out = dmalloc(nq * esize(dt));
         poison(d_lse, nl * 4);
         CK_SYNC(cuda_op_attention_forward(d_out, d_lse, d_q, d_k, d_v, d_qpos, d_kpos, d_qdoc, d_kdoc, c->B,
@@ -664,14 +665,14 @@ static void test_attention(const attn_case *c)
                                            d_kdoc, c->B, c->Tq, c->Tk, c->nh, c->nkv, c->hd, c->window, d_scratch,
                                            dt, 0));
         const double tb = dt == F32 ? 2e-5 : 2e-2;
-        snprintf(what, sizeof what, "%s bwd%s dq", dtname(dt), form);
+        snprintf(what, sizeof what, "%s bwd %s dq", dtname(dt), form);
         compare_dev(what, d_dq, dt, dq, nq, tb);
-        snprintf(what, sizeof what, "%s bwd%s dk", dtname(dt), form);
+        snprintf(what, sizeof what, "%s bwd %s dk", dtname(dt), form);
         compare_dev(what, d_dk, dt, dk, nk, tb);
-        snprintf(what, sizeof what, "%s bwd%s dv", dtname(dt), form);
+        snprintf(what, sizeof what, "%s bwd %s dv", dtname(dt), form);
         compare_dev(what, d_dv, dt, dv, nk, tb);
     }
-    cuda_op_attention_set_fused_backward(fused0);
+    cuda_op_attention_set_backward_form(form0);
     cuda_op_attention_set_forward_shape(shape0);
     TEST_END();
 }

@@ -152,27 +152,28 @@ def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
     assert run("smp-verify", out / f"step-{steps:06d}").returncode == 0
 
 
-@pytest.mark.parametrize("layout,np_", [("cp=1", 1), ("cp=2", 2)])
-def test_cuda_fused_attention_backward_tracks_c_backend(setup, layout, np_):
-    """SMP_CUDA_ATTN_BWD=fused: dK, dV and dQ in one kernel (dQ's parts added with
-    atomics), with SMP_CUDA_ATTN_FWD=4x32 (the forward's blocks of 4 warps x 32 rows:
-    the same numbers), bf16 (the tensor-core kernels; heads of 32), on one rank and in the
-    ring of cp=2 (whose blocks add into the same gradients): within 1e-2 of the C
-    backend like the split default, and within FUSED_TOL of the split kernels' run
-    (the same bf16 rounding of each gradient, only dQ's sums in another order; at 32
-    tokens one key block, so on the emulator the two runs log the same numbers. A dQ
-    left out stays within bf16's 1e-2 of C, 1.3e-4 on the loss, but not within this)"""
+@pytest.mark.parametrize("layout,np_,form,shape", [("cp=1", 1, "fused", "4x32"), ("cp=2", 2, "fused-8x16", "4x16")])
+def test_cuda_fused_attention_backward_tracks_c_backend(setup, layout, np_, form, shape):
+    """SMP_CUDA_ATTN_BWD=fused or fused-8x16: dK, dV and dQ in one kernel of 4 or 8
+    warps (dQ's parts added with atomics), with SMP_CUDA_ATTN_FWD=4x32 or 4x16 (the
+    forward's other blocks: the same numbers), bf16 (the tensor-core kernels; heads of
+    32), on one rank and in the ring of cp=2 (whose blocks add into the same
+    gradients): within 1e-2 of the C backend like the defaults, and within FUSED_TOL
+    of the defaults' run (the same bf16 rounding of each gradient, only dQ's sums in
+    another order; at 32 tokens one key block, so on the emulator the two runs log the
+    same numbers. A dQ left out stays within bf16's 1e-2 of C, 1.3e-4 on the loss, but
+    not within this)"""
     tmp, ck, data, refs, lib = setup
     steps, logs = 3, {}
-    for form in ("split", "fused"):
-        out = tmp / f"cuda-{form}-{layout}"
-        env = {"SMP_CUDA_ATTN_BWD": form, "SMP_CUDA_ATTN_FWD": "4x32" if form == "fused" else "8x16"}
+    for run_form, run_shape in (("split", "8x16"), (form, shape)):
+        out = tmp / f"cuda-{run_form}-{run_shape}-{layout}"
         p = train(setup, out, "--steps", STEPS, "--stop-at", steps, "--layout", layout, "--backend", "cuda", "--dtype",
-                  "bf16", np_=np_, env_extra=env)
-        assert ("attention backward fused; attention forward 4x32" in p.stderr) == (form == "fused"), p.stderr
-        logs[form] = read_log(out / "log.jsonl")
-    assert_tracks(logs["fused"], refs["off"][:steps], 1e-2, f"cuda bf16 {layout} fused backward vs C")
-    assert_tracks(logs["fused"], logs["split"], FUSED_TOL, f"cuda bf16 {layout} fused vs split backward")
+                  "bf16", np_=np_, env_extra={"SMP_CUDA_ATTN_BWD": run_form, "SMP_CUDA_ATTN_FWD": run_shape})
+        named = f"attention backward {form}; attention forward {shape}" in p.stderr
+        assert named == (run_form == form), p.stderr
+        logs[run_form] = read_log(out / "log.jsonl")
+    assert_tracks(logs[form], refs["off"][:steps], 1e-2, f"cuda bf16 {layout} {form} backward vs C")
+    assert_tracks(logs[form], logs["split"], FUSED_TOL, f"cuda bf16 {layout} {form} vs split backward")
 
 
 def test_cuda_documents_and_masks_track_c_backend(setup, tmp_path):

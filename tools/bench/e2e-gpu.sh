@@ -56,7 +56,7 @@
 #   E2E_BATCH, E2E_MICRO, E2E_SEQ, E2E_STEPS   throughput run (default 8, 8, 4096, 12)
 #   E2E_SKIP            steps left out of the timing (default 3)
 #   E2E_TPUT_MODES      the throughput runs, in order (default "bf16 fp8 bf16-fused"):
-#                       bf16 or fp8, then -fused (SMP_CUDA_ATTN_BWD=fused) and/or
+#                       bf16 or fp8, then -fused or -fused-8x16 (SMP_CUDA_ATTN_BWD) and/or
 #                       -4x16 or -4x32 (SMP_CUDA_ATTN_FWD: the attention forward's blocks)
 #   E2E_PARITY_STEPS    (default 20)
 #   E2E_MAXSEQ          sequences tried for the longest one (default
@@ -570,7 +570,7 @@ if grep -qw throughput <<<"$PARTS"; then
         f8=off
         [ "${mode%%-*}" = fp8 ] && f8=delayed
         unset SMP_CUDA_ATTN_BWD SMP_CUDA_ATTN_FWD
-        case "$mode" in *-fused*) export SMP_CUDA_ATTN_BWD=fused ;; esac
+        case "$mode" in *-fused-8x16*) export SMP_CUDA_ATTN_BWD=fused-8x16 ;; *-fused*) export SMP_CUDA_ATTN_BWD=fused ;; esac
         case "$mode" in *-4x16*) export SMP_CUDA_ATTN_FWD=4x16 ;; *-4x32*) export SMP_CUDA_ATTN_FWD=4x32 ;; esac
         while :; do
             flags gpu bf16 "$f8" "$RECOMP"
