@@ -333,15 +333,14 @@ __global__ void __launch_bounds__(BQ_WARPS * 32)
 }
 
 /* ============================================================ backward, dk and dv */
-/* a block of 4 warps owns 64 keys of one kv head and walks the (query head, query
- * tile) items of its group. FUSED: the block also computes dQ of each item,
- * dS K over its 64 keys, and adds it into the scratch's fp32 accumulator with
- * atomics (FlashAttention-2's backward: 5 tile products instead of the split
- * kernels' 7, without the dq kernel's second pass over the keys; the adds' order,
- * and so dQ's last bits, vary from run to run) */
-/* KW: the block's warps, 16 keys each: 4 (64 keys, the split and fused forms) or 8
- * (128 keys, fused-8x16: dQ's parts added once per 128 keys, Q and dout read once per
- * 128, one block a multiprocessor at hd 128) */
+/* a block of KW warps owns 16 KW keys of one kv head (16 a warp) and walks the (query
+ * head, query tile) items of its group: KW = 4 (64 keys: the split and fused forms) or
+ * 8 (128 keys, fused-8x16: dQ's parts added once per 128 keys, Q and dout read once
+ * per 128, one block a multiprocessor at hd 128). FUSED: the block also computes dQ
+ * of each item, dS K over its keys, and adds it into the scratch's fp32 accumulator
+ * with atomics (FlashAttention-2's backward: 5 tile products instead of the split
+ * kernels' 7, without the dq kernel's second pass over the keys; the adds' order, and
+ * so dQ's last bits, vary from run to run) */
 /* MINB: blocks a multiprocessor must hold, registers capped to fit (below hd 128: 3,
  * at <= 170 registers, as before the tables; left to itself nvcc took 201 at hd 64) */
 template <int HD> struct DkvCfg {
@@ -522,8 +521,8 @@ __global__ void __launch_bounds__(KW * 32, KW == 8 ? 1 : DkvCfg<HD>::MINB)
                 frag_to_smem<NT, BQ + 8>(sDs, warp * 16, dp, lane);
                 __syncthreads();
                 const int h = g * rep + it / nqt, qt0 = (it % nqt) * BQ;
-                dq_tile_add<HD, BQ, KW>(dqacc + ((size_t)b * Tq + qt0) * qs + (size_t)h * HD, qs, Tq - qt0, sDs, sK, warp,
-                                    lane);
+                float *dst = dqacc + ((size_t)b * Tq + qt0) * qs + (size_t)h * HD;
+                dq_tile_add<HD, BQ, KW>(dst, qs, Tq - qt0, sDs, sK, warp, lane);
             }
         });
     frag_add_rows(dk + koff, ks, kr0, kr1, Tk, ak, scale, tq);
