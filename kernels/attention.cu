@@ -5,6 +5,7 @@
  * attention_common.cuh describes both. */
 #include "attention_common.cuh"
 
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -50,6 +51,25 @@ extern "C" void cuda_op_attention_set_forward_shape(int shape)
     __atomic_store_n(&fwd_shape, in_range(shape, 3), __ATOMIC_RELAXED);
 }
 extern "C" const char *cuda_op_attention_forward_shape_name(int shape) { return FWD_SHAPES[in_range(shape, 3)]; }
+
+/* NULL, or what is wrong with SMP_CUDA_ATTN_BWD / SMP_CUDA_ATTN_FWD (a value that is
+ * none of the names would otherwise fall back to the default unseen) */
+extern "C" const char *cuda_op_attention_env_error(void)
+{
+    static char msg[160];
+    const char *const vars[] = {"SMP_CUDA_ATTN_BWD", "SMP_CUDA_ATTN_FWD"};
+    const char *const *names[] = {BWD_FORMS, FWD_SHAPES};
+    for (int v = 0; v < 2; v++) {
+        const char *e = getenv(vars[v]);
+        int ok = !e;
+        for (int i = 0; e && names[v][i]; i++) ok |= strcmp(e, names[v][i]) == 0;
+        if (!ok) {
+            snprintf(msg, sizeof msg, "%s=%.40s: not %s, %s or %s", vars[v], e, names[v][0], names[v][1], names[v][2]);
+            return msg;
+        }
+    }
+    return NULL;
+}
 
 extern "C" size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd)
 {

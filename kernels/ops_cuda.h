@@ -166,6 +166,7 @@ const char *cuda_op_attention_backward_form_name(int form);
 int cuda_op_attention_forward_shape(void);
 void cuda_op_attention_set_forward_shape(int shape);
 const char *cuda_op_attention_forward_shape_name(int shape);
+const char *cuda_op_attention_env_error(void); /* NULL, or what is wrong with those variables */
 size_t cuda_op_attention_scratch(int B, int Tq, int Tk, int nh, int hd);
 cudaError_t cuda_op_attention_forward(void *out, float *lse, const void *q, const void *k,
                                       const void *v, const int32_t *qpos, const int32_t *kpos,

@@ -60,6 +60,8 @@ static shard_status cu_init(dev *d, int device)
         return shard_fail(SHARD_E_USAGE, "CUDA device %d: this machine has %d (0..%d)", device, n, n - 1);
     if (d->dt != SHARD_DT_F32 && d->dt != SHARD_DT_BF16)
         return shard_fail(SHARD_E_USAGE, "the CUDA backend computes in fp32 or bf16, not %s", shard_dtype_name(d->dt));
+    const char *form_error = cuda_op_attention_env_error();
+    if (form_error) return shard_fail(SHARD_E_USAGE, "%s", form_error);
     if ((e = cudaSetDevice(device)) != cudaSuccess)
         return shard_fail(SHARD_E_IO, "cudaSetDevice(%d): %s", device, cudaGetErrorString(e));
     cu_impl *c = calloc(1, sizeof *c);

@@ -107,6 +107,14 @@ def test_no_device_or_no_library_is_a_clear_error(setup):
     p = subprocess.run(list(map(str, args[:-2])) + ["--dtype", "bf16"], capture_output=True, text=True,
                        env=env_for(lib), timeout=120)
     assert p.returncode == 2 and "--dtype bf16 needs --backend cuda" in p.stderr
+    # a misspelt form of the attention kernels is refused, not replaced by the default unseen
+    for var, bad, names in (("SMP_CUDA_ATTN_BWD", "fuse", "split, fused or fused-8x16"),
+                            ("SMP_CUDA_ATTN_FWD", "4x8", "8x16, 4x16 or 4x32")):
+        p = subprocess.run(list(map(str, args)), capture_output=True, text=True, env=dict(env_for(lib), **{var: bad}),
+                           timeout=120)
+        assert p.returncode == 2, p.stderr
+        assert p.stderr == f"smp-train: error: {var}={bad}: not {names}\n", p.stderr
+        assert not (tmp / "never").exists()
 
 
 def test_recompute_on_cuda_is_exact(setup):
