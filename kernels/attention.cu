@@ -21,16 +21,24 @@
 static int bwd_form = -1, fwd_shape = -1;
 static const char *const BWD_FORMS[] = {"split", "fused", "fused-8x16", NULL}, *const FWD_SHAPES[] = {"8x16", "4x16", "4x32", NULL};
 
-/* *slot, or (the first time) the index of var's value among names (0 when unset or
- * not among them) */
+/* the index of var's value among names (NULL-ended), -1 when it is none of them, 0
+ * when var is unset */
+static int env_index(const char *var, const char *const *names)
+{
+    const char *e = getenv(var);
+    for (int i = 0; e && names[i]; i++)
+        if (strcmp(e, names[i]) == 0) return i;
+    return e ? -1 : 0;
+}
+
+/* *slot, or (the first time) var's form: the default where it names none
+ * (cuda_op_attention_env_error says so to the programs) */
 static int choice(int *slot, const char *var, const char *const *names)
 {
     int v = __atomic_load_n(slot, __ATOMIC_RELAXED);
     if (v < 0) {
-        const char *e = getenv(var);
-        v = 0;
-        for (int i = 0; e && names[i]; i++)
-            if (strcmp(e, names[i]) == 0) v = i;
+        v = env_index(var, names);
+        if (v < 0) v = 0;
         __atomic_store_n(slot, v, __ATOMIC_RELAXED);
     }
     return v;
@@ -59,15 +67,12 @@ extern "C" const char *cuda_op_attention_env_error(void)
     static char msg[160];
     const char *const vars[] = {"SMP_CUDA_ATTN_BWD", "SMP_CUDA_ATTN_FWD"};
     const char *const *names[] = {BWD_FORMS, FWD_SHAPES};
-    for (int v = 0; v < 2; v++) {
-        const char *e = getenv(vars[v]);
-        int ok = !e;
-        for (int i = 0; e && names[v][i]; i++) ok |= strcmp(e, names[v][i]) == 0;
-        if (!ok) {
-            snprintf(msg, sizeof msg, "%s=%.40s: not %s, %s or %s", vars[v], e, names[v][0], names[v][1], names[v][2]);
+    for (int v = 0; v < 2; v++)
+        if (env_index(vars[v], names[v]) < 0) {
+            snprintf(msg, sizeof msg, "%s=%.40s: not %s, %s or %s", vars[v], getenv(vars[v]), names[v][0],
+                     names[v][1], names[v][2]);
             return msg;
         }
-    }
     return NULL;
 }
 

@@ -9,13 +9,15 @@
  * Two implementations, one contract, one file each:
  *  - attention_mma.cu, tensor cores (bf16, hd 32/64/128): FlashAttention-2's scheme
  *    with mma.sync m16n8k16. Forward: a block of 8 warps owns 128 query rows (16 per
- *    warp, Q held in registers), walks the key tiles of 64 (K and V double-buffered
- *    in shared memory by cp.async), keeps the running max and sum per row (online
- *    softmax) and the output in fp32 registers; P goes from the accumulators to the
- *    next mma's A operand in registers. Backward: two kernels, so that every
- *    gradient row has one writer and nothing needs atomics or scratch memory: one
- *    per query tile for dq (recomputing P and dP), one per key tile for dk and dv
- *    (recomputing P^T and dP^T, looping over the query heads of its kv group).
+ *    warp, Q held in registers; or 4 warps of 16 or 32 rows: SMP_CUDA_ATTN_FWD), walks
+ *    the key tiles of 64 (K and V double-buffered in shared memory by cp.async), keeps
+ *    the running max and sum per row (online softmax) and the output in fp32
+ *    registers; P goes from the accumulators to the next mma's A operand in
+ *    registers. Backward, by default (split): two kernels, so that every gradient row
+ *    has one writer and nothing needs atomics: one per query tile for dq (recomputing
+ *    P and dP), one per key tile for dk and dv (recomputing P^T and dP^T, looping over
+ *    the query heads of its kv group). The fused forms (SMP_CUDA_ATTN_BWD) add dq's
+ *    parts from the second kernel into an fp32 copy in the scratch with atomics.
  *    Small prep kernels first tabulate, per call, what the tiles consult (each key's
  *    position and document, each 16 tokens' ranges, and for the backward each query
  *    row's lse and D_i = dout_i . out_i): a tile then copies its part with its data
