@@ -38,6 +38,9 @@ void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync);
  * 4 MiB writes 2.0-4.4 s, 1 MiB 0.7-1.5 s, 256 KiB 0.27-0.40 s, as fast as cp. On bare
  * metal it costs 4 system calls per MiB. */
 #define SHARD_WRITE_MAX ((size_t)256 << 10)
+/* All n bytes of p at offset off of fd, SHARD_WRITE_MAX at a time: 0, or errno's value
+ * (ENOSPC for a write that stops short). */
+int shard_pwrite_all(int fd, const void *p, size_t n, uint64_t off);
 /* Overflow-checked arithmetic: false on overflow. */
 static inline bool shard_mul_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline bool shard_add_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }

@@ -142,6 +142,20 @@ void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync)
     *unsynced = 0;
 }
 
+int shard_pwrite_all(int fd, const void *p, size_t n, uint64_t off)
+{
+    const char *c = p;
+    while (n) {
+        ssize_t r = pwrite(fd, c, n < SHARD_WRITE_MAX ? n : SHARD_WRITE_MAX, (off_t)off);
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return r < 0 ? errno : ENOSPC;
+        c += r;
+        off += (uint64_t)r;
+        n -= (size_t)r;
+    }
+    return 0;
+}
+
 static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 void shard_free_names(char **names, size_t n)
