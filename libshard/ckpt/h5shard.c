@@ -241,16 +241,22 @@ typedef struct {
     const shard_h5_piece *pc;
     hid_t ds;
     shard_chunking g;
-    uint64_t first;                    /* its first chunk in the stream */
     shard_xxh64_state hash; /* the piece's checksum, fed in stream order */
     uint64_t *chunk_xxh3;              /* g.nchunks: each chunk's own checksum */
     int direct;                        /* raw chunks placed at creation, written by pwrite in parallel */
     char hex[17];
 } piece_run;
 
+/* a place in the stream: chunk k of run `run` */
+typedef struct {
+    size_t run;
+    uint64_t k;
+} stream_slot;
+
 typedef struct {
     piece_run *runs;
-    size_t nruns, take_run;
+    size_t nruns;
+    stream_slot *slot;                 /* nchunks: the stream's order */
     uint64_t nchunks, next_take, next_hash, next_write;
     size_t max_full;
     void (*done)(void *arg, uint64_t bytes);
@@ -412,13 +418,11 @@ static void *pipeline_worker(void *arg)
         pthread_mutex_lock(&p->mu);
         uint64_t c = p->next_take++;
         int stop = c >= p->nchunks || p->s;
-        if (!stop)
-            while (c >= p->runs[p->take_run].first + p->runs[p->take_run].g.nchunks) p->take_run++;
-        piece_run *run = stop ? NULL : &p->runs[p->take_run];
         pthread_mutex_unlock(&p->mu);
         if (stop) break;
+        piece_run *run = &p->runs[p->slot[c].run];
         const shard_h5_piece *pc = run->pc;
-        const uint64_t k = c - run->first; /* the chunk within its piece */
+        const uint64_t k = p->slot[c].k; /* the chunk within its piece */
         const size_t es = run->g.es, full = run->g.full;
         const int level = pc->w->c.zstd_level;
         shard_box sub;
@@ -479,6 +483,35 @@ out:
     return NULL;
 }
 
+/* The stream's order: the runs, in groups of consecutive pieces of distinct files
+ * (piece i of each of the files written side by side), each group's chunks taken in
+ * turn, one of each piece that has chunks left. Workers taking consecutive chunks
+ * then write to different files (Linux holds a file's inode lock through each
+ * buffered write: two writers of one file spin on it), while each file still sees its
+ * pieces one after the other. */
+static shard_status plan_stream(pipeline *p)
+{
+    p->slot = malloc(p->nchunks * sizeof *p->slot);
+    if (!p->slot) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    uint64_t c = 0;
+    for (size_t g0 = 0, g1; g0 < p->nruns; g0 = g1) {
+        for (g1 = g0 + 1; g1 < p->nruns; g1++) {
+            size_t i = g0;
+            while (i < g1 && p->runs[i].pc->w != p->runs[g1].pc->w) i++;
+            if (i < g1) break; /* a second piece of a file: the next group */
+        }
+        for (uint64_t k = 0, left = 1; left; k++) {
+            left = 0;
+            for (size_t i = g0; i < g1; i++)
+                if (k < p->runs[i].g.nchunks) {
+                    p->slot[c++] = (stream_slot){i, k};
+                    left = 1;
+                }
+        }
+    }
+    return SHARD_OK;
+}
+
 shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void (*done)(void *arg, uint64_t bytes), void *arg)
 {
     for (size_t i = 0; i < n; i++) {
@@ -494,10 +527,10 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
         if (shard_box_numel(&pieces[i].box) == 0) continue; /* empty pieces are not stored */
         piece_run *r = &p.runs[p.nruns++];
         if (!p.s) p.s = plan_run(r, &pieces[i]);
-        r->first = p.nchunks;
         p.nchunks += r->g.nchunks;
         if (r->g.full > p.max_full) p.max_full = r->g.full;
     }
+    if (p.nchunks && !p.s) p.s = plan_stream(&p);
     if (p.nchunks && !p.s) {
         pthread_mutex_init(&p.mu, NULL);
         pthread_cond_init(&p.cv, NULL);
@@ -516,6 +549,7 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
         free(p.runs[i].chunk_xxh3);
     }
     free(p.runs);
+    free(p.slot);
     if (p.s && p.msg[0]) return shard_fail(p.s, "%s", p.msg); /* the failing worker's message, here */
     return p.s;
 }
