@@ -338,6 +338,28 @@ static shard_status chunk_place(const piece_run *r, const hsize_t *hoff, size_t 
     return SHARD_OK;
 }
 
+/* A direct piece's blocks on disk, taken at once before its chunks are written
+ * (fallocate, the file's size kept): the filesystem then maps each write onto blocks
+ * it has, instead of reserving them write by write (dd of 1.5 GB in writes of 256 KiB
+ * on ext4, by hand: 0.33 s of system time, 0.24 s into fallocated blocks; with fsync
+ * 0.78-0.81 s against 0.67-0.74). The chunks lie one after the other from the first
+ * (early allocation); where they do not, nothing is taken. A filesystem without
+ * fallocate is no fault; a full one is. */
+static shard_status reserve_piece(const piece_run *r)
+{
+    shard_box sub;
+    hsize_t h0[SHARD_MAX_DIMS], h1[SHARD_MAX_DIMS];
+    haddr_t a0, a1;
+    chunk_box(r, 0, &sub, h0);
+    chunk_box(r, r->g.nchunks - 1, &sub, h1);
+    shard_status s = chunk_place(r, h0, r->g.full, &a0);
+    if (!s) s = chunk_place(r, h1, r->g.full, &a1);
+    if (!s && a1 >= a0 && fallocate(r->pc->w->fd, FALLOC_FL_KEEP_SIZE, (off_t)a0, (off_t)(a1 - a0 + r->g.full)) != 0 &&
+        errno == ENOSPC)
+        s = write_failed(r->pc, ENOSPC);
+    return s;
+}
+
 /* After the last chunk: the attributes that make the piece self-describing. */
 static shard_status finish_dataset(piece_run *r)
 {
@@ -457,6 +479,7 @@ static void *pipeline_worker(void *arg)
         pthread_mutex_unlock(&p->mu);
         if (failed) break;
         if (k == 0) s = create_dataset(run);
+        if (!s && k == 0 && run->direct) s = reserve_piece(run);
         haddr_t at = HADDR_UNDEF;
         if (!s && run->direct) s = chunk_place(run, hoff, outn, &at);
         else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
