@@ -41,6 +41,12 @@ void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync);
 /* All n bytes of p at offset off of fd, SHARD_WRITE_MAX at a time: 0, or errno's value
  * (ENOSPC for a write that stops short). */
 int shard_pwrite_all(int fd, const void *p, size_t n, uint64_t off);
+/* Take the disk blocks of [off, off + len) of fd before writing there (fallocate, the
+ * file's size kept): the filesystem then maps each write onto blocks it has instead of
+ * reserving them write by write (ext4, dd of 1.5 GB in writes of 256 KiB, by hand:
+ * 0.33 s of system time, 0.24 s into taken blocks; with fsync 0.78-0.81 s against
+ * 0.67-0.74). 0, or ENOSPC: a filesystem without fallocate is no fault, a full one is. */
+int shard_reserve_blocks(int fd, uint64_t off, uint64_t len);
 /* Overflow-checked arithmetic: false on overflow. */
 static inline bool shard_mul_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_mul_overflow(a, b, r); }
 static inline bool shard_add_u64(uint64_t a, uint64_t b, uint64_t *r) { return !__builtin_add_overflow(a, b, r); }

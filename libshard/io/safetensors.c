@@ -311,7 +311,10 @@ static shard_status start(shard_st_writer *w)
     size_t n = strlen(h), padded = (n + 7) & ~(size_t)7; /* pad with spaces: 8-byte aligned data */
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)padded >> (8 * i));
-    shard_status s = raw_write(w, len8, 8);
+    shard_status s = SHARD_OK;
+    if (shard_reserve_blocks(w->fd, 0, 8 + padded + w->total)) /* the whole file's blocks, at once */
+        s = shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(ENOSPC));
+    if (!s) s = raw_write(w, len8, 8);
     if (!s) s = raw_write(w, h, n);
     if (!s && padded > n) s = raw_write(w, "        ", padded - n);
     free(h);

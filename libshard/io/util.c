@@ -156,6 +156,12 @@ int shard_pwrite_all(int fd, const void *p, size_t n, uint64_t off)
     return 0;
 }
 
+int shard_reserve_blocks(int fd, uint64_t off, uint64_t len)
+{
+    if (len == 0 || off > INT64_MAX || len > (uint64_t)INT64_MAX - off) return 0;
+    return fallocate(fd, FALLOC_FL_KEEP_SIZE, (off_t)off, (off_t)len) != 0 && errno == ENOSPC ? ENOSPC : 0;
+}
+
 static int cmp_name(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 void shard_free_names(char **names, size_t n)
