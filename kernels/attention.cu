@@ -46,19 +46,20 @@ static int choice(int *slot, const char *var, const char *const *names)
 
 /* a form or shape's index in names (n of them), 0 when out of range */
 static int in_range(int v, int n) { return v >= 0 && v < n ? v : 0; }
+enum { N_BWD_FORMS = sizeof BWD_FORMS / sizeof *BWD_FORMS - 1, N_FWD_SHAPES = sizeof FWD_SHAPES / sizeof *FWD_SHAPES - 1 };
 
 extern "C" int cuda_op_attention_backward_form(void) { return choice(&bwd_form, "SMP_CUDA_ATTN_BWD", BWD_FORMS); }
 extern "C" void cuda_op_attention_set_backward_form(int form)
 {
-    __atomic_store_n(&bwd_form, in_range(form, 3), __ATOMIC_RELAXED);
+    __atomic_store_n(&bwd_form, in_range(form, N_BWD_FORMS), __ATOMIC_RELAXED);
 }
-extern "C" const char *cuda_op_attention_backward_form_name(int form) { return BWD_FORMS[in_range(form, 3)]; }
+extern "C" const char *cuda_op_attention_backward_form_name(int form) { return BWD_FORMS[in_range(form, N_BWD_FORMS)]; }
 extern "C" int cuda_op_attention_forward_shape(void) { return choice(&fwd_shape, "SMP_CUDA_ATTN_FWD", FWD_SHAPES); }
 extern "C" void cuda_op_attention_set_forward_shape(int shape)
 {
-    __atomic_store_n(&fwd_shape, in_range(shape, 3), __ATOMIC_RELAXED);
+    __atomic_store_n(&fwd_shape, in_range(shape, N_FWD_SHAPES), __ATOMIC_RELAXED);
 }
-extern "C" const char *cuda_op_attention_forward_shape_name(int shape) { return FWD_SHAPES[in_range(shape, 3)]; }
+extern "C" const char *cuda_op_attention_forward_shape_name(int shape) { return FWD_SHAPES[in_range(shape, N_FWD_SHAPES)]; }
 
 /* NULL, or what is wrong with SMP_CUDA_ATTN_BWD / SMP_CUDA_ATTN_FWD (a value that is
  * none of the names would otherwise fall back to the default unseen) */

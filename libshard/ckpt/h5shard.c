@@ -221,8 +221,8 @@ static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst,
 
 /* --------------------------------------------------------- the chunk pipeline */
 /* A piece is cut into chunks of whole rows (chunk shape [1, ..., 1, rows, rowlen]).
- * The chunks of a list of pieces (of one file or several) form one stream, numbered
- * piece after piece. Worker threads each take the next chunk, fill it, byte-shuffle
+ * The chunks of a list of pieces (of one file or several) form one stream, each file's
+ * pieces one after the other (plan_stream says the order). Worker threads each take the next chunk, fill it, byte-shuffle
  * and compress it; then, in stream order, fold it into its piece's checksum, and, in
  * stream order again, hand it to HDF5 with H5Dwrite_chunk, which bypasses HDF5's
  * filter pipeline (and its global lock for the compression work). The holder of the

@@ -312,8 +312,8 @@ static shard_status start(shard_st_writer *w)
     uint8_t len8[8];
     for (int i = 0; i < 8; i++) len8[i] = (uint8_t)((uint64_t)padded >> (8 * i));
     shard_status s = SHARD_OK;
-    if (shard_reserve_blocks(w->fd, 0, 8 + padded + w->total)) /* the whole file's blocks, at once */
-        s = shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(ENOSPC));
+    int err = shard_reserve_blocks(w->fd, 0, 8 + padded + w->total); /* the whole file's blocks, at once */
+    if (err) s = shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(err));
     if (!s) s = raw_write(w, len8, 8);
     if (!s) s = raw_write(w, h, n);
     if (!s && padded > n) s = raw_write(w, "        ", padded - n);
