@@ -189,7 +189,8 @@ def test_chunked_pieces_hold_the_source(tmp_path):
     chunk order, write in chunk order): h5py reads every dataset equal to its box of the
     source, for whole-row pieces, row-split ones (o_proj, down_proj at tp=2), partial last
     chunks (an odd vocabulary), with and without dtype conversion and compression; and the
-    pieces' checksums do not depend on threads, compression or --no-fsync."""
+    pieces' checksums do not depend on threads, compression or --no-fsync. Uncompressed
+    pieces are made with their chunks' places allocated (the writer's direct path)."""
     from transformers import LlamaConfig, LlamaForCausalLM
     from safetensors.numpy import load_file
     torch.manual_seed(0)
@@ -217,6 +218,9 @@ def test_chunked_pieces_hold_the_source(tmp_path):
                     d = f[p["dataset"]]
                     if d.id.get_num_chunks() > 1:
                         multi.add(t["name"].split(".")[-2])
+                    # uncompressed pieces: every chunk placed at creation, written by pwrite in parallel
+                    early = d.id.get_create_plist().get_alloc_time() == h5py.h5d.ALLOC_TIME_EARLY
+                    assert early == (compress == "none"), (ck.name, p["dataset"])
                     got = d[()]
                 sl = tuple(slice(o, o + n) for o, n in zip(p["offset"], p["shape"]))
                 assert got.dtype == want.dtype and np.array_equal(got, want[sl]), (ck.name, t["name"], p["offset"])
