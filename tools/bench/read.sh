@@ -50,7 +50,9 @@
 #        that touch cost from 0.3 to several seconds per GB, varying from run to run,
 #        and the second of two runs reuses memory the first just freed before the host
 #        takes it back: (e) and (e'), (f) and (f') take turns running first (the load in
-#        odd rounds, the anchor in even ones)
+#        odd rounds, the anchor in even ones), and each runs right after an unmeasured
+#        run of its anchor, so both meet the host in one state (without that, whichever
+#        ran first paid for it: (f)'s load 2.7-5.7 s against 1.5 s by hand, 2026-12-04)
 #   (h') what a user would do for (e)'s fp32 weights: torch loads the model's safetensors
 #        (safetensors.torch.load_file) and converts to float32; the load time it prints
 #   (i)  peak RSS (/usr/bin/time -v; under mpirun the largest process) of every command
@@ -270,14 +272,19 @@ measure() {
 }
 
 # pair ROUND KEY1 CMD1... -- KEY2 CMD2...: both measured (no output folder), KEY1 first in
-# odd rounds, KEY2 first in even ones
+# odd rounds, KEY2 first in even ones, each right after an unmeasured run of CMD2 (the
+# anchor: a first touch of as much fresh memory), so that both meet the host in the same
+# state (the one run first otherwise pays the host's backing of the memory: 1-4 s here)
+PRIME=()
+prime() { if [ ${#PRIME[@]} -gt 0 ]; then "${PRIME[@]}" >/dev/null 2>&1 || true; fi; }
 pair() {
     local round=$1 k1=$2 k2; shift 2
     local a=() b=()
     while [ "$1" != -- ]; do a+=("$1"); shift; done
     shift; k2=$1; shift; b=("$@")
-    if [ $((round % 2)) = 1 ]; then measure "$k1" - "${a[@]}"; measure "$k2" - "${b[@]}"
-    else measure "$k2" - "${b[@]}"; measure "$k1" - "${a[@]}"; fi
+    PRIME=("${b[@]}")
+    if [ $((round % 2)) = 1 ]; then prime; measure "$k1" - "${a[@]}"; prime; measure "$k2" - "${b[@]}"
+    else prime; measure "$k2" - "${b[@]}"; prime; measure "$k1" - "${a[@]}"; fi
 }
 
 HAVE_LAYOUT=0 HAVE_TOGETHER=0
@@ -299,8 +306,7 @@ for ((round = 1; round <= REPEAT; round++)); do
     measure rs "$OUT/x" "$BIN/smp-convert" reshard --in "$CKN" --out "$OUT/x" --layout tp=4 --compress none --no-fsync
     measure mg "$OUT/x" "$BIN/smp-merge" --in "$CKN" --out "$OUT/x" --no-fsync
     measure vf - "$BIN/smp-verify" "$CKN"
-    # a load and its anchor, in turns first: the one that runs second reuses memory the
-    # first just freed, before the host takes it back (see (e') above)
+    # a load and its anchor, in turns first, each after a run of the anchor (see (e') above)
     if [ "$BIG" = 0 ]; then
         pair "$round" ev "$BIN/smp-eval" --ckpt "$CKN" "${EVAL[@]}" -- mem "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES))"
     fi
@@ -308,6 +314,7 @@ for ((round = 1; round <= REPEAT; round++)); do
         pair "$round" evp "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --ckpt "$CKN" --data "$TOK" --batch 2 --seq 16 \
             --batches 1 -- memp "${MPI[@]}" "$PY" -c "$TOUCH" "$((2 * MODEL_BYTES / EVAL_SPLIT))"
         if [ "$HAVE_TOGETHER" = 1 ]; then
+            prime # the anchor of (f), as before (f) itself
             measure evt - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --read-together yes --ckpt "$CKN" --data "$TOK" \
                 --batch 2 --seq 16 --batches 1
         fi
@@ -319,10 +326,13 @@ for ((round = 1; round <= REPEAT; round++)); do
     measure mg-z "$OUT/x" "$BIN/smp-merge" --in "$CKZ" --out "$OUT/x" --no-fsync
     measure vf-z - "$BIN/smp-verify" "$CKZ"
     if [ "$BIG" = 0 ]; then
+        PRIME=("$PY" -c "$TOUCH" "$((2 * MODEL_BYTES))")
+        prime # as before (e), which it is compared with
         measure ev-z - "$BIN/smp-eval" --ckpt "$CKZ" "${EVAL[@]}"
+        prime # (h'), torch's load, is compared with (e) too
+        measure tl - "$PY" -c "$TORCHLOAD" "$HF/model.safetensors"
         measure py "$OUT/x" "$PY" "$NAIVE" "$CKN" "$OUT/x"
         measure py-z "$OUT/x" "$PY" "$NAIVE" "$CKZ" "$OUT/x"
-        measure tl - "$PY" -c "$TORCHLOAD" "$HF/model.safetensors"
     fi
     if [ "$round" = 1 ]; then
         rm -f "$KEEP"
@@ -389,21 +399,25 @@ echo "targets (like with like; median of $REPEAT runs each):"
 tgt() {  # label ratio limit [note]
     printf "  %-58s %6.2f x   %-6s%s\n" "$1 <= $3 x:" "$2" "$(verdict "$2" "$3")" "${4:-}"
 }
-tgt "(b)  reshard --no-fsync / (a) cp -r" "$(calc "${T[rs]} / ${T[cp]}")" 1.5
+# cp -r itself moves between rounds here (0.4-3.6 s in one run: the host, DAMON): beside
+# each ratio to the median cp -r, the ratio to the run's fastest one, the stricter figure
+CPMIN=$(tr ' ' '\n' <<<"${TS[cp]}" | grep . | sort -g | head -1)
+strict() { printf "   (fastest cp -r, %.2f s: %.2f x)" "$CPMIN" "$(calc "$1 / $CPMIN")"; }
+tgt "(b)  reshard --no-fsync / (a) cp -r" "$(calc "${T[rs]} / ${T[cp]}")" 1.5 "$(strict "${T[rs]}")"
 tgt "(b') reshard durable / (a') cp -r && sync" "$(calc "${T[rs-d]} / ${T[cps]}")" 1.2
-tgt "(c)  smp-merge --no-fsync / (a)" "$(calc "${T[mg]} / ${T[cp]}")" 1.5
+tgt "(c)  smp-merge --no-fsync / (a)" "$(calc "${T[mg]} / ${T[cp]}")" 1.5 "$(strict "${T[mg]}")"
 tgt "(c') smp-merge durable / (a')" "$(calc "${T[mg-d]} / ${T[cps]}")" 1.2
-tgt "(d)  smp-verify / (a)" "$(calc "${T[vf]} / ${T[cp]}")" 1.0
+tgt "(d)  smp-verify / (a)" "$(calc "${T[vf]} / ${T[cp]}")" 1.0 "$(strict "${T[vf]}")"
 if [ "$BIG" = 1 ]; then
     echo "  (e), (f), (h): skipped for the 8B-shaped model (fp32 weights, or the whole model, in memory)"
 else
     tgt "(e)  smp-eval load / (a)" "$(calc "$(load ev) / ${T[cp]}")" 1.5 \
-        "$(loadnote ev)   (its anchor (e'), fresh memory's first touch, alone: $(printf "%.2f" "$(calc "$(load mem) / ${T[cp]}")") x (a))"
+        "$(loadnote ev)$(strict "$(load ev)")   (its anchor (e'), fresh memory's first touch, alone: $(printf "%.2f" "$(calc "$(load mem) / ${T[cp]}")") x (a))"
 fi
 if [ "$BIG" = 1 ]; then :
 elif [ "$HAVE_LAYOUT" = 1 ]; then
     tgt "(f)  8-rank smp-eval $EVAL_LAYOUT load / (a)" "$(calc "$(load evp) / ${T[cp]}")" 1.5 \
-        "$(if [ -n "${LT[evp]:-}" ]; then echo "   (largest of ${NLOAD[evp]} rank line(s))"; else loadnote evp; fi)   (its anchor (f') alone: $(printf "%.2f" "$(calc "$(load memp) / ${T[cp]}")") x (a))"
+        "$(if [ -n "${LT[evp]:-}" ]; then echo "   (largest of ${NLOAD[evp]} rank line(s))"; else loadnote evp; fi)$(strict "$(load evp)")   (its anchor (f') alone: $(printf "%.2f" "$(calc "$(load memp) / ${T[cp]}")") x (a))"
 else
     echo "  (f)  8-rank smp-eval: skipped: this smp-eval has no --layout (one rank only)"
 fi
