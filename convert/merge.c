@@ -263,14 +263,40 @@ static shard_status write_index(const merge *m)
     return s;
 }
 
-/* Beside the weights: the index, config.json as it was given to hf2smp, the extra
- * files (checked as they are copied); then the folder into place, durably: its
- * entries before the rename, the rename itself after. */
+/* The one dtype of the exported weights (all of one float type), else INVALID. */
+static shard_dtype export_dtype(const merge *m)
+{
+    shard_dtype dt = SHARD_DT_INVALID;
+    for (size_t i = 0; i < m->nt; i++) {
+        if (!shard_torch_dtype_name(m->dts[i]) || (dt != SHARD_DT_INVALID && m->dts[i] != dt)) return SHARD_DT_INVALID;
+        dt = m->dts[i];
+    }
+    return dt;
+}
+
+/* config.json as it was given to hf2smp, its torch_dtype (or dtype) set to the weights'
+ * where they are another type now (--dtype, or hf2smp's): loaders that take the
+ * config's word for it (transformers' dtype="auto", its default since 5) then get the
+ * weights as they are stored. */
+static shard_status write_config(const merge *m)
+{
+    const char *cfg = shard_ckpt_config_json(m->c);
+    char *edited = NULL;
+    shard_status s = shard_config_with_dtype(cfg, export_dtype(m), &edited);
+    if (s) return s; /* out of memory: the text was checked when the checkpoint was opened */
+    const char *text = edited ? edited : cfg;
+    s = write_file(m->stage, "config.json", text, strlen(text), &m->wo);
+    free(edited);
+    return s;
+}
+
+/* Beside the weights: the index, config.json, the extra files (checked as they are
+ * copied); then the folder into place, durably: its entries before the rename, the
+ * rename itself after. */
 static shard_status finish(const merge *m)
 {
     shard_status s = m->nfiles > 1 ? write_index(m) : SHARD_OK;
-    const char *cfg = shard_ckpt_config_json(m->c);
-    if (!s) s = write_file(m->stage, "config.json", cfg, strlen(cfg), &m->wo);
+    if (!s) s = write_config(m);
     for (size_t i = 0; i < shard_ckpt_extra_count(m->c) && !s; i++) {
         char *path = join(m->stage, shard_ckpt_extra_at(m->c, i));
         s = path ? shard_ckpt_copy_extra(m->c, i, path, &m->wo) : nomem();

@@ -274,6 +274,11 @@ shard_status shard_config_read(const char *path, shard_model_desc *out, char **t
 void *shard_config_json(const shard_model_desc *d);
 /* config.json's name of a torch_dtype ("bfloat16"), or NULL. */
 const char *shard_torch_dtype_name(shard_dtype dt);
+/* config.json (NUL-terminated text) saying its weights are dt: *out a new text
+ * (malloc'd) where the file's torch_dtype or dtype named another type, every
+ * other byte as given when the text allows, else NULL (nothing to change: no such
+ * key, the same type already, or dt not one of config.json's types). */
+shard_status shard_config_with_dtype(const char *json, shard_dtype dt, char **out);
 
 /* The tensors a model description has, in a fixed order (embedding, then each
  * layer's, then the final norm and the head; no lm_head when tied). */

@@ -430,3 +430,88 @@ void *shard_config_json(const shard_model_desc *d)
     json_object_set_new(o, "torch_dtype", td ? json_string(td) : json_null());
     return o;
 }
+
+/* ------------------------------------------- config.json for other weights */
+/* The value of the one top-level `"key": "..."` in text, where the text has the key
+ * once: [*at, *at + *n). 0 when the key is not found exactly once in that form. */
+static int find_string_value(const char *text, const char *key, size_t *at, size_t *n)
+{
+    char pat[32];
+    snprintf(pat, sizeof pat, "\"%s\"", key);
+    const char *k = strstr(text, pat);
+    if (!k || strstr(k + 1, pat)) return 0;
+    const char *p = k + strlen(pat);
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    if (*p++ != ':') return 0;
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    if (*p++ != '"') return 0;
+    const char *e = p;
+    while (*e && *e != '"' && *e != '\\') e++;
+    if (*e != '"') return 0;
+    *at = (size_t)(p - text);
+    *n = (size_t)(e - p);
+    return 1;
+}
+
+/* text with one value replaced (malloc'd) */
+static char *splice(const char *text, size_t at, size_t n, const char *v)
+{
+    size_t len = strlen(text), vl = strlen(v);
+    char *o = malloc(len - n + vl + 1);
+    if (!o) return NULL;
+    memcpy(o, text, at);
+    memcpy(o + at, v, vl);
+    memcpy(o + at + vl, text + at + n, len - at - n + 1);
+    return o;
+}
+
+/* The keys' values set to name by editing the text in place of each (so the rest
+ * stays byte for byte as given), checked by parsing the result against want; NULL
+ * where the text does not lend itself to that. */
+static char *edit_in_place(const char *text, const char *const *keys, int nkeys, const char *name, const json_t *want)
+{
+    char *cur = strdup(text);
+    for (int i = 0; i < nkeys && cur; i++) {
+        size_t at, n;
+        char *next = find_string_value(cur, keys[i], &at, &n) ? splice(cur, at, n, name) : NULL;
+        free(cur);
+        cur = next;
+    }
+    json_t *got = cur ? json_loads(cur, 0, NULL) : NULL;
+    int same = got && json_equal(got, want);
+    json_decref(got);
+    if (!same) { free(cur); return NULL; }
+    return cur;
+}
+
+shard_status shard_config_with_dtype(const char *json, shard_dtype dt, char **out)
+{
+    *out = NULL;
+    const char *name = shard_torch_dtype_name(dt);
+    json_t *root = json_loads(json, 0, NULL);
+    if (!root || !json_is_object(root)) { json_decref(root); return shard_fail(SHARD_E_INVALID, "config.json: not a JSON object"); }
+    /* transformers < 5 writes torch_dtype, 5 writes dtype: whichever the file has */
+    const char *keys[2];
+    int nkeys = 0;
+    for (int k = 0; k < 2 && name; k++) {
+        const char *key = k ? "dtype" : "torch_dtype";
+        json_t *v = json_object_get(root, key);
+        if (json_is_string(v) && strcmp(json_string_value(v), name)) {
+            keys[nkeys++] = key;
+            json_object_set_new(root, key, json_string(name));
+        }
+    }
+    shard_status s = SHARD_OK;
+    if (nkeys) {
+        *out = edit_in_place(json, keys, nkeys, name, root);
+        if (!*out) { /* the whole object again, transformers' indentation, the keys' order kept */
+            char *d = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+            size_t l = d ? strlen(d) : 0;
+            if (d && (*out = malloc(l + 2))) { memcpy(*out, d, l); memcpy(*out + l, "\n", 2); }
+            free(d);
+        }
+        if (!*out) s = shard_fail(SHARD_E_NOMEM, "config.json: out of memory");
+    }
+    json_decref(root);
+    return s;
+}

@@ -82,6 +82,22 @@ def test_split_export_with_index(tmp_path):
     ref = tensors_of(hf)
     for k in ref:
         assert got[k].dtype == torch.bfloat16 and torch.equal(got[k], ref[k].to(torch.bfloat16)), k
+    # config.json names the weights' new dtype, every other byte as given; transformers,
+    # taking the config's word (dtype="auto"), loads the model in bf16
+    given = (hf / "config.json").read_text()
+    keys = [k for k in ("torch_dtype", "dtype") if json.loads(given).get(k) == "float32"]
+    assert keys, "the model's config.json names no dtype: nothing to test"
+    want = given
+    for k in keys:
+        assert want.count(f'"{k}": "float32"') == 1
+        want = want.replace(f'"{k}": "float32"', f'"{k}": "bfloat16"')
+    assert (tmp_path / "out" / "config.json").read_text() == want
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    # weights kept as stored (fp32): config.json byte for byte as given
+    run("smp-merge", "--in", tmp_path / "ck", "--out", tmp_path / "keep", check=0)
+    assert (tmp_path / "keep" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
 
 
 def independent_reader(ck):

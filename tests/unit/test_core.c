@@ -257,10 +257,44 @@ static void test_xxh64_forms(void **st)
     free(buf);
 }
 
+/* config.json for weights of another dtype: the value edited in place, the rest byte
+ * for byte; a text that does not allow that (the key twice) rewritten whole */
+static void test_config_with_dtype(void **st)
+{
+    (void)st;
+    char *o = NULL;
+    assert_int_equal(shard_config_with_dtype("{\"eps\": 1e-05,\n  \"torch_dtype\": \"float32\"}", SHARD_DT_BF16, &o), SHARD_OK);
+    assert_string_equal(o, "{\"eps\": 1e-05,\n  \"torch_dtype\": \"bfloat16\"}");
+    free(o);
+    assert_int_equal(shard_config_with_dtype("{\"dtype\" :\"float32\", \"torch_dtype\":\"float32\"}", SHARD_DT_F16, &o), SHARD_OK);
+    assert_string_equal(o, "{\"dtype\" :\"float16\", \"torch_dtype\":\"float16\"}");
+    free(o);
+    /* nothing to change: the same dtype, no such key, a dtype config.json has no name for */
+    assert_int_equal(shard_config_with_dtype("{\"torch_dtype\": \"bfloat16\"}", SHARD_DT_BF16, &o), SHARD_OK);
+    assert_null(o);
+    assert_int_equal(shard_config_with_dtype("{\"eps\": 1e-05}", SHARD_DT_BF16, &o), SHARD_OK);
+    assert_null(o);
+    assert_int_equal(shard_config_with_dtype("{\"torch_dtype\": \"float32\"}", SHARD_DT_I8, &o), SHARD_OK);
+    assert_null(o);
+    /* the key twice (a nested config): the whole object again, only the top level's changed */
+    assert_int_equal(shard_config_with_dtype("{\"text_config\": {\"torch_dtype\": \"float32\"}, \"torch_dtype\": \"float32\"}",
+                                             SHARD_DT_BF16, &o), SHARD_OK);
+    assert_non_null(o);
+    json_t *j = json_loads(o, 0, NULL);
+    assert_non_null(j);
+    assert_string_equal(json_string_value(json_object_get(j, "torch_dtype")), "bfloat16");
+    assert_string_equal(json_string_value(json_object_get(json_object_get(j, "text_config"), "torch_dtype")), "float32");
+    assert_int_equal(o[strlen(o) - 1], '\n');
+    json_decref(j);
+    free(o);
+    assert_int_equal(shard_config_with_dtype("[1]", SHARD_DT_BF16, &o), SHARD_E_INVALID);
+    assert_null(o);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
+        cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_config_with_dtype), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract),
         cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_xxh64_forms),
     };
