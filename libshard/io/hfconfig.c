@@ -432,8 +432,9 @@ void *shard_config_json(const shard_model_desc *d)
 }
 
 /* ------------------------------------------- config.json for other weights */
-/* The value of the one top-level `"key": "..."` in text, where the text has the key
- * once: [*at, *at + *n). 0 when the key is not found exactly once in that form. */
+/* The value of `"key": "..."` in text, where the text names the key once (at any depth:
+ * the caller checks what the edit does): [*at, *at + *n). 0 when the key is not there
+ * exactly once in that form, or its value has escapes. */
 static int find_string_value(const char *text, const char *key, size_t *at, size_t *n)
 {
     char pat[32];

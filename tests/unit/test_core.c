@@ -294,8 +294,8 @@ static void test_config_with_dtype(void **st)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_config_with_dtype), cmocka_unit_test(test_fp8_edges),
-        cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract),
+        cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
+        cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
         cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_xxh64_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
