@@ -70,8 +70,9 @@ extern "C" const char *cuda_op_attention_env_error(void)
     const char *const *names[] = {BWD_FORMS, FWD_SHAPES};
     for (int v = 0; v < 2; v++)
         if (env_index(vars[v], names[v]) < 0) {
-            snprintf(msg, sizeof msg, "%s=%.40s: not %s, %s or %s", vars[v], getenv(vars[v]), names[v][0],
-                     names[v][1], names[v][2]);
+            int n = snprintf(msg, sizeof msg, "%s=%.40s: not", vars[v], getenv(vars[v]));
+            for (int i = 0; names[v][i] && n < (int)sizeof msg; i++) /* every name of its table */
+                n += snprintf(msg + n, sizeof msg - (size_t)n, "%s %s", i == 0 ? "" : names[v][i + 1] ? "," : " or", names[v][i]);
             return msg;
         }
     return NULL;

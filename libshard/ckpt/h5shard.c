@@ -222,21 +222,22 @@ static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst,
 /* --------------------------------------------------------- the chunk pipeline */
 /* A piece is cut into chunks of whole rows (chunk shape [1, ..., 1, rows, rowlen]).
  * The chunks of a list of pieces (of one file or several) form one stream, each file's
- * pieces one after the other (plan_stream says the order). Worker threads each take the next chunk, fill it, byte-shuffle
- * and compress it; then, in stream order, fold it into its piece's checksum, and, in
- * stream order again, hand it to HDF5 with H5Dwrite_chunk, which bypasses HDF5's
- * filter pipeline (and its global lock for the compression work). The holder of the
- * write turn also creates a piece's dataset before its first chunk and gives it its
- * attributes after its last, so each file's operations come in the same order as
- * piece by piece, and the workers never wait for one piece to drain before filling
- * the next. Two turns, each held by one thread at a time and neither under the
- * pipeline's lock: while one thread writes chunk c, another hashes chunk c+1 and the
- * others fill. Uncompressed pieces ("direct") are made with every chunk's place
- * allocated (H5D_ALLOC_TIME_EARLY, nothing written): the write turn then only looks
- * the chunk's place up, and the bytes go there by pwrite outside any turn, from every
- * worker at once and SHARD_WRITE_MAX at a time (HDF5 would hand the kernel the whole
- * chunk in one write, in the turn: a reshard without compression took 1.4-2.3 s that
- * way against 0.73-0.87 s, docs/DESIGN.md). Memory: threads x (chunk + compressed chunk). */
+ * pieces one after the other (plan_stream says the order). Worker threads each take
+ * the next chunk, fill it, byte-shuffle and compress it; then, in stream order, fold
+ * it into its piece's checksum, and, in stream order again, hand it to HDF5 with
+ * H5Dwrite_chunk, which bypasses HDF5's filter pipeline (and its global lock for the
+ * compression work). The holder of the write turn also creates a piece's dataset
+ * before its first chunk and gives it its attributes after its last, so each file's
+ * operations come in the same order as piece by piece, and the workers never wait for
+ * one piece to drain before filling the next. Two turns, each held by one thread at a
+ * time and neither under the pipeline's lock: while one thread writes chunk c, another
+ * hashes chunk c+1 and the others fill. Uncompressed pieces ("direct") are made with
+ * every chunk's place allocated (H5D_ALLOC_TIME_EARLY, nothing written): the write
+ * turn then only looks the chunk's place up, and the bytes go there by pwrite outside
+ * any turn, from every worker at once and SHARD_WRITE_MAX at a time (HDF5 would hand
+ * the kernel the whole chunk in one write, in the turn: a reshard without compression
+ * took 1.4-2.3 s that way against 0.73-0.87 s, docs/DESIGN.md). Memory: threads x
+ * (chunk + compressed chunk). */
 typedef struct {
     const shard_h5_piece *pc;
     hid_t ds;
