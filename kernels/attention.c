@@ -5,11 +5,12 @@
  * Blocked as flash attention is: a tile of QT queries against a tile of KT keys at a
  * time, an online softmax per tile, and tiles that no (query, key) pair of can see
  * (causal, window, documents) skipped whole. Each tile product is one small GEMM on
- * the tensors in place (tile_gemm.c, register-blocked; B's rows always read in place,
+ * the tensors in place (tile_gemm.c, register-blocked; B's rows read as they lie,
  * which is why the products are arranged so that no B is transposed). No score
- * matrix: a task's scratch is two QT x KT tiles and its query tile transposed (q; the backward's dout too: 64 KiB each) on its stack, so no
- * op here allocates. The exp is a polynomial the compiler vectorizes
- * (smp_expf, simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
+ * matrix: a task's scratch is two QT x KT tiles and its query tile transposed (q; the
+ * backward's dout too, and q, dout, dq packed: 64 KiB each) on its stack, so no op
+ * here allocates. The exp is a polynomial the compiler vectorizes (smp_expf_shifted,
+ * simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
  *
  * Bit-identical across thread counts: every output row is summed by one task in a
@@ -208,6 +209,22 @@ static void transpose_rows(const attn_shape *s, const tile *t, const float *x, s
     }
 }
 
+/* n rows of hd floats, `stride` apart */
+typedef struct { const float *p; size_t stride; } rows;
+
+/* Rows [0, n) of x (row stride xs) copied together into buf [n][hd], where the scratch
+ * holds them (hd <= QT_HD_MAX; else x in place). In place, a tile's rows lie a row of
+ * every head apart (512 B and up, a power of two), so they fall on a few of L1's sets
+ * and evict each other. */
+static rows packed(const attn_shape *s, const float *x, size_t xs, int n, float *buf)
+{
+    if (s->hd > QT_HD_MAX)
+        return (rows){x, xs};
+    for (int r = 0; r < n; r++)
+        memcpy(buf + (size_t)r * s->hd, x + (size_t)r * xs, (size_t)s->hd * sizeof(float));
+    return (rows){buf, (size_t)s->hd};
+}
+
 /* Ct [KT][QT] = alpha Y X^T for the tile's keys (rows of Y, e.g. k or v) and queries (rows
  * of X, e.g. q or dout): from Xt when the caller transposed X (plain: hd <= QT_HD_MAX),
  * else from X itself (X^T as B: BLAS's nt product) */
@@ -253,18 +270,19 @@ SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, floa
     #pragma omp simd
     for (int i = 0; i < QT; i++) /* nothing visible yet: exp(-inf - 0) = 0 */
         sub[i] = mx[i] == -INFINITY ? 0.0f : mx[i];
+    const smp_exp_bounds eb = smp_exp_bounds_opaque();
     for (int j = 0; j < t->nj; j++) {
         float *row = St + (size_t)j * QT;
         #pragma omp simd
         for (int i = 0; i < QT; i++) {
-            row[i] = smp_expf(row[i] - sub[i]);
+            row[i] = smp_expf_shifted(row[i] - sub[i], eb);
             sum[i] += row[i];
         }
     }
     const size_t qs = (size_t)s->nh * s->hd;
     for (int i = 0; i < t->ni; i++) {
         if (mx[i] > m[i]) { /* new max: rescale what was summed so far (0 at first) */
-            const float corr = smp_expf(m[i] - mx[i]);
+            const float corr = smp_expf_shifted(m[i] - mx[i], eb);
             l[i] *= corr;
             for (int d = 0; d < s->hd; d++)
                 o[i * qs + d] *= corr;
@@ -338,7 +356,11 @@ typedef struct {
 typedef struct {
     float L[QT], D[QT];
     const float *qt, *dot;
-    float Qt[QT_HD_MAX * QT], dOt[QT_HD_MAX * QT];
+    rows qr, dor;     /* q, dout packed (packed(): the B of dk's and dv's products) */
+    float *dq;        /* where the tile's dq rows add up: dQp (dq_open), or dq in place */
+    size_t dqs;
+    float Qt[QT_HD_MAX * QT], dOt[QT_HD_MAX * QT], Qp[QT * QT_HD_MAX], dOp[QT * QT_HD_MAX],
+        dQp[QT * QT_HD_MAX];
 } qside;
 
 static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int h, size_t q0, qside *q)
@@ -354,6 +376,8 @@ static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int 
             acc += g[d] * o[d];
         q->L[i] = L == -INFINITY ? INFINITY : L, q->D[i] = acc;
     }
+    q->qr = packed(s, a->q + q0, qs, t->ni, q->Qp);
+    q->dor = packed(s, a->dout + q0, qs, t->ni, q->dOp);
     q->qt = q->dot = NULL;
     if (s->hd <= QT_HD_MAX) {
         transpose_rows(s, t, a->q + q0, qs, q->Qt);
@@ -369,31 +393,48 @@ SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, c
     keys_by_queries(s, t, s->scale, a->k + kv0, a->q + q0, q->qt, Pt);
     mask_tile(s, t, sees, Pt, 1);
     keys_by_queries(s, t, 1.0f, a->v + kv0, a->dout + q0, q->dot, dSt);
+    const smp_exp_bounds eb = smp_exp_bounds_opaque();
     for (int j = 0; j < t->nj; j++) {
         float *p = Pt + (size_t)j * QT, *ds = dSt + (size_t)j * QT;
         #pragma omp simd
         for (int i = 0; i < QT; i++) {
-            p[i] = smp_expf(p[i] - q->L[i]);
+            p[i] = smp_expf_shifted(p[i] - q->L[i], eb);
             ds[i] = i < t->ni ? p[i] * (ds[i] - q->D[i]) : 0.0f;
         }
     }
 }
 
+/* The tile's dq rows, packed as q's are while the key tiles add to them (copied in and
+ * back out: the same sums in the same order) */
+static void dq_open(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, qside *q)
+{
+    const size_t qs = (size_t)s->nh * s->hd;
+    const rows r = packed(s, a->dq + q0, qs, t->ni, q->dQp);
+    q->dq = (float *)r.p, q->dqs = r.stride;
+}
+
+static void dq_close(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, const qside *q)
+{
+    if (q->dq != q->dQp)
+        return;
+    for (int i = 0; i < t->ni; i++)
+        memcpy(a->dq + q0 + (size_t)i * s->nh * s->hd, q->dQp + (size_t)i * s->hd, (size_t)s->hd * sizeof(float));
+}
+
 /* dq_i += scale sum_j dS_ij k_j for the tile's queries */
-static void add_dq(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, size_t kv0,
+static void add_dq(const attn_shape *s, const bwd_args *a, const tile *t, qside *q, size_t kv0,
                    const float *dSt)
 {
-    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f,
-         a->dq + q0, (size_t)s->nh * s->hd);
+    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f, q->dq, q->dqs);
 }
 
 /* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys */
-static void add_dkv(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, size_t kv0,
+static void add_dkv(const attn_shape *s, const bwd_args *a, const tile *t, const qside *q, size_t kv0,
                     const float *Pt, const float *dSt)
 {
-    const size_t qs = (size_t)s->nh * s->hd, ks = (size_t)s->nkv * s->hd;
-    gemm(0, 0, t->nj, s->hd, t->ni, s->scale, dSt, QT, a->q + q0, qs, 1.0f, a->dk + kv0, ks);
-    gemm(0, 0, t->nj, s->hd, t->ni, 1.0f, Pt, QT, a->dout + q0, qs, 1.0f, a->dv + kv0, ks);
+    const size_t ks = (size_t)s->nkv * s->hd;
+    gemm(0, 0, t->nj, s->hd, t->ni, s->scale, dSt, QT, q->qr.p, q->qr.stride, 1.0f, a->dk + kv0, ks);
+    gemm(0, 0, t->nj, s->hd, t->ni, 1.0f, Pt, QT, q->dor.p, q->dor.stride, 1.0f, a->dv + kv0, ks);
 }
 
 /* Two-pass form, one: dq of a query tile, over the key tiles in order */
@@ -405,11 +446,13 @@ static void dq_task(const attn_shape *s, const void *args, int b, int h, int qt)
     float Pt[KT * QT], dSt[KT * QT];
     qside q;
     qside_of(s, a, &t, h, q0, &q);
+    dq_open(s, a, &t, q0, &q);
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group);
         tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
-        add_dq(s, a, &t, q0, kv0, dSt);
+        add_dq(s, a, &t, &q, kv0, dSt);
     }
+    dq_close(s, a, &t, q0, &q);
 }
 
 /* Two-pass form, two: dk, dv of a key tile, over the group's heads and their query
@@ -427,7 +470,7 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
             qside_of(s, a, &t, h, q0, &q);
             tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
-            add_dkv(s, a, &t, q0, kv0, Pt, dSt);
+            add_dkv(s, a, &t, &q, kv0, Pt, dSt);
         }
     }
 }
@@ -446,12 +489,14 @@ static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, i
             tile t = {b, i0, imin(QT, s->Tq - i0), 0, 0};
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
             qside_of(s, a, &t, h, q0, &q);
+            dq_open(s, a, &t, q0, &q);
             for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
                 const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
                 tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
-                add_dq(s, a, &t, q0, kv0, dSt);
-                add_dkv(s, a, &t, q0, kv0, Pt, dSt);
+                add_dq(s, a, &t, &q, kv0, dSt);
+                add_dkv(s, a, &t, &q, kv0, Pt, dSt);
             }
+            dq_close(s, a, &t, q0, &q);
         }
     }
 }

@@ -962,10 +962,31 @@ static void test_expf_edges(void **state)
     assert_true(worst <= 1);
 }
 
+/* smp_expf_shifted (simd.h, the attention's softmax): smp_expf's bits from e^-87.33 to
+ * e^88, exactly 0 at -inf and below about -87.7, under 1.2e-38 between, NaN kept */
+static void test_expf_shifted(void **state)
+{
+    (void)state;
+    const smp_exp_bounds b = smp_exp_bounds_opaque();
+    assert_true(isnan(smp_expf_shifted(NAN, b)) && isnan(smp_expf_shifted(-NAN, b)));
+    assert_true(smp_expf_shifted(-INFINITY, b) == 0.0f && smp_expf_shifted(-88.0f, b) == 0.0f &&
+                smp_expf_shifted(-87.8f, b) == 0.0f && smp_expf_shifted(-1e30f, b) == 0.0f);
+    for (float x = -87.7f; x < -87.33f; x += 0.01f) {
+        const float e = smp_expf_shifted(x, b);
+        assert_true(e >= 0.0f && e < 1.2e-38f);
+    }
+    for (int i = 0; i <= 1000000; i++) {
+        const float x = -87.33f + (88.0f + 87.33f) * (float)i / 1e6f;
+        const float e = smp_expf_shifted(x, b), ref = smp_expf(x);
+        assert_memory_equal(&e, &ref, sizeof e);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_expf_edges),
+        cmocka_unit_test(test_expf_shifted),
         cmocka_unit_test(test_rmsnorm_fd),
         cmocka_unit_test(test_layernorm_fd),
         cmocka_unit_test(test_layernorm_threads),
