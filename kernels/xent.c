@@ -3,8 +3,9 @@
  * Each tp rank holds logits columns [vocab_start, vocab_start + Vl). The loss needs
  * three per-row statistics, each reduced over the tp group by the caller between
  * the steps (see ops.h): the row max, sum exp(logit - max), and the target's logit.
- * Sums run in double: Vl is tens of thousands of columns. The exps are smp_expf's,
- * vectorized (a row's sum then adds in vector lanes: fixed for a CPU, any threads). */
+ * Sums run in double: Vl is tens of thousands of columns. The exps are of logits less
+ * their row's max or log-sum-exp (<= 0): smp_expf_shifted's, vectorized (a row's sum
+ * then adds in vector lanes: fixed for a CPU, any threads). */
 #include "ops.h"
 #include "simd.h"
 
@@ -33,19 +34,21 @@ void op_xent_rowmax(float *rowmax, float *target_logit, const float *logits,
 
 SMP_SIMD_CLONES static double row_sumexp(const float *x, float m, int Vl)
 {
+    const smp_exp_bounds eb = smp_exp_bounds_opaque();
     double s = 0.0;
     #pragma omp simd reduction(+ : s)
     for (int j = 0; j < Vl; j++)
-        s += smp_expf(x[j] - m);
+        s += smp_expf_shifted(x[j] - m, eb);
     return s;
 }
 
 /* dx = scale softmax(x) for one row */
 SMP_SIMD_CLONES static void row_softmax(float *dx, const float *x, float lse, float scale, int Vl)
 {
+    const smp_exp_bounds eb = smp_exp_bounds_opaque();
     #pragma omp simd
     for (int j = 0; j < Vl; j++)
-        dx[j] = scale * smp_expf(x[j] - lse);
+        dx[j] = scale * smp_expf_shifted(x[j] - lse, eb);
 }
 
 void op_xent_sumexp(float *sumexp, const float *logits, const float *rowmax, int N, int Vl)
