@@ -417,15 +417,17 @@ static void dq_close(const attn_shape *s, const bwd_args *a, const tile *t, size
 {
     if (q->dq != q->dQp)
         return;
+    const size_t qs = (size_t)s->nh * s->hd;
     for (int i = 0; i < t->ni; i++)
-        memcpy(a->dq + q0 + (size_t)i * s->nh * s->hd, q->dQp + (size_t)i * s->hd, (size_t)s->hd * sizeof(float));
+        memcpy(a->dq + q0 + i * qs, q->dQp + (size_t)i * s->hd, (size_t)s->hd * sizeof(float));
 }
 
 /* dq_i += scale sum_j dS_ij k_j for the tile's queries */
 static void add_dq(const attn_shape *s, const bwd_args *a, const tile *t, qside *q, size_t kv0,
                    const float *dSt)
 {
-    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f, q->dq, q->dqs);
+    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f,
+         q->dq, q->dqs);
 }
 
 /* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys */

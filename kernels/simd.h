@@ -60,8 +60,8 @@ SMP_SIMD_INLINE float smp_expf(float x)
 }
 
 /* e^x for a softmax's shifted scores (x = s - max <= 0; -inf where masked): smp_expf's
- * bits from e^-87.33 to e^88, in 27 instructions a vector where smp_expf takes 43
- * (AVX2; its selects were half of the attention's softmax loop). The clamps are one
+ * bits from e^-87.33 to e^88 without its selects (the attention's softmax loop: 27
+ * instructions a vector with this, 43 with smp_expf, AVX2). The clamps are one
  * max and one min that pass a NaN through (its e is NaN too); below the range, the
  * clamp at -88 gives n = -127, so e^x is exactly 0 with no select: 0 below about
  * -87.7 (smp_expf: -87.33; e^x there is under 1.2e-38). The bounds come in as
