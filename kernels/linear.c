@@ -17,15 +17,13 @@ void op_linear_forward(float *out, const float *inp, const float *weight,
 {
     if (N <= 0 || OUT <= 0)
         return;
-    if (IN <= 0) { /* empty sum; BLAS would reject lda = 0 */
-        memset(out, 0, (size_t)N * OUT * sizeof(float));
-        return;
-    }
     /* out zeroed here and added to (beta 1), not beta 0: OpenBLAS zeroes C for beta 0
      * with its own store loop, then adds to it all the same (the same bits either way);
      * memset was 15% faster at 2048 x 256 -> 512 and -> 1408, even at -> 4096 (Zen 2,
      * 2 threads, by hand) */
     memset(out, 0, (size_t)N * OUT * sizeof(float));
+    if (IN <= 0) /* empty sum; BLAS would reject lda = 0 */
+        return;
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, N, OUT, IN,
                 1.0f, inp, IN, weight, IN, 1.0f, out, OUT);
 }

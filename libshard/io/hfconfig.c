@@ -432,6 +432,13 @@ void *shard_config_json(const shard_model_desc *d)
 }
 
 /* ------------------------------------------- config.json for other weights */
+/* p past JSON's whitespace */
+static const char *skip_ws(const char *p)
+{
+    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    return p;
+}
+
 /* The value of `"key": "..."` in text, where the text names the key once (at any depth:
  * the caller checks what the edit does): [*at, *at + *n). 0 when the key is not there
  * exactly once in that form, or its value has escapes. */
@@ -441,10 +448,9 @@ static int find_string_value(const char *text, const char *key, size_t *at, size
     snprintf(pat, sizeof pat, "\"%s\"", key);
     const char *k = strstr(text, pat);
     if (!k || strstr(k + 1, pat)) return 0;
-    const char *p = k + strlen(pat);
-    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    const char *p = skip_ws(k + strlen(pat));
     if (*p++ != ':') return 0;
-    while (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r') p++;
+    p = skip_ws(p);
     if (*p++ != '"') return 0;
     const char *e = p;
     while (*e && *e != '"' && *e != '\\') e++;
