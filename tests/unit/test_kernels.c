@@ -810,6 +810,35 @@ static void test_attention_docs_fd(void **state)
                         c.v[((AT - 1) * ANKV + h / (ANH / ANKV)) * AHD + d]);
 }
 
+/* The mask reads positions through their differences alone: positions at int32's ends
+ * (gaps up to 2^32 - 1, a window of INT32_MAX) give the same bits as small ones that
+ * show and hide the same pairs: with these, each query sees itself and the one before
+ * (gaps 1 and 2^31 - 2 are inside the window; 2^31 - 1, 2^31, 2^32 - 1 are not). */
+static void test_attention_extreme_positions_bits(void **state)
+{
+    (void)state;
+    const int32_t far[AT] = {INT32_MIN, INT32_MIN + 1, -1, 0, INT32_MAX - 1, INT32_MAX};
+    const int32_t near[AT] = {0, 1, 2, 3, 4, 5};
+    attn_ctx c;
+    attn_ctx_init(&c, 17, AB, NULL, 0);
+    float o[2][AQN], l[2][ALN], g[2][3][AQN];
+    memset(g, 0, sizeof g);
+    for (int pass = 0; pass < 2; pass++) {
+        const int32_t *pos = pass ? near : far;
+        const int window = pass ? 2 : INT32_MAX;
+        op_attention_forward(o[pass], l[pass], c.q, c.k, c.v, pos, pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD,
+                             window);
+        op_attention_backward(g[pass][0], g[pass][1], g[pass][2], c.dout, c.q, c.k, c.v, o[pass], l[pass], pos,
+                              pos, NULL, NULL, AB, AT, AT, ANH, ANKV, AHD, window);
+    }
+    assert_memory_equal(o[0], o[1], sizeof o[0]);
+    assert_memory_equal(l[0], l[1], sizeof l[0]);
+    assert_memory_equal(g[0], g[1], sizeof g[0]);
+    for (int h = 0; h < ANH; h++) /* query 0 sees only itself: its out is its v */
+        for (int d = 0; d < AHD; d++)
+            assert_true(o[0][h * AHD + d] == c.v[(h / (ANH / ANKV)) * AHD + d]);
+}
+
 /* No documents is one document per sequence: the same bits as any one id for all. */
 static void test_attention_one_doc_bits(void **state)
 {
@@ -1007,6 +1036,7 @@ int main(void)
         cmocka_unit_test(test_attention_window_fd),
         cmocka_unit_test(test_attention_docs_fd),
         cmocka_unit_test(test_attention_one_doc_bits),
+        cmocka_unit_test(test_attention_extreme_positions_bits),
         cmocka_unit_test(test_attention_merge_identity),
         cmocka_unit_test(test_xent_fd),
     };
