@@ -18,9 +18,9 @@
  * kv head, or, with fewer heads than the threads can share, a query tile for dq and
  * a key tile for dk/dv, adding in the same order); the threads only pick which tasks
  * they run. */
-/* the softmax's exps (smp_expf's polynomial) as FMAs in the AVX2 and AVX-512 variants,
+/* the softmax's exps (smp_expf_shifted) as FMAs in the AVX2 and AVX-512 variants,
  * as the tile products already are: results differ from the SSE variant's in the last
- * bits, not between thread counts. Before simd.h, so that smp_expf itself is defined
+ * bits, not between thread counts. Before simd.h, so that the exps themselves are defined
  * under it, not only the functions it is inlined into. */
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC optimize("fp-contract=fast")
