@@ -59,9 +59,9 @@ SMP_SIMD_INLINE float smp_expf(float x)
     return x == x ? e : x;
 }
 
-/* e^x for a softmax's shifted scores (x = s - max <= 0; -inf where masked), within 1 ulp
- * of e^x from e^-87.33 to e^88 as smp_expf is, but written for a short dependency
- * chain, which is what bounds the softmax loop on a CPU with a small FP scheduler
+/* e^x for a softmax's shifted scores (x = s - max <= 0; -inf where masked): within 1 ulp
+ * of e^x from e^-87.33 to 1 (2 above, up to e^88), as smp_expf, but written for a short
+ * dependency chain, which is what bounds the softmax loop on a CPU with a small FP scheduler
  * (Zen 2: a vector in smp_expf's Horner form took ~18 cycles, ~7 of them to issue):
  * - no select: the clamps are one max and one min that pass a NaN through (its e is
  *   NaN too), and the clamp at -88 gives n = -127, so 2^n's bits, and e^x, are 0 (0
@@ -70,11 +70,11 @@ SMP_SIMD_INLINE float smp_expf(float x)
  *   round, no convert): 2^n is those bits shifted into the exponent;
  * - the polynomial in Estrin's form (three levels, not six) and the last step
  *   (1 + r + r^2 p) 2^n as two FMAs.
- * The loop's body is no shorter (27 instructions against 28, GCC 12, x86-64-v3), the
- * chain is: about 45 cycles of latency against 60; the attention's softmax loop alone
- * 6.0 -> 4.8 ns a vector (Zen 2, 2026-12-05). The bounds come in
- * as variables (smp_exp_bounds_opaque): as constants, GCC splits the loop into a path
- * per clamp and blends the paths' results back. */
+ * The loop's body is hardly shorter (27 instructions against 28, GCC 12, x86-64-v3);
+ * its chain is: about 45 cycles of latency against 60. The attention's softmax loop
+ * alone: 6.0 -> 4.8 ns a vector (Zen 2, 2026-12-05). The bounds come in as variables
+ * (smp_exp_bounds_opaque): as constants, GCC splits the loop into a path per clamp
+ * and blends the paths' results back. */
 typedef struct { float lo, hi; } smp_exp_bounds;
 
 /* -88, 88, opaque to the optimizer; once, before the loop */
