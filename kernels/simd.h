@@ -28,18 +28,34 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-/* e^y for y in [-88, 88] (the callers clamp): Cephes' expf, y = n ln2 + r,
- * |r| <= ln2 / 2, a polynomial for e^r, 2^n from the exponent bits (n = -127 gives 0) */
+/* Cephes' expf, shared by both exps below: y = n ln2 + r, |r| <= ln2 / 2, ln2 in two
+ * parts (n ln2_hi exact), and e^r = 1 + r + r^2 (C0 + C1 r + ... + C5 r^5) */
+#define SMP_EXP_LOG2E 1.44269504f
+#define SMP_EXP_C0 5.0000001201e-1f
+#define SMP_EXP_C1 1.6666665459e-1f
+#define SMP_EXP_C2 4.1665795894e-2f
+#define SMP_EXP_C3 8.3334519073e-3f
+#define SMP_EXP_C4 1.3981999507e-3f
+#define SMP_EXP_C5 1.9875691500e-4f
+
+/* r = y - n ln2 */
+SMP_SIMD_INLINE float smp_exp_reduce(float y, float n)
+{
+    return y - n * 0.693359375f + n * 2.12194440e-4f;
+}
+
+/* e^y for y in [-88, 88] (the callers clamp): the polynomial in Horner's form, 2^n from
+ * the exponent bits (n = -127 gives 0) */
 SMP_SIMD_INLINE float smp_exp_poly(float y)
 {
-    const float n = __builtin_floorf(y * 1.44269504f + 0.5f);
-    const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
-    float c = 1.9875691500e-4f;
-    c = c * r + 1.3981999507e-3f;
-    c = c * r + 8.3334519073e-3f;
-    c = c * r + 4.1665795894e-2f;
-    c = c * r + 1.6666665459e-1f;
-    c = c * r + 5.0000001201e-1f;
+    const float n = __builtin_floorf(y * SMP_EXP_LOG2E + 0.5f);
+    const float r = smp_exp_reduce(y, n);
+    float c = SMP_EXP_C5;
+    c = c * r + SMP_EXP_C4;
+    c = c * r + SMP_EXP_C3;
+    c = c * r + SMP_EXP_C2;
+    c = c * r + SMP_EXP_C1;
+    c = c * r + SMP_EXP_C0;
     const int32_t bits = ((int32_t)n + 127) << 23;
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
@@ -94,19 +110,19 @@ SMP_SIMD_INLINE float smp_expf_shifted(float x, smp_exp_bounds b)
     float y = b.lo > x ? b.lo : x; /* max(-88, x); x where x is NaN */
     y = b.hi < y ? b.hi : y;
     const float shifter = 12583039.0f; /* 1.5 * 2^23 + 127: t's last 9 bits are n + 127 */
-    const float t = y * 1.44269504f + shifter;
+    const float t = y * SMP_EXP_LOG2E + shifter;
     const float n = t - shifter; /* round(y / ln 2), exactly */
-    const float r = y - n * 0.693359375f + n * 2.12194440e-4f;
+    const float r = smp_exp_reduce(y, n);
     uint32_t bits;
     memcpy(&bits, &t, sizeof bits);
     bits <<= 23; /* n + 127 into the exponent, the rest of t shifted out */
     float two_n;
     memcpy(&two_n, &bits, sizeof two_n);
     const float r2 = r * r;
-    const float p01 = 1.6666665459e-1f * r + 5.0000001201e-1f;
-    const float p23 = 8.3334519073e-3f * r + 4.1665795894e-2f;
-    const float p45 = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    const float p = (p45 * r2 + p23) * r2 + p01; /* smp_exp_poly's coefficients */
+    const float p01 = SMP_EXP_C1 * r + SMP_EXP_C0;
+    const float p23 = SMP_EXP_C3 * r + SMP_EXP_C2;
+    const float p45 = SMP_EXP_C5 * r + SMP_EXP_C4;
+    const float p = (p45 * r2 + p23) * r2 + p01;
     return (p * r2 + r) * two_n + two_n;
 }
 
