@@ -8,8 +8,9 @@
  * the tensors in place (tile_gemm.c, register-blocked; B's rows read as they lie,
  * which is why the products are arranged so that no B is transposed). No score
  * matrix: a task's scratch is two QT x KT tiles and its query tile transposed (q; the
- * backward's dout too, and q, dout, dq packed: 64 KiB each) on its stack, so no op
- * here allocates. The exp is a polynomial the compiler vectorizes (smp_expf_shifted,
+ * backward's dout too, and q, dout, dq packed: 64 KiB each; the forward's out rows
+ * packed, 8 KiB; the backward's run of keys' k, v, dk, dv rows packed, 64 KiB each) on
+ * its stack, so no op here allocates. The exp is a polynomial the compiler vectorizes (smp_expf_shifted,
  * simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
  *
@@ -46,6 +47,9 @@
 enum { QT = 64, KT = 64 };
 /* the largest head dim whose query tile the forward transposes on its stack (64 KiB) */
 enum { QT_HD_MAX = 256 };
+/* the largest whose out rows it adds up packed: St, Qt and those rows fill L1's 32 KiB
+ * (Zen 2, 2 threads, 4096 tokens, forward: hd 32 93 -> 86 ms packed; hd 64 143 -> 147) */
+enum { O_HD_MAX = 32 };
 
 /* One call's shape; row_at gives the offset of row t of head h of batch b in a
  * [B, T, heads, hd] tensor. */
@@ -111,18 +115,24 @@ static int tile_sees(const attn_shape *s, const tile *t)
 }
 
 /* Moves t on, from its current start on one side (keys, or queries), to the next tile
- * that some pair of can see: its class, or SEES_NONE past the end of that side */
-static int next_tile(const attn_shape *s, tile *t, int keys)
+ * that starts before `end` and that some pair of can see: its class, or SEES_NONE */
+static int next_tile_before(const attn_shape *s, tile *t, int keys, int end)
 {
     int *start = keys ? &t->j0 : &t->i0, *n = keys ? &t->nj : &t->ni;
     const int T = keys ? s->Tk : s->Tq, step = keys ? KT : QT;
-    for (; *start < T; *start += step) {
+    for (; *start < end; *start += step) {
         *n = imin(step, T - *start);
         const int sees = tile_sees(s, t);
         if (sees != SEES_NONE)
             return sees;
     }
     return SEES_NONE;
+}
+
+/* ... to the end of that side */
+static int next_tile(const attn_shape *s, tile *t, int keys)
+{
+    return next_tile_before(s, t, keys, keys ? s->Tk : s->Tq);
 }
 
 /* -inf in St [KT][QT] (keys as rows) where key j is hidden from query i (key j is
@@ -227,17 +237,27 @@ static rows packed(const attn_shape *s, const float *x, size_t xs, int n, float 
     return (rows){buf, (size_t)s->hd};
 }
 
+/* packed()'s rows copied back to x, where they were packed */
+static void unpack(const attn_shape *s, rows r, float *x, size_t xs, int n)
+{
+    if (r.p == x)
+        return;
+    for (int i = 0; i < n; i++)
+        memcpy(x + (size_t)i * xs, r.p + (size_t)i * r.stride, (size_t)s->hd * sizeof(float));
+}
+
+
 /* Ct [KT][QT] = alpha Y X^T for the tile's keys (rows of Y, e.g. k or v) and queries (rows
  * of X, e.g. q or dout): from Xt when the caller transposed X (plain: hd <= QT_HD_MAX),
  * else from X itself (X^T as B: BLAS's nt product) */
-static void keys_by_queries(const attn_shape *s, const tile *t, float alpha, const float *y,
+static void keys_by_queries(const attn_shape *s, const tile *t, float alpha, rows y,
                             const float *x, const float *Xt, float *Ct)
 {
-    const size_t ks = (size_t)s->nkv * s->hd, qs = (size_t)s->nh * s->hd;
+    const size_t qs = (size_t)s->nh * s->hd;
     if (Xt)
-        gemm(0, 0, t->nj, t->ni, s->hd, alpha, y, ks, Xt, QT, 0.0f, Ct, QT);
+        gemm(0, 0, t->nj, t->ni, s->hd, alpha, y.p, y.stride, Xt, QT, 0.0f, Ct, QT);
     else
-        gemm(0, 1, t->nj, t->ni, s->hd, alpha, y, ks, x, qs, 0.0f, Ct, QT);
+        gemm(0, 1, t->nj, t->ni, s->hd, alpha, y.p, y.stride, x, qs, 0.0f, Ct, QT);
 }
 
 /* ---- forward ----------------------------------------------------------------------- */
@@ -258,7 +278,7 @@ typedef struct {
  * query; the out rows o hold the running sum of p v, rescaled here to the new max.
  * The masked scores St become P^T (0 in queries that have seen nothing yet). */
 SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, float *St, float *m, float *l,
-                                        float *o)
+                                        float *o, size_t os)
 {
     float mx[QT], sub[QT], sum[QT];
     for (int i = 0; i < QT; i++)
@@ -281,13 +301,12 @@ SMP_SIMD_CLONES static void fwd_softmax(const attn_shape *s, const tile *t, floa
             sum[i] += row[i];
         }
     }
-    const size_t qs = (size_t)s->nh * s->hd;
     for (int i = 0; i < t->ni; i++) {
         if (mx[i] > m[i]) { /* new max: rescale what was summed so far (0 at first) */
             const float corr = smp_expf_shifted(m[i] - mx[i], eb);
             l[i] *= corr;
             for (int d = 0; d < s->hd; d++)
-                o[i * qs + d] *= corr;
+                o[i * os + d] *= corr;
             m[i] = mx[i];
         }
         l[i] += sum[i];
@@ -301,25 +320,31 @@ static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt
     const size_t qs = (size_t)s->nh * hd, ks = (size_t)s->nkv * hd;
     tile t = {b, qt * QT, imin(QT, s->Tq - qt * QT), 0, 0};
     const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-    float *o = a->out + q0, St[KT * QT], m[QT], l[QT], Qt[QT_HD_MAX * QT];
+    float St[KT * QT], m[QT], l[QT], Qt[QT_HD_MAX * QT], Op[QT * O_HD_MAX];
     for (int i = 0; i < QT; i++)
         m[i] = -INFINITY, l[i] = 0.0f;
+    /* the tile's out rows add up packed where St, Qt and they fit L1's 32 KiB (hd <=
+     * O_HD_MAX; in place they lie a row of every head apart and evict each other), then
+     * go out scaled */
+    const rows orow = hd <= O_HD_MAX ? (rows){Op, (size_t)hd} : (rows){a->out + q0, qs};
+    float *o = (float *)orow.p;
     for (int i = 0; i < t.ni; i++)
-        memset(o + i * qs, 0, (size_t)hd * sizeof(float));
+        memset(o + i * orow.stride, 0, (size_t)hd * sizeof(float));
     const float *tq = hd <= QT_HD_MAX ? Qt : NULL; /* the tile's queries transposed once */
     if (tq)
         transpose_rows(s, &t, a->q + q0, qs, Qt);
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
         const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, kvh);
-        keys_by_queries(s, &t, s->scale, a->k + kv0, a->q + q0, tq, St);
+        keys_by_queries(s, &t, s->scale, (rows){a->k + kv0, ks}, a->q + q0, tq, St);
         mask_tile(s, &t, sees, St);
-        fwd_softmax(s, &t, St, m, l, o);
-        gemm(1, 0, t.ni, hd, t.nj, 1.0f, St, QT, a->v + kv0, ks, 1.0f, o, qs); /* o += P v */
+        fwd_softmax(s, &t, St, m, l, o, orow.stride);
+        gemm(1, 0, t.ni, hd, t.nj, 1.0f, St, QT, a->v + kv0, ks, 1.0f, o, orow.stride); /* o += P v */
     }
     for (int i = 0; i < t.ni; i++) {
         const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f; /* nothing visible: out 0 */
+        float *out = a->out + q0 + i * qs;
         for (int d = 0; d < hd; d++)
-            o[i * qs + d] *= inv;
+            out[d] = o[i * orow.stride + d] * inv;
         a->lse[((size_t)b * s->nh + h) * s->Tq + t.i0 + i] =
             l[i] > 0.0f ? m[i] + logf(l[i]) : -INFINITY;
     }
@@ -388,13 +413,58 @@ static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int 
     }
 }
 
-/* Pt and dSt of the tile (rows past its keys untouched, lanes past its queries 0) */
-SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
-                                       size_t q0, size_t kv0, const qside *q, float *Pt, float *dSt)
+/* A run of keys of one kv head, the key tiles of a task's inner loops: their k and v
+ * rows (read by every query tile) and dk, dv rows (added to) packed, as q's and dq's
+ * are, where the run's rows fit KV_ROWS_FLOATS (else in place) */
+enum { KV_ROWS_FLOATS = 16384 }; /* 64 KiB each */
+typedef struct {
+    int k0, n;          /* the run's keys [k0, k0 + n) */
+    size_t kv0;         /* offset of row k0 of the task's kv head */
+    rows k, v, dk, dv;  /* row 0: key k0 */
+    float Kp[KV_ROWS_FLOATS], Vp[KV_ROWS_FLOATS], dKp[KV_ROWS_FLOATS], dVp[KV_ROWS_FLOATS];
+} kside;
+
+/* keys a run of the one-pass form holds: whole key tiles, as many as fit packed, if
+ * that is 4 or more; else all keys, in place. Each run makes its query tiles' qside
+ * again: at hd 128 (runs of 2 tiles) that cost more than the packing saved (Zen 2, 2
+ * threads, 2048 tokens: backward 218 -> 257 ms; at hd 64, runs of 4: 440 -> 370 ms) */
+static int kside_keys(const attn_shape *s)
 {
-    keys_by_queries(s, t, s->scale, a->k + kv0, a->q + q0, q->qt, Pt);
+    const int n = KV_ROWS_FLOATS / s->hd / KT * KT;
+    return n >= 4 * KT ? n : s->Tk;
+}
+
+/* packed()'s rows where n of them fit KV_ROWS_FLOATS, else x in place */
+static rows kv_packed(const attn_shape *s, const float *x, size_t xs, int n, float *buf)
+{
+    return (size_t)n * s->hd <= KV_ROWS_FLOATS ? packed(s, x, xs, n, buf) : (rows){x, xs};
+}
+
+static void kside_open(const attn_shape *s, const bwd_args *a, int b, int g, int k0, int n, kside *ks)
+{
+    const size_t stride = (size_t)s->nkv * s->hd;
+    ks->k0 = k0, ks->n = n, ks->kv0 = row_at(s, b, s->Tk, k0, s->nkv, g);
+    ks->k = kv_packed(s, a->k + ks->kv0, stride, n, ks->Kp);
+    ks->v = kv_packed(s, a->v + ks->kv0, stride, n, ks->Vp);
+    ks->dk = kv_packed(s, a->dk + ks->kv0, stride, n, ks->dKp);
+    ks->dv = kv_packed(s, a->dv + ks->kv0, stride, n, ks->dVp);
+}
+
+static void kside_close(const attn_shape *s, const bwd_args *a, const kside *ks)
+{
+    const size_t stride = (size_t)s->nkv * s->hd;
+    unpack(s, ks->dk, a->dk + ks->kv0, stride, ks->n);
+    unpack(s, ks->dv, a->dv + ks->kv0, stride, ks->n);
+}
+
+/* Pt and dSt of the tile (rows past its keys untouched, lanes past its queries 0), from
+ * its keys' rows k and v */
+SMP_SIMD_CLONES static void tile_probs(const attn_shape *s, const bwd_args *a, const tile *t, int sees,
+                                       size_t q0, rows k, rows v, const qside *q, float *Pt, float *dSt)
+{
+    keys_by_queries(s, t, s->scale, k, a->q + q0, q->qt, Pt);
     mask_tile(s, t, sees, Pt);
-    keys_by_queries(s, t, 1.0f, a->v + kv0, a->dout + q0, q->dot, dSt);
+    keys_by_queries(s, t, 1.0f, v, a->dout + q0, q->dot, dSt);
     const smp_exp_bounds eb = smp_exp_bounds_opaque();
     for (int j = 0; j < t->nj; j++) {
         float *p = Pt + (size_t)j * QT, *ds = dSt + (size_t)j * QT;
@@ -417,28 +487,27 @@ static void dq_open(const attn_shape *s, const bwd_args *a, const tile *t, size_
 
 static void dq_close(const attn_shape *s, const bwd_args *a, const tile *t, size_t q0, const qside *q)
 {
-    if (q->dq != q->dQp)
-        return;
-    const size_t qs = (size_t)s->nh * s->hd;
-    for (int i = 0; i < t->ni; i++)
-        memcpy(a->dq + q0 + i * qs, q->dQp + (size_t)i * s->hd, (size_t)s->hd * sizeof(float));
+    unpack(s, (rows){q->dq, q->dqs}, a->dq + q0, (size_t)s->nh * s->hd, t->ni);
 }
 
-/* dq_i += scale sum_j dS_ij k_j for the tile's queries */
-static void add_dq(const attn_shape *s, const bwd_args *a, const tile *t, qside *q, size_t kv0,
-                   const float *dSt)
+/* dq_i += scale sum_j dS_ij k_j for the tile's queries, from its keys' rows k */
+static void add_dq(const attn_shape *s, const tile *t, qside *q, rows k, const float *dSt)
 {
-    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, a->k + kv0, (size_t)s->nkv * s->hd, 1.0f,
-         q->dq, q->dqs);
+    gemm(1, 0, t->ni, s->hd, t->nj, s->scale, dSt, QT, k.p, k.stride, 1.0f, q->dq, q->dqs);
 }
 
-/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys */
-static void add_dkv(const attn_shape *s, const bwd_args *a, const tile *t, const qside *q, size_t kv0,
-                    const float *Pt, const float *dSt)
+/* rows r from row j on */
+static inline rows rows_from(rows r, int j) { return (rows){r.p + (size_t)j * r.stride, r.stride}; }
+
+
+/* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys (rows of
+ * the run ks) */
+static void add_dkv(const attn_shape *s, const tile *t, const qside *q, const kside *ks, const float *Pt,
+                    const float *dSt)
 {
-    const size_t ks = (size_t)s->nkv * s->hd;
-    gemm(0, 0, t->nj, s->hd, t->ni, s->scale, dSt, QT, q->qr.p, q->qr.stride, 1.0f, a->dk + kv0, ks);
-    gemm(0, 0, t->nj, s->hd, t->ni, 1.0f, Pt, QT, q->dor.p, q->dor.stride, 1.0f, a->dv + kv0, ks);
+    const rows dk = rows_from(ks->dk, t->j0 - ks->k0), dv = rows_from(ks->dv, t->j0 - ks->k0);
+    gemm(0, 0, t->nj, s->hd, t->ni, s->scale, dSt, QT, q->qr.p, q->qr.stride, 1.0f, (float *)dk.p, dk.stride);
+    gemm(0, 0, t->nj, s->hd, t->ni, 1.0f, Pt, QT, q->dor.p, q->dor.stride, 1.0f, (float *)dv.p, dv.stride);
 }
 
 /* Two-pass form, one: dq of a query tile, over the key tiles in order */
@@ -452,9 +521,10 @@ static void dq_task(const attn_shape *s, const void *args, int b, int h, int qt)
     qside_of(s, a, &t, h, q0, &q);
     dq_open(s, a, &t, q0, &q);
     for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
-        const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group);
-        tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
-        add_dq(s, a, &t, &q, kv0, dSt);
+        const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, h / s->group), ks = (size_t)s->nkv * s->hd;
+        const rows k = {a->k + kv0, ks};
+        tile_probs(s, a, &t, sees, q0, k, (rows){a->v + kv0, ks}, &q, Pt, dSt);
+        add_dq(s, &t, &q, k, dSt);
     }
     dq_close(s, a, &t, q0, &q);
 }
@@ -465,43 +535,57 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
 {
     const bwd_args *a = args;
     tile t = {b, 0, 0, kt * KT, imin(KT, s->Tk - kt * KT)};
-    const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
     float Pt[KT * QT], dSt[KT * QT];
     qside q;
+    kside ks;
+    kside_open(s, a, b, g, t.j0, t.nj, &ks);
     for (int h = g * s->group; h < (g + 1) * s->group; h++) {
         t.i0 = 0;
         for (int sees; (sees = next_tile(s, &t, 0)) != SEES_NONE; t.i0 += QT) {
             const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
             qside_of(s, a, &t, h, q0, &q);
-            tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
-            add_dkv(s, a, &t, &q, kv0, Pt, dSt);
+            tile_probs(s, a, &t, sees, q0, ks.k, ks.v, &q, Pt, dSt);
+            add_dkv(s, &t, &q, &ks, Pt, dSt);
         }
     }
+    kside_close(s, a, &ks);
 }
 
-/* One-pass form: a whole kv head g of sequence b (its group's query heads, then their
- * query tiles, then the key tiles, in order), P and dS computed once per tile. Its
- * task owns dk, dv of g and dq of the group's heads, and adds into each row in the
- * order of the two-pass form: the same bits. */
+/* One-pass form: a whole kv head g of sequence b, P and dS computed once per tile. Its
+ * task owns dk, dv of g and dq of the group's heads. It takes the keys a run at a time
+ * (kside: their dk, dv rows packed; in place they lie a row of every kv head apart and
+ * evict each other), and in each run the group's query heads, their query tiles, then
+ * the run's key tiles, in order: every row adds its tiles in the order of the two-pass
+ * form (dq's over the runs' key tiles in turn), so the bits are the same. */
 static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, int unused)
 {
     const bwd_args *a = args;
     float Pt[KT * QT], dSt[KT * QT];
     qside q;
-    for (int h = g * s->group; h < (g + 1) * s->group; h++) {
-        for (int i0 = 0; i0 < s->Tq; i0 += QT) {
-            tile t = {b, i0, imin(QT, s->Tq - i0), 0, 0};
-            const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
-            qside_of(s, a, &t, h, q0, &q);
-            dq_open(s, a, &t, q0, &q);
-            for (int sees; (sees = next_tile(s, &t, 1)) != SEES_NONE; t.j0 += KT) {
-                const size_t kv0 = row_at(s, b, s->Tk, t.j0, s->nkv, g);
-                tile_probs(s, a, &t, sees, q0, kv0, &q, Pt, dSt);
-                add_dq(s, a, &t, &q, kv0, dSt);
-                add_dkv(s, a, &t, &q, kv0, Pt, dSt);
+    kside ks;
+    const int run = kside_keys(s);
+    for (int k0 = 0; k0 < s->Tk; k0 += run) {
+        const int k1 = imin(k0 + run, s->Tk);
+        kside_open(s, a, b, g, k0, k1 - k0, &ks);
+        for (int h = g * s->group; h < (g + 1) * s->group; h++) {
+            for (int i0 = 0; i0 < s->Tq; i0 += QT) {
+                tile t = {b, i0, imin(QT, s->Tq - i0), k0, 0};
+                int sees = next_tile_before(s, &t, 1, k1);
+                if (sees == SEES_NONE) /* no key of the run: no qside to make */
+                    continue;
+                const size_t q0 = row_at(s, b, s->Tq, t.i0, s->nh, h);
+                qside_of(s, a, &t, h, q0, &q);
+                dq_open(s, a, &t, q0, &q);
+                for (; sees != SEES_NONE; t.j0 += KT, sees = next_tile_before(s, &t, 1, k1)) {
+                    const rows k = rows_from(ks.k, t.j0 - k0), v = rows_from(ks.v, t.j0 - k0);
+                    tile_probs(s, a, &t, sees, q0, k, v, &q, Pt, dSt);
+                    add_dq(s, &t, &q, k, dSt);
+                    add_dkv(s, &t, &q, &ks, Pt, dSt);
+                }
+                dq_close(s, a, &t, q0, &q);
             }
-            dq_close(s, a, &t, q0, &q);
         }
+        kside_close(s, a, &ks);
     }
 }
 

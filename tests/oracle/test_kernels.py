@@ -706,6 +706,12 @@ ATTN_CASES = {
                           [[0, 37, 64, 65, 100, 230], [0, 90, 250]]),
     "tiles_docs_window": (2, 140, 140, 2, 1, 5, list(range(140)), list(range(140)), 40,
                           [[0, 37, 64, 65, 100], [0, 130]]),
+    # the backward's one-pass form takes the keys in runs whose rows it packs (hd 64:
+    # runs of 256 keys): three runs, the last partial
+    "key_runs": (1, 600, 600, 4, 2, 64, list(range(600)), list(range(600)), 0),
+    # runs of 320 keys (hd 48) in a ring step (Tq != Tk) with a window: query tiles
+    # that see no key of a run, runs that end inside the window
+    "key_runs_ring_window": (1, 300, 650, 2, 1, 48, list(range(650, 950)), list(range(650)), 400),
 }
 
 
@@ -731,13 +737,16 @@ def test_attention(lib, case):
     close(dv, dv0 + a.dv_ref, what="attention dv (+=)")
 
 
-def test_attention_threads_bit_identical(lib):
+@pytest.mark.parametrize("case", ["tiles_docs_zigzag", "key_runs_ring_window"])
+def test_attention_threads_bit_identical(lib, case):
     """Each output row is summed by one thread in a fixed order: 1, 3 and 4 OpenMP
-    threads give the same bits, forward and backward (the backward's B * nkv = 6 kv
-    heads: one pass for 1 and 3 threads, the two-pass form for 4)."""
+    threads give the same bits, forward and backward (tiles_docs_zigzag's B * nkv = 6 kv
+    heads: one pass for 1 and 3 threads, the two-pass form for 4; key_runs_ring_window's
+    one kv head: one pass, in runs of keys, for 1 thread, the two-pass form for 3 and 4)."""
     omp = ctypes.CDLL("libgomp.so.1")
-    B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, starts = ATTN_CASES["tiles_docs_zigzag"]
-    a = Attn(9, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, docs_of(qpos, starts), docs_of(kpos, starts))
+    B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, *starts = ATTN_CASES[case]
+    docs = (docs_of(qpos, starts[0]), docs_of(kpos, starts[0])) if starts else (None, None)
+    a = Attn(9, B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, *docs)
     runs = []
     try:
         for threads in (1, 3, 4):
