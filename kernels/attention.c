@@ -9,8 +9,9 @@
  * which is why the products are arranged so that no B is transposed). No score
  * matrix: a task's scratch is two QT x KT tiles and its query tile transposed (q; the
  * backward's dout too, and q, dout, dq packed: 64 KiB each; the forward's out rows
- * packed, 8 KiB; the backward's run of keys' k, v, dk, dv rows packed, 64 KiB each) on
- * its stack, so no op here allocates. The exp is a polynomial the compiler vectorizes (smp_expf_shifted,
+ * packed, 8 KiB) on its stack, and in the backward a run of keys' k, v, dk and dv rows
+ * packed, up to 4 MiB a running task (malloc; where that fails, the rows are used in
+ * place, with the same results). The exp is a polynomial the compiler vectorizes (smp_expf_shifted,
  * simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
  *
@@ -32,6 +33,7 @@
 #include "tile_gemm.h"
 
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 
 #ifdef _OPENMP
@@ -48,7 +50,8 @@ enum { QT = 64, KT = 64 };
 /* the largest head dim whose query tile the forward transposes on its stack (64 KiB) */
 enum { QT_HD_MAX = 256 };
 /* the largest whose out rows it adds up packed: St, Qt and those rows fill L1's 32 KiB
- * (Zen 2, 2 threads, 4096 tokens, forward: hd 32 93 -> 86 ms packed; hd 64 143 -> 147) */
+ * (Zen 2, 2 threads, 4096 tokens, forward: hd 32 93 -> 86 ms packed; hd 64 143 -> 147;
+ * at 256 tokens, hd 32, 4.6 -> 4.9 ms, so only from 8 key tiles on) */
 enum { O_HD_MAX = 32 };
 
 /* One call's shape; row_at gives the offset of row t of head h of batch b in a
@@ -324,9 +327,9 @@ static void fwd_task(const attn_shape *s, const void *args, int b, int h, int qt
     for (int i = 0; i < QT; i++)
         m[i] = -INFINITY, l[i] = 0.0f;
     /* the tile's out rows add up packed where St, Qt and they fit L1's 32 KiB (hd <=
-     * O_HD_MAX; in place they lie a row of every head apart and evict each other), then
-     * go out scaled */
-    const rows orow = hd <= O_HD_MAX ? (rows){Op, (size_t)hd} : (rows){a->out + q0, qs};
+     * O_HD_MAX) and there are 8 key tiles or more (in place they lie a row of every head
+     * apart and evict each other), then go out scaled */
+    const rows orow = hd <= O_HD_MAX && s->Tk >= 8 * KT ? (rows){Op, (size_t)hd} : (rows){a->out + q0, qs};
     float *o = (float *)orow.p;
     for (int i = 0; i < t.ni; i++)
         memset(o + i * orow.stride, 0, (size_t)hd * sizeof(float));
@@ -415,39 +418,49 @@ static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int 
 
 /* A run of keys of one kv head, the key tiles of a task's inner loops: their k and v
  * rows (read by every query tile) and dk, dv rows (added to) packed, as q's and dq's
- * are, where the run's rows fit KV_ROWS_FLOATS (else in place) */
-enum { KV_ROWS_FLOATS = 16384 }; /* 64 KiB each */
+ * are, in a buffer of the task's (4 parts: k, v, dk, dv), or in place where it could not
+ * be had (the same bits either way) */
+#ifndef KV_RUN_FLOATS
+#define KV_RUN_FLOATS (1 << 20) /* 4 MiB a task at most */
+#endif
 typedef struct {
-    int k0, n;          /* the run's keys [k0, k0 + n) */
-    size_t kv0;         /* offset of row k0 of the task's kv head */
-    rows k, v, dk, dv;  /* row 0: key k0 */
-    float Kp[KV_ROWS_FLOATS], Vp[KV_ROWS_FLOATS], dKp[KV_ROWS_FLOATS], dVp[KV_ROWS_FLOATS];
+    float *buf;  /* the parts, or NULL: rows in place */
+    size_t part; /* floats a part */
+    int k0, n;   /* the run's keys [k0, k0 + n) */
+    size_t kv0;  /* offset of row k0 of the task's kv head */
+    rows k, v, dk, dv; /* row 0: key k0 */
 } kside;
 
-/* keys a run of the one-pass form holds: whole key tiles, as many as fit packed, if
- * that is 4 or more; else all keys, in place. Each run makes its query tiles' qside
- * again: at hd 128 (runs of 2 tiles) that cost more than the packing saved (Zen 2, 2
- * threads, 2048 tokens: backward 218 -> 257 ms; at hd 64, runs of 4: 440 -> 370 ms) */
+/* keys a run of the one-pass form holds: whole key tiles, as many as KV_RUN_FLOATS
+ * holds, all keys at most. Each run makes its query tiles' qside again, so the longer
+ * the better (Zen 2, 2 threads, 4096 tokens, backward at hd 32: runs of 512 keys 185 ms,
+ * 1024 171, 2048 164; at hd 128, runs of 128 keys were slower than none) */
 static int kside_keys(const attn_shape *s)
 {
-    const int n = KV_ROWS_FLOATS / s->hd / KT * KT;
-    return n >= 4 * KT ? n : s->Tk;
+    const int n = KV_RUN_FLOATS / 4 / s->hd / KT * KT;
+    return n < KT ? KT : n < s->Tk ? n : s->Tk;
 }
 
-/* packed()'s rows where n of them fit KV_ROWS_FLOATS, else x in place */
-static rows kv_packed(const attn_shape *s, const float *x, size_t xs, int n, float *buf)
+static void kside_init(const attn_shape *s, int keys, kside *ks)
 {
-    return (size_t)n * s->hd <= KV_ROWS_FLOATS ? packed(s, x, xs, n, buf) : (rows){x, xs};
+    ks->part = (size_t)keys * s->hd;
+    ks->buf = s->hd <= QT_HD_MAX ? malloc(4 * ks->part * sizeof(float)) : NULL;
+}
+
+/* part i's rows: x's n rows packed, or x in place */
+static rows kv_rows(const attn_shape *s, const kside *ks, int i, const float *x, size_t xs, int n)
+{
+    return ks->buf ? packed(s, x, xs, n, ks->buf + i * ks->part) : (rows){x, xs};
 }
 
 static void kside_open(const attn_shape *s, const bwd_args *a, int b, int g, int k0, int n, kside *ks)
 {
     const size_t stride = (size_t)s->nkv * s->hd;
     ks->k0 = k0, ks->n = n, ks->kv0 = row_at(s, b, s->Tk, k0, s->nkv, g);
-    ks->k = kv_packed(s, a->k + ks->kv0, stride, n, ks->Kp);
-    ks->v = kv_packed(s, a->v + ks->kv0, stride, n, ks->Vp);
-    ks->dk = kv_packed(s, a->dk + ks->kv0, stride, n, ks->dKp);
-    ks->dv = kv_packed(s, a->dv + ks->kv0, stride, n, ks->dVp);
+    ks->k = kv_rows(s, ks, 0, a->k + ks->kv0, stride, n);
+    ks->v = kv_rows(s, ks, 1, a->v + ks->kv0, stride, n);
+    ks->dk = kv_rows(s, ks, 2, a->dk + ks->kv0, stride, n);
+    ks->dv = kv_rows(s, ks, 3, a->dv + ks->kv0, stride, n);
 }
 
 static void kside_close(const attn_shape *s, const bwd_args *a, const kside *ks)
@@ -538,6 +551,7 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
     float Pt[KT * QT], dSt[KT * QT];
     qside q;
     kside ks;
+    kside_init(s, KT, &ks);
     kside_open(s, a, b, g, t.j0, t.nj, &ks);
     for (int h = g * s->group; h < (g + 1) * s->group; h++) {
         t.i0 = 0;
@@ -549,6 +563,7 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
         }
     }
     kside_close(s, a, &ks);
+    free(ks.buf);
 }
 
 /* One-pass form: a whole kv head g of sequence b, P and dS computed once per tile. Its
@@ -564,6 +579,7 @@ static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, i
     qside q;
     kside ks;
     const int run = kside_keys(s);
+    kside_init(s, run, &ks);
     for (int k0 = 0; k0 < s->Tk; k0 += run) {
         const int k1 = imin(k0 + run, s->Tk);
         kside_open(s, a, b, g, k0, k1 - k0, &ks);
@@ -587,6 +603,7 @@ static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, i
         }
         kside_close(s, a, &ks);
     }
+    free(ks.buf);
 }
 
 static int omp_threads(void)

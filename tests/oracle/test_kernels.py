@@ -706,12 +706,15 @@ ATTN_CASES = {
                           [[0, 37, 64, 65, 100, 230], [0, 90, 250]]),
     "tiles_docs_window": (2, 140, 140, 2, 1, 5, list(range(140)), list(range(140)), 40,
                           [[0, 37, 64, 65, 100], [0, 130]]),
-    # the backward's one-pass form takes the keys in runs whose rows it packs (hd 64:
-    # runs of 256 keys): three runs, the last partial
-    "key_runs": (1, 600, 600, 4, 2, 64, list(range(600)), list(range(600)), 0),
-    # runs of 320 keys (hd 48) in a ring step (Tq != Tk) with a window: query tiles
+    # the backward's one-pass form (B * nkv = 2 tasks: taken by 1 and 2 threads) takes
+    # the keys in runs whose rows it packs (4 MiB of k, v, dk, dv rows: 1024 keys at hd
+    # 256): two runs, the second partial
+    "key_runs": (1, 1100, 1100, 4, 2, 256, list(range(1100)), list(range(1100)), 0),
+    # runs of 1280 keys (hd 200) in a ring step (Tq != Tk) with a window: query tiles
     # that see no key of a run, runs that end inside the window
-    "key_runs_ring_window": (1, 300, 650, 2, 1, 48, list(range(650, 950)), list(range(650)), 400),
+    "key_runs_ring_window": (1, 200, 1400, 4, 2, 200, list(range(1400, 1600)), list(range(1400)), 700),
+    # the forward's out rows added up packed (hd <= 32, 8 key tiles or more)
+    "out_packed": (2, 530, 530, 4, 2, 32, list(range(530)), list(range(530)), 0, [[0, 300], [0]]),
 }
 
 
@@ -742,7 +745,7 @@ def test_attention_threads_bit_identical(lib, case):
     """Each output row is summed by one thread in a fixed order: 1, 3 and 4 OpenMP
     threads give the same bits, forward and backward (tiles_docs_zigzag's B * nkv = 6 kv
     heads: one pass for 1 and 3 threads, the two-pass form for 4; key_runs_ring_window's
-    one kv head: one pass, in runs of keys, for 1 thread, the two-pass form for 3 and 4)."""
+    two: one pass, in runs of keys, for 1 thread, the two-pass form for 3 and 4)."""
     omp = ctypes.CDLL("libgomp.so.1")
     B, Tq, Tk, nh, nkv, hd, qpos, kpos, window, *starts = ATTN_CASES[case]
     docs = (docs_of(qpos, starts[0]), docs_of(kpos, starts[0])) if starts else (None, None)
