@@ -11,8 +11,8 @@
  * backward's dout too, and q, dout, dq packed: 64 KiB each; the forward's out rows
  * packed, 8 KiB) on its stack, and in the backward a run of keys' k, v, dk and dv rows
  * packed, up to 4 MiB a running task (malloc; where that fails, the rows are used in
- * place, with the same results). The exp is a polynomial the compiler vectorizes (smp_expf_shifted,
- * simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
+ * place, with the same results). The exp is a polynomial the compiler vectorizes
+ * (smp_expf_shifted, simd.h). Layouts: q/out [B, Tq, nh, hd], k/v [B, Tk, nkv, hd],
  * lse [B, nh, Tq].
  *
  * Bit-identical across thread counts: every output row is summed by one task in a
@@ -249,7 +249,6 @@ static void unpack(const attn_shape *s, rows r, float *x, size_t xs, int n)
         memcpy(x + (size_t)i * xs, r.p + (size_t)i * r.stride, (size_t)s->hd * sizeof(float));
 }
 
-
 /* Ct [KT][QT] = alpha Y X^T for the tile's keys (rows of Y, e.g. k or v) and queries (rows
  * of X, e.g. q or dout): from Xt when the caller transposed X (plain: hd <= QT_HD_MAX),
  * else from X itself (X^T as B: BLAS's nt product) */
@@ -420,9 +419,7 @@ static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int 
  * rows (read by every query tile) and dk, dv rows (added to) packed, as q's and dq's
  * are, in a buffer of the task's (4 parts: k, v, dk, dv), or in place where it could not
  * be had (the same bits either way) */
-#ifndef KV_RUN_FLOATS
-#define KV_RUN_FLOATS (1 << 20) /* 4 MiB a task at most */
-#endif
+enum { KV_RUN_FLOATS = 1 << 20 }; /* 4 MiB a task at most */
 typedef struct {
     float *buf;  /* the parts, or NULL: rows in place */
     size_t part; /* floats a part */
@@ -512,7 +509,6 @@ static void add_dq(const attn_shape *s, const tile *t, qside *q, rows k, const f
 /* rows r from row j on */
 static inline rows rows_from(rows r, int j) { return (rows){r.p + (size_t)j * r.stride, r.stride}; }
 
-
 /* dk_j += scale sum_i dS_ij q_i, dv_j += sum_i P_ij dout_i for the tile's keys (rows of
  * the run ks) */
 static void add_dkv(const attn_shape *s, const tile *t, const qside *q, const kside *ks, const float *Pt,
@@ -568,8 +564,8 @@ static void dkv_task(const attn_shape *s, const void *args, int b, int g, int kt
 
 /* One-pass form: a whole kv head g of sequence b, P and dS computed once per tile. Its
  * task owns dk, dv of g and dq of the group's heads. It takes the keys a run at a time
- * (kside: their dk, dv rows packed; in place they lie a row of every kv head apart and
- * evict each other), and in each run the group's query heads, their query tiles, then
+ * (kside: their k, v, dk, dv rows packed; in place they lie a row of every kv head apart
+ * and evict each other), and in each run the group's query heads, their query tiles, then
  * the run's key tiles, in order: every row adds its tiles in the order of the two-pass
  * form (dq's over the runs' key tiles in turn), so the bits are the same. */
 static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, int unused)
