@@ -408,9 +408,11 @@ static void qside_of(const attn_shape *s, const bwd_args *a, const tile *t, int 
     q->qr = packed(s, a->q + q0, qs, t->ni, q->Qp);
     q->dor = packed(s, a->dout + q0, qs, t->ni, q->dOp);
     q->qt = q->dot = NULL;
-    if (s->hd <= QT_HD_MAX) {
-        transpose_rows(s, t, a->q + q0, qs, q->Qt);
-        transpose_rows(s, t, a->dout + q0, qs, q->dOt);
+    if (s->hd <= QT_HD_MAX) { /* from the packed rows (in place, the column-wise reads of
+                                 * rows a row of every head apart missed L1: 8 x 256
+                                 * backward 8.9 -> 8.6 ms this way) */
+        transpose_rows(s, t, q->qr.p, q->qr.stride, q->Qt);
+        transpose_rows(s, t, q->dor.p, q->dor.stride, q->dOt);
         q->qt = q->Qt, q->dot = q->dOt;
     }
 }
