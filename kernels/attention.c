@@ -436,7 +436,7 @@ typedef struct {
  * 1024 171, 2048 164; at hd 128, runs of 128 keys were slower than none) */
 static int kside_keys(const attn_shape *s)
 {
-    const int n = KV_RUN_FLOATS / 4 / s->hd / KT * KT;
+    const int n = s->hd > 0 ? KV_RUN_FLOATS / 4 / s->hd / KT * KT : s->Tk; /* hd 0: nothing to pack */
     return n < KT ? KT : n < s->Tk ? n : s->Tk;
 }
 

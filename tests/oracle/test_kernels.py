@@ -765,6 +765,31 @@ def test_attention_threads_bit_identical(lib, case):
             np.testing.assert_array_equal(x, y)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("B,T,hd", [(1, 100, 0), (1, 0, 32), (0, 10, 8)])
+def test_attention_empty(lib, threads, B, T, hd):
+    """Nothing to compute (a head dim of 0, no tokens, no sequences): both ops return,
+    touching nothing, under the one-pass backward (1 thread) and the two-pass one (2;
+    B * nkv = 1). The one-pass form's runs of keys divided by hd once (SIGFPE)."""
+    omp = ctypes.CDLL("libgomp.so.1")
+    nh, nkv = 2, 1
+    q = np.full((max(B, 1), max(T, 1), nh, max(hd, 1)), 7.0, np.float32)
+    k = np.full((max(B, 1), max(T, 1), nkv, max(hd, 1)), 7.0, np.float32)
+    lse = np.full((max(B, 1), nh, max(T, 1)), 7.0, np.float32)
+    pos = np.arange(max(T, 1), dtype=np.int32)
+    grads = [np.full(x.shape, 7.0, np.float32) for x in (q, k, k)]
+    try:
+        omp.omp_set_num_threads(threads)
+        lib.op_attention_forward(ptr(q), ptr(lse), ptr(q), ptr(k), ptr(k), ptr(pos), ptr(pos), None, None,
+                                 B, T, T, nh, nkv, hd, 0)
+        lib.op_attention_backward(*(ptr(g) for g in grads), ptr(q), ptr(q), ptr(k), ptr(k), ptr(q), ptr(lse),
+                                  ptr(pos), ptr(pos), None, None, B, T, T, nh, nkv, hd, 0)
+    finally:
+        omp.omp_set_num_threads(os.cpu_count())
+    if B == 0 or T == 0:  # no rows: nothing written
+        assert all((x == 7.0).all() for x in [q, lse] + grads)
+
+
 @pytest.mark.parametrize("window,docs", [(0, False), (5, False), (0, True)])
 def test_attention_two_kv_blocks(lib, window, docs):
     """Ring attention's step: each kv half alone, merged by lse, equals the full
