@@ -576,8 +576,9 @@ static void bwd_head_task(const attn_shape *s, const void *args, int b, int g, i
     float Pt[KT * QT], dSt[KT * QT];
     qside q;
     kside ks;
-    kside_init(s, kside_keys(s), &ks);
-    const int run = ks.buf ? kside_keys(s) : s->Tk; /* in place, runs would only cost */
+    const int keys = kside_keys(s);
+    kside_init(s, keys, &ks);
+    const int run = ks.buf ? keys : s->Tk; /* in place, runs would only cost */
     for (int k0 = 0; k0 < s->Tk; k0 += run) {
         const int k1 = imin(k0 + run, s->Tk);
         kside_open(s, a, b, g, k0, k1 - k0, &ks);

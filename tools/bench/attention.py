@@ -53,13 +53,13 @@ def run(lib, B, T, nh, nkv, hd, calls):
     return best
 
 
-def load_libs():
+def load_libs(paths=None):
     """The libraries named on the command line (default: this build's), and their paths;
     OPENBLAS_CORETYPE set first, as train.py sets it for smp-train."""
     flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()
     if "OPENBLAS_CORETYPE" not in os.environ and "avx512f" in flags:
         os.environ["OPENBLAS_CORETYPE"] = "SkylakeX"  # read by OpenBLAS when it loads
-    paths = [a for a in sys.argv[1:] if a.endswith(".so")] or [str(ROOT / "build" / "lib" / "libsmpkernels.so")]
+    paths = (sys.argv[1:] if paths is None else paths) or [str(ROOT / "build" / "lib" / "libsmpkernels.so")]
     return paths, [ctypes.CDLL(x) for x in paths]
 
 
@@ -70,7 +70,7 @@ def main():
                     help="a shape instead of the default ones (repeatable); calls: 3")
     ap.add_argument("libs", nargs="*", metavar="LIB", help="libsmpkernels.so files (default: this build's)")
     a = ap.parse_args()
-    paths, libs = load_libs()
+    paths, libs = load_libs(a.libs)
     shapes = [tuple(int(x) for x in sh.split(",")) + (3,) for sh in a.shape] if a.shape else SHAPES
     if any(len(sh) != 6 for sh in shapes):
         ap.error("--shape takes five integers: B,T,H,KV,HD")
