@@ -164,7 +164,9 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (par) {
         if ((s = par_loss_sum(P, &m, &ds, (int)B, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
     } else {
-        if ((s = eval_loss_sum(&m, &ds, (int)B, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
+        model *one = &m;
+        lanes ln = lanes_single(&one, (int)B);
+        if ((s = eval_loss_sum(&ln, &ds, NB, in, tg, &sum, &ntok))) OUT(cli_fail(s));
     }
     if (!ntok) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: no token of the %lld batches is a counted target (--loss-mask, --documents)", data, NB)));
     double loss = sum / (double)ntok;

@@ -69,6 +69,12 @@ static const char HELP[] =
     "  --recompute none|attention|full  activation recomputation (default none): attention\n"
     "                            recomputes each layer's attention half in backward, full\n"
     "                            the whole layer from its input (memory printed at start)\n"
+    "  --lanes N|auto            C backend: each microbatch's sequences split over N lanes,\n"
+    "                            a thread each, with their own activations and gradients\n"
+    "                            (summed in order: the bits depend on N, not on the threads);\n"
+    "                            auto (a new run's default): the threads where they divide\n"
+    "                            the sequences and the layout is pp=tp=cp=1; resumed runs\n"
+    "                            keep their count\n"
     "  --save-every N            checkpoint every N steps (and always at the end)\n"
     "  --keep K                  keep the newest K checkpoints (default 0: all)\n"
     "  --compress none|zstd|zstd:N  shard file compression (default zstd: level 1 tuned for numbers)\n"
@@ -109,7 +115,7 @@ enum {
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
     O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_DOCS, O_DOC_SEP, O_MASK, O_VAL_MASK,
-    O_TOGETHER, O_COUNT
+    O_TOGETHER, O_LANES, O_COUNT
 };
 static const cli_opt OPTS[O_COUNT] = {
     [O_CKPT] = {"--ckpt", 0}, [O_DATA] = {"--data", 0}, [O_VAL_DATA] = {"--val-data", 0},
@@ -125,7 +131,7 @@ static const cli_opt OPTS[O_COUNT] = {
     [O_INJECT_NAN] = {"--inject-nan", 0}, [O_INJECT_FAIL] = {"--inject-fail", 0}, [O_STAGES] = {"--stages", 0},
     [O_DTYPE] = {"--dtype", 0}, [O_RECOMPUTE] = {"--recompute", 0}, [O_SEQPAR] = {"--sequence-parallel", 1},
     [O_DOCS] = {"--documents", 1}, [O_DOC_SEP] = {"--doc-sep", 0}, [O_MASK] = {"--loss-mask", 0},
-    [O_VAL_MASK] = {"--val-loss-mask", 0}, [O_TOGETHER] = {"--read-together", 0},
+    [O_VAL_MASK] = {"--val-loss-mask", 0}, [O_TOGETHER] = {"--read-together", 0}, [O_LANES] = {"--lanes", 0},
 };
 /* the words of the choices, in the order of the values they stand for */
 static const char *const BACKENDS[] = {"cpu", "cuda", NULL};
@@ -232,9 +238,10 @@ static int apply_flags(const train_cmd *t, run_cfg *c)
         NUM(O_FP8_MARGIN, R_FP8_MARGIN, &c->fp8_margin))
         return rc;
     runcfg_flags f = {.has_lr = !!v[O_LR], .has_lr_min = !!v[O_LR_MIN], .schedule = t->schedule,
-                      .has_seed = !!v[O_SEED], .fp8 = t->fp8};
+                      .has_seed = !!v[O_SEED], .fp8 = t->fp8, .lanes = !v[O_LANES] ? -1 : 0};
     int64_t seed = 0;
     if (NUM(O_LR_MIN, R_LR_MIN, &f.lr_min) || (rc = cli_int("--seed", v[O_SEED], 0, INT64_MAX, &seed))) return rc;
+    if (v[O_LANES] && strcmp(v[O_LANES], "auto") && INT(O_LANES, R_LANES, &f.lanes)) return rc;
 #undef INT
 #undef NUM
     f.seed = (uint64_t)seed; /* any seed */
@@ -283,8 +290,14 @@ static void print_start(train_run *r)
             shard_ckpt_dir(r->ck), cli_count(cbuf, shard_model_param_count(&r->m.d)), (long long)c->step,
             (long long)c->steps, (long long)c->batch, (long long)c->seq, (long long)c->micro,
             c->shuffle ? "shuffled" : "sequential", c->fp8 ? (c->fp8 == FP8_DELAYED ? ", fp8 delayed" : ", fp8 current") : "");
-    size_t bp, bg, ba, bo = 3 * P->zsum * sizeof(float) - (r->opt.master ? 0 : P->zsum * sizeof(float));
+    size_t bp, bg, ba, lg, la, bo = 3 * P->zsum * sizeof(float) - (r->opt.master ? 0 : P->zsum * sizeof(float));
     model_memory(&r->m, &bp, &bg, &ba);
+    lanes_memory(&r->ln, &lg, &la);
+    bg += lg;
+    ba += la;
+    if (r->ln.n > 1)
+        fprintf(stderr, "smp-train: %d lanes of %d sequence%s each (--lanes), a thread each\n", r->ln.n, r->ln.rows,
+                r->ln.rows == 1 ? "" : "s");
     fprintf(stderr, "smp-train: backend %s (%s), %s compute; memory: %.1f MiB per rank (params %.1f, grads %.1f, "
                     "optimizer %.1f, activations %.1f MiB with --recompute %s)\n",
             a->backend, r->D.ops->describe(&r->D), a->dtype == SHARD_DT_BF16 ? "bf16" : "fp32",

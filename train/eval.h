@@ -8,13 +8,15 @@
 #include <stdint.h>
 
 #include "data.h"
+#include "lanes.h"
 #include "model.h"
 
-/* m's activations must be allocated for rows x ds->S (one rank: no cp). *sum: the
+/* The lanes' activations must hold a batch of ds->S tokens (one rank: no cp), rows =
+ * lanes x their rows: each lane takes its part of each batch (lanes.h). *sum: the
  * sum of the per-token losses (double, in order); *tokens: the number of counted
  * targets (every one, unless documents or loss masks leave some out). Fails when the token
  * files changed under the run (data_fill_sequential). */
-shard_status eval_loss_sum(model *m, data_set *ds, int rows, int64_t nbatches, int32_t *inputs, int32_t *targets,
+shard_status eval_loss_sum(lanes *ln, data_set *ds, int64_t nbatches, int32_t *inputs, int32_t *targets,
                            double *sum, uint64_t *tokens);
 
 #endif

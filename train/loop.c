@@ -135,6 +135,20 @@ static shard_status load_state(train_run *r)
     return ckptio_print_load("smp-train", P->world, r->ck, r->a->now() - t_load); /* all of it read and checked */
 }
 
+/* The lane count: --lanes N, refused where lanes cannot run; a resumed run's, where
+ * they can; else (auto, or the saved count refused by a new layout) lanes_auto's. */
+static shard_status choose_lanes(train_run *r)
+{
+    run_cfg *c = &r->c;
+    const char *why = lanes_refusal(&r->m, &r->a->layout, r->Bm, (int)c->lanes);
+    if (why && c->lanes_given) {
+        r->usage = 1;
+        return shard_fail(SHARD_E_USAGE, "--lanes %lld: %s", (long long)c->lanes, why);
+    }
+    if (c->lanes < 1 || why) c->lanes = lanes_auto(&r->m, &r->a->layout, r->Bm);
+    return SHARD_OK;
+}
+
 shard_status loop_load(train_run *r)
 {
     const loop_args *a = r->a;
@@ -154,7 +168,8 @@ shard_status loop_load(train_run *r)
         r->usage = 1;
         return s;
     }
-    if ((s = model_alloc_slots(m, r->Bm, r->S / a->layout.cp, P->nslots))) return s;
+    if ((s = choose_lanes(r)) || (s = lanes_open(&r->ln, m, (int)r->c.lanes, r->Bm, r->S / a->layout.cp, P->nslots)))
+        return s;
     if (m->fp8) r->D.ops->fp8_scales_changed(&r->D, m->fp8);
     if ((s = dev_status(&r->D))) return s;
     if (me0 && !a->dump_grads && (s = ckptio_prepare(a->save_dir))) return s;
@@ -173,6 +188,7 @@ void loop_close(train_run *r)
     data_close(&r->ds);
     data_close(&r->vs);
     optim_free(&r->opt);
+    lanes_close(&r->ln);
     model_free(&r->m);
     par_release(r->P);
     dev_close(&r->D);
@@ -186,14 +202,15 @@ typedef struct {
     data_set *ds;
     uint64_t first;
     int rows;
-    model *m; /* its documents; context parallelism: this rank's tokens of each sequence */
+    model *m; /* its documents; context parallelism: this rank's tokens of each sequence (NULL: the lanes
+               * take their parts themselves) */
 } step_data;
 
 static shard_status fill_step(void *ctx, int mb, int32_t *in, int32_t *tg)
 {
     step_data *sd = ctx;
     shard_status s = data_fill(sd->ds, sd->first + (uint64_t)mb * (uint64_t)sd->rows, sd->rows, in, tg);
-    if (!s) par_take_batch(sd->m, sd->rows, in, tg);
+    if (!s && sd->m) par_take_batch(sd->m, sd->rows, in, tg);
     return s;
 }
 
@@ -259,7 +276,8 @@ static shard_status passes(train_run *r, step_result *res)
     }
     if (r->m.E && (s = aux_prepass(r, &sd))) return s;
     model_zero_grads(&r->m);
-    s = par_train_step(P, &r->m, (int)c->micro, fill_step, &sd, r->in, r->tg, (float)(1.0 / tokens), &lsum);
+    if (r->ln.n > 1) sd.m = NULL;
+    s = lanes_train_step(&r->ln, P, (int)c->micro, fill_step, &sd, r->in, r->tg, (float)(1.0 / tokens), &lsum);
     if (s) return s;
     if (r->m.E && (s = par_aux_reduce(P, &r->m))) return s;
     res->aux_loss = r->m.E ? model_aux_loss(&r->m) : NAN;
@@ -347,7 +365,7 @@ shard_status loop_validate(train_run *r, double *val)
     uint64_t ntok = 0;
     shard_status s = SHARD_OK;
     if (m->fp8) m->fp8->frozen = 1; /* validation leaves the FP8 history alone */
-    if (nb > 0 && single) s = eval_loss_sum(m, &r->vs, r->Bm, nb, r->in, r->tg, &sum[0], &ntok);
+    if (nb > 0 && single) s = eval_loss_sum(&r->ln, &r->vs, nb, r->in, r->tg, &sum[0], &ntok);
     sum[1] = (double)ntok;
     if (!s && m->comm_err) s = m->comm_err;
     if (!s) s = dev_status(&r->D);

@@ -14,7 +14,7 @@
  *   loop_close     releases it all.
  *
  * A step (loop_step): zero the gradients, the forward and backward passes of the
- * microbatches (par_train_step), the loss summed over the replicas and to every
+ * microbatches (par_train_step, or lanes_train_step over the lanes), the loss summed over the replicas and to every
  * stage, the gradients reduced (global norm), FP8 amaxes reduced over all ranks, the
  * update (or the step skipped when the loss or the norm is not finite), then the
  * validation (loop_validate) and whether to save. Failures are returned as the
@@ -28,6 +28,7 @@
 
 #include "data.h"
 #include "dev.h"
+#include "lanes.h"
 #include "model.h"
 #include "optim.h"
 #include "par.h"
@@ -65,6 +66,7 @@ typedef struct {
     dev D;
     shard_ckpt *ck;
     model m;
+    lanes ln;                      /* the microbatch's lanes (m and those over its parameters) */
     optim opt;
     data_set ds, vs;               /* training, validation (vs.nfiles 0: none) */
     shard_dtype *pdt;              /* the stored dtype of each parameter, which saves keep */

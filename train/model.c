@@ -90,6 +90,24 @@ static shard_status bind(model *m)
     return SHARD_OK;
 }
 
+/* the per-layer view arrays and the experts' statistics, zeroed: nonzero when out of memory */
+static int view_arrays(model *m)
+{
+    m->lw = zalloc((size_t)m->L, sizeof *m->lw);
+    m->lg = zalloc((size_t)m->L, sizeof *m->lg);
+    m->ew = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->ew);
+    m->eg = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->eg);
+    m->aux = zalloc(3 * (size_t)m->E + 1, sizeof *m->aux); /* the statistics, then a layer's probability sums */
+    if (!m->lw || !m->lg || !m->ew || !m->eg || !m->aux) return 1;
+    for (int l = 0; l < m->L && m->E; l++) { /* each layer's views of its experts' gate, up and down */
+        void **w = m->ew + (size_t)l * 3 * m->E;
+        float **g = m->eg + (size_t)l * 3 * m->E;
+        m->lw[l].egate = w; m->lw[l].eup = w + m->E; m->lw[l].edown = w + 2 * m->E;
+        m->lg[l].egate = g; m->lg[l].eup = g + m->E; m->lg[l].edown = g + 2 * m->E;
+    }
+    return 0;
+}
+
 shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
 {
     memset(m, 0, sizeof *m);
@@ -122,19 +140,8 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
     m->spec = zalloc(m->ntensors, sizeof *m->spec);
     m->offset = zalloc(m->ntensors, sizeof *m->offset);
     m->numel = zalloc(m->ntensors, sizeof *m->numel);
-    m->lw = zalloc((size_t)m->L, sizeof *m->lw);
-    m->lg = zalloc((size_t)m->L, sizeof *m->lg);
     m->inv_freq = zalloc((size_t)m->rd / 2, sizeof(float));
-    m->ew = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->ew);
-    m->eg = zalloc((size_t)m->L * 3 * (size_t)m->E, sizeof *m->eg);
-    m->aux = zalloc(3 * (size_t)m->E + 1, sizeof *m->aux); /* the statistics, then a layer's probability sums */
-    if (!m->spec || !m->offset || !m->numel || !m->lw || !m->lg || !m->inv_freq || !m->ew || !m->eg || !m->aux) goto nomem;
-    for (int l = 0; l < m->L && m->E; l++) { /* each layer's views of its experts' gate, up and down */
-        void **w = m->ew + (size_t)l * 3 * m->E;
-        float **g = m->eg + (size_t)l * 3 * m->E;
-        m->lw[l].egate = w; m->lw[l].eup = w + m->E; m->lw[l].edown = w + 2 * m->E;
-        m->lg[l].egate = g; m->lg[l].eup = g + m->E; m->lg[l].edown = g + 2 * m->E;
-    }
+    if (!m->spec || !m->offset || !m->numel || !m->inv_freq || view_arrays(m)) goto nomem;
     size_t off = 0;
     for (size_t i = 0; i < m->ntensors; i++) {
         shard_model_tensor(d, i, &m->spec[i]);
@@ -162,6 +169,25 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
 nomem:
     model_free(m);
     return shard_fail(SHARD_E_NOMEM, "out of memory for the model's parameters");
+}
+
+shard_status model_lane(model *lane, const model *m)
+{
+    if (m->slots || m->shares) return shard_fail(SHARD_E_INTERNAL, "model_lane of a model with activations, or of a lane");
+    *lane = *m; /* the description, the sizes and the settings; then what is the lane's own */
+    lane->shares = m;
+    lane->lw = NULL; lane->lg = NULL; lane->ew = NULL; lane->eg = NULL; lane->aux = NULL;
+    lane->hparams = NULL;
+    lane->fp8 = NULL;
+    lane->comm_err = SHARD_OK;
+    lane->grads = dalloc(lane, m->nparams, sizeof(float));
+    if (view_arrays(lane) || !lane->grads) {
+        model_free(lane);
+        return shard_fail(SHARD_E_NOMEM, "out of memory for a lane's gradients");
+    }
+    shard_status s = bind(lane);
+    if (s) model_free(lane);
+    return s;
 }
 
 shard_status model_localize(model *m, const shard_piece *pieces, int tp)
@@ -347,6 +373,13 @@ void *model_stage_input(model *m)
 void model_free(model *m)
 {
     if (!m) return;
+    if (m->shares) { /* a lane: what it reads of the model it shares is not its own */
+        m->params = NULL;
+        m->inv_freq_d = NULL;
+        m->spec = NULL;
+        m->offset = m->numel = NULL;
+        m->inv_freq = NULL;
+    }
     if (m->dev) {
         free_acts(m);
         dfree(m, m->params);

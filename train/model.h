@@ -106,7 +106,7 @@ typedef struct {
     float *rstdf, *meanf, *rowmax, *sumexp, *losses;
 } act_slot;
 
-typedef struct {
+typedef struct model_s {
     shard_model_desc d;
     /* sizes of this rank's part (= global on one rank) */
     int V, H, F, L, nh, nkv, hd, rd, window; /* rd: the rotary dims of a head */
@@ -124,6 +124,9 @@ typedef struct {
     size_t nparams;
     /* the backend (dev.h) that holds every tensor below and runs the ops */
     dev *dev;
+    /* a lane (lanes.h, model_lane): the model whose parameters (and spec, offset,
+     * numel, inv_freq) this one reads; its gradients and activations are its own */
+    const struct model_s *shares;
     void *params;            /* [nparams] in dev->dt: the compute copy */
     float *grads;            /* [nparams] fp32 */
     float *hparams;          /* host fp32 copy for checkpoints (model_params_host) */
@@ -232,6 +235,10 @@ typedef struct {
 /* Allocate a model for description d on backend dv (parameters uninitialised,
  * gradients zero). dv outlives the model. */
 shard_status model_create(model *m, const shard_model_desc *d, dev *dv);
+/* A lane of m (lanes.h): a model over m's parameters, with gradients of its own (zero)
+ * and no activations yet; before model_alloc_slots of m (m then holds none either).
+ * m outlives the lane. */
+shard_status model_lane(model *lane, const model *m);
 void model_free(model *m);
 /* Make m the model of one tensor-parallel rank: tensor i becomes the box
  * pieces[i].box of the global tensor (shard_partition), and the local sizes follow

@@ -37,6 +37,10 @@ void runcfg_merge(run_cfg *c, const runcfg_flags *f)
         c->seed = f->seed;
     }
     if (f->fp8 >= 0) c->fp8 = (fp8_mode)f->fp8;
+    if (f->lanes >= 0) { /* auto: resolved again, as for a new run */
+        c->lanes = f->lanes;
+        c->lanes_given = f->lanes > 0;
+    }
 }
 
 shard_status runcfg_check(const run_cfg *c, const shard_layout *l, const shard_model_desc *d)
@@ -141,6 +145,7 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f
                                             (json_int_t)c->fp8_hist, "margin", (double)c->fp8_margin, "tensors",
                                             f8 ? "fp8/fp8.amax_history, fp8/fp8.scale" : "none"));
     json_object_set_new(t, "max_bad_steps", json_integer(c->max_bad));
+    json_object_set_new(t, "lanes", json_integer(c->lanes > 0 ? c->lanes : 1));
     json_object_set_new(t, "elapsed_s", json_real(elapsed));
     char *text = json_dumps(t, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(t);

@@ -12,6 +12,7 @@ const state_range STATE_RANGE[R_COUNT] = {
     [R_SEQ] = {1, 1 << 24},          [R_WARMUP] = {0, INT32_MAX},    [R_MAX_BAD] = {1, 1 << 30},
     [R_FP8_HIST] = {1, 1 << 20},     [R_SAVE_EVERY] = {0, INT32_MAX}, [R_KEEP] = {0, 1 << 20},
     [R_VAL_EVERY] = {0, INT32_MAX},  [R_VAL_BATCHES] = {1, 1 << 30}, [R_STOP_AT] = {1, INT32_MAX},
+    [R_LANES] = {1, 1024},
     [R_LR] = {0, 1e3},               [R_LR_MIN] = {0, 1e3},
     [R_CLIP] = {0, 1e30},            [R_WD] = {0, 1e3},              [R_BETA1] = {0, 0.9999999},
     [R_BETA2] = {0, 0.9999999},      [R_EPS] = {1e-30, 1},           [R_FP8_MARGIN] = {0, 64},
@@ -138,6 +139,8 @@ shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cf
     read_data(&r, json_object_get(t, "data"), json_object_get(t, "rng"), c);
     read_fp8(&r, json_object_get(t, "fp8"), c);
     if (json_object_get(t, "max_bad_steps")) get_range(&r, t, "max_bad_steps", R_MAX_BAD, &c->max_bad);
+    c->lanes = 1; /* a state written before lanes: one, as it ran */
+    if (json_object_get(t, "lanes")) get_range(&r, t, "lanes", R_LANES, &c->lanes);
     json_t *el = json_object_get(t, "elapsed_s");
     if (el && (!json_is_number(el) || !isfinite(json_number_value(el)) || json_number_value(el) < 0)) bad(&r, "elapsed_s", "is not a time");
     else if (el) c->elapsed_before = json_number_value(el);

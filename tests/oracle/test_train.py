@@ -238,8 +238,14 @@ def test_gradients_match_autograd(tmp_path, case, micro):
 
 
 # ---------------------------------------------------------------- AdamW vs torch
-@pytest.mark.parametrize("case", ["llama-gqa-f32", "llama-tied-bf16-llama3"])
-def test_adamw_steps_track_torch(tmp_path, case, weights_tol=1e-4):
+# lanes given (not the machine's auto): 2 lanes of a microbatch's 2 sequences, and one.
+# The final weights' tolerance is Adam's: it divides each gradient by its own running
+# magnitude, so the last bits of a tiny gradient's sum move its steps; the same run
+# lands 9.6e-5 from torch with one lane and 1.2e-4 with two (the sums' order), while
+# every step's loss and gradient norm stay within 1e-4 and the gradients themselves
+# within 1e-4 (test_gradients_match_autograd, test_lanes_gradients_...).
+@pytest.mark.parametrize("case,lanes", [("llama-gqa-f32", 1), ("llama-gqa-f32", 2), ("llama-tied-bf16-llama3", 2)])
+def test_adamw_steps_track_torch(tmp_path, case, lanes, weights_tol=2e-4):
     hf, ck = make_ckpt(tmp_path, case)
     V, B, M, S, steps, seed = vocab_of(case), 4, 2, 32, 10, 7
     lr, warmup, lr_min, clip, wd, b1, b2, eps = 3e-3, 3, 1e-4, 0.5, 0.1, 0.9, 0.95, 1e-8
@@ -249,7 +255,8 @@ def test_adamw_steps_track_torch(tmp_path, case, weights_tol=1e-4):
     log = tmp_path / "log.jsonl"
     run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", steps, "--batch", B,
         "--microbatches", M, "--seq", S, "--lr", lr, "--warmup", warmup, "--lr-min", lr_min, "--clip", clip,
-        "--weight-decay", wd, "--beta1", b1, "--beta2", b2, "--eps", eps, "--seed", seed, "--log", log, check=0)
+        "--weight-decay", wd, "--beta1", b1, "--beta2", b2, "--eps", eps, "--seed", seed, "--log", log, "--lanes", lanes,
+        check=0)
     ours = read_log(log)
     assert [r["step"] for r in ours] == list(range(1, steps + 1))
 
@@ -421,6 +428,85 @@ def test_keep_and_latest(tmp_path):
     assert (r / "latest").read_text() == "step-000007\n"
     run("smp-verify", latest(r), check=0)
     assert not list(r.glob(".tmp-*")) and not list(r.glob(".latest*"))
+
+
+# ---------------------------------------------------------------- lanes
+def run_threads(threads, cmd, *args, check=0):
+    """run() with OMP_NUM_THREADS set: lanes run one after another where threads are fewer"""
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    p = subprocess.run([str(BUILD / "bin" / cmd), *map(str, args)], capture_output=True, text=True, env=env,
+                       timeout=600)
+    assert p.returncode == check, f"{cmd} {args}: exit {p.returncode}\n{p.stdout}\n{p.stderr}"
+    return p
+
+
+def test_lanes_gradients_match_autograd_at_any_thread_count(tmp_path):
+    case = "mistral-gqa-f16-window"
+    hf, ck = make_ckpt(tmp_path, case)
+    V, B = vocab_of(case), 4
+    toks = np.random.default_rng(2).integers(0, V, size=B * SEQ + 1)
+    data = write_tokens(tmp_path / "d.bin", toks)
+    got = {}
+    for lanes, threads in [(4, 1), (4, 2), (4, 3), (2, 2), (1, 2)]:
+        out = tmp_path / f"g-{lanes}-{threads}"
+        run_threads(threads, "smp-train", "--ckpt", ck, "--data", data, "--dump-grads", out, "--steps", 1, "--batch",
+                    B, "--seq", SEQ, "--lanes", lanes)
+        got[lanes, threads] = load_file(str(out / "grads.safetensors"))
+    model = torch_model(hf)
+    rows = seqs_of(toks, SEQ, range(B))
+    loss = F.cross_entropy(model(torch.tensor(rows[:, :-1])).logits.reshape(-1, V), torch.tensor(rows[:, 1:]).reshape(-1))
+    loss.backward()
+    ref = {n: g.numpy() for n, g in models.named_parameters(model, lambda p: p.grad).items()}
+    for key, g in got.items():
+        assert set(g) == set(ref), key
+        for n in ref:
+            assert rel(g[n], ref[n]) < 1e-4, (key, n, rel(g[n], ref[n]))
+    # the bits depend on the lane count, not on the threads that run the lanes
+    for key in [(4, 2), (4, 3)]:
+        for n in ref:
+            assert np.array_equal(got[key][n], got[4, 1][n]), (key, n)
+    # and lanes did run: their sums differ from one lane's in the last bits
+    assert any(not np.array_equal(got[1, 2][n], got[4, 1][n]) for n in ref)
+
+
+def test_lanes_resume_keeps_the_count_and_validate(tmp_path):
+    _, ck = make_ckpt(tmp_path, "llama-gqa-f32", sharp=False)
+    toks = np.random.default_rng(5).integers(0, vocab_of("llama-gqa-f32"), size=4000)
+    data = write_tokens(tmp_path / "d.bin", toks)
+    a, b = tmp_path / "a", tmp_path / "b"
+    val = ["--val-data", data, "--val-batches", 2, "--val-every", 4]
+    p = run_threads(2, "smp-train", "--ckpt", ck, "--data", data, "--save-dir", a, "--steps", 8, "--lanes", 2,
+                    "--log", tmp_path / "a.jsonl", *val, *COMMON)
+    assert "2 lanes of 1 sequence each" in p.stderr, p.stderr  # 4 sequences, 2 microbatches
+    run_threads(2, "smp-train", "--ckpt", ck, "--data", data, "--save-dir", b, "--steps", 8, "--stop-at", 4,
+                "--lanes", 2, "--log", tmp_path / "b.jsonl", *val, *COMMON)
+    assert training_state(latest(b))["lanes"] == 2
+    # resumed on one thread without the flag: the saved count, the same bits
+    run_threads(1, "smp-train", "--ckpt", b, "--data", data, "--save-dir", b, "--log", tmp_path / "b.jsonl", *val)
+    strip = lambda rows: [(r["step"], r["loss"], r["grad_norm"], r.get("val_loss")) for r in rows]  # noqa: E731
+    la, lb = read_log(tmp_path / "a.jsonl"), read_log(tmp_path / "b.jsonl")
+    assert strip(la) == strip(lb)
+    da, db = datasets(latest(a)), datasets(latest(b))
+    for k in da:
+        assert np.array_equal(da[k], db[k]), k
+    # validation through the lanes: smp-eval's loss of the saved weights (fp32) on the same 2 batches of 2
+    ev = json.loads(run("smp-eval", "--ckpt", latest(a), "--data", data, "--batch", 2, "--seq", 16, "--batches", 2,
+                        "--json", check=0).stdout)
+    assert la[-1]["val_loss"] == pytest.approx(ev["loss"], rel=1e-6)
+    # a new run's auto: one lane on one thread
+    run_threads(1, "smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "c", "--steps", 1, *COMMON)
+    assert training_state(latest(tmp_path / "c"))["lanes"] == 1
+
+
+def test_lanes_refusals(tmp_path):
+    ck, data = _tiny(tmp_path)
+    for args, msg in [(["--lanes", 3], "--lanes 3: the lanes do not divide"), (["--lanes", 0], "--lanes"),
+                      (["--lanes", 2000], "--lanes"), (["--lanes", "two"], "--lanes"),
+                      (["--lanes", 2, "--fp8", "delayed"], "--lanes 2: --fp8 takes one lane")]:
+        p = run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "r", "--steps", 2, "--batch", 4,
+                "--seq", 16, *args, check=2)
+        assert msg in p.stderr and p.stderr.count("\n") <= 2, p.stderr
+    assert not (tmp_path / "r").exists()
 
 
 # ---------------------------------------------------------------- refusals, NaN

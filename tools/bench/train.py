@@ -112,6 +112,8 @@ def main():
                                 "--log", str(tmp / "log.jsonl"), "--compress", "none"], check=True,
                                capture_output=True, text=True, env=env)
             rows = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
+            last = tmp / "run" / (tmp / "run" / "latest").read_text().strip()
+            lanes = json.loads((last / "smp.json").read_text())["training"]["lanes"]  # auto's pick (--lanes)
             smp_runs.append((a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"]
                                                                      for r in rows[2:]), int(p.stdout.split()[-1])))
             for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
@@ -127,7 +129,7 @@ def main():
                              "all": [r["tokens_per_s"] for r in runs]} for attn, runs in torch_all.items()}
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
           f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
-          f"{a.threads} threads; fp32, AdamW; smp-train: {blas}"
+          f"{a.threads} threads; fp32, AdamW; smp-train: {blas}, {lanes} lane{'s' if lanes > 1 else ''}"
           + (f" (OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} from the environment)" if "OPENBLAS_CORETYPE" in env else ""))
     print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}" + ("   (median of %d rounds; each round)" % a.repeat
                                                               if a.repeat > 1 else ""))
