@@ -197,7 +197,7 @@ def psetup(tmp_path_factory):
     class Refs(dict):
         def __missing__(self, micro):
             out = tmp / f"ref-m{micro}"
-            run("smp-train", *args(out), "--steps", 6, "--microbatches", micro, check=0)
+            run("smp-train", *args(out), "--steps", 6, "--microbatches", micro, "--lanes", 1, check=0)
             self[micro] = read_log(out / "log.jsonl")
             return self[micro]
     return tmp, args, Refs()
@@ -226,11 +226,25 @@ def test_layouts_match_one_rank(psetup, layout, micro, extra):
     assert len(vals) == 2 and max(rel(a, b) for a, b in vals) < 2e-4
 
 
+@pytest.mark.parametrize("lanes,micro", [(4, 1), (2, 2), (8, 1)])
+def test_lanes_match_one_lane(psetup, lanes, micro):
+    # each lane its documents and masks (8 lanes: a sequence each)
+    tmp, args, refs = psetup
+    out = tmp / f"run-lanes{lanes}-m{micro}"
+    p = run("smp-train", *args(out), "--steps", 6, "--microbatches", micro, "--lanes", lanes, check=0)
+    assert f"{lanes} lanes of {8 // micro // lanes} sequence" in p.stderr, p.stderr
+    rows, ref = read_log(out / "log.jsonl"), refs[micro]
+    assert [r["targets"] for r in rows] == [q["targets"] for q in ref]
+    assert_tracks(rows, ref, 2e-4, f"documents, {lanes} lanes, microbatches {micro}")
+    vals = [(r["val_loss"], q["val_loss"]) for r, q in zip(rows, ref) if "val_loss" in q]
+    assert len(vals) == 2 and max(rel(a, b) for a, b in vals) < 2e-4
+
+
 @pytest.mark.parametrize("recompute", ["attention", "full"])
 def test_recompute_is_bit_exact(psetup, recompute):
     tmp, args, refs = psetup
     out = tmp / f"recompute-{recompute}"
-    run("smp-train", *args(out), "--steps", 6, "--recompute", recompute, check=0)
+    run("smp-train", *args(out), "--steps", 6, "--recompute", recompute, "--lanes", 1, check=0)
     assert [(r["loss"], r["grad_norm"]) for r in read_log(out / "log.jsonl")] == \
         [(q["loss"], q["grad_norm"]) for q in refs[1]]
 
@@ -246,8 +260,8 @@ def test_fp8_context_parallel_matches_one_rank(psetup):
 def test_resume_is_bit_exact(psetup):
     tmp, args, refs = psetup
     a = tmp / "resume"
-    run("smp-train", *args(a), "--steps", 6, "--stop-at", 3, check=0)
-    run("smp-train", *args(a, ckpt=a), check=0)  # the run folder: its latest, step 3
+    run("smp-train", *args(a), "--steps", 6, "--stop-at", 3, "--lanes", 1, check=0)
+    run("smp-train", *args(a, ckpt=a), check=0)  # the run folder: its latest, step 3 (and its one lane)
     rows = read_log(a / "log.jsonl")
     assert [(r["loss"], r["grad_norm"]) for r in rows] == [(q["loss"], q["grad_norm"]) for q in refs[1]]
     st = json.loads((a / "step-000006" / "smp.json").read_text())["training"]
