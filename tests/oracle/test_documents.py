@@ -209,16 +209,20 @@ def psetup(tmp_path_factory):
     ("pp=2", 2, []),
     ("tp=2", 1, ["--sequence-parallel"]),
     ("dp=2", 1, []),
+    ("dp=2", 1, ["--lanes", 4]),              # each replica its 4 sequences over 4 lanes (on one thread)
     ("tp=2,cp=2,dp=2", 2, []),                # 8 ranks
     ("pp=2,cp=2", 2, []),
 ])
 def test_layouts_match_one_rank(psetup, layout, micro, extra):
     tmp, args, refs = psetup
     lay = layout_of(layout)
-    out = tmp / f"run-{layout}-m{micro}"
+    out = tmp / f"run-{layout}-m{micro}{''.join(map(str, extra))}"
     mpirun(lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"], *args(out), "--steps", 6, "--layout", layout,
            "--microbatches", micro, *extra)
     rows, ref = read_log(out / "log.jsonl"), refs[micro * lay["dp"]]
+    if "--lanes" in extra:  # the count ran and was saved
+        st = json.loads((out / "step-000006" / "smp.json").read_text())["training"]
+        assert st["lanes"] == extra[extra.index("--lanes") + 1]
     assert [r["targets"] for r in rows] == [q["targets"] for q in ref]
     assert all(0 < r["targets"] < 8 * PSEQ for r in rows)  # the masks and documents left targets out
     assert_tracks(rows, ref, 2e-4, f"documents {layout} microbatches {micro}")
