@@ -507,6 +507,13 @@ def test_lanes_refusals(tmp_path):
                 "--seq", 16, *args, check=2)
         assert msg in p.stderr and p.stderr.count("\n") <= 2, p.stderr
     assert not (tmp_path / "r").exists()
+    # the lanes' own models (shared parameters, their gradients and activations) made,
+    # run, validated, saved and freed under ASan + UBSan, then resumed there
+    common = ["--data", data, "--save-dir", tmp_path / "s", "--batch", 4, "--seq", 16, "--lanes", 2,
+              "--val-data", data, "--val-batches", 1]
+    run("smp-train", "--ckpt", ck, "--steps", 3, "--stop-at", 2, *common, san=True, check=0)
+    run("smp-train", "--ckpt", tmp_path / "s", *common, san=True, check=0)
+    assert training_state(latest(tmp_path / "s"))["step"] == 3
 
 
 # ---------------------------------------------------------------- refusals, NaN
