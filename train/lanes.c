@@ -1,7 +1,9 @@
 /* train/lanes.c: a rank's microbatch split over its CPU threads (lanes.h). */
 #include "lanes.h"
 
+#include <stdint.h>
 #include <stdlib.h>
+#include <unistd.h>
 
 #ifdef _OPENMP
 #include <omp.h>
@@ -28,10 +30,19 @@ const char *lanes_refusal(const model *m, const shard_layout *l, int rows, int n
     return NULL;
 }
 
+/* an eighth of the machine's memory (0 when unknown) */
+static uint64_t memory_share(void)
+{
+    const long pages = sysconf(_SC_PHYS_PAGES), size = sysconf(_SC_PAGESIZE);
+    return pages > 0 && size > 0 ? (uint64_t)pages * (uint64_t)size / 8 : 0;
+}
+
 int lanes_auto(const model *m, const shard_layout *l, int rows)
 {
     const int n = threads();
-    return n > 1 && !lanes_refusal(m, l, rows, n) ? n : 1;
+    /* the extra lanes' gradient copies: a small model's (where lanes pay), not a large one's */
+    const uint64_t extra = (uint64_t)(n > 1 ? n - 1 : 0) * m->nparams * sizeof(float);
+    return n > 1 && !lanes_refusal(m, l, rows, n) && extra <= memory_share() ? n : 1;
 }
 
 lanes lanes_single(model **m, int rows)

@@ -33,8 +33,9 @@ typedef struct {
 /* Why n lanes cannot run a rank's microbatches of `rows` sequences of model m under
  * layout l (the message), or NULL when they can. */
 const char *lanes_refusal(const model *m, const shard_layout *l, int rows, int n);
-/* The lane count a new run takes: the threads (OpenMP's), where they divide the rows
- * and lanes_refusal has nothing against it; else 1. */
+/* The lane count a new run takes: the threads (OpenMP's), where they divide the rows,
+ * lanes_refusal has nothing against it and the extra lanes' gradient copies take at
+ * most an eighth of the machine's memory; else 1. */
 int lanes_auto(const model *m, const shard_layout *l, int rows);
 
 /* ln over m (localized, its parameters in place, no activations yet): n - 1 lanes

@@ -1,7 +1,7 @@
 /* train/: the data order (files, sequences, shuffling by epoch, refusals), the
  * learning-rate schedule, the deterministic gradient norm and clipping, through
  * train/'s library (libsmptrain.a); the C backend's choice of OpenBLAS kernels; a
- * load's prefault of its destination. */
+ * load's prefault of its destination; the lane count auto picks. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -14,10 +14,12 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include <omp.h>
 
 #include "c/blas_pick.h"
 #include "data.h"
 #include "dev.h"
+#include "lanes.h"
 #include "optim.h"
 #include "prefault.h"
 
@@ -268,12 +270,47 @@ static void test_prefault(void **st)
     munmap(m, n);
 }
 
+/* auto: a lane per thread where they divide the rows and can run, and only while the
+ * extra gradient copies fit an eighth of the machine's memory */
+static void test_lanes_auto(void **st)
+{
+    (void)st;
+    dev d;
+    memset(&d, 0, sizeof d);
+    model m;
+    memset(&m, 0, sizeof m);
+    m.dev = &d;
+    m.nparams = 5u << 20;
+    const shard_layout one = {1, 1, 1, 1, 0}, tp2 = {1, 2, 1, 1, 0};
+    omp_set_num_threads(2);
+    assert_int_equal(lanes_auto(&m, &one, 8), 2);
+    assert_int_equal(lanes_auto(&m, &one, 3), 1);  /* 2 does not divide 3 */
+    assert_int_equal(lanes_auto(&m, &tp2, 8), 1);  /* tensor parallelism */
+    m.E = 8;
+    assert_int_equal(lanes_auto(&m, &one, 8), 1);  /* experts */
+    m.E = 0;
+    d.cuda = 1;
+    assert_int_equal(lanes_auto(&m, &one, 8), 1);  /* a GPU */
+    d.cuda = 0;
+    const uint64_t eighth = (uint64_t)sysconf(_SC_PHYS_PAGES) * (uint64_t)sysconf(_SC_PAGESIZE) / 8;
+    m.nparams = (size_t)(eighth / sizeof(float)); /* one gradient copy: an eighth exactly */
+    assert_int_equal(lanes_auto(&m, &one, 8), 2);
+    m.nparams += 1;
+    assert_int_equal(lanes_auto(&m, &one, 8), 1);
+    omp_set_num_threads(4);
+    m.nparams = 5u << 20;
+    assert_int_equal(lanes_auto(&m, &one, 8), 4);
+    assert_int_equal(lanes_auto(&m, &one, 6), 1);  /* 4 does not divide 6: not fewer lanes than threads */
+    assert_null(lanes_refusal(&m, &one, 8, 1));
+    assert_non_null(strstr(lanes_refusal(&m, &one, 8, 3), "do not divide"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
-        cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault),
+        cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault), cmocka_unit_test(test_lanes_auto),
     };
     return cmocka_run_group_tests(tests, setup, teardown);
 }
