@@ -92,6 +92,9 @@ static void run_lanes(lanes *ln, int32_t *in, int32_t *tg, int backward, float l
 {
     #pragma omp parallel for num_threads(ln->n) schedule(static, 1) if (ln->n > 1)
     for (int i = 0; i < ln->n; i++) {
+#ifdef _OPENMP
+        if (ln->n > 1) omp_set_num_threads(1); /* this lane's ops ask for their threads: one (this task's setting) */
+#endif
         model *x = ln->m[i];
         const size_t off = (size_t)i * (size_t)ln->rows * (size_t)x->T;
         counted[i] = par_take_batch(x, ln->rows, in + off, tg + off);
