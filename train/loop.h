@@ -14,8 +14,8 @@
  *   loop_close     releases it all.
  *
  * A step (loop_step): zero the gradients, the forward and backward passes of the
- * microbatches (par_train_step, or lanes_train_step over the lanes), the loss summed over the replicas and to every
- * stage, the gradients reduced (global norm), FP8 amaxes reduced over all ranks, the
+ * microbatches (lanes_train_step: par_train_step, or the lanes'), the loss summed
+ * over the replicas and to every stage, the gradients reduced (global norm), FP8 amaxes reduced over all ranks, the
  * update (or the step skipped when the loss or the norm is not finite), then the
  * validation (loop_validate) and whether to save. Failures are returned as the
  * status with libshard's message; what the run says about itself (warnings, the
