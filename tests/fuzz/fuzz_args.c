@@ -1,6 +1,8 @@
-/* libFuzzer: the layout strings of every command's --layout ("pp=2,tp=4,..."), on
- * arbitrary bytes: what parses is in bounds, survives its own format, and maps every
- * rank to coordinates and back. */
+/* libFuzzer: the strings of the commands' arguments that libshard parses, on arbitrary
+ * bytes: --layout ("pp=2,tp=4,..."): what parses is in bounds, survives its own
+ * format, and maps ranks to coordinates and back; --stages ("auto" or layer counts, for
+ * a 12-layer model): what parses gives each stage a layer or more, all 12 in all;
+ * --compress ("none", "zstd", "zstd:N"): what parses is a level of 0..19. */
 #include "shard.h"
 
 #include <stdlib.h>
@@ -20,6 +22,34 @@ static void check_ranks(const shard_layout *l)
     }
     const shard_coords out = shard_layout_coords(l, n); /* one past the last rank: none */
     if (out.pp != -1 || shard_layout_rank(l, out) >= 0) abort();
+}
+
+static void check_stages(const char *text, int pp)
+{
+    shard_model_desc d;
+    memset(&d, 0, sizeof d);
+    d.hidden = 64; d.intermediate = 128; d.layers = 12; d.heads = 4; d.kv_heads = 2; d.head_dim = 16; d.vocab = 100;
+    int st[SHARD_MAX_PP];
+    if (shard_stages_parse(text, &d, pp, st) == SHARD_OK) {
+        long long sum = 0;
+        for (int i = 0; i < pp; i++) {
+            if (st[i] < 1) abort();
+            sum += st[i];
+        }
+        if (sum != d.layers) abort();
+    } else if (!shard_errmsg()[0]) {
+        abort();
+    }
+}
+
+static void check_compress(const char *text)
+{
+    shard_compress c;
+    if (shard_compress_parse(text, &c) == SHARD_OK) {
+        if (c.zstd_level < 0 || c.zstd_level > 19 || c.threads != 1 || c.no_fsync) abort();
+    } else if (!shard_errmsg()[0]) {
+        abort();
+    }
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -43,6 +73,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     } else if (!shard_errmsg()[0]) {
         abort();
     }
+    check_stages(text, size ? 1 + data[0] % 14 : 1); /* pp past the 12 layers too */
+    check_compress(text);
     free(text);
     return 0;
 }
