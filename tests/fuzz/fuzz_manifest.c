@@ -10,12 +10,19 @@
 
 static char dir[64], path[96];
 
+static void remove_dir(void)
+{
+    unlink(path);
+    rmdir(dir);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    if (!dir[0]) {
+    if (!dir[0]) { /* gone at exit */
         snprintf(dir, sizeof dir, "/tmp/fuzz-manifest-%ld", (long)getpid());
         mkdir(dir, 0755);
         snprintf(path, sizeof path, "%s/smp.json", dir);
+        atexit(remove_dir);
     }
     FILE *f = fopen(path, "wb");
     if (!f) return 0;
