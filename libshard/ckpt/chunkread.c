@@ -247,7 +247,8 @@ static shard_status open_own_dataset(hid_t file, const char *dpath, const char *
                               li.type == H5L_TYPE_SOFT ? "soft" : "external");
     }
     *out = H5Dopen2(file, dpath, H5P_DEFAULT);
-    return *out < 0 ? shard_fail(SHARD_E_CORRUPT, "%s: %s is not a dataset", path, dpath) : SHARD_OK;
+    return *out < 0 ? shard_fail(SHARD_E_CORRUPT, "%s: %s does not open as a dataset (another kind of object, or "
+                                 "its HDF5 header is damaged)", path, dpath) : SHARD_OK;
 }
 
 static shard_status load_index(shard_ckpt *c, const tensor *t, piece *p)

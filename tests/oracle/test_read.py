@@ -794,6 +794,34 @@ def commands_refuse(ck, tmp_path, fname, vocab):
     assert set(os.listdir(tmp_path)) == before, "a refused command left output behind"
 
 
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"  # the HDF5 file format specification's, at offset 0
+
+
+def test_shard_files_carry_metadata_checksums(ckpts, api_ckpt, tmp_path):
+    """Shard files are written in HDF5 1.10's format: superblock version 3 (the byte after
+    the signature), whose object headers carry checksums that HDF5 checks as it reads
+    (docs/FORMAT.md). One bit of an attribute's name in an object header flipped, with the
+    manifest's file checksums refreshed to match: every reading command refuses it,
+    exit 3, one line naming the file; h5py (HDF5's own checks) refuses that object too."""
+    for ck in list(ckpts.values()) + [api_ckpt]:
+        for f in sorted(ck.glob("shard-*.h5")):
+            head = f.read_bytes()[:9]
+            assert head[:8] == HDF5_SIGNATURE and head[8] == 3, (f, head)
+    ck = tmp_path / "ck"
+    shutil.copytree(ckpts["bf16-tp2-zstd"], ck)
+    f = ck / "shard-00000.h5"
+    data = bytearray(f.read_bytes())
+    at = data.find(b"global_shape")
+    assert at > 0
+    data[at + 3] ^= 0x01
+    f.write_bytes(bytes(data))
+    refresh_files(ck)
+    with h5py.File(f, "r") as h, pytest.raises(Exception):
+        for name in h["params"]:
+            h["params"][name].attrs["global_shape"]
+    commands_refuse(ck, tmp_path, "shard-00000.h5", MODELS["bf16"][0]["vocab_size"])
+
+
 @pytest.mark.parametrize("name", ["f32-pp2tp2-zstd", "f32-tp2-none", "bf16-tp2-zstd", "bf16-pp2tp2-none"])
 def test_corrupt_chunk_is_caught(lib, ckpts, tmp_path, name):
     src = ckpts[name]
