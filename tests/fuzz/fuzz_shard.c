@@ -37,22 +37,14 @@ const char *__asan_default_options(void) { return "allocator_may_return_null=1";
 static variant var[2];
 static char dir[64], man[96], file[96];
 
+/* a whole file (libshard's reader), or the run stops saying which */
 static char *slurp(const char *path, size_t *len)
 {
-    FILE *f = fopen(path, "rb");
-    if (!f) {
-        fprintf(stderr, "fuzz_shard: cannot read %s (run from the repository root, or set SMP_FUZZ_ROOT)\n", path);
+    char *buf;
+    if (shard_read_file(path, 1u << 20, &buf, len)) {
+        fprintf(stderr, "fuzz_shard: %s (run from the repository root, or set SMP_FUZZ_ROOT)\n", shard_errmsg());
         abort();
     }
-    char *buf = NULL;
-    size_t cap = 0, n = 0, r;
-    do {
-        if (n == cap && !(buf = realloc(buf, cap = cap ? 2 * cap : 65536))) abort();
-        r = fread(buf + n, 1, cap - n, f);
-        n += r;
-    } while (r > 0);
-    fclose(f);
-    *len = n;
     return buf;
 }
 

@@ -6,6 +6,7 @@ heads, intermediate 704, vocab 4096). Best of a few calls per product, GFLOP/s, 
 the step's sum (each product times its count in the step). Not a test.
 
     OMP_NUM_THREADS=2 python3 tools/bench/linear.py [LIB ...]
+    (SMP_LINEAR_ROWS, SMP_LINEAR_LAYERS: another step's rows and layers)
 
 Several libraries (e.g. a copy of an older build's libsmpkernels.so with its
 libshard.so beside it) run side by side, in rounds, so that a busy moment of the
@@ -19,7 +20,10 @@ import numpy as np
 
 from attention import load_libs  # this folder's (the script's own folder is on sys.path)
 
-N, LAYERS = 8 * 256, 4
+# the rows (tokens) and layers of the step: train.py's 8 x 256 by default; e.g. its
+# 1 x 4096 run with SMP_LINEAR_ROWS=4096 SMP_LINEAR_LAYERS=2
+N = int(os.environ.get("SMP_LINEAR_ROWS", 8 * 256))
+LAYERS = int(os.environ.get("SMP_LINEAR_LAYERS", 4))
 LINEARS = [  # IN, OUT, per step: q, k and v, o, gate and up, down, the head
     (256, 256, 2 * LAYERS), (256, 128, 2 * LAYERS), (256, 704, 2 * LAYERS), (704, 256, LAYERS), (256, 4096, 1)]
 PARTS = ("forward", "dinp", "dweight")
