@@ -28,15 +28,17 @@
 #pragma GCC optimize("no-trapping-math")
 #endif
 
-/* Cephes' expf, shared by both exps below: y = n ln2 + r, |r| <= ln2 / 2, ln2 in two
- * parts (n ln2_hi exact), and e^r = 1 + r + r^2 (C0 + C1 r + ... + C5 r^5) */
+/* Cephes' expf's reduction, shared by both exps below: y = n ln2 + r, |r| <= ln2 / 2,
+ * ln2 in two parts (n ln2_hi exact), and e^r = 1 + r + r^2 (C0 + C1 r + ... + C4 r^4):
+ * a degree-6 polynomial fitted to e^r's relative error on that interval (3e-9, a
+ * twentieth of a float's ulp; tools/expfit.py), where Cephes' degree 7 (C5 too, 5e-11)
+ * spent one multiply-add more a value for bits a float does not keep */
 #define SMP_EXP_LOG2E 1.44269504f
-#define SMP_EXP_C0 5.0000001201e-1f
-#define SMP_EXP_C1 1.6666665459e-1f
-#define SMP_EXP_C2 4.1665795894e-2f
-#define SMP_EXP_C3 8.3334519073e-3f
-#define SMP_EXP_C4 1.3981999507e-3f
-#define SMP_EXP_C5 1.9875691500e-4f
+#define SMP_EXP_C0 4.9999994040e-01f
+#define SMP_EXP_C1 1.6666521132e-01f
+#define SMP_EXP_C2 4.1668388993e-02f
+#define SMP_EXP_C3 8.3687109873e-03f
+#define SMP_EXP_C4 1.3814608101e-03f
 
 /* r = y - n ln2 */
 SMP_SIMD_INLINE float smp_exp_reduce(float y, float n)
@@ -50,8 +52,7 @@ SMP_SIMD_INLINE float smp_exp_poly(float y)
 {
     const float n = __builtin_floorf(y * SMP_EXP_LOG2E + 0.5f);
     const float r = smp_exp_reduce(y, n);
-    float c = SMP_EXP_C5;
-    c = c * r + SMP_EXP_C4;
+    float c = SMP_EXP_C4;
     c = c * r + SMP_EXP_C3;
     c = c * r + SMP_EXP_C2;
     c = c * r + SMP_EXP_C1;
@@ -75,40 +76,43 @@ SMP_SIMD_INLINE float smp_expf(float x)
     return x == x ? e : x;
 }
 
-/* e^x for a softmax's shifted scores (x = s - max <= 0; -inf where masked): within 1 ulp
- * of e^x from e^-87.33 to 1 (2 above, up to e^88), as smp_expf, but written for a short
- * dependency chain, which is what bounds the softmax loop on a CPU with a small FP scheduler
- * (Zen 2: a vector in smp_expf's Horner form took ~18 cycles, ~7 of them to issue):
- * - no select: the clamps are one max and one min that pass a NaN through (its e is
- *   NaN too), and the clamp at -88 gives n = -127, so 2^n's bits, and e^x, are 0 (0
- *   below about -87.7; smp_expf: -87.33; e^x there is under 1.2e-38);
+/* e^x for a softmax's shifted scores (x = s - max or s - lse <= 0; -inf where masked):
+ * within 1 ulp of e^x from e^-87.33 to 1 (2 above, up to e^88), as smp_expf, but written
+ * for a short dependency chain, which is what bounds the softmax loop on a CPU with a
+ * small FP scheduler (Zen 2: a vector in smp_expf's Horner form took ~18 cycles, ~7 of
+ * them to issue), and for few instructions:
+ * - no select, one clamp: a max at -88 that passes a NaN through (its e is NaN too) and
+ *   gives n = -127, so 2^n's bits, and e^x, are 0 (0 below about -87.7; smp_expf:
+ *   -87.33; e^x there is under 1.2e-38); no clamp above, so x must be <= 88 (above,
+ *   2^n's bits overflow: +inf gives NaN, x in (88.4, 128) a wrong value), which its
+ *   callers' shifted scores are by construction (<= 0);
  * - n rounded by the 1.5 * 2^23 shifter, whose sum's low bits are n + 127 itself (no
  *   round, no convert): 2^n is those bits shifted into the exponent;
- * - the polynomial in Estrin's form (three levels, not six) and the last step
+ * - the polynomial in Estrin's form (three levels, not five) and the last step
  *   (1 + r + r^2 p) 2^n as two FMAs.
- * The loop's body is hardly shorter (27 instructions against 28, GCC 12, x86-64-v3);
- * its chain is: about 45 cycles of latency against 60. The attention's softmax loop
- * alone: 6.0 -> 4.8 ns a vector (Zen 2, 2026-12-05). The bounds come in as variables
- * (smp_exp_bounds_opaque): as constants, GCC splits the loop into a path per clamp
- * and blends the paths' results back. */
-typedef struct { float lo, hi; } smp_exp_bounds;
+ * The attention's softmax loop alone: 6.0 -> 4.8 ns a vector for the short chain (Zen 2,
+ * 2026-12-05), 3.50 -> 2.95 ns an exp for the degree-6 polynomial and the one clamp
+ * (2026-12-05, later; the same accuracy, tests/unit/test_kernels.c). Interleaving
+ * 2, 4 or 8 vectors' chains by hand (intrinsics) was slower: 4.9-7.2 ns against 4.7. The
+ * bound comes in as a variable (smp_exp_bounds_opaque): as a constant, GCC splits the
+ * loop into a path per clamp and blends the paths' results back. */
+typedef struct { float lo; } smp_exp_bounds;
 
-/* -88, 88, opaque to the optimizer; once, before the loop */
+/* -88, opaque to the optimizer; once, before the loop */
 SMP_SIMD_INLINE smp_exp_bounds smp_exp_bounds_opaque(void)
 {
-    smp_exp_bounds b = {-88.0f, 88.0f};
+    smp_exp_bounds b = {-88.0f};
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-    __asm__("" : "+x"(b.lo), "+x"(b.hi));
+    __asm__("" : "+x"(b.lo));
 #elif defined(__GNUC__) || defined(__clang__)
-    __asm__("" : "+m"(b.lo), "+m"(b.hi));
+    __asm__("" : "+m"(b.lo));
 #endif
     return b;
 }
 
 SMP_SIMD_INLINE float smp_expf_shifted(float x, smp_exp_bounds b)
 {
-    float y = b.lo > x ? b.lo : x; /* max(-88, x); x where x is NaN */
-    y = b.hi < y ? b.hi : y;
+    const float y = b.lo > x ? b.lo : x; /* max(-88, x); x where x is NaN */
     const float shifter = 12583039.0f; /* 1.5 * 2^23 + 127: t's last 9 bits are n + 127 */
     const float t = y * SMP_EXP_LOG2E + shifter;
     const float n = t - shifter; /* round(y / ln 2), exactly */
@@ -121,8 +125,7 @@ SMP_SIMD_INLINE float smp_expf_shifted(float x, smp_exp_bounds b)
     const float r2 = r * r;
     const float p01 = SMP_EXP_C1 * r + SMP_EXP_C0;
     const float p23 = SMP_EXP_C3 * r + SMP_EXP_C2;
-    const float p45 = SMP_EXP_C5 * r + SMP_EXP_C4;
-    const float p = (p45 * r2 + p23) * r2 + p01;
+    const float p = (SMP_EXP_C4 * r2 + p23) * r2 + p01;
     return (p * r2 + r) * two_n + two_n;
 }
 
