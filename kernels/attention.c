@@ -54,6 +54,8 @@ enum { QT_HD_MAX = 256 };
  * at 256 tokens, hd 32, 4.6 -> 4.9 ms, so only from 8 key tiles on) */
 enum { O_HD_MAX = 32 };
 
+typedef struct { int32_t lo, hi; } range;
+
 /* One call's shape; row_at gives the offset of row t of head h of batch b in a
  * [B, T, heads, hd] tensor. */
 typedef struct {
@@ -62,6 +64,10 @@ typedef struct {
     float scale; /* 1 / sqrt(hd) */
     const int32_t *qpos, *kpos;
     const int32_t *qdoc, *kdoc; /* [B, Tq], [B, Tk], or NULL: one document */
+    /* each tile's range of positions (qr, kr) and documents (qdr, kdr: [B][tiles]), made
+     * once a call (shape_ranges): the tasks ask of every (query tile, key tile) pair,
+     * half of them out of sight, whether it sees anything. NULL: taken from the rows. */
+    range *qr, *kr, *qdr, *kdr;
 } attn_shape;
 
 static attn_shape shape_of(const int32_t *qpos, const int32_t *kpos, const int32_t *qdoc,
@@ -69,7 +75,7 @@ static attn_shape shape_of(const int32_t *qpos, const int32_t *kpos, const int32
                            int hd, int window)
 {
     attn_shape s = {B, Tq, Tk, nh, nkv, hd, window, nh / nkv, 1.0f / sqrtf((float)hd),
-                    qpos, kpos, qdoc, kdoc};
+                    qpos, kpos, qdoc, kdoc, NULL, NULL, NULL, NULL};
     return s;
 }
 
@@ -82,8 +88,6 @@ static inline int imin(int a, int b) { return a < b ? a : b; }
 
 /* ---- which tiles to compute -------------------------------------------------------- */
 
-typedef struct { int32_t lo, hi; } range;
-
 static range range_of(const int32_t *x, int n)
 {
     range r = {x[0], x[0]};
@@ -94,6 +98,43 @@ static range range_of(const int32_t *x, int n)
     return r;
 }
 
+/* x's rows [start, start + n), a tile of `step` rows: from the table where there is one */
+static range tile_range(const range *tab, const int32_t *x, int start, int n, int step)
+{
+    return tab && start % step == 0 ? tab[start / step] : range_of(x + start, n);
+}
+
+/* tab[b * tiles + i] = the range of x's row tile i in sequence b (x: [B, T]) */
+static void ranges_fill(range *tab, const int32_t *x, int B, int T, int step)
+{
+    const int tiles = (T + step - 1) / step;
+    for (int b = 0; b < B; b++)
+        for (int i = 0; i < tiles; i++)
+            tab[(size_t)b * tiles + i] = range_of(x + (size_t)b * T + i * step, imin(step, T - i * step));
+}
+
+/* s's tables (one block, freed by shape_ranges_free); none where malloc fails */
+static void shape_ranges(attn_shape *s)
+{
+    const int nq = (s->Tq + QT - 1) / QT, nk = (s->Tk + KT - 1) / KT, docs = s->qdoc != NULL;
+    range *tab = malloc((size_t)(nq + nk) * (1 + (docs ? s->B : 0)) * sizeof(range));
+    if (!tab)
+        return;
+    s->qr = tab, s->kr = tab + nq;
+    ranges_fill(s->qr, s->qpos, 1, s->Tq, QT);
+    ranges_fill(s->kr, s->kpos, 1, s->Tk, KT);
+    if (docs) {
+        s->qdr = s->kr + nk, s->kdr = s->qdr + (size_t)s->B * nq;
+        ranges_fill(s->qdr, s->qdoc, s->B, s->Tq, QT);
+        ranges_fill(s->kdr, s->kdoc, s->B, s->Tk, KT);
+    }
+}
+
+static void shape_ranges_free(attn_shape *s)
+{
+    free(s->qr);
+}
+
 /* A tile of queries [i0, i0 + ni) x keys [j0, j0 + nj) */
 typedef struct { int b, i0, ni, j0, nj; } tile;
 enum { SEES_NONE, SEES_SOME, SEES_ALL };
@@ -102,14 +143,18 @@ enum { SEES_NONE, SEES_SOME, SEES_ALL };
  * pair? (positions need not be sorted: ranges bound them either way) */
 static int tile_sees(const attn_shape *s, const tile *t)
 {
-    const range qp = range_of(s->qpos + t->i0, t->ni), kp = range_of(s->kpos + t->j0, t->nj);
+    const range qp = tile_range(s->qr, s->qpos, t->i0, t->ni, QT);
+    const range kp = tile_range(s->kr, s->kpos, t->j0, t->nj, KT);
     const int w = s->window;
     if (kp.lo > qp.hi || (w > 0 && (int64_t)qp.lo - kp.hi >= w))
         return SEES_NONE;
     int all = kp.hi <= qp.lo && (w <= 0 || (int64_t)qp.hi - kp.lo < w);
     if (s->qdoc) {
-        const range qd = range_of(s->qdoc + (size_t)t->b * s->Tq + t->i0, t->ni);
-        const range kd = range_of(s->kdoc + (size_t)t->b * s->Tk + t->j0, t->nj);
+        const int nq = (s->Tq + QT - 1) / QT, nk = (s->Tk + KT - 1) / KT;
+        const range qd = tile_range(s->qdr ? s->qdr + (size_t)t->b * nq : NULL,
+                                    s->qdoc + (size_t)t->b * s->Tq, t->i0, t->ni, QT);
+        const range kd = tile_range(s->kdr ? s->kdr + (size_t)t->b * nk : NULL,
+                                    s->kdoc + (size_t)t->b * s->Tk, t->j0, t->nj, KT);
         if (qd.hi < kd.lo || kd.hi < qd.lo)
             return SEES_NONE;
         all = all && qd.lo == qd.hi && kd.lo == kd.hi;
@@ -357,9 +402,11 @@ void op_attention_forward(float *out, float *lse, const float *q, const float *k
                           const int32_t *qdoc, const int32_t *kdoc,
                           int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
 {
-    const attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
+    attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
+    shape_ranges(&s);
     const fwd_args a = {out, lse, q, k, v};
     for_tasks(B, nh, (Tq + QT - 1) / QT, fwd_task, &s, &a);
+    shape_ranges_free(&s);
 }
 
 /* ---- backward ---------------------------------------------------------------------- */
@@ -624,15 +671,17 @@ void op_attention_backward(float *dq, float *dk, float *dv, const float *dout,
                            const int32_t *qdoc, const int32_t *kdoc,
                            int B, int Tq, int Tk, int nh, int nkv, int hd, int window)
 {
-    const attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
+    attn_shape s = shape_of(qpos, kpos, qdoc, kdoc, B, Tq, Tk, nh, nkv, hd, window);
+    shape_ranges(&s);
     const bwd_args a = {dq, dk, dv, dout, q, k, v, out, lse};
     const int tasks = B * nkv, threads = omp_threads();
     if (tasks % threads == 0 || tasks >= 4 * threads) {
         for_tasks(B, nkv, 1, bwd_head_task, &s, &a);
-        return;
+    } else {
+        for_tasks(B, nh, (Tq + QT - 1) / QT, dq_task, &s, &a);
+        for_tasks(B, nkv, (Tk + KT - 1) / KT, dkv_task, &s, &a);
     }
-    for_tasks(B, nh, (Tq + QT - 1) / QT, dq_task, &s, &a);
-    for_tasks(B, nkv, (Tk + KT - 1) / KT, dkv_task, &s, &a);
+    shape_ranges_free(&s);
 }
 
 void op_attention_merge(float *out, float *lse, const float *out2, const float *lse2,
