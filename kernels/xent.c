@@ -16,16 +16,24 @@ static inline int owns(int32_t t, int vocab_start, int Vl)
     return t >= vocab_start && t - vocab_start < Vl;
 }
 
+/* a row's max, in vector lanes (the scalar loop's chain of compares was 0.5% of a 1 x
+ * 4096 step); exact in any order, and a NaN never wins, as in that loop */
+SMP_SIMD_CLONES static float row_max(const float *x, int Vl)
+{
+    float m = -INFINITY;
+    #pragma omp simd reduction(max : m)
+    for (int j = 0; j < Vl; j++)
+        m = x[j] > m ? x[j] : m;
+    return m;
+}
+
 void op_xent_rowmax(float *rowmax, float *target_logit, const float *logits,
                     const int32_t *targets, int N, int Vl, int vocab_start)
 {
     #pragma omp parallel for schedule(static)
     for (int n = 0; n < N; n++) {
         const float *x = logits + (size_t)n * Vl;
-        float m = -INFINITY;
-        for (int j = 0; j < Vl; j++)
-            m = x[j] > m ? x[j] : m;
-        rowmax[n] = m;
+        rowmax[n] = row_max(x, Vl);
         int32_t t = targets[n];
         /* 0 where another rank owns the target: the tp sum then gives its logit */
         target_logit[n] = owns(t, vocab_start, Vl) ? x[t - vocab_start] : 0.0f;
