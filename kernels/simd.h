@@ -91,9 +91,10 @@ SMP_SIMD_INLINE float smp_expf(float x)
  * - the polynomial in Estrin's form (three levels, not five) and the last step
  *   (1 + r + r^2 p) 2^n as two FMAs.
  * The attention's softmax loop alone: 6.0 -> 4.8 ns a vector for the short chain (Zen 2,
- * 2026-12-05), 3.50 -> 2.95 ns an exp for the degree-6 polynomial and the one clamp
- * (2026-12-05, later; the same accuracy, tests/unit/test_kernels.c). Interleaving
- * 2, 4 or 8 vectors' chains by hand (intrinsics) was slower: 4.9-7.2 ns against 4.7. The
+ * 2026-12-05); a loop of exps alone 3.50 -> 2.95 ns a vector for the degree-6 polynomial
+ * and the one clamp (later that day; the same accuracy, tests/unit/test_kernels.c).
+ * Interleaving 2, 4 or 8 vectors' chains by hand (intrinsics) in the backward's loop
+ * was slower: 4.9-7.2 ns a vector against 4.7. The
  * bound comes in as a variable (smp_exp_bounds_opaque): as a constant, GCC splits the
  * loop into a path per clamp and blends the paths' results back. */
 typedef struct { float lo; } smp_exp_bounds;
