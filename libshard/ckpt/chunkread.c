@@ -11,6 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 #include <zstd.h>
 
@@ -280,21 +281,58 @@ static shard_status load_index(shard_ckpt *c, const tensor *t, piece *p)
 }
 
 /* ---------------------------------------------------------------- chunks */
+/* a read of p's file that failed (r < 0: errno) or met its end (r == 0) */
+static shard_status read_fault(shard_ckpt *c, const piece *p, ssize_t r)
+{
+    char path[4200];
+    ckpt_file_path(c, p->file_index, path, sizeof path);
+    return r < 0 ? shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno))
+                 : shard_fail(SHARD_E_CORRUPT, "%s: shorter than its chunk index says (truncated)", path);
+}
+
 static shard_status read_stored(shard_ckpt *c, const piece *p, uint64_t k, uint8_t *buf)
 {
     const chunk_loc *l = &p->ix->loc[k];
     for (uint64_t done = 0; done < l->size;) {
         ssize_t r = pread(p->ix->fd, buf + done, l->size - done, (off_t)(l->addr + done));
         if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            char path[4200];
-            ckpt_file_path(c, p->file_index, path, sizeof path);
-            return r < 0 ? shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno))
-                         : shard_fail(SHARD_E_CORRUPT, "%s: shorter than its chunk index says (truncated)", path);
-        }
+        if (r <= 0) return read_fault(c, p, r);
         done += (uint64_t)r;
     }
     __atomic_add_fetch(&c->bytes_read, l->size, __ATOMIC_RELAXED);
+    return SHARD_OK;
+}
+
+/* An uncompressed chunk k straight into rows of dst `stride` bytes apart (a column
+ * slice of the wanted box: each of the chunk's rows is a run there), by preadv, then
+ * checked there: the chunk's bytes are its rows one after the other, so their XXH3 is
+ * the chunk's. No copy through a chunk buffer. */
+enum { ROWS_IOV = 128 };
+static shard_status read_rows_into(shard_ckpt *c, const piece *p, uint64_t k, uint8_t *dst, size_t stride)
+{
+    const piece_index *ix = p->ix;
+    const chunk_loc *l = &ix->loc[k];
+    const size_t row = (size_t)ix->g.cols * ix->g.es;
+    struct iovec iov[ROWS_IOV];
+    for (uint64_t done = 0; done < l->size;) {
+        int n = 0;
+        for (uint64_t at = done; at < l->size && n < ROWS_IOV; n++) { /* from where the last read stopped */
+            const size_t i = (size_t)(at / row), in = (size_t)(at % row);
+            iov[n] = (struct iovec){dst + i * stride + in, row - in};
+            at += row - in;
+        }
+        ssize_t r = preadv(ix->fd, iov, n, (off_t)(l->addr + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r <= 0) return read_fault(c, p, r);
+        done += (uint64_t)r;
+    }
+    __atomic_add_fetch(&c->bytes_read, l->size, __ATOMIC_RELAXED);
+    if (ix->xxh3 && shard_xxh3_rows(dst, row, stride, l->size / row) != ix->xxh3[k]) {
+        char path[4200];
+        ckpt_file_path(c, p->file_index, path, sizeof path);
+        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
+                          (unsigned long long)k);
+    }
     return SHARD_OK;
 }
 
@@ -531,17 +569,20 @@ static shard_status scatter(const read_job *j, const task *tk, const span *sp, c
     return SHARD_OK;
 }
 
-/* A task that wants the whole of an uncompressed chunk, in the stored dtype, as one
- * run of dst (whole rows, adjacent there too): read straight into its place and
- * checked there, without a copy through the chunk cache (merge, reshard and loads in
- * the stored layout: most chunks). NULL when the task is not such. */
-static uint8_t *direct_place(const read_job *j, const task *tk, const span *sp, int64_t r0, int64_t nr)
+/* A task that wants the whole of an uncompressed chunk, in the stored dtype: read
+ * straight into its place in dst and checked there, without a copy through the chunk
+ * cache (merge, reshard and loads: most chunks), as one run where its rows lie
+ * adjacent in dst (*stride 0), else row by row, *stride bytes apart (a column-split
+ * piece's chunk in a box of whole rows). NULL when the task is not such. */
+static uint8_t *direct_place(const read_job *j, const task *tk, const span *sp, int64_t r0, int64_t nr, size_t *stride)
 {
     const piece_index *ix = tk->p->ix;
     const shard_chunking *g = &ix->g;
     if (ix->zstd || j->dt != j->t->t.dtype) return NULL;
-    const int whole = sp->lo == r0 && sp->hi == r0 + nr && sp->nc == g->cols && sp->dstep == g->cols;
-    return whole && ix->loc[tk->k].size == ckpt_chunk_valid(g, tk->k) ? (uint8_t *)sp->dst : NULL;
+    const int whole = sp->lo == r0 && sp->hi == r0 + nr && sp->nc == g->cols;
+    if (!whole || ix->loc[tk->k].size != ckpt_chunk_valid(g, tk->k)) return NULL;
+    *stride = sp->dstep == g->cols ? 0 : (size_t)sp->dstep * g->es;
+    return (uint8_t *)sp->dst;
 }
 
 static shard_status read_worker(void *arg, int worker)
@@ -557,8 +598,11 @@ static shard_status read_worker(void *arg, int worker)
         int64_t r0, nr;
         const span sp = span_of(j, tk, &r0, &nr);
         const uint8_t *raw, *stored;
-        uint8_t *place = direct_place(j, tk, &sp, r0, nr);
-        if (place) {
+        size_t stride = 0;
+        uint8_t *place = direct_place(j, tk, &sp, r0, nr, &stride);
+        if (place && stride) {
+            st = read_rows_into(j->c, tk->p, tk->k, place, stride);
+        } else if (place) {
             st = decode_into(j->c, tk->p, tk->k, s, place, &stored);
         } else {
             cache_slot *slot;

@@ -13,6 +13,9 @@
 /* XXH3_64bits (seed 0) of a chunk's bytes, the same value as libxxhash's, computed
  * with the CPU's widest vectors (xxh3.c). */
 uint64_t shard_xxh3(const void *data, size_t len);
+/* the same of n rows of `row` bytes each, `stride` bytes apart: the XXH3 of the rows
+ * laid one after the other (a chunk read straight into a strided box, chunkread.c) */
+uint64_t shard_xxh3_rows(const void *base, size_t row, size_t stride, size_t n);
 /* the vector bits of the form shard_xxh3 runs: 512, 256 or 128 (SSE2, or not x86-64) */
 int shard_xxh3_bits(void);
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -20,6 +23,9 @@ int shard_xxh3_bits(void);
 uint64_t shard_xxh3_base(const void *data, size_t len);
 uint64_t shard_xxh3_avx2(const void *data, size_t len);
 uint64_t shard_xxh3_avx512(const void *data, size_t len);
+uint64_t shard_xxh3_base_rows(const void *base, size_t row, size_t stride, size_t n);
+uint64_t shard_xxh3_avx2_rows(const void *base, size_t row, size_t stride, size_t n);
+uint64_t shard_xxh3_avx512_rows(const void *base, size_t row, size_t stride, size_t n);
 #else
 #define SHARD_XXH3_WIDE 0
 #endif

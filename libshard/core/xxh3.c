@@ -6,38 +6,52 @@
 #include "core.h"
 
 #define XXH3_BODY_NAME shard_xxh3_base
+#define XXH3_ROWS_NAME shard_xxh3_base_rows
 #include "xxh3_body.h"
 
 #if SHARD_XXH3_WIDE
-typedef uint64_t (*xxh3_fn)(const void *, size_t);
+typedef struct {
+    uint64_t (*one)(const void *, size_t);
+    uint64_t (*rows)(const void *, size_t, size_t, size_t);
+    int bits;
+} xxh3_form;
 
-static xxh3_fn widest(void)
+static const xxh3_form FORMS[] = {
+    {shard_xxh3_base, shard_xxh3_base_rows, 128},
+    {shard_xxh3_avx2, shard_xxh3_avx2_rows, 256},
+    {shard_xxh3_avx512, shard_xxh3_avx512_rows, 512},
+};
+
+static int widest(void)
 {
     __builtin_cpu_init();
-    if (__builtin_cpu_supports("x86-64-v4")) return shard_xxh3_avx512;
-    if (__builtin_cpu_supports("x86-64-v3")) return shard_xxh3_avx2;
-    return shard_xxh3_base;
+    if (__builtin_cpu_supports("x86-64-v4")) return 2;
+    if (__builtin_cpu_supports("x86-64-v3")) return 1;
+    return 0;
 }
 
-static xxh3_fn picked(void)
+static const xxh3_form *picked(void)
 {
-    static xxh3_fn fn; /* picked once; a race between threads picks the same */
-    xxh3_fn f = __atomic_load_n(&fn, __ATOMIC_RELAXED);
-    if (!f) {
+    static int form = -1; /* picked once; a race between threads picks the same */
+    int f = __atomic_load_n(&form, __ATOMIC_RELAXED);
+    if (f < 0) {
         f = widest();
-        __atomic_store_n(&fn, f, __ATOMIC_RELAXED);
+        __atomic_store_n(&form, f, __ATOMIC_RELAXED);
     }
-    return f;
+    return &FORMS[f];
 }
 
-uint64_t shard_xxh3(const void *data, size_t len) { return picked()(data, len); }
-
-int shard_xxh3_bits(void)
+uint64_t shard_xxh3(const void *data, size_t len) { return picked()->one(data, len); }
+uint64_t shard_xxh3_rows(const void *base, size_t row, size_t stride, size_t n)
 {
-    const xxh3_fn f = picked();
-    return f == shard_xxh3_avx512 ? 512 : f == shard_xxh3_avx2 ? 256 : 128;
+    return picked()->rows(base, row, stride, n);
 }
+int shard_xxh3_bits(void) { return picked()->bits; }
 #else
 uint64_t shard_xxh3(const void *data, size_t len) { return shard_xxh3_base(data, len); }
+uint64_t shard_xxh3_rows(const void *base, size_t row, size_t stride, size_t n)
+{
+    return shard_xxh3_base_rows(base, row, stride, n);
+}
 int shard_xxh3_bits(void) { return 128; }
 #endif

@@ -889,6 +889,49 @@ def test_corrupt_chunk_read_in_place(lib, ckpts, tmp_path, name):
     commands_refuse(ck, tmp_path, p["file"], vocab)
 
 
+@pytest.mark.parametrize("name", ["f32-tp2-none", "bf16-pp2tp2-none"])
+def test_corrupt_chunk_read_in_place_strided(lib, ckpts, tmp_path, name):
+    """A whole, uncompressed chunk of a column-split piece (down_proj under tp: each of
+    its rows half a row of the tensor), wanted in its stored dtype in a box of whole rows
+    of the tensor, is read straight into the box row by row (preadv, the rows a tensor's
+    row apart) and its XXH3 taken there (shard_xxh3_rows): undamaged, the box is h5py's,
+    bit for bit, with 1 and 2 threads, and the bytes read are the chunks' alone; one
+    flipped byte is caught by the read and by every command."""
+    ck = tmp_path / "ck"
+    shutil.copytree(ckpts[name], ck)
+    o = oracle(ck)
+    key = ("params", "model.layers.0.mlp.down_proj.weight")
+    full = o.full[key].shape
+    p = max(o.pieces[key], key=lambda p: p["off"][1])  # the right half: its rows start mid-row
+    r, H = p["chunks"][0], p["shape"][1]
+    R = p["shape"][0]  # all of the tensor's rows: a full first chunk, a partial last one
+    assert p["off"][1] > 0 and H < full[1] and R == full[0] and R > r
+    with h5py.File(ck / p["file"], "r") as f:
+        c0 = f[p["dataset"]].id.get_chunk_info_by_coord((0, 0)).size
+    assert c0 == r * H * p["data"].dtype.itemsize  # stored raw, whole
+    other = {"F32": "BF16", "BF16": "F32"}[o.dtype[key]]
+    boxes = [((0, 0), (r, full[1])), ((r, 0), (R - r, full[1])), ((1, 0), (r, full[1])), ((0, 0), full)]
+    for threads in (1, 2):
+        with Ckpt(lib, ck, threads) as c:
+            for off, ln in boxes:
+                assert_same(c.read_ok(key, off, ln), o.box(key, off, ln), f"{name} strided box {off}+{ln}")
+            before = c.bytes_read()
+            c.read_ok(key, (0, 0), (r, full[1]))  # chunk 0 of each half
+            assert c.bytes_read() - before == 2 * c0
+    assert flip_byte(ck, p, 0) == (0, r)
+    refresh_files(ck)  # only the chunk's and the piece's checksums can catch it
+    for threads in (1, 2):
+        with Ckpt(lib, ck, threads) as c:
+            for off, ln, dt in [((0, 0), (r, full[1]), None), ((0, 0), full, None), ((0, 0), (r, full[1]), other),
+                                ((0, p["off"][1]), (r, H), None)]:
+                st, msg, _ = c.read(key, off, ln, dt)
+                assert st == E_CORRUPT and p["file"] in msg and p["dataset"] in msg, (off, ln, dt, st, msg)
+            assert_same(c.read_ok(key, (r, 0), (R - r, full[1])), o.box(key, (r, 0), (R - r, full[1])),
+                        f"{name} after a failure")
+    vocab = MODELS[CKPTS[name][0]][0]["vocab_size"]
+    commands_refuse(ck, tmp_path, p["file"], vocab)
+
+
 def test_corrupt_chunk_in_3d_piece(lib, api_ckpt, tmp_path):
     """The same in a 3-D piece: one chunk of one plane damaged; the other planes and the
     other chunks of the plane read."""

@@ -182,6 +182,35 @@ static void test_file_hash_and_note(void **st)
     free(buf);
 }
 
+/* the XXH3 of rows lying `stride` apart (shard_xxh3_rows: a chunk read straight into a
+ * column slice of a box) is libxxhash's XXH3 of the rows packed one after the other,
+ * in every form this CPU runs: rows shorter and longer than XXH3's stripes and blocks,
+ * one row, rows adjacent (stride = row) */
+static void test_chunk_xxh3_rows(void **st)
+{
+    (void)st;
+    const size_t shapes[][3] = {{1, 5, 3}, {7, 13, 40}, {64, 100, 9}, {250, 256, 17}, {1024, 3000, 33},
+                                {4096, 8192, 64}, {300, 300, 20}, {2048, 4000, 1}, {16, 16, 0}};
+    unsigned char *box = malloc(8192 * 64), *packed = malloc(4096 * 64);
+    assert_non_null(box);
+    assert_non_null(packed);
+    for (size_t i = 0; i < 8192 * 64; i++) box[i] = (unsigned char)(i * 2654435761u >> 13);
+    for (size_t t = 0; t < sizeof shapes / sizeof *shapes; t++) {
+        const size_t row = shapes[t][0], stride = shapes[t][1], n = shapes[t][2];
+        for (size_t i = 0; i < n; i++) memcpy(packed + i * row, box + 3 + i * stride, row);
+        const uint64_t want = XXH3_64bits(packed, row * n);
+        assert_true(shard_xxh3_rows(box + 3, row, stride, n) == want);
+#if SHARD_XXH3_WIDE
+        __builtin_cpu_init();
+        assert_true(shard_xxh3_base_rows(box + 3, row, stride, n) == want);
+        if (__builtin_cpu_supports("x86-64-v3")) assert_true(shard_xxh3_avx2_rows(box + 3, row, stride, n) == want);
+        if (__builtin_cpu_supports("x86-64-v4")) assert_true(shard_xxh3_avx512_rows(box + 3, row, stride, n) == want);
+#endif
+    }
+    free(box);
+    free(packed);
+}
+
 /* the chunks' XXH3 (libshard/core/xxh3.c) gives libxxhash's value in every form this
  * CPU runs, over the lengths where XXH3 changes its code path (0, 1-3, 4-8, 9-16,
  * 17-128, 129-240, longer; stripes, blocks, a 1 MiB chunk and a tail) and at odd
@@ -296,7 +325,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_xxh64_forms),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_xxh64_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
