@@ -290,6 +290,15 @@ static shard_status read_fault(shard_ckpt *c, const piece *p, ssize_t r)
                  : shard_fail(SHARD_E_CORRUPT, "%s: shorter than its chunk index says (truncated)", path);
 }
 
+/* chunk k of p's stored bytes do not match its own XXH3 */
+static shard_status chunk_mismatch(shard_ckpt *c, const piece *p, uint64_t k)
+{
+    char path[4200];
+    ckpt_file_path(c, p->file_index, path, sizeof path);
+    return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
+                      (unsigned long long)k);
+}
+
 static shard_status read_stored(shard_ckpt *c, const piece *p, uint64_t k, uint8_t *buf)
 {
     const chunk_loc *l = &p->ix->loc[k];
@@ -327,13 +336,7 @@ static shard_status read_rows_into(shard_ckpt *c, const piece *p, uint64_t k, ui
         done += (uint64_t)r;
     }
     __atomic_add_fetch(&c->bytes_read, l->size, __ATOMIC_RELAXED);
-    if (ix->xxh3 && shard_xxh3_rows(dst, row, stride, l->size / row) != ix->xxh3[k]) {
-        char path[4200];
-        ckpt_file_path(c, p->file_index, path, sizeof path);
-        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
-                          (unsigned long long)k);
-    }
-    return SHARD_OK;
+    return ix->xxh3 && shard_xxh3_rows(dst, row, stride, l->size / row) != ix->xxh3[k] ? chunk_mismatch(c, p, k) : SHARD_OK;
 }
 
 size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k)
@@ -355,24 +358,19 @@ static shard_status decode_into(shard_ckpt *c, const piece *p, uint64_t k, scrat
     if (!st) st = read_stored(c, p, k, ix->zstd ? s->stored : raw);
     if (st) return st;
     *stored = ix->zstd ? s->stored : raw;
-    char path[4200];
     if (ix->zstd) {
         size_t r = ZSTD_getFrameContentSize(s->stored, ix->loc[k].size) == full
                        ? ZSTD_decompressDCtx(s->dctx, es > 1 ? s->tmp : raw, full, s->stored, ix->loc[k].size)
                        : 0;
         if (ZSTD_isError(r) || r != full) {
+            char path[4200];
             ckpt_file_path(c, p->file_index, path, sizeof path);
             return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu cannot be decompressed (damaged data)", path, p->dataset,
                               (unsigned long long)k);
         }
         if (es > 1) shard_unshuffle(raw, s->tmp, full / es, es);
     }
-    if (ix->xxh3 && shard_xxh3(raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k]) {
-        ckpt_file_path(c, p->file_index, path, sizeof path);
-        return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu: checksum mismatch (damaged data)", path, p->dataset,
-                          (unsigned long long)k);
-    }
-    return SHARD_OK;
+    return ix->xxh3 && shard_xxh3(raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k] ? chunk_mismatch(c, p, k) : SHARD_OK;
 }
 
 shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
