@@ -123,9 +123,9 @@ shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer
     w->threads = c.threads > 0 ? (c.threads > 64 ? 64 : c.threads) : 1;
     /* HDF5 1.10's own file format (superblock 3, version 2 object headers, 1.10's chunk
      * indexes): its metadata carries checksums that HDF5 checks on every read, so a
-     * damaged header is refused instead of parsed
-     * (HDF5 1.10.8 reads past its buffers on some malformed attribute messages of the
-     * older, unchecked format: tests/fuzz/fuzz_shard.c). h5py reads both. */
+     * damaged header is refused instead of parsed (HDF5 1.10.8 reads past its buffers
+     * on some malformed attribute messages of the older, unchecked format:
+     * tests/fuzz/fuzz_shard.c). h5py reads both. */
     hid_t fapl = H5Pcreate(H5P_FILE_ACCESS);
     const int v110 = fapl >= 0 && H5Pset_libver_bounds(fapl, H5F_LIBVER_V110, H5F_LIBVER_V110) >= 0;
     w->file = v110 ? H5Fcreate(path, H5F_ACC_EXCL, H5P_DEFAULT, fapl) : -1;
