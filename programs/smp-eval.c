@@ -140,6 +140,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     }
     const double t_load = now_seconds();
     shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
+    shard_ckpt_set_uncached(ck, 1); /* the weights are read once, into fresh memory */
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));

@@ -111,6 +111,7 @@ static shard_status load_state(train_run *r)
     int have_master = 0, have_p = 0, moments = 0;
     const double t_load = r->a->now();
     shard_ckpt_set_threads(r->ck, ckptio_load_threads(P->size));
+    shard_ckpt_set_uncached(r->ck, 1); /* the weights are read once, into fresh memory */
     shard_status s = par_read_params(P, r->ck, m, "optim/master", &have_master);
     if (!s && !have_master) s = par_read_params(P, r->ck, m, "params", &have_p);
     if (!s && !have_master && !have_p) s = shard_fail(SHARD_E_INVALID, "%s: holds no parameters", dir);

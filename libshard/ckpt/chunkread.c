@@ -558,10 +558,12 @@ static shard_status scatter(const read_job *j, const task *tk, const span *sp, c
     const size_t des = shard_dtype_size(j->dt);
     const uint8_t *src = raw + sp->src;
     char *dst = sp->dst;
+    shard_status (*convert)(void *, shard_dtype, const void *, shard_dtype, size_t) =
+        j->c->uncached ? shard_convert_uncached : shard_convert;
     if (sp->nc == g->cols && sp->dstep == g->cols) /* whole rows, adjacent in dst too: one run */
-        return shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)((sp->hi - sp->lo) * sp->nc));
+        return convert(dst, j->dt, src, j->t->t.dtype, (size_t)((sp->hi - sp->lo) * sp->nc));
     for (int64_t r = sp->lo; r < sp->hi; r++, src += (size_t)g->cols * g->es, dst += (size_t)sp->dstep * des) {
-        shard_status s = shard_convert(dst, j->dt, src, j->t->t.dtype, (size_t)sp->nc);
+        shard_status s = convert(dst, j->dt, src, j->t->t.dtype, (size_t)sp->nc);
         if (s) return s;
     }
     return SHARD_OK;
@@ -602,6 +604,12 @@ static shard_status read_worker(void *arg, int worker)
             st = read_rows_into(j->c, tk->p, tk->k, place, stride);
         } else if (place) {
             st = decode_into(j->c, tk->p, tk->k, s, place, &stored);
+        } else if (sp.lo == r0 && sp.hi == r0 + nr && sp.nc == tk->p->ix->g.cols) {
+            /* wanted whole by this box (no box beside it wants any of it), but to be
+             * decoded or converted: through this worker's own buffer, still in the cache
+             * from its last chunk, not through a slot of the cache last used long ago */
+            st = ckpt_chunk_decode(j->c, tk->p, tk->k, s, NULL, &raw);
+            if (!st) st = scatter(j, tk, &sp, raw);
         } else {
             cache_slot *slot;
             st = cache_get(j->c, tk->p, tk->k, s, &slot, &raw);
@@ -715,4 +723,5 @@ shard_status ckpt_parallel(int threads, shard_status (*fn)(void *arg, int worker
 }
 
 void shard_ckpt_set_threads(shard_ckpt *c, int threads) { c->threads = threads < 1 ? 1 : threads > 64 ? 64 : threads; }
+void shard_ckpt_set_uncached(shard_ckpt *c, int on) { c->uncached = on != 0; }
 uint64_t shard_ckpt_bytes_read(const shard_ckpt *c) { return __atomic_load_n(&c->bytes_read, __ATOMIC_RELAXED); }

@@ -104,6 +104,7 @@ struct shard_ckpt {
     char *training;
     size_t *file_order, *tensor_order; /* sorted by name: lookups */
     int threads;                       /* per read call (shard_ckpt_set_threads) */
+    int uncached;                      /* conversions by shard_convert_uncached */
     pthread_mutex_t smu;               /* the free scratch buffers and the cache */
     scratch *free_scratch;
     cache_slot *cache;                 /* recently decoded chunks (chunkread.c) */

@@ -139,6 +139,11 @@ uint8_t shard_f32_to_e5m2(float f);
  * must not overlap. SHARD_E_USAGE for a pair that is not float -> float. */
 shard_status shard_convert(void *dst, shard_dtype dst_dt, const void *src,
                            shard_dtype src_dt, size_t n);
+/* shard_convert for a dst that will not be read again soon (a load's weights, written
+ * into memory fresh from the kernel): long runs of BF16 -> F32 are stored past the
+ * CPU's caches (no read of each line before it is written); the same values. */
+shard_status shard_convert_uncached(void *dst, shard_dtype dst_dt, const void *src,
+                                    shard_dtype src_dt, size_t n);
 
 /* The saturating, scaled quantizer of FP8 training (TransformerEngine's recipe):
  * q[i] = fp8(clamp(x[i] * scale, -max, +max)), with max 448 (E4M3) or 57344
@@ -537,6 +542,9 @@ shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, voi
 /* Threads that each shard_ckpt_read (the chunks of one call) and shard_ckpt_verify
  * (the files) use: 1 (the default) reads in the calling thread. */
 void shard_ckpt_set_threads(shard_ckpt *c, int threads);
+/* on: the boxes read are not read again soon (a load of the whole model), so
+ * conversions into them go by shard_convert_uncached. Off by default. */
+void shard_ckpt_set_uncached(shard_ckpt *c, int on);
 /* Cuts of dim 0 of tensor i's rows [lo, hi) into parts bands that readers can take
  * one each without two of them reading one chunk: cuts[0] = lo <= cuts[1] <= ... <=
  * cuts[parts] = hi, each inner cut at the start of a chunk of a stored piece (as

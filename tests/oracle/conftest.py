@@ -77,6 +77,7 @@ def _load():
     return load_lib(BUILD / "lib" / "libshard.so", {
         "shard_errmsg": ([], ctypes.c_char_p),
         "shard_convert": ([P, I, P, I, S], I),
+        "shard_convert_uncached": ([P, I, P, I, S], I),
         "shard_fp8_quantize": ([P, P, S, ctypes.c_float, I], ctypes.c_float),
         "shard_fp8_dequantize": ([P, P, S, ctypes.c_float, I], None),
         "shard_st_open": ([ctypes.c_char_p, ctypes.POINTER(P)], I),

@@ -50,6 +50,40 @@ def test_every_pattern_to_f32(shard, name):
     assert np.array_equal(bits(ref), bits(got))
 
 
+@pytest.mark.parametrize("lead", [0, 1, 2, 3, 5])
+def test_uncached_bf16_to_f32(shard, lead):
+    """shard_convert_uncached's streamed stores: every bf16 pattern, into a destination
+    starting at each 4-byte step of a 16-byte line and from a source one element off,
+    the same bits as ml_dtypes, and nothing written outside the destination."""
+    for shift in (0, 1):
+        src = every_pattern("BF16")[shift:]
+        out = np.full(src.size + 8, np.nan, dtype=np.float32)
+        st = shard.shard_convert_uncached(out[lead:].ctypes.data, DT["F32"], src.ctypes.data, DT["BF16"], src.size)
+        assert st == 0
+        assert np.array_equal(bits(out[lead:lead + src.size]), bits(src.astype(np.float32)))
+        assert np.isnan(out[:lead]).all() and np.isnan(out[lead + src.size:]).all()
+
+
+def test_uncached_lengths_and_odd_addresses(shard):
+    """Runs shorter than the streamed threshold, tails of every length, a destination
+    not even 4-byte aligned, and the pairs that are not streamed: shard_convert's bytes."""
+    src = every_pattern("BF16")[::7].copy()
+    for n in (0, 1, 7, 511, 512, 513, 519, 520, 4099, src.size):
+        for byte_lead in (0, 1, 4, 6):
+            out = np.zeros(4 * n + 16, dtype=np.uint8)
+            st = shard.shard_convert_uncached(out[byte_lead:].ctypes.data, DT["F32"], src.ctypes.data, DT["BF16"], n)
+            assert st == 0
+            want = src[:n].astype(np.float32).view(np.uint8)
+            assert np.array_equal(out[byte_lead:byte_lead + 4 * n], want), (n, byte_lead)
+            assert not out[:byte_lead].any() and not out[byte_lead + 4 * n:].any()
+    for s, d in (("F16", "F32"), ("F32", "BF16"), ("BF16", "F16")):
+        a = every_pattern(s) if s != "F32" else f32_sweep()[:100_000]
+        out = np.zeros(a.shape, dtype=NP[d])
+        with np.errstate(all="ignore"):
+            assert shard.shard_convert_uncached(out.ctypes.data, DT[d], a.ctypes.data, DT[s], a.size) == 0
+        assert np.array_equal(bits(out), bits(convert(shard, a, s, d)))
+
+
 @pytest.mark.parametrize("name", SMALL + ["F64"])
 def test_f32_sweep(shard, name):
     f = f32_sweep()

@@ -90,6 +90,7 @@ def _load(build=BUILD):
         "shard_ckpt_find": ([P, C, C], ctypes.c_long),
         "shard_ckpt_read": ([P, S, ctypes.POINTER(Box), P, I], I),
         "shard_ckpt_set_threads": ([P, I], None),
+        "shard_ckpt_set_uncached": ([P, I], None),
         "shard_ckpt_bytes_read": ([P], ctypes.c_uint64),
         "shard_ckpt_verify": ([P, ctypes.POINTER(ctypes.c_uint64)], I),
         "shard_h5_create": ([C, Compress, ctypes.POINTER(P)], I),
@@ -122,11 +123,12 @@ GUARD = 64  # bytes of 0xAB before and after every destination buffer
 class Ckpt:
     """A checkpoint opened through libshard."""
 
-    def __init__(self, lib, path, threads=1):
+    def __init__(self, lib, path, threads=1, uncached=False):
         self.lib, self.h = lib, ctypes.c_void_p()
         st = lib.shard_ckpt_open(str(path).encode(), ctypes.byref(self.h))
         assert st == 0, f"open {path}: {st}: {lib.shard_errmsg().decode()}"
         lib.shard_ckpt_set_threads(self.h, threads)
+        lib.shard_ckpt_set_uncached(self.h, int(uncached))
         self.t = {}
         for i in range(lib.shard_ckpt_tensor_count(self.h)):
             t = lib.shard_ckpt_tensor_at(self.h, i).contents
@@ -280,11 +282,11 @@ def random_boxes(rng, shape, cuts, n_random):
     return out
 
 
-def compare_boxes(lib, ck, keys, threads, n_random, seed=0, dt_for=None):
+def compare_boxes(lib, ck, keys, threads, n_random, seed=0, dt_for=None, uncached=False):
     """Read boxes of each tensor through libshard and compare with the oracle's."""
     o = oracle(ck)
     n = 0
-    with Ckpt(lib, ck, threads) as c:
+    with Ckpt(lib, ck, threads, uncached) as c:
         for key in keys:
             i, sdt, shape, _ = c.t[key]
             assert shape == o.full[key].shape and sdt == o.dtype[key], key
@@ -418,6 +420,18 @@ def test_read_converts_dtype(lib, ckpts, name):
     sdt = oracle(ck).dtype[keys[0]]
     for k, dt in enumerate(CONVERSIONS[sdt]):
         compare_boxes(lib, ck, keys, threads=1 + k, n_random=10, seed=7, dt_for=lambda s, dt=dt: dt)
+
+
+@pytest.mark.parametrize("name", ["bf16-tp2-zstd", "bf16-pp2tp2-none"])
+def test_read_uncached_into_f32(lib, ckpts, name):
+    """A load's reads (shard_ckpt_set_uncached: BF16 -> F32 by streamed stores), whole
+    tensors, rows, columns and random boxes: the oracle's values, nothing written
+    outside the box."""
+    keys = [("params", "model.embed_tokens.weight"), ("params", "model.layers.1.mlp.down_proj.weight"),
+            ("params", "model.layers.0.mlp.up_proj.weight"), ("params", "model.norm.weight")]
+    for threads in (1, 3):
+        assert compare_boxes(lib, ckpts[name], keys, threads, n_random=12, seed=11, dt_for=lambda s: "F32",
+                             uncached=True) > 40
 
 
 def test_concurrent_reads_on_one_handle(lib, ckpts):
