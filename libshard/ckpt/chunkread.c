@@ -415,10 +415,14 @@ void ckpt_cache_free(shard_ckpt *c)
 }
 
 /* Chunk k of p, decoded and checked: from the cache, or decoded into a free slot (or,
- * when every slot is in use, into s's own buffer: *slot NULL). Release with cache_put. */
-static shard_status cache_get(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, cache_slot **slot, const uint8_t **raw)
+ * when every slot is in use, into s's own buffer: *slot NULL). Release with cache_put.
+ * busy non-NULL: when another thread is decoding the chunk, *busy = 1 and *raw NULL
+ * at once, rather than waiting for it. */
+static shard_status cache_get(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, cache_slot **slot, const uint8_t **raw,
+                              int *busy)
 {
     *slot = NULL;
+    *raw = NULL;
     pthread_mutex_lock(&c->smu);
     for (;;) {
         cache_slot *hit = NULL, *victim = NULL;
@@ -435,6 +439,7 @@ static shard_status cache_get(shard_ckpt *c, const piece *p, uint64_t k, scratch
             *raw = hit->raw;
             return SHARD_OK;
         }
+        if (hit && busy) { *busy = 1; pthread_mutex_unlock(&c->smu); return SHARD_OK; }
         if (hit) { pthread_cond_wait(&c->ccv, &c->smu); continue; } /* another thread decodes it */
         if (!victim) break;
         victim->p = p;
@@ -585,39 +590,53 @@ static uint8_t *direct_place(const read_job *j, const task *tk, const span *sp, 
     return (uint8_t *)sp->dst;
 }
 
+/* One task. busy non-NULL: a chunk of the shared cache that another thread is
+ * decoding is left for later (*busy = 1) instead of waited for. */
+static shard_status run_task(read_job *j, const task *tk, scratch *s, int *busy)
+{
+    int64_t r0, nr;
+    const span sp = span_of(j, tk, &r0, &nr);
+    const uint8_t *raw, *stored;
+    size_t stride = 0;
+    uint8_t *place = direct_place(j, tk, &sp, r0, nr, &stride);
+    if (place && stride) return read_rows_into(j->c, tk->p, tk->k, place, stride);
+    if (place) return decode_into(j->c, tk->p, tk->k, s, place, &stored);
+    shard_status st;
+    if (sp.lo == r0 && sp.hi == r0 + nr && sp.nc == tk->p->ix->g.cols) {
+        /* wanted whole by this box (no box beside it wants any of it), but to be
+         * decoded or converted: through this worker's own buffer, still in the cache
+         * from its last chunk, not through a slot of the cache last used long ago */
+        st = ckpt_chunk_decode(j->c, tk->p, tk->k, s, NULL, &raw);
+        return st ? st : scatter(j, tk, &sp, raw);
+    }
+    cache_slot *slot;
+    st = cache_get(j->c, tk->p, tk->k, s, &slot, &raw, busy);
+    if (!st && raw) st = scatter(j, tk, &sp, raw);
+    cache_put(j->c, slot);
+    return st;
+}
+
+/* The job's tasks, taken in turn by every thread. Two readers that want one chunk at
+ * once (the boxes of a reshard's files side by side, cut from the same stored chunks)
+ * would take turns waiting for each other's decoding: a chunk being decoded elsewhere
+ * is put off (up to DEFER of them) and the next task done first. */
+enum { DEFER = 8 };
 static shard_status read_worker(void *arg, int worker)
 {
     (void)worker;
     read_job *j = arg;
     scratch *s = ckpt_scratch_get(j->c);
     shard_status st = s ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    size_t later[DEFER], nlater = 0;
     for (;;) {
         size_t i = __atomic_fetch_add(&j->next, 1, __ATOMIC_RELAXED);
         if (st || i >= j->ntasks) break;
-        const task *tk = &j->tasks[i];
-        int64_t r0, nr;
-        const span sp = span_of(j, tk, &r0, &nr);
-        const uint8_t *raw, *stored;
-        size_t stride = 0;
-        uint8_t *place = direct_place(j, tk, &sp, r0, nr, &stride);
-        if (place && stride) {
-            st = read_rows_into(j->c, tk->p, tk->k, place, stride);
-        } else if (place) {
-            st = decode_into(j->c, tk->p, tk->k, s, place, &stored);
-        } else if (sp.lo == r0 && sp.hi == r0 + nr && sp.nc == tk->p->ix->g.cols) {
-            /* wanted whole by this box (no box beside it wants any of it), but to be
-             * decoded or converted: through this worker's own buffer, still in the cache
-             * from its last chunk, not through a slot of the cache last used long ago */
-            st = ckpt_chunk_decode(j->c, tk->p, tk->k, s, NULL, &raw);
-            if (!st) st = scatter(j, tk, &sp, raw);
-        } else {
-            cache_slot *slot;
-            st = cache_get(j->c, tk->p, tk->k, s, &slot, &raw);
-            if (!st) st = scatter(j, tk, &sp, raw);
-            cache_put(j->c, slot);
-        }
+        int busy = 0;
+        st = run_task(j, &j->tasks[i], s, nlater < DEFER ? &busy : NULL);
+        if (busy) later[nlater++] = i;
         if (st) __atomic_store_n(&j->next, j->ntasks, __ATOMIC_RELAXED); /* the others stop too */
     }
+    for (size_t q = 0; q < nlater && !st; q++) st = run_task(j, &j->tasks[later[q]], s, NULL);
     ckpt_scratch_put(j->c, s);
     return st;
 }
