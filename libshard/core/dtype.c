@@ -287,9 +287,10 @@ shard_status shard_convert(void *dst, shard_dtype dst_dt, const void *src, shard
 /* A load writes its fp32 weights into memory last touched when the kernel faulted it
  * in: each store misses, and a store that misses first reads its line, which doubles
  * the memory traffic of a loop bound by it. Streaming stores skip that read. By hand
- * on the 2-core Zen 2 VM (2026-12-05): smp-eval's load of 3 GB of fp32 0.60-0.61 ->
- * 0.57-0.58 s, 8 ranks 1.34-1.40 -> 1.28-1.37 s (docs/benchmarks.md). Runs shorter
- * than STREAM_MIN stay in the cache, where a caller may still want them. */
+ * on the 2-core Zen 2 VM (2026-12-05; two sets of alternating runs, so roughly):
+ * smp-eval's load of 3 GB of fp32 0.60-0.61 -> 0.57-0.58 s, 8 ranks 1.34-1.40 ->
+ * 1.28-1.37 s (docs/benchmarks.md). Runs shorter than STREAM_MIN stay in the cache,
+ * where a caller may still want them. */
 enum { STREAM_MIN = 512 }; /* elements: 2 KiB of fp32 */
 
 #if defined(__SSE2__)
