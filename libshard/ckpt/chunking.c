@@ -141,19 +141,21 @@ void shard_shuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
         for (size_t j = i; j < n; j++) dst[b * n + j] = src[j * es + b];
 }
 
-void shard_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
+/* n elements out of es planes that start `plane` bytes apart */
+static void unshuffle_planes(uint8_t *dst, const uint8_t *src, size_t n, size_t es, size_t plane)
 {
     size_t i = 0;
     if (es == 2) {
         for (; i + 16 <= n; i += 16) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + n + i));
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + plane + i));
             _mm_storeu_si128((__m128i *)(dst + 2 * i), _mm_unpacklo_epi8(a, b));
             _mm_storeu_si128((__m128i *)(dst + 2 * i + 16), _mm_unpackhi_epi8(a, b));
         }
     } else if (es == 4) {
         for (; i + 16 <= n; i += 16) {
-            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + n + i));
-            __m128i c = _mm_loadu_si128((const __m128i *)(src + 2 * n + i)), d = _mm_loadu_si128((const __m128i *)(src + 3 * n + i));
+            __m128i a = _mm_loadu_si128((const __m128i *)(src + i)), b = _mm_loadu_si128((const __m128i *)(src + plane + i));
+            __m128i c = _mm_loadu_si128((const __m128i *)(src + 2 * plane + i));
+            __m128i d = _mm_loadu_si128((const __m128i *)(src + 3 * plane + i));
             __m128i ab0 = _mm_unpacklo_epi8(a, b), ab1 = _mm_unpackhi_epi8(a, b);
             __m128i cd0 = _mm_unpacklo_epi8(c, d), cd1 = _mm_unpackhi_epi8(c, d);
             _mm_storeu_si128((__m128i *)(dst + 4 * i), _mm_unpacklo_epi16(ab0, cd0));
@@ -163,5 +165,12 @@ void shard_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es)
         }
     }
     for (size_t j = i; j < n; j++)
-        for (size_t b = 0; b < es; b++) dst[j * es + b] = src[b * n + j];
+        for (size_t b = 0; b < es; b++) dst[j * es + b] = src[b * plane + j];
+}
+
+void shard_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es) { unshuffle_planes(dst, src, n, es, n); }
+
+void shard_unshuffle_part(uint8_t *dst, const uint8_t *src, size_t n, size_t es, size_t from, size_t to)
+{
+    unshuffle_planes(dst, src + from, to - from, es, n);
 }

@@ -348,29 +348,100 @@ size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k)
     return (size_t)(nr * g->cols) * g->es;
 }
 
+/* A decompressed chunk's elements, unshuffled a block at a time for shard_xxh3_stream:
+ * to dst, or (dst NULL) to blk alone, and with h into a piece's XXH64 too. The hashes
+ * read each block while it is in L1, instead of the whole chunk back from L2 or L3. */
+#define UNSHUFFLE_BLOCK 16384
+typedef struct {
+    const uint8_t *planes;
+    size_t n, es, at, end;
+    uint8_t *dst, *blk;
+    shard_xxh64_state *h;
+} unshuffled;
+
+static const void *next_unshuffled(void *ctx, size_t *len)
+{
+    unshuffled *u = ctx;
+    if (u->at >= u->end) return NULL;
+    size_t m = UNSHUFFLE_BLOCK / u->es < u->end - u->at ? UNSHUFFLE_BLOCK / u->es : u->end - u->at;
+    uint8_t *out = u->dst ? u->dst + u->at * u->es : u->blk;
+    shard_unshuffle_part(out, u->planes, u->n, u->es, u->at, u->at + m);
+    u->at += m;
+    *len = m * u->es;
+    if (u->h) shard_xxh64_update(u->h, out, *len);
+    return out;
+}
+
+/* The XXH3 of the first `valid` bytes of the chunk that planes hold unshuffled (all of
+ * it written to dst when dst is not NULL). */
+static uint64_t unshuffle_xxh3(uint8_t *dst, const uint8_t *planes, size_t full, size_t es, size_t valid, shard_xxh64_state *h)
+{
+    uint8_t blk[UNSHUFFLE_BLOCK];
+    unshuffled u = {planes, full / es, es, 0, valid / es, dst, blk, h};
+    const uint64_t x = shard_xxh3_stream(next_unshuffled, &u);
+    if (dst && u.end < u.n) shard_unshuffle_part(dst + u.end * es, planes, u.n, es, u.end, u.n); /* the padding */
+    return x;
+}
+
+static shard_status undecodable(shard_ckpt *c, const piece *p, uint64_t k)
+{
+    char path[4200];
+    ckpt_file_path(c, p->file_index, path, sizeof path);
+    return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu cannot be decompressed (damaged data)", path, p->dataset,
+                      (unsigned long long)k);
+}
+
+/* Zstd chunk k's stored bytes into s->stored, decompressed into raw, or (raw NULL)
+ * into s->tmp. */
+static shard_status inflate(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, uint8_t *raw)
+{
+    const piece_index *ix = p->ix;
+    const size_t full = ix->g.full;
+    shard_status st = scratch_fit(s, ix->loc[k].size, full, 1);
+    if (!st) st = read_stored(c, p, k, s->stored);
+    if (st) return st;
+    size_t r = ZSTD_getFrameContentSize(s->stored, ix->loc[k].size) == full
+                   ? ZSTD_decompressDCtx(s->dctx, raw ? raw : s->tmp, full, s->stored, ix->loc[k].size)
+                   : 0;
+    return ZSTD_isError(r) || r != full ? undecodable(c, p, k) : SHARD_OK;
+}
+
+static shard_status xxh3_check(shard_ckpt *c, const piece *p, uint64_t k, uint64_t x)
+{
+    return x != p->ix->xxh3[k] ? chunk_mismatch(c, p, k) : SHARD_OK;
+}
+
 /* Read chunk k into raw (g.full bytes): uncompressed chunks straight there, others
  * through s's buffers; then its xxh3. *stored: where its stored bytes are. */
 static shard_status decode_into(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, uint8_t *raw, const uint8_t **stored)
 {
     const piece_index *ix = p->ix;
-    const size_t full = ix->g.full, es = ix->g.es;
-    shard_status st = ix->zstd ? scratch_fit(s, ix->loc[k].size, full, 1) : SHARD_OK;
-    if (!st) st = read_stored(c, p, k, ix->zstd ? s->stored : raw);
+    const size_t full = ix->g.full, es = ix->g.es, valid = ckpt_chunk_valid(&ix->g, k);
+    shard_status st = ix->zstd ? inflate(c, p, k, s, es > 1 ? NULL : raw) : read_stored(c, p, k, raw);
     if (st) return st;
     *stored = ix->zstd ? s->stored : raw;
-    if (ix->zstd) {
-        size_t r = ZSTD_getFrameContentSize(s->stored, ix->loc[k].size) == full
-                       ? ZSTD_decompressDCtx(s->dctx, es > 1 ? s->tmp : raw, full, s->stored, ix->loc[k].size)
-                       : 0;
-        if (ZSTD_isError(r) || r != full) {
-            char path[4200];
-            ckpt_file_path(c, p->file_index, path, sizeof path);
-            return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunk %llu cannot be decompressed (damaged data)", path, p->dataset,
-                              (unsigned long long)k);
-        }
-        if (es > 1) shard_unshuffle(raw, s->tmp, full / es, es);
+    if (ix->zstd && es > 1) {
+        if (ix->xxh3) return xxh3_check(c, p, k, unshuffle_xxh3(raw, s->tmp, full, es, valid, NULL)); /* a block at a time */
+        shard_unshuffle(raw, s->tmp, full / es, es);
     }
-    return ix->xxh3 && shard_xxh3(raw, ckpt_chunk_valid(&ix->g, k)) != ix->xxh3[k] ? chunk_mismatch(c, p, k) : SHARD_OK;
+    return ix->xxh3 ? xxh3_check(c, p, k, shard_xxh3(raw, valid)) : SHARD_OK;
+}
+
+shard_status ckpt_chunk_check(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
+                              shard_xxh64_state *h)
+{
+    const piece_index *ix = p->ix;
+    const size_t valid = ckpt_chunk_valid(&ix->g, k);
+    if (!ix->zstd || ix->g.es == 1 || !ix->xxh3) { /* nothing to unshuffle, or no chunk checksum to stream */
+        const uint8_t *raw;
+        shard_status st = ckpt_chunk_decode(c, p, k, s, stored_out, &raw);
+        if (!st && h) shard_xxh64_update(h, raw, valid);
+        return st;
+    }
+    shard_status st = inflate(c, p, k, s, NULL);
+    if (st) return st;
+    *stored_out = s->stored;
+    return xxh3_check(c, p, k, unshuffle_xxh3(NULL, s->tmp, ix->g.full, ix->g.es, valid, h));
 }
 
 shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,

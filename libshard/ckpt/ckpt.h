@@ -49,6 +49,8 @@ void shard_chunking_at(const shard_chunking *g, uint64_t k, uint64_t *plane, int
 /* HDF5's shuffle filter, both ways: n elements of es bytes <-> es planes of n bytes. */
 void shard_shuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es);
 void shard_unshuffle(uint8_t *dst, const uint8_t *src, size_t n, size_t es);
+/* elements [from, to) of the n that es planes hold, to dst */
+void shard_unshuffle_part(uint8_t *dst, const uint8_t *src, size_t n, size_t es, size_t from, size_t to);
 
 /* ------------------------------------------------------------- the reader */
 typedef struct {
@@ -128,6 +130,10 @@ void ckpt_cache_free(shard_ckpt *c);
  * afresh (not taken from s's last chunk) and *stored_out is its bytes as stored. */
 shard_status ckpt_chunk_decode(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
                                const uint8_t **out);
+/* Read chunk k of p and check it as ckpt_chunk_decode does, keeping no decoded copy;
+ * with h, its valid bytes go into h too. *stored_out: its bytes as stored. */
+shard_status ckpt_chunk_check(shard_ckpt *c, const piece *p, uint64_t k, scratch *s, const uint8_t **stored_out,
+                              shard_xxh64_state *h);
 /* Bytes of chunk k that are the piece's (the rest of a last chunk is padding). */
 size_t ckpt_chunk_valid(const shard_chunking *g, uint64_t k);
 /* The piece's xxh64, streaming its chunks in order (p->ix loaded); marks it verified. */

@@ -88,10 +88,11 @@ static shard_status walk_file(shard_ckpt *c, size_t fi, piece_ref *refs, const l
         piece_ref *r = &refs[l[i].ref];
         if (l[i].addr < pos) { st = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunks overlap", path, r->p->dataset); break; }
         if ((st = hash_gap(fd, path, pos, l[i].addr, gap, &fh))) break;
-        const uint8_t *stored, *raw;
-        if ((st = ckpt_chunk_decode(c, r->p, l[i].k, s, &stored, &raw))) break;
+        const uint8_t *stored;
+        const int in_order = l[i].k == r->next_k; /* else check_pieces hashes the piece again */
+        if ((st = ckpt_chunk_check(c, r->p, l[i].k, s, &stored, in_order ? &r->h : NULL))) break;
         shard_xxh64_update(&fh, stored, l[i].size);
-        if (l[i].k == r->next_k) { shard_xxh64_update(&r->h, raw, ckpt_chunk_valid(&r->p->ix->g, l[i].k)); r->next_k++; }
+        if (in_order) r->next_k++;
         else r->out_of_order = 1;
         pos = l[i].addr + l[i].size;
     }

@@ -16,6 +16,10 @@ uint64_t shard_xxh3(const void *data, size_t len);
 /* the same of n rows of `row` bytes each, `stride` bytes apart: the XXH3 of the rows
  * laid one after the other (a chunk read straight into a strided box, chunkread.c) */
 uint64_t shard_xxh3_rows(const void *base, size_t row, size_t stride, size_t n);
+/* the same of bytes handed over a block at a time: next(ctx, &len) returns the next
+ * block, or NULL after the last (a chunk unshuffled a block at a time, chunkread.c) */
+typedef const void *(*shard_xxh3_next)(void *ctx, size_t *len);
+uint64_t shard_xxh3_stream(shard_xxh3_next next, void *ctx);
 /* the vector bits of the form shard_xxh3 runs: 512, 256 or 128 (SSE2, or not x86-64) */
 int shard_xxh3_bits(void);
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__)
@@ -26,6 +30,9 @@ uint64_t shard_xxh3_avx512(const void *data, size_t len);
 uint64_t shard_xxh3_base_rows(const void *base, size_t row, size_t stride, size_t n);
 uint64_t shard_xxh3_avx2_rows(const void *base, size_t row, size_t stride, size_t n);
 uint64_t shard_xxh3_avx512_rows(const void *base, size_t row, size_t stride, size_t n);
+uint64_t shard_xxh3_base_stream(shard_xxh3_next next, void *ctx);
+uint64_t shard_xxh3_avx2_stream(shard_xxh3_next next, void *ctx);
+uint64_t shard_xxh3_avx512_stream(shard_xxh3_next next, void *ctx);
 #else
 #define SHARD_XXH3_WIDE 0
 #endif

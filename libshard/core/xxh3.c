@@ -5,21 +5,21 @@
  * same function, so the same value, in every form (tests/unit/test_core.c). */
 #include "core.h"
 
-#define XXH3_BODY_NAME shard_xxh3_base
-#define XXH3_ROWS_NAME shard_xxh3_base_rows
+#define XXH3_FORM base
 #include "xxh3_body.h"
 
 #if SHARD_XXH3_WIDE
 typedef struct {
     uint64_t (*one)(const void *, size_t);
     uint64_t (*rows)(const void *, size_t, size_t, size_t);
+    uint64_t (*stream)(shard_xxh3_next, void *);
     int bits;
 } xxh3_form;
 
 static const xxh3_form FORMS[] = {
-    {shard_xxh3_base, shard_xxh3_base_rows, 128},
-    {shard_xxh3_avx2, shard_xxh3_avx2_rows, 256},
-    {shard_xxh3_avx512, shard_xxh3_avx512_rows, 512},
+    {shard_xxh3_base, shard_xxh3_base_rows, shard_xxh3_base_stream, 128},
+    {shard_xxh3_avx2, shard_xxh3_avx2_rows, shard_xxh3_avx2_stream, 256},
+    {shard_xxh3_avx512, shard_xxh3_avx512_rows, shard_xxh3_avx512_stream, 512},
 };
 
 static int widest(void)
@@ -46,6 +46,7 @@ uint64_t shard_xxh3_rows(const void *base, size_t row, size_t stride, size_t n)
 {
     return picked()->rows(base, row, stride, n);
 }
+uint64_t shard_xxh3_stream(shard_xxh3_next next, void *ctx) { return picked()->stream(next, ctx); }
 int shard_xxh3_bits(void) { return picked()->bits; }
 #else
 uint64_t shard_xxh3(const void *data, size_t len) { return shard_xxh3_base(data, len); }
@@ -53,5 +54,6 @@ uint64_t shard_xxh3_rows(const void *base, size_t row, size_t stride, size_t n)
 {
     return shard_xxh3_base_rows(base, row, stride, n);
 }
+uint64_t shard_xxh3_stream(shard_xxh3_next next, void *ctx) { return shard_xxh3_base_stream(next, ctx); }
 int shard_xxh3_bits(void) { return 128; }
 #endif

@@ -3,8 +3,7 @@
 
 #if SHARD_XXH3_WIDE
 #pragma GCC target("arch=x86-64-v3")
-#define XXH3_BODY_NAME shard_xxh3_avx2
-#define XXH3_ROWS_NAME shard_xxh3_avx2_rows
+#define XXH3_FORM avx2
 #include "xxh3_body.h"
 #else
 typedef int shard_xxh3_avx2_unused; /* ISO C wants a declaration in every file */

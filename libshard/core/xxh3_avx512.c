@@ -3,8 +3,7 @@
 
 #if SHARD_XXH3_WIDE
 #pragma GCC target("arch=x86-64-v4")
-#define XXH3_BODY_NAME shard_xxh3_avx512
-#define XXH3_ROWS_NAME shard_xxh3_avx512_rows
+#define XXH3_FORM avx512
 #include "xxh3_body.h"
 #else
 typedef int shard_xxh3_avx512_unused; /* ISO C wants a declaration in every file */

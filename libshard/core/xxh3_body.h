@@ -1,10 +1,18 @@
 /* XXH3_64bits inlined (xxhash.h's XXH_INLINE_ALL), for the target its includer's
  * pragma sets: xxhash.h picks its vector code (SSE2, AVX2, AVX-512) by the target's
- * macros at compile time. Defines XXH3_BODY_NAME(data, len) and XXH3_ROWS_NAME(base,
- * row, stride, n): the XXH3 of n rows of `row` bytes, `stride` bytes apart, as if they
- * lay one after the other (xxhash's streaming form: the same value). */
+ * macros at compile time. The includer names the form (XXH3_FORM: base, avx2, avx512);
+ * this defines shard_xxh3_FORM(data, len), shard_xxh3_FORM_rows(base, row, stride, n):
+ * the XXH3 of n rows of `row` bytes, `stride` bytes apart, as if they lay one after the
+ * other, and shard_xxh3_FORM_stream(next, ctx): of the blocks next hands over, laid end
+ * to end (both xxhash's streaming form: the same value). */
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+
+#define XXH3_CAT2(a, b) a##b
+#define XXH3_CAT(a, b) XXH3_CAT2(a, b)
+#define XXH3_BODY_NAME XXH3_CAT(shard_xxh3_, XXH3_FORM)
+#define XXH3_ROWS_NAME XXH3_CAT(XXH3_BODY_NAME, _rows)
+#define XXH3_STREAM_NAME XXH3_CAT(XXH3_BODY_NAME, _stream)
 
 uint64_t XXH3_BODY_NAME(const void *data, size_t len);
 uint64_t XXH3_BODY_NAME(const void *data, size_t len) { return XXH3_64bits(data, len); }
@@ -17,5 +25,16 @@ uint64_t XXH3_ROWS_NAME(const void *base, size_t row, size_t stride, size_t n)
     XXH3_INITSTATE(&st);
     XXH3_64bits_reset(&st);
     for (size_t i = 0; i < n; i++) XXH3_64bits_update(&st, (const char *)base + i * stride, row);
+    return XXH3_64bits_digest(&st);
+}
+
+uint64_t XXH3_STREAM_NAME(shard_xxh3_next next, void *ctx);
+uint64_t XXH3_STREAM_NAME(shard_xxh3_next next, void *ctx)
+{
+    XXH3_state_t st;
+    XXH3_INITSTATE(&st);
+    XXH3_64bits_reset(&st);
+    size_t len;
+    for (const void *b; (b = next(ctx, &len));) XXH3_64bits_update(&st, b, len);
     return XXH3_64bits_digest(&st);
 }

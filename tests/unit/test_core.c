@@ -211,6 +211,50 @@ static void test_chunk_xxh3_rows(void **st)
     free(packed);
 }
 
+/* bytes handed to shard_xxh3_stream a block at a time, blocks of uneven sizes (0, 1,
+ * across XXH3's stripes and its 1 KiB blocks, a 16 KiB unshuffle block), hash as the
+ * blocks laid end to end: libxxhash's one-shot XXH3, in every form this CPU runs */
+typedef struct {
+    const unsigned char *p;
+    size_t at, len, step;
+} blocks;
+
+static const void *next_block(void *ctx, size_t *len)
+{
+    blocks *b = ctx;
+    if (b->at >= b->len) return NULL;
+    const size_t sizes[] = {0, 1, 63, 64, 255, 1024, 1029, 16384};
+    size_t m = sizes[b->step++ % 8];
+    if (m > b->len - b->at) m = b->len - b->at;
+    *len = m;
+    b->at += m;
+    return b->p + b->at - m;
+}
+
+static void test_chunk_xxh3_stream(void **st)
+{
+    (void)st;
+    const size_t lens[] = {0, 1, 17, 240, 241, 1024, 5000, 65537, (1u << 20) + 7};
+    unsigned char *buf = malloc((1u << 20) + 8);
+    assert_non_null(buf);
+    for (size_t i = 0; i < (1u << 20) + 8; i++) buf[i] = (unsigned char)(i * 2654435761u >> 7);
+    for (size_t i = 0; i < sizeof lens / sizeof *lens; i++) {
+        const uint64_t want = XXH3_64bits(buf + 1, lens[i]);
+        blocks b = {buf + 1, 0, lens[i], 0};
+        assert_true(shard_xxh3_stream(next_block, &b) == want);
+#if SHARD_XXH3_WIDE
+        __builtin_cpu_init();
+        b = (blocks){buf + 1, 0, lens[i], 0};
+        assert_true(shard_xxh3_base_stream(next_block, &b) == want);
+        b = (blocks){buf + 1, 0, lens[i], 0};
+        if (__builtin_cpu_supports("x86-64-v3")) assert_true(shard_xxh3_avx2_stream(next_block, &b) == want);
+        b = (blocks){buf + 1, 0, lens[i], 0};
+        if (__builtin_cpu_supports("x86-64-v4")) assert_true(shard_xxh3_avx512_stream(next_block, &b) == want);
+#endif
+    }
+    free(buf);
+}
+
 /* the chunks' XXH3 (libshard/core/xxh3.c) gives libxxhash's value in every form this
  * CPU runs, over the lengths where XXH3 changes its code path (0, 1-3, 4-8, 9-16,
  * 17-128, 129-240, longer; stripes, blocks, a 1 MiB chunk and a tail) and at odd
@@ -325,7 +369,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_xxh64_forms),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
