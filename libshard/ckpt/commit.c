@@ -64,10 +64,10 @@ shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts
 
 /* Copy src to a new file dst (refused if it exists; fsynced unless no_fsync). With
  * want_hash (an extra file of a checkpoint) src must be a regular file, no link, of
- * want_bytes whose XXH64 is *want_hash: checked as it is copied, and on a mismatch
+ * want_bytes whose checksum (of that kind) is *want_hash: checked as it is copied, and on a mismatch
  * nothing is left at dst. */
 static shard_status copy_checked(const char *src, const char *dst, uint64_t want_bytes, const uint64_t *want_hash,
-                                 const shard_write_opts *opts)
+                                 shard_fhash_kind kind, const shard_write_opts *opts)
 {
     int in;
     uint64_t size;
@@ -79,8 +79,8 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
     }
     int o = open(dst, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
     if (o < 0) { close(in); return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dst, strerror(errno)); }
-    shard_xxh64_state h;
-    shard_xxh64_reset(&h);
+    shard_fhash_state h;
+    shard_fhash_reset(&h, kind);
     char buf[1 << 16];
     uint64_t total = 0;
     while (!s) {
@@ -88,7 +88,7 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", src, strerror(errno)); break; }
         if (r == 0) break;
-        shard_xxh64_update(&h, buf, (size_t)r);
+        shard_fhash_update(&h, buf, (size_t)r);
         total += (uint64_t)r;
         for (ssize_t k = 0; k < r && !s;) {
             ssize_t wr = write(o, buf + k, (size_t)(r - k));
@@ -97,7 +97,7 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
             else k += wr;
         }
     }
-    if (!s && want_hash && (total != want_bytes || shard_xxh64_digest(&h) != *want_hash))
+    if (!s && want_hash && (total != want_bytes || shard_fhash_digest(&h) != *want_hash))
         s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", src);
     if (!s && !(opts && opts->no_fsync) && fsync(o) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", dst, strerror(errno));
     close(in);
@@ -108,7 +108,7 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
 
 shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *opts)
 {
-    return copy_checked(src, dst, 0, NULL, opts);
+    return copy_checked(src, dst, 0, NULL, SHARD_FHASH_XXH3_BLOCKS, opts);
 }
 
 shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *dst, const shard_write_opts *opts)
@@ -117,7 +117,7 @@ shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *ds
     size_t fi = c->extra_file[i];
     char src[4200];
     ckpt_file_path(c, fi, src, sizeof src);
-    return copy_checked(src, dst, c->file_bytes[fi], &c->file_hash[fi], opts);
+    return copy_checked(src, dst, c->file_bytes[fi], &c->file_hash[fi], c->file_hash_kind, opts);
 }
 
 /* Copy a file into the staging folder's extra/: from a model folder (src_path), or
@@ -294,7 +294,7 @@ static void *hash_worker(void *arg)
         hash_result *r = &j->out[i];
         /* the writer's note when it still describes the file, else read the file */
         if (!p) r->s = shard_fail(SHARD_E_NOMEM, "out of memory");
-        else if (!shard_file_hash_noted(p, &r->hash, &r->bytes)) r->s = shard_file_xxh64(p, &r->hash, &r->bytes);
+        else if (!shard_file_hash_noted(p, &r->hash, &r->bytes)) r->s = shard_file_hash(p, SHARD_FHASH_XXH3_BLOCKS, &r->hash, &r->bytes);
         if (r->s) snprintf(r->msg, sizeof r->msg, "%s", shard_errmsg()); /* messages are per thread */
         free(p);
     }
@@ -306,7 +306,7 @@ static void add_file_entry(json_t *files, const char *name, uint64_t bytes, uint
 {
     char hex[17];
     snprintf(hex, sizeof hex, "%016llx", (unsigned long long)hash);
-    json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", name, "bytes", (json_int_t)bytes, "xxh64", hex));
+    json_array_append_new(files, json_pack("{s:s,s:I,s:s}", "name", name, "bytes", (json_int_t)bytes, "xxh3_blocks", hex));
 }
 
 /* Every shard file's checksum (several files at once) into files. */
@@ -342,7 +342,7 @@ static shard_status hash_extras(const shard_ckpt_writer *w, json_t *files)
         snprintf(rel, sizeof rel, "extra/%s", json_string_value(ev));
         char *p = shard_path_join(w->staging, rel);
         uint64_t hash, bytes;
-        s = p ? shard_file_xxh64(p, &hash, &bytes) : shard_fail(SHARD_E_NOMEM, "out of memory");
+        s = p ? shard_file_hash(p, SHARD_FHASH_XXH3_BLOCKS, &hash, &bytes) : shard_fail(SHARD_E_NOMEM, "out of memory");
         free(p);
         if (s) break;
         add_file_entry(files, rel, bytes, hash);

@@ -1,10 +1,12 @@
-/* Whole-file checksums, and the note a shard writer leaves beside a file it closed,
- * so that the commit does not read it again. */
+/* Whole-file checksums; a shard writer's record of the blocks it hashed from memory;
+ * and the note it leaves beside a file it closed, so that the commit does not read it
+ * again. */
 #include "../core/internal.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <inttypes.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -13,12 +15,27 @@
 
 #define HASH_BUF (256u << 10) /* read a piece at a time that stays in the core's cache */
 
-shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes)
+/* Bytes [from, to) of fd into h; a file shorter than `to` is "truncated". */
+static shard_status hash_range(int fd, const char *path, uint64_t from, uint64_t to, char *buf, shard_fhash_state *h)
 {
-    shard_xxh64_state h;
+    while (from < to) {
+        size_t n = to - from < HASH_BUF ? (size_t)(to - from) : HASH_BUF;
+        ssize_t r = pread(fd, buf, n, (off_t)from);
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno));
+        if (r == 0) return shard_fail(SHARD_E_CORRUPT, "%s: truncated", path);
+        shard_fhash_update(h, buf, (size_t)r);
+        from += (uint64_t)r;
+    }
+    return SHARD_OK;
+}
+
+shard_status shard_fd_hash(int fd, const char *path, shard_fhash_kind kind, uint64_t *hash, uint64_t *bytes)
+{
+    shard_fhash_state h;
     char *buf = malloc(HASH_BUF);
     if (!buf) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
-    shard_xxh64_reset(&h);
+    shard_fhash_reset(&h, kind);
     uint64_t total = 0;
     shard_status s = SHARD_OK;
     for (;;) {
@@ -26,23 +43,97 @@ shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno)); break; }
         if (r == 0) break;
-        shard_xxh64_update(&h, buf, (size_t)r);
+        shard_fhash_update(&h, buf, (size_t)r);
         total += (uint64_t)r;
     }
-    *hash = shard_xxh64_digest(&h);
+    *hash = shard_fhash_digest(&h);
     *bytes = total;
     free(buf);
     return s;
 }
 
-shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes)
+shard_status shard_file_hash(const char *path, shard_fhash_kind kind, uint64_t *hash, uint64_t *bytes)
 {
     int fd;
     uint64_t size;
     shard_status s = shard_open_regular(path, 1, &fd, &size); /* a file of a checkpoint: no links */
     if (s) return s;
-    s = shard_fd_xxh64(fd, path, hash, bytes);
+    s = shard_fd_hash(fd, path, kind, hash, bytes);
     close(fd);
+    return s;
+}
+
+/* ------------------------------------------------------ the writer's block map */
+void shard_blockmap_init(shard_blockmap *m)
+{
+    memset(m, 0, sizeof *m);
+    pthread_mutex_init(&m->mu, NULL);
+}
+
+void shard_blockmap_free(shard_blockmap *m)
+{
+    free(m->dig);
+    free(m->known);
+    pthread_mutex_destroy(&m->mu);
+    memset(m, 0, sizeof *m);
+}
+
+/* room for blocks [0, n) (m->mu held); 0 when there is none (then nothing is kept) */
+static int blockmap_grow(shard_blockmap *m, uint64_t n)
+{
+    if (n <= m->cap) return 1;
+    uint64_t cap = m->cap ? m->cap : 1024;
+    while (cap < n) cap *= 2;
+    uint64_t *d = realloc(m->dig, cap * sizeof *d);
+    if (d) m->dig = d;
+    uint8_t *k = d ? realloc(m->known, cap) : NULL;
+    if (!k) return 0;
+    memset(k + m->cap, 0, cap - m->cap);
+    m->known = k;
+    m->cap = cap;
+    return 1;
+}
+
+#define RECORD_BATCH 256 /* digests computed outside the lock, then stored under it */
+
+void shard_blockmap_record(shard_blockmap *m, uint64_t at, const void *buf, size_t n)
+{
+    const uint64_t B = SHARD_FHASH_BLOCK;
+    uint64_t b = (at + B - 1) / B, end = (at + n) / B; /* the blocks wholly inside */
+    uint64_t d[RECORD_BATCH];
+    while (b < end) {
+        uint64_t k = end - b < RECORD_BATCH ? end - b : RECORD_BATCH;
+        for (uint64_t i = 0; i < k; i++) d[i] = shard_xxh3((const uint8_t *)buf + ((b + i) * B - at), B);
+        pthread_mutex_lock(&m->mu);
+        if (blockmap_grow(m, b + k)) {
+            memcpy(m->dig + b, d, k * sizeof *d);
+            memset(m->known + b, 1, k);
+        }
+        pthread_mutex_unlock(&m->mu);
+        b += k;
+    }
+}
+
+shard_status shard_blockmap_finish(shard_blockmap *m, int fd, const char *path, uint64_t *hash, uint64_t *bytes)
+{
+    struct stat st;
+    if (fstat(fd, &st) != 0) return shard_fail(SHARD_E_IO, "%s: cannot stat: %s", path, strerror(errno));
+    const uint64_t size = (uint64_t)st.st_size, B = SHARD_FHASH_BLOCK, nb = (size + B - 1) / B;
+    char *buf = malloc(HASH_BUF);
+    if (!buf) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
+    shard_fhash_state h;
+    shard_fhash_reset(&h, SHARD_FHASH_XXH3_BLOCKS);
+    shard_status s = SHARD_OK;
+    for (uint64_t b = 0; b < nb && !s;) {
+        if (b < m->cap && m->known[b] && (b + 1) * B <= size) { shard_fhash_add_digest(&h, m->dig[b++]); continue; }
+        uint64_t e = b + 1; /* a run of blocks to read, whole blocks but the file's last */
+        while (e < nb && (e - b) * B < HASH_BUF && !(e < m->cap && m->known[e])) e++;
+        s = hash_range(fd, path, b * B, e * B < size ? e * B : size, buf, &h);
+        b = e;
+    }
+    *hash = shard_fhash_digest(&h);
+    *bytes = size;
+    free(buf);
     return s;
 }
 
@@ -52,7 +143,7 @@ shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes)
 static char *note_path(const char *path)
 {
     char *n = malloc(strlen(path) + 8);
-    if (n) sprintf(n, "%s.xxh64", path);
+    if (n) sprintf(n, "%s.fhash", path);
     return n;
 }
 

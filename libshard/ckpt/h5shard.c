@@ -111,6 +111,7 @@ struct shard_h5_writer {
     int threads;
     int fd;                /* the file's descriptor (sec2 driver), or -1 */
     uint64_t unsynced;     /* bytes handed to HDF5 since writeback was last started */
+    shard_blockmap blocks; /* the file checksum's blocks hashed as the chunks were written */
 };
 
 shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out)
@@ -133,6 +134,7 @@ shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer
     if (w->file < 0) { free(w->path); free(w); return shard_fail(SHARD_E_IO, "%s: cannot create the HDF5 file", path); }
     void *handle = NULL;
     w->fd = H5Fget_vfd_handle(w->file, H5P_DEFAULT, &handle) >= 0 && handle ? *(int *)handle : -1;
+    shard_blockmap_init(&w->blocks);
     *out = w;
     return SHARD_OK;
 }
@@ -364,6 +366,18 @@ static shard_status reserve_piece(const piece_run *r)
     return s;
 }
 
+/* A chunk HDF5 wrote (H5Dwrite_chunk, in the write turn): its blocks into the file's
+ * checksum from memory, where HDF5 says it put exactly these bytes (else they are read
+ * back at close). */
+static void record_written(const piece_run *r, const hsize_t *hoff, const void *out, size_t n)
+{
+    unsigned mask = 0;
+    haddr_t at = HADDR_UNDEF;
+    hsize_t size = 0;
+    if (H5Dget_chunk_info_by_coord(r->ds, hoff, &mask, &at, &size) >= 0 && at != HADDR_UNDEF && size == n)
+        shard_blockmap_record(&r->pc->w->blocks, (uint64_t)at, out, n);
+}
+
 /* After the last chunk: the attributes that make the piece self-describing. */
 static shard_status finish_dataset(piece_run *r)
 {
@@ -488,6 +502,8 @@ static void *pipeline_worker(void *arg)
         if (!s && run->direct) s = chunk_place(run, hoff, outn, &at);
         else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
             s = write_failed(pc, 0);
+        else if (!s)
+            record_written(run, hoff, out, outn);
         if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
         if (run->direct) { /* the turn held only for HDF5's part: the bytes go in parallel */
             pthread_mutex_lock(&p->mu);
@@ -495,6 +511,7 @@ static void *pipeline_worker(void *arg)
             pthread_mutex_unlock(&p->mu);
             int err = s ? 0 : shard_pwrite_all(pc->w->fd, out, outn, (uint64_t)at);
             if (err) s = write_failed(pc, err);
+            else if (!s) shard_blockmap_record(&pc->w->blocks, (uint64_t)at, out, outn);
         }
         pthread_mutex_lock(&p->mu);
         if (!s) shard_start_writeback(pc->w->fd, &pc->w->unsynced, outn, pc->w->c.no_fsync); /* the disk works while we convert */
@@ -617,15 +634,17 @@ shard_status shard_h5_close(shard_h5_writer *w)
     int fd = s ? -1 : open(w->path, O_RDONLY | O_CLOEXEC);
     if (!s && fd < 0) s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", w->path, strerror(errno));
     if (!s) {
-        /* the file's checksum for the commit, while the disk writes the rest back */
+        /* the file's checksum for the commit, while the disk writes the rest back: the
+         * chunks' blocks were hashed as they were written, the rest is read back */
         uint64_t hash, bytes;
         if (!w->c.no_fsync) sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-        s = shard_fd_xxh64(fd, w->path, &hash, &bytes);
+        s = shard_blockmap_finish(&w->blocks, fd, w->path, &hash, &bytes);
         if (!s && !w->c.no_fsync && fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
         if (!s) (void)shard_file_hash_note(w->path, fd, hash, bytes); /* without a note, the commit reads the file */
     }
     if (fd >= 0) close(fd);
     H5Eclear2(H5E_DEFAULT); /* a failure's error stack: this may be a thread of its own, about to end */
+    shard_blockmap_free(&w->blocks);
     free(w->path);
     free(w);
     return s;
@@ -637,6 +656,7 @@ void shard_h5_abort(shard_h5_writer *w)
     shard_h5_quiet();
     discard_h5(w);
     unlink(w->path);
+    shard_blockmap_free(&w->blocks);
     free(w->path);
     free(w);
 }

@@ -164,9 +164,11 @@ static shard_status read_header(shard_ckpt *c, const char *mpath)
     json_t *f = json_object_get(m, "format"), *v = json_object_get(m, "version");
     if (!json_is_string(f) || strcmp(json_string_value(f), SHARD_FORMAT_NAME)) BAD("%s: \"format\" is not \"smp\"", mpath);
     if (!json_is_integer(v)) BAD("%s: \"version\" missing", mpath);
-    if (json_integer_value(v) != SHARD_FORMAT_VERSION)
-        return shard_fail(SHARD_E_UNSUPPORTED, "%s: format version %lld is not supported (this smp reads version %d)", mpath,
-                          (long long)json_integer_value(v), SHARD_FORMAT_VERSION);
+    if (json_integer_value(v) < SHARD_FORMAT_VERSION_OLDEST || json_integer_value(v) > SHARD_FORMAT_VERSION)
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: format version %lld is not supported (this smp reads versions %d to %d)", mpath,
+                          (long long)json_integer_value(v), SHARD_FORMAT_VERSION_OLDEST, SHARD_FORMAT_VERSION);
+    c->version = (int)json_integer_value(v);
+    c->file_hash_kind = c->version == 1 ? SHARD_FHASH_XXH64 : SHARD_FHASH_XXH3_BLOCKS;
     json_t *cj = json_object_get(m, "config_json");
     if (!json_is_string(cj)) BAD("%s: \"config_json\" missing", mpath);
     c->config = json_string_value(cj);
@@ -226,6 +228,7 @@ static shard_status read_files(shard_ckpt *c, const char *mpath)
     if (!c->files || !c->file_bytes || !c->file_hash || !c->h5 || !c->fd || !c->extras || !c->extra_file || !c->file_order)
         return shard_fail(SHARD_E_NOMEM, "out of memory"); /* nfiles 0: close frees what there is */
     c->nfiles = n;
+    const char *hash_key = c->file_hash_kind == SHARD_FHASH_XXH64 ? "xxh64" : "xxh3_blocks"; /* by the version */
     for (size_t i = 0; i < n; i++) { c->h5[i] = -1; c->fd[i] = -1; } /* close looks at every one */
     for (size_t i = 0; i < n; i++) {
         json_t *e = json_array_get(files, i);
@@ -234,7 +237,7 @@ static shard_status read_files(shard_ckpt *c, const char *mpath)
         c->files[i] = json_string_value(nm);
         if (!json_is_integer(by) || json_integer_value(by) < 0) BAD("%s: files[%zu]: bytes missing", mpath, i);
         c->file_bytes[i] = (uint64_t)json_integer_value(by);
-        if (parse_hex(json_string_value(json_object_get(e, "xxh64")), &c->file_hash[i])) BAD("%s: files[%zu]: xxh64 missing or malformed", mpath, i);
+        if (parse_hex(json_string_value(json_object_get(e, hash_key)), &c->file_hash[i])) BAD("%s: files[%zu]: %s missing or malformed", mpath, i, hash_key);
         if (!strncmp(c->files[i], "extra/", 6)) { c->extra_file[c->nextras] = i; c->extras[c->nextras++] = c->files[i] + 6; }
         else if (strchr(c->files[i], '/')) BAD("%s: files[%zu]: \"%s\" is neither a shard file nor under extra/", mpath, i, c->files[i]);
     }

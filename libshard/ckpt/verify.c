@@ -1,5 +1,5 @@
 /* Verifying a whole checkpoint (smp-verify): each file is read once, front to back, by
- * one of the checkpoint's threads. Its bytes go through the file's XXH64; those that
+ * one of the checkpoint's threads. Its bytes go through the file's checksum; those that
  * are a chunk are decoded there, checked against the chunk's XXH3 and folded into
  * their piece's XXH64, so that no byte is read twice. */
 #include "ckpt.h"
@@ -39,7 +39,7 @@ static int by_addr(const void *a, const void *b)
 }
 
 /* Bytes [from, to) of the file into its hash (the HDF5 metadata between chunks). */
-static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t to, uint8_t *buf, shard_xxh64_state *h)
+static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t to, uint8_t *buf, shard_fhash_state *h)
 {
     while (from < to) {
         size_t n = to - from < GAP_BLOCK ? (size_t)(to - from) : GAP_BLOCK;
@@ -47,7 +47,7 @@ static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t t
         if (r < 0 && errno == EINTR) continue;
         if (r <= 0) return r < 0 ? shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno))
                                  : shard_fail(SHARD_E_CORRUPT, "%s: truncated", path);
-        shard_xxh64_update(h, buf, (size_t)r);
+        shard_fhash_update(h, buf, (size_t)r);
         from += (uint64_t)r;
     }
     return SHARD_OK;
@@ -77,13 +77,13 @@ static shard_status locate_all(shard_ckpt *c, piece_ref *refs, size_t nref, loca
 /* The walk through one shard file. */
 static shard_status walk_file(shard_ckpt *c, size_t fi, piece_ref *refs, const located *l, size_t n, const char *path)
 {
-    shard_xxh64_state fh;
+    shard_fhash_state fh;
     uint8_t *gap = malloc(GAP_BLOCK);
     scratch *s = ckpt_scratch_get(c);
     shard_status st = gap && s ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
     const int fd = c->fd[fi];
     uint64_t pos = 0;
-    shard_xxh64_reset(&fh);
+    shard_fhash_reset(&fh, c->file_hash_kind);
     for (size_t i = 0; i < n && !st; i++) {
         piece_ref *r = &refs[l[i].ref];
         if (l[i].addr < pos) { st = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunks overlap", path, r->p->dataset); break; }
@@ -91,13 +91,13 @@ static shard_status walk_file(shard_ckpt *c, size_t fi, piece_ref *refs, const l
         const uint8_t *stored;
         const int in_order = l[i].k == r->next_k; /* else check_pieces hashes the piece again */
         if ((st = ckpt_chunk_check(c, r->p, l[i].k, s, &stored, in_order ? &r->h : NULL))) break;
-        shard_xxh64_update(&fh, stored, l[i].size);
+        shard_fhash_update(&fh, stored, l[i].size);
         if (in_order) r->next_k++;
         else r->out_of_order = 1;
         pos = l[i].addr + l[i].size;
     }
     if (!st) st = hash_gap(fd, path, pos, c->file_bytes[fi], gap, &fh);
-    if (!st && shard_xxh64_digest(&fh) != c->file_hash[fi]) st = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
+    if (!st && shard_fhash_digest(&fh) != c->file_hash[fi]) st = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
     free(gap);
     ckpt_scratch_put(c, s);
     return st;
@@ -151,7 +151,7 @@ shard_status ckpt_check_extra(const shard_ckpt *c, size_t fi, const char *path)
     if (s) return s;
     if (size != c->file_bytes[fi]) /* before reading: a huge or endless file is not read */
         s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu", path, (unsigned long long)size, (unsigned long long)c->file_bytes[fi]);
-    if (!s) s = shard_fd_xxh64(fd, path, &h, &n);
+    if (!s) s = shard_fd_hash(fd, path, c->file_hash_kind, &h, &n);
     close(fd);
     if (!s && (n != c->file_bytes[fi] || h != c->file_hash[fi])) s = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
     return s;

@@ -52,6 +52,22 @@ int shard_xxh64_bits(void);
 /* tests: the one-shot hash through the scalar (0) or the vector (1) stripe loop, the
  * latter on AVX-512 x86-64 only */
 uint64_t shard_xxh64_form(int vector, const void *data, size_t len);
+/* A checkpoint file's checksum (fhash.c, docs/FORMAT.md files[]): XXH64 of the whole
+ * file (format version 1), or XXH64 of the XXH3s of its 4096-byte blocks (version 2).
+ * Streamed like XXH64; add_digest feeds a whole block's XXH3 computed elsewhere (the
+ * state must be at a block boundary). */
+typedef enum { SHARD_FHASH_XXH64 = 1, SHARD_FHASH_XXH3_BLOCKS = 2 } shard_fhash_kind;
+#define SHARD_FHASH_BLOCK 4096u
+typedef struct {
+    shard_xxh64_state outer;
+    shard_fhash_kind kind;
+    size_t part; /* bytes of a block held in buf */
+    uint8_t buf[SHARD_FHASH_BLOCK];
+} shard_fhash_state;
+void shard_fhash_reset(shard_fhash_state *s, shard_fhash_kind kind);
+void shard_fhash_update(shard_fhash_state *s, const void *data, size_t len);
+void shard_fhash_add_digest(shard_fhash_state *s, uint64_t block_xxh3);
+uint64_t shard_fhash_digest(const shard_fhash_state *s);
 /* Mark the thread's last failure as another process's (shard_err_secondhand). */
 void shard_set_secondhand(void);
 

@@ -6,6 +6,7 @@
 #include "core.h"
 
 #include <jansson.h>
+#include <pthread.h>
 #include <stdbool.h>
 
 /* Parse JSON text strictly: one value, duplicate keys rejected, only whitespace
@@ -17,14 +18,29 @@ json_t *shard_model_to_json(const shard_model_desc *d);
 char *shard_path_join(const char *dir, const char *name);
 /* 1 when name is a plain relative path that stays inside its folder. */
 int shard_path_is_contained(const char *name);
-/* XXH64 (seed 0) of a whole file and its size (fd: an open descriptor of path). */
-shard_status shard_file_xxh64(const char *path, uint64_t *hash, uint64_t *bytes);
-shard_status shard_fd_xxh64(int fd, const char *path, uint64_t *hash, uint64_t *bytes);
-/* A shard file's whole-file checksum, computed by its writer at close, kept beside it
- * in "<path>.xxh64" with the file's identity (inode, size, mtime) so that the
- * commit need not read the file again. note: write it (fd: the file, open); noted: 1
- * and the checksum when a note exists and still describes the file, else 0; the note
- * is removed either way. */
+/* A whole file's checksum of the given kind (core.h) and its size (fd: an open
+ * descriptor of path). */
+shard_status shard_file_hash(const char *path, shard_fhash_kind kind, uint64_t *hash, uint64_t *bytes);
+shard_status shard_fd_hash(int fd, const char *path, shard_fhash_kind kind, uint64_t *hash, uint64_t *bytes);
+/* A shard writer's record of the blocks it wrote itself (SHARD_FHASH_XXH3_BLOCKS):
+ * record hashes, from memory, the blocks that lie wholly inside n bytes written at
+ * offset `at` (thread-safe); finish computes the file's checksum from those and reads
+ * back only the rest (HDF5's metadata, the edges of chunks). Out of memory, a block is
+ * simply not kept: it is read back. */
+typedef struct {
+    pthread_mutex_t mu;
+    uint64_t *dig, cap; /* blocks [0, cap): dig[b] is block b's XXH3 where known[b] */
+    uint8_t *known;
+} shard_blockmap;
+void shard_blockmap_init(shard_blockmap *m);
+void shard_blockmap_free(shard_blockmap *m);
+void shard_blockmap_record(shard_blockmap *m, uint64_t at, const void *buf, size_t n);
+shard_status shard_blockmap_finish(shard_blockmap *m, int fd, const char *path, uint64_t *hash, uint64_t *bytes);
+/* A shard file's whole-file checksum (SHARD_FHASH_XXH3_BLOCKS), computed by its writer
+ * at close, kept beside it in "<path>.fhash" with the file's identity (inode, size,
+ * mtime) so that the commit need not read the file again. note: write it (fd: the
+ * file, open); noted: 1 and the checksum when a note exists and still describes the
+ * file, else 0; the note is removed either way. */
 shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes);
 int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes);
 /* Early writeback for durable writers: count n more bytes written to fd and, past

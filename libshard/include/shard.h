@@ -455,8 +455,12 @@ shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout
  * A checkpoint is written into <parent>/.tmp-<name>-<nonce>/ and renamed into place
  * once every file and the manifest are fsynced (unless no_fsync: shard_write_opts). */
 #define SHARD_FORMAT_NAME "smp"
-#define SHARD_FORMAT_VERSION 1
-#define SHARD_FORMAT_MINOR 1 /* 1: per-chunk XXH3 (attribute chunk_xxh3); readers of 1.0 ignore it */
+/* 2: files[] carry "xxh3_blocks", a checksum the writer computes without reading its
+ * file back (docs/FORMAT.md); version 1 ("xxh64": the whole file's XXH64; minor 1:
+ * per-chunk XXH3) is still read. Writers write version 2, minor 0. */
+#define SHARD_FORMAT_VERSION 2
+#define SHARD_FORMAT_VERSION_OLDEST 1
+#define SHARD_FORMAT_MINOR 0
 
 /* Options of a shard file writer. Compression: level 0 = none, else zstd level 1..19. */
 typedef struct {

@@ -16,6 +16,36 @@ DT = dict(BOOL=1, U8=2, I8=3, U16=4, I16=5, U32=6, I32=7, U64=8, I64=9, F8_E4M3=
           F16=12, BF16=13, F32=14, F64=15)
 
 
+# Checksums from libxxhash alone. A checkpoint file's checksum, format version 2
+# (docs/FORMAT.md, files[]): XXH64 of the little-endian XXH3_64bits of each 4096-byte block.
+_XXH = ctypes.CDLL("libxxhash.so.0")
+_XXH.XXH64.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_ulonglong]
+_XXH.XXH64.restype = ctypes.c_ulonglong
+_XXH.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
+_XXH.XXH3_64bits.restype = ctypes.c_ulonglong
+
+
+def file_checksum(data: bytes) -> str:
+    digests = b"".join(_XXH.XXH3_64bits(data[i:i + 4096], len(data[i:i + 4096])).to_bytes(8, "little")
+                       for i in range(0, len(data), 4096))
+    return "%016x" % _XXH.XXH64(digests, len(digests), 0)
+
+
+def xxh64(data: bytes) -> str:
+    """XXH64 (seed 0), as pieces' checksums and version 1's files' checksums are written."""
+    return "%016x" % _XXH.XXH64(data, len(data), 0)
+
+
+def xxh3(data: bytes) -> int:
+    return _XXH.XXH3_64bits(data, len(data))
+
+
+def set_file_entry(entry: dict, data: bytes):
+    """A files[] entry of a version-2 manifest made to describe data."""
+    entry["bytes"] = len(data)
+    entry["xxh3_blocks"] = file_checksum(data)
+
+
 class StTensor(ctypes.Structure):
     _fields_ = [("name", ctypes.c_char_p), ("dtype", ctypes.c_int), ("ndim", ctypes.c_int),
                 ("shape", ctypes.POINTER(ctypes.c_int64)), ("numel", ctypes.c_uint64),

@@ -2,7 +2,7 @@
 
 Each case starts from a good checkpoint (hf2smp of a random transformers Llama,
 pp=2,tp=2: four shard files and one extra file) and breaks ONE rule, keeping everything
-else consistent (when a shard file is edited, its bytes and xxh64 in "files" are fixed,
+else consistent (when a shard file is edited, its bytes and checksum in "files" are fixed,
 so that only the intended problem remains). Every case must be refused:
 
 - by `smp-verify` (AddressSanitizer + UBSan build): exit 3, ONE stderr line
@@ -12,7 +12,6 @@ so that only the intended problem remains). Every case must be refused:
   folder (nor its staging folder) left behind;
 - by `smp-convert reshard`: exit 3, one line, no output and no staging folder.
 """
-import ctypes
 import json
 import os
 import shutil
@@ -25,16 +24,7 @@ import numpy as np
 import pytest
 
 import models
-from conftest import BUILD_SAN, run
-
-_xxh = ctypes.CDLL("libxxhash.so.0")
-_xxh.XXH64.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_ulonglong]
-_xxh.XXH64.restype = ctypes.c_ulonglong
-
-
-def xxh64(data: bytes) -> str:
-    return "%016x" % _xxh.XXH64(data, len(data), 0)
-
+from conftest import BUILD_SAN, run, set_file_entry, xxh64
 
 # ------------------------------------------------------------------ helpers
 def load(ck):
@@ -50,11 +40,11 @@ def tensor(m, name):
 
 
 def refresh(ck, m, fname):
-    """Fix the bytes and xxh64 of files[fname] after the file itself was edited."""
+    """Fix the bytes and checksum of files[fname] after the file itself was edited."""
     data = (ck / fname).read_bytes()
     for f in m["files"]:
         if f["name"] == fname:
-            f["bytes"], f["xxh64"] = len(data), xxh64(data)
+            set_file_entry(f, data)
             return
     raise KeyError(fname)
 
@@ -245,7 +235,8 @@ def header_case(name, field, value=DROP):
 
 header_case("format-unknown", "format", "gguf")
 header_case("format-missing", "format")
-header_case("version-2", "version", 2)
+header_case("version-3", "version", 3)
+header_case("version-0", "version", 0)
 header_case("version-missing", "version")
 header_case("version-string", "version", "1")
 header_case("config-json-missing", "config_json")

@@ -3,7 +3,7 @@
 Every case starts from good inputs (a tiny Llama, "llama-gqa-f32": hf2smp at pp=1; a run
 folder that smp-train saved at step 2 of 6, one plain and one with FP8 delayed scaling;
 a good token file) and breaks ONE thing, everything else kept consistent (an edited
-shard file gets its bytes and xxh64 fixed in the manifest, through test_ckpt_hostile's
+shard file gets its bytes and checksum fixed in the manifest, through test_ckpt_hostile's
 helpers). The classes:
 
 - state:   smp.json "training" out of the ranges the flags accept, of the wrong JSON
@@ -36,7 +36,6 @@ are capped at FSIZE_CAP (RLIMIT_FSIZE): a command that copies /dev/zero into an 
 is stopped by SIGXFSZ instead of filling the disk (it still fails its case).
 """
 import concurrent.futures
-import ctypes
 import json
 import os
 import resource
@@ -50,8 +49,8 @@ import numpy as np
 import pytest
 
 import models
-from conftest import run
-from test_ckpt_hostile import entries, load, refresh, refusal_problems, replace_dataset, run_san_together, save, xxh64
+from conftest import run, set_file_entry, xxh3
+from test_ckpt_hostile import entries, load, refresh, refusal_problems, replace_dataset, run_san_together, save
 from test_train import write_tokens
 
 CASE_MODEL = "llama-gqa-f32"
@@ -122,10 +121,6 @@ def dig(obj, path):
     return obj, last
 
 
-_xxh3 = ctypes.CDLL("libxxhash.so.0").XXH3_64bits
-_xxh3.argtypes, _xxh3.restype = [ctypes.c_char_p, ctypes.c_size_t], ctypes.c_ulonglong
-
-
 def edit_tensor(ck, group, name, fn):
     """Replace the values of tensor (group, name) by fn(values), everything else kept
     consistent: through test_ckpt_hostile.replace_dataset (which finds tensors by name
@@ -143,7 +138,7 @@ def edit_tensor(ck, group, name, fn):
     replace_dataset(ck, {"tensors": [t], "files": m["files"]}, name, new)
     raw = new.astype(new.dtype.newbyteorder("<")).tobytes()
     with h5py.File(ck / p["file"], "r+") as f:
-        f[p["dataset"]].attrs["chunk_xxh3"] = np.array([_xxh3(raw, len(raw))], dtype=np.uint64)
+        f[p["dataset"]].attrs["chunk_xxh3"] = np.array([xxh3(raw)], dtype=np.uint64)
     refresh(ck, m, p["file"])
     save(ck, m)
 
@@ -152,7 +147,8 @@ def add_extra(ck, name, data):
     """A file extra/NAME, listed in the manifest with its right size and checksum."""
     (ck / "extra" / name).write_bytes(data)
     m = load(ck)
-    m["files"].append({"name": f"extra/{name}", "bytes": len(data), "xxh64": xxh64(data)})
+    m["files"].append({"name": f"extra/{name}"})
+    set_file_entry(m["files"][-1], data)
     save(ck, m)
 
 

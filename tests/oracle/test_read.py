@@ -33,24 +33,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from conftest import BUILD, BUILD_SAN, DT, Box, Layout, ModelDesc, load_lib, run
+from conftest import BUILD, BUILD_SAN, DT, Box, Layout, ModelDesc, load_lib, run, set_file_entry, xxh3, xxh64
 
 # ------------------------------------------------------------------ outside oracles
-_xxh = ctypes.CDLL("libxxhash.so.0")
-_xxh.XXH64.argtypes = [ctypes.c_char_p, ctypes.c_size_t, ctypes.c_ulonglong]
-_xxh.XXH64.restype = ctypes.c_ulonglong
-_xxh.XXH3_64bits.argtypes = [ctypes.c_char_p, ctypes.c_size_t]
-_xxh.XXH3_64bits.restype = ctypes.c_ulonglong
-
-
-def xxh64(data: bytes) -> str:
-    return "%016x" % _xxh.XXH64(data, len(data), 0)
-
-
-def xxh3(data: bytes) -> int:
-    return _xxh.XXH3_64bits(data, len(data))
-
-
+# (libxxhash's XXH64 and XXH3_64bits: conftest's xxh64, xxh3)
 DT_NAME = {v: k for k, v in DT.items()}
 # the numpy dtype holding a dtype's bits (as h5py reads them) and the real type
 RAW = {"F32": np.float32, "F64": np.float64, "BF16": np.uint16, "F16": np.uint16, "F8_E4M3": np.uint8,
@@ -630,12 +616,12 @@ def replace_contiguous(ck, fname, dpath, keep_chunk_xxh3=True):
 
 
 def refresh_files(ck):
-    """Fix every shard file's bytes and xxh64 in smp.json (after an edit with h5py)."""
+    """Fix every shard file's bytes and checksum in smp.json (after an edit with h5py)."""
     m = json.loads((ck / "smp.json").read_text())
     for f in m["files"]:
         if f["name"].startswith("shard-"):
             data = (ck / f["name"]).read_bytes()
-            f["bytes"], f["xxh64"] = len(data), xxh64(data)
+            set_file_entry(f, data)
     (ck / "smp.json").write_text(json.dumps(m, indent=1))
 
 

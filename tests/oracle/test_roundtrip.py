@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import models
-from conftest import run
+from conftest import file_checksum, run, xxh64
 
 LAYOUTS = ["pp=1", "tp=2", "pp=2,tp=2", "tp=3,cp=2", "pp=3,dp=2", "pp=2,tp=6", "tp=4,cp=1,dp=2", "cp=2,dp=3",
            "pp=2,cp=2,dp=2", "tp=4"]
@@ -100,11 +100,22 @@ def test_split_export_with_index(tmp_path):
     assert (tmp_path / "keep" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
 
 
+def assert_file_checksums(ck):
+    """Every file's checksum in smp.json, computed here from libxxhash alone (the writer
+    hashes its chunks' blocks from memory and reads back only the rest)."""
+    m = json.loads((ck / "smp.json").read_text())
+    assert m["files"]
+    for fe in m["files"]:
+        data = (ck / fe["name"]).read_bytes()
+        assert (fe["bytes"], fe["xxh3_blocks"]) == (len(data), file_checksum(data)), (ck.name, fe["name"])
+
+
 def independent_reader(ck):
     """Reassemble every tensor from smp.json and the shard files using only
     docs/FORMAT.md's rules, with h5py + hdf5plugin."""
     m = json.loads((ck / "smp.json").read_text())
-    assert m["format"] == "smp" and m["version"] == 1
+    assert m["format"] == "smp" and m["version"] == 2
+    assert_file_checksums(ck)
     raw = {"F32": np.float32, "F16": np.uint16, "BF16": np.uint16, "F64": np.float64, "F8_E4M3": np.uint8, "F8_E5M2": np.uint8}
     view = {"F16": np.float16, "BF16": ml_dtypes.bfloat16, "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
     out = {}
@@ -155,7 +166,7 @@ def pieces_of(ck):
 
 def leftovers(folder):
     """Staging folders and checksum notes left anywhere under folder."""
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if ".tmp-" in p.name or p.name.endswith(".xxh64"))
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if ".tmp-" in p.name or p.name.endswith(".fhash"))
 
 
 def test_no_fsync_writes_the_same_checkpoint(tmp_path):
@@ -175,12 +186,15 @@ def test_no_fsync_writes_the_same_checkpoint(tmp_path):
             run("smp-convert", what, *args, "--compress", compress, "--out", durable, check=0)
             run("smp-convert", what, *args, "--compress", compress, "--out", fast, "--no-fsync", check=0)
             run("smp-verify", fast, check=0)
+            assert_file_checksums(fast)
+            assert_file_checksums(durable)
             assert pieces_of(fast) == pieces_of(durable), (what, compress)
             a, b = json.loads((durable / "smp.json").read_text()), json.loads((fast / "smp.json").read_text())
             assert [f["name"] for f in a["files"]] == [f["name"] for f in b["files"]]
     rs = tmp_path / "reshard-nofsync"
     run("smp-convert", "reshard", "--in", tmp_path / "hf2smp-zstd-nofsync", "--out", rs, "--layout", "tp=4", "--no-fsync", check=0)
     run("smp-verify", rs, check=0)
+    assert_file_checksums(rs)
     run("smp-convert", "reshard", "--in", tmp_path / "hf2smp-zstd", "--out", tmp_path / "reshard", "--layout", "tp=4", check=0)
     assert pieces_of(rs) == pieces_of(tmp_path / "reshard")
     for flags in [[], ["--no-fsync"]]:
@@ -222,6 +236,7 @@ def test_chunked_pieces_hold_the_source(tmp_path):
         run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=2,tp=2", "--dtype", dtype, "--compress",
             compress, "--threads", threads, *extra, check=0)
         run("smp-verify", ck, check=0)
+        assert_file_checksums(ck)
         m = json.loads((ck / "smp.json").read_text())
         multi = set()  # the tensors with pieces of several chunks: the test is about them
         for t in m["tensors"]:
@@ -288,11 +303,64 @@ def test_default_zstd_is_tuned_for_number_planes(tmp_path):
     assert sizes["zstd"] < sizes["zstd:1"] and sizes["zstd"] < sizes["zstd:3"], sizes
 
 
-def test_corruption_is_caught_and_named(tmp_path):
+def to_version_1(ck):
+    """Rewrite a checkpoint's manifest as format version 1.1 wrote it: each file's XXH64
+    (libxxhash) under "xxh64", no "xxh3_blocks" (the shard files are the same)."""
+    m = json.loads((ck / "smp.json").read_text())
+    m["version"], m["minor"] = 1, 1
+    for fe in m["files"]:
+        data = (ck / fe["name"]).read_bytes()
+        del fe["xxh3_blocks"]
+        fe["xxh64"] = xxh64(data)
+    (ck / "smp.json").write_text(json.dumps(m, indent=1))
+
+
+def test_version_1_checkpoints_are_still_read(tmp_path):
+    """A checkpoint of format version 1 (files[] with the whole file's XXH64) verifies,
+    merges to the source, reshards into a version-2 one, and its damaged extra file is
+    still caught by its XXH64; each version's manifest must carry its own key."""
+    hf = tmp_path / "hf"
+    models.make("llama-gqa-f32", hf)
+    (hf / "tokenizer_config.json").write_text('{"model_max_length": 128}')
+    ck = tmp_path / "ck"
+    run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2", check=0)
+    to_version_1(ck)
+    run("smp-verify", ck, check=0)
+    run("smp-merge", "--in", ck, "--out", tmp_path / "merged", check=0)
+    ref, got = tensors_of(hf), tensors_of(tmp_path / "merged")
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    run("smp-convert", "reshard", "--in", ck, "--out", tmp_path / "v2", "--layout", "pp=2", check=0)
+    assert json.loads((tmp_path / "v2" / "smp.json").read_text())["version"] == 2
+    assert_file_checksums(tmp_path / "v2")
+    run("smp-verify", tmp_path / "v2", check=0)
+    bad = tmp_path / "bad"
+    shutil.copytree(ck, bad)
+    tc = bad / "extra" / "tokenizer_config.json"
+    tc.write_text(tc.read_text().replace("128", "256"))
+    for cmd in (["smp-verify", bad], ["smp-merge", "--in", bad, "--out", tmp_path / "o-bad"]):
+        p = run(*cmd)
+        assert p.returncode == 3 and "tokenizer_config.json" in p.stderr and "checksum" in p.stderr, p.stderr
+    assert not (tmp_path / "o-bad").exists()
+    for version, key, missing in [(1, "xxh3_blocks", "xxh64"), (2, "xxh64", "xxh3_blocks")]:
+        wrong = tmp_path / f"wrong-{version}"
+        shutil.copytree(ck, wrong)
+        m = json.loads((wrong / "smp.json").read_text())
+        m["version"] = version
+        for fe in m["files"]:
+            fe[key] = fe.pop("xxh64")
+        (wrong / "smp.json").write_text(json.dumps(m))
+        p = run("smp-verify", wrong)
+        assert p.returncode == 3 and f"{missing} missing" in p.stderr, p.stderr
+
+
+@pytest.mark.parametrize("version", [2, 1])
+def test_corruption_is_caught_and_named(tmp_path, version):
     hf = tmp_path / "hf"
     models.make("llama-gqa-f32", hf)
     ck = tmp_path / "ck"
     run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2", check=0)
+    if version == 1:
+        to_version_1(ck)
     files = sorted(p for p in ck.rglob("*") if p.is_file() and p.name != "smp.json")
     rng = np.random.default_rng(0)
     for f in files:

@@ -128,8 +128,84 @@ static void test_writer_contract(void **st)
     writer_contract(&no_fsync);
 }
 
-/* A file's XXH64 (read in pieces: a size over many of them, not a multiple of one) and
- * the note a shard writer leaves for the commit: used once, and only while it still
+/* The reference of a version-2 file checksum, from libxxhash alone: XXH64 of the
+ * little-endian XXH3_64bits of each 4096-byte block (docs/FORMAT.md). */
+static uint64_t ref_blocks(const unsigned char *p, size_t n)
+{
+    size_t nb = (n + 4095) / 4096;
+    uint64_t *d = malloc((nb + 1) * 8);
+    for (size_t b = 0; b < nb; b++) d[b] = XXH3_64bits(p + b * 4096, n - b * 4096 < 4096 ? n - b * 4096 : 4096);
+    uint64_t h = XXH64(d, nb * 8, 0);
+    free(d);
+    return h;
+}
+
+/* streamed in pieces of awkward sizes (inside a block, across several, a block's
+ * exact end), both kinds give libxxhash's value */
+static void test_fhash_stream(void **st)
+{
+    (void)st;
+    const size_t n = (1u << 20) + 4096 * 3 + 77;
+    unsigned char *buf = malloc(n);
+    for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)(i * 2654435761u >> 11);
+    const size_t steps[] = {1, 7, 4095, 4096, 4097, 12288, 65536 + 5, 1 << 20};
+    const size_t lens[] = {0, 1, 4095, 4096, 4097, 8192, n};
+    for (size_t li = 0; li < sizeof lens / sizeof *lens; li++)
+        for (size_t si = 0; si < sizeof steps / sizeof *steps; si++) {
+            shard_fhash_state a, b;
+            shard_fhash_reset(&a, SHARD_FHASH_XXH3_BLOCKS);
+            shard_fhash_reset(&b, SHARD_FHASH_XXH64);
+            for (size_t o = 0, k = 0; o < lens[li]; k++) { /* steps alternate with 1-byte ones */
+                size_t take = k % 2 ? 1 : steps[si];
+                if (take > lens[li] - o) take = lens[li] - o;
+                shard_fhash_update(&a, buf + o, take);
+                shard_fhash_update(&b, buf + o, take);
+                o += take;
+            }
+            assert_true(shard_fhash_digest(&a) == ref_blocks(buf, lens[li]));
+            assert_true(shard_fhash_digest(&b) == XXH64(buf, lens[li], 0));
+        }
+    free(buf);
+}
+
+/* A shard writer's block map: the blocks it recorded are taken from memory and only the
+ * rest is read back; recorded spans start and end inside blocks or on their edges. A
+ * span recorded from bytes that are not the file's shows that the map is what counts. */
+static void test_blockmap(void **st)
+{
+    (void)st;
+    char path[] = "/tmp/smp-unit-bm-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    const size_t n = (5u << 20) + 1234;
+    unsigned char *buf = malloc(n);
+    for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)(i * 2246822519u >> 9);
+    assert_int_equal(write(fd, buf, n), (ssize_t)n);
+    shard_blockmap m;
+    shard_blockmap_init(&m);
+    const size_t spans[][2] = {{100, 3 << 20}, {(3u << 20) + 4096, 4096}, {(4u << 20), (1u << 20) + 1234}, {4096 * 7, 4000}};
+    for (size_t i = 0; i < 4; i++) shard_blockmap_record(&m, spans[i][0], buf + spans[i][0], spans[i][1]);
+    uint64_t h, bytes;
+    assert_int_equal(shard_blockmap_finish(&m, fd, path, &h, &bytes), SHARD_OK);
+    assert_true(h == ref_blocks(buf, n) && bytes == n);
+    uint64_t h2;
+    assert_int_equal(shard_fd_hash(fd, path, SHARD_FHASH_XXH3_BLOCKS, &h2, &bytes), SHARD_OK);
+    assert_true(h2 == h && bytes == n);
+    unsigned char *other = malloc(8192);
+    memset(other, 0xab, 8192);
+    shard_blockmap_record(&m, 8192, other, 8192); /* blocks 2 and 3, from other bytes */
+    assert_int_equal(shard_blockmap_finish(&m, fd, path, &h2, &bytes), SHARD_OK);
+    memcpy(buf + 8192, other, 8192);
+    assert_true(h2 != h && h2 == ref_blocks(buf, n));
+    shard_blockmap_free(&m);
+    close(fd);
+    unlink(path);
+    free(other);
+    free(buf);
+}
+
+/* A file's checksums (read in pieces: a size over many of them, not a multiple of one)
+ * and the note a shard writer leaves for the commit: used once, and only while it still
  * describes the file. */
 static void test_file_hash_and_note(void **st)
 {
@@ -145,21 +221,25 @@ static void test_file_hash_and_note(void **st)
     assert_int_equal(fwrite(buf, 1, n, fp), n);
     fclose(fp);
     uint64_t h, bytes;
-    assert_int_equal(shard_file_xxh64(path, &h, &bytes), SHARD_OK);
+    assert_int_equal(shard_file_hash(path, SHARD_FHASH_XXH64, &h, &bytes), SHARD_OK);
     assert_true(h == XXH64(buf, n, 0) && bytes == n);
+    assert_int_equal(shard_file_hash(path, SHARD_FHASH_XXH3_BLOCKS, &h, &bytes), SHARD_OK);
+    assert_true(h == ref_blocks(buf, n) && bytes == n);
     char empty[300];
     snprintf(empty, sizeof empty, "%s/empty", dir);
     fclose(fopen(empty, "wb"));
-    assert_int_equal(shard_file_xxh64(empty, &h, &bytes), SHARD_OK);
+    assert_int_equal(shard_file_hash(empty, SHARD_FHASH_XXH64, &h, &bytes), SHARD_OK);
     assert_true(h == XXH64("", 0, 0) && bytes == 0);
+    assert_int_equal(shard_file_hash(empty, SHARD_FHASH_XXH3_BLOCKS, &h, &bytes), SHARD_OK);
+    assert_true(h == XXH64("", 0, 0) && bytes == 0); /* no blocks */
     unlink(empty);
-    assert_int_equal(shard_file_xxh64("/nonexistent/x", &h, &bytes), SHARD_E_INVALID); /* missing: exit 3 */
+    assert_int_equal(shard_file_hash("/nonexistent/x", SHARD_FHASH_XXH3_BLOCKS, &h, &bytes), SHARD_E_INVALID); /* missing: exit 3 */
 
     int fd = open(path, O_RDONLY);
     assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n), SHARD_OK);
     close(fd);
     char note[300];
-    snprintf(note, sizeof note, "%s.xxh64", path);
+    snprintf(note, sizeof note, "%s.fhash", path);
     assert_int_equal(access(note, F_OK), 0);
     assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 1); /* the note is trusted as written */
     assert_true(h == 0x1234 && bytes == n);
@@ -369,7 +449,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
