@@ -228,7 +228,7 @@ static void ckpt_json(const ckpt_info *k)
     json_t *o = json_object(), *fa = json_array(), *f;
     json_object_set_new(o, "path", json_string(k->dir));
     json_object_set_new(o, "kind", json_string("smp"));
-    json_object_set_new(o, "format_version", json_integer(SHARD_FORMAT_VERSION));
+    json_object_set_new(o, "format_version", json_incref(json_object_get(k->m, "version"))); /* the reader checked it */
     json_object_set_new(o, "architecture", json_string(d->architecture));
     json_object_set_new(o, "parameters", json_integer((json_int_t)shard_model_param_count(d)));
     json_object_set_new(o, "layout", json_pack("{s:i,s:i,s:i,s:i,s:i}", "pp", l->pp, "tp", l->tp, "cp", l->cp, "dp", l->dp,
@@ -261,7 +261,7 @@ static void ckpt_text(const ckpt_info *k)
     const shard_layout *l = shard_ckpt_layout(k->c);
     const char *tr = shard_ckpt_training_json(k->c);
     char b1[32], b2[32], b3[32], lay[64];
-    printf("%s  (SMP checkpoint, format version %d)\n", k->dir, SHARD_FORMAT_VERSION);
+    printf("%s  (SMP checkpoint, format version %lld)\n", k->dir, (long long)json_integer_value(json_object_get(k->m, "version")));
     printf("  model        %s, %s parameters, %lld layers\n", d->architecture, cli_count(b1, shard_model_param_count(d)), (long long)d->layers);
     printf("  layout       %s (%d ranks)\n", shard_layout_format(l, lay, sizeof lay), shard_layout_size(l));
     if (d->experts)

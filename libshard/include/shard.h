@@ -444,7 +444,7 @@ shard_status shard_partition_optim(const shard_model_desc *d, const shard_layout
                                    const shard_tensor_spec *t, int rank, shard_piece *out);
 
 /* --------------------------------------------------------------- checkpoints */
-/* The SMP checkpoint format, version 1 (docs/FORMAT.md has it field by field):
+/* The SMP checkpoint format, version 2 (docs/FORMAT.md has it field by field):
  *   CKPT/smp.json          manifest, written last: its presence means "whole"
  *   CKPT/shard-RRRRR.h5    the pieces written by rank RRRRR (HDF5; one dataset per
  *                          piece under /params, /optim/master, /optim/exp_avg,

@@ -324,8 +324,11 @@ def test_version_1_checkpoints_are_still_read(tmp_path):
     (hf / "tokenizer_config.json").write_text('{"model_max_length": 128}')
     ck = tmp_path / "ck"
     run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2", check=0)
+    assert json.loads(run("smp-inspect", ck, "--json", check=0).stdout)["format_version"] == 2
     to_version_1(ck)
     run("smp-verify", ck, check=0)
+    assert json.loads(run("smp-inspect", ck, "--json", check=0).stdout)["format_version"] == 1
+    assert "format version 1" in run("smp-inspect", ck, check=0).stdout
     run("smp-merge", "--in", ck, "--out", tmp_path / "merged", check=0)
     ref, got = tensors_of(hf), tensors_of(tmp_path / "merged")
     assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
