@@ -4,7 +4,9 @@
  * zstd.json: a one-layer Llama made by `smp-convert init`, uncompressed or zstd), the
  * rest is shard-00000.h5. What a read returns must be the seed's tensor, bit for bit
  * (a changed byte is either not read or caught: no silent corruption), and verify must
- * pass exactly when the file is the seed's (the manifest holds its XXH64). The seeds
+ * pass exactly when the file is the seed's (the manifest holds its checksum: none.json
+ * is a format-1 manifest, the whole file's XXH64; zstd.json a format-2 one, the XXH64
+ * of its blocks' XXH3s, so that both are fuzzed). The seeds
  * (tests/fuzz/corpus/shard/seed-none, seed-zstd) give the reference tensors; run from
  * the repository root, or with SMP_FUZZ_ROOT set to it. */
 #include "shard.h"

@@ -205,6 +205,22 @@ def _(m):
     m["files"].append(dict(m["files"][0]))
 
 
+@manifest_case("file-checksum-malformed")
+def _(m):
+    m["files"][1]["xxh3_blocks"] = "not-a-hash-at-al"
+
+
+@manifest_case("file-checksum-missing")
+def _(m):
+    del m["files"][1]["xxh3_blocks"]
+
+
+@manifest_case("file-checksum-of-version-1")
+def _(m):
+    # a version-2 manifest must carry version 2's key: version 1's is not taken instead
+    m["files"][1]["xxh64"] = m["files"][1].pop("xxh3_blocks")
+
+
 @manifest_case("piece-file-not-in-files")
 def _(m):
     # shard-00003.h5 is still on disk, but the manifest no longer lists it
