@@ -38,7 +38,7 @@ void shard_fhash_update(shard_fhash_state *s, const void *data, size_t len)
         s->part = 0;
     }
     for (; len >= SHARD_FHASH_BLOCK; p += SHARD_FHASH_BLOCK, len -= SHARD_FHASH_BLOCK) add_block(s, p, SHARD_FHASH_BLOCK);
-    memcpy(s->buf, p, len);
+    if (len) memcpy(s->buf, p, len); /* (data may be NULL when len is 0) */
     s->part = len;
 }
 
