@@ -1,5 +1,6 @@
 """Shared fixtures: where the build is, libshard through ctypes, running the CLIs."""
 import ctypes
+import json
 import os
 import pathlib
 import subprocess
@@ -38,6 +39,18 @@ def xxh64(data: bytes) -> str:
 
 def xxh3(data: bytes) -> int:
     return _XXH.XXH3_64bits(data, len(data))
+
+
+def to_version_1(ck):
+    """Rewrite a checkpoint's manifest as format version 1.1 wrote it: each file's XXH64
+    under "xxh64", no "xxh3_blocks" (the shard files are the same)."""
+    m = json.loads((ck / "smp.json").read_text())
+    m["version"], m["minor"] = 1, 1
+    for fe in m["files"]:
+        data = (ck / fe["name"]).read_bytes()
+        del fe["xxh3_blocks"]
+        fe["xxh64"] = xxh64(data)
+    (ck / "smp.json").write_text(json.dumps(m, indent=1))
 
 
 def set_file_entry(entry: dict, data: bytes):

@@ -11,7 +11,7 @@ import torch
 from safetensors import safe_open
 
 import models
-from conftest import file_checksum, run, xxh64
+from conftest import file_checksum, run, to_version_1
 
 LAYOUTS = ["pp=1", "tp=2", "pp=2,tp=2", "tp=3,cp=2", "pp=3,dp=2", "pp=2,tp=6", "tp=4,cp=1,dp=2", "cp=2,dp=3",
            "pp=2,cp=2,dp=2", "tp=4"]
@@ -301,18 +301,6 @@ def test_default_zstd_is_tuned_for_number_planes(tmp_path):
     for k, v in data["zstd"].items():
         assert np.array_equal(v, data["zstd:3"][k]) and np.array_equal(v, data["zstd:1"][k]), k
     assert sizes["zstd"] < sizes["zstd:1"] and sizes["zstd"] < sizes["zstd:3"], sizes
-
-
-def to_version_1(ck):
-    """Rewrite a checkpoint's manifest as format version 1.1 wrote it: each file's XXH64
-    (libxxhash) under "xxh64", no "xxh3_blocks" (the shard files are the same)."""
-    m = json.loads((ck / "smp.json").read_text())
-    m["version"], m["minor"] = 1, 1
-    for fe in m["files"]:
-        data = (ck / fe["name"]).read_bytes()
-        del fe["xxh3_blocks"]
-        fe["xxh64"] = xxh64(data)
-    (ck / "smp.json").write_text(json.dumps(m, indent=1))
 
 
 def test_version_1_checkpoints_are_still_read(tmp_path):

@@ -28,7 +28,7 @@ from safetensors.numpy import load_file
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 import models
-from conftest import BUILD, ROOT, run
+from conftest import BUILD, ROOT, run, to_version_1
 
 EVAL_CASES = ["llama-gqa-f32", "llama-tied-bf16-llama3", "mistral-gqa-f16-window"]
 SEQ = 48  # longer than the Mistral case's sliding window (16)
@@ -363,7 +363,9 @@ def _tiny(tmp_path, n_tokens=4000, seed=5):
 COMMON = ["--batch", 4, "--microbatches", 2, "--seq", 16, "--lr", 3e-3, "--warmup", 2, "--seed", 11, "--clip", 0.5]
 
 
-def test_resume_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("version", [2, 1])
+def test_resume_is_bit_exact(tmp_path, version):
+    """(version 1: the checkpoint resumed from is rewritten as an older smp wrote it)"""
     ck, data = _tiny(tmp_path)
     a, b = tmp_path / "a", tmp_path / "b"
     a.mkdir()
@@ -373,6 +375,9 @@ def test_resume_is_bit_exact(tmp_path):
     run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", b, "--steps", 12, "--stop-at", 6,
         "--log", b / "log.jsonl", *COMMON, check=0)
     assert (b / "latest").read_text().strip() == "step-000006"
+    if version == 1:
+        to_version_1(b / "step-000006")
+        run("smp-verify", b / "step-000006", check=0)
     # resume from the run folder: the settings come from the checkpoint's state
     run("smp-train", "--ckpt", b, "--data", data, "--save-dir", b, "--log", b / "log.jsonl", check=0)
     la, lb = read_log(a / "log.jsonl"), read_log(b / "log.jsonl")
