@@ -366,16 +366,15 @@ static shard_status reserve_piece(const piece_run *r)
     return s;
 }
 
-/* A chunk HDF5 wrote (H5Dwrite_chunk, in the write turn): its blocks into the file's
- * checksum from memory, where HDF5 says it put exactly these bytes (else they are read
- * back at close). */
-static void record_written(const piece_run *r, const hsize_t *hoff, const void *out, size_t n)
+/* Where HDF5 put the n bytes of a chunk it wrote (H5Dwrite_chunk; in the write turn),
+ * so that its blocks go into the file's checksum from memory; HADDR_UNDEF when HDF5
+ * does not say it holds exactly these bytes (then they are read back at close). */
+static haddr_t written_at(const piece_run *r, const hsize_t *hoff, size_t n)
 {
     unsigned mask = 0;
     haddr_t at = HADDR_UNDEF;
     hsize_t size = 0;
-    if (H5Dget_chunk_info_by_coord(r->ds, hoff, &mask, &at, &size) >= 0 && at != HADDR_UNDEF && size == n)
-        shard_blockmap_record(&r->pc->w->blocks, (uint64_t)at, out, n);
+    return H5Dget_chunk_info_by_coord(r->ds, hoff, &mask, &at, &size) >= 0 && size == n ? at : HADDR_UNDEF;
 }
 
 /* After the last chunk: the attributes that make the piece self-describing. */
@@ -503,7 +502,7 @@ static void *pipeline_worker(void *arg)
         else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
             s = write_failed(pc, 0);
         else if (!s)
-            record_written(run, hoff, out, outn);
+            at = written_at(run, hoff, outn);
         if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
         if (run->direct) { /* the turn held only for HDF5's part: the bytes go in parallel */
             pthread_mutex_lock(&p->mu);
@@ -519,6 +518,8 @@ static void *pipeline_worker(void *arg)
         if (run->direct) fail_locked(p, s);
         else end_turn(p, &p->next_write, s);
         pthread_mutex_unlock(&p->mu);
+        if (!s && !run->direct && at != HADDR_UNDEF) /* the hashing outside the turn */
+            shard_blockmap_record(&pc->w->blocks, (uint64_t)at, out, outn);
     }
 out:
     free(raw); free(shuf); free(z);
