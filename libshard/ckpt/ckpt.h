@@ -96,8 +96,7 @@ struct shard_ckpt {
     size_t n;
     const char **files;
     uint64_t *file_bytes, *file_hash;
-    int version;                 /* the manifest's format version */
-    shard_fhash_kind file_hash_kind; /* what file_hash holds: by the version */
+    shard_fhash_kind file_hash_kind; /* what file_hash holds: by the format version */
     hid_t *h5;   /* open shard files, lazily */
     int *fd;     /* their descriptors for pread, lazily */
     size_t nfiles;

@@ -88,7 +88,7 @@ static shard_status copy_checked(const char *src, const char *dst, uint64_t want
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) { s = shard_fail(SHARD_E_IO, "%s: read failed: %s", src, strerror(errno)); break; }
         if (r == 0) break;
-        shard_fhash_update(&h, buf, (size_t)r);
+        if (want_hash) shard_fhash_update(&h, buf, (size_t)r);
         total += (uint64_t)r;
         for (ssize_t k = 0; k < r && !s;) {
             ssize_t wr = write(o, buf + k, (size_t)(r - k));

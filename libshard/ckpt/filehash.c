@@ -15,11 +15,11 @@
 
 #define HASH_BUF (256u << 10) /* read a piece at a time that stays in the core's cache */
 
-/* Bytes [from, to) of fd into h; a file shorter than `to` is "truncated". */
-static shard_status hash_range(int fd, const char *path, uint64_t from, uint64_t to, char *buf, shard_fhash_state *h)
+shard_status shard_fd_hash_range(int fd, const char *path, uint64_t from, uint64_t to, void *buf, size_t cap,
+                                 shard_fhash_state *h)
 {
     while (from < to) {
-        size_t n = to - from < HASH_BUF ? (size_t)(to - from) : HASH_BUF;
+        size_t n = to - from < cap ? (size_t)(to - from) : cap;
         ssize_t r = pread(fd, buf, n, (off_t)from);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno));
@@ -128,7 +128,7 @@ shard_status shard_blockmap_finish(shard_blockmap *m, int fd, const char *path, 
         if (b < m->cap && m->known[b] && (b + 1) * B <= size) { shard_fhash_add_digest(&h, m->dig[b++]); continue; }
         uint64_t e = b + 1; /* a run of blocks to read, whole blocks but the file's last */
         while (e < nb && (e - b) * B < HASH_BUF && !(e < m->cap && m->known[e])) e++;
-        s = hash_range(fd, path, b * B, e * B < size ? e * B : size, buf, &h);
+        s = shard_fd_hash_range(fd, path, b * B, e * B < size ? e * B : size, buf, HASH_BUF, &h);
         b = e;
     }
     *hash = shard_fhash_digest(&h);

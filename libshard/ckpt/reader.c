@@ -167,8 +167,7 @@ static shard_status read_header(shard_ckpt *c, const char *mpath)
     if (json_integer_value(v) < SHARD_FORMAT_VERSION_OLDEST || json_integer_value(v) > SHARD_FORMAT_VERSION)
         return shard_fail(SHARD_E_UNSUPPORTED, "%s: format version %lld is not supported (this smp reads versions %d to %d)", mpath,
                           (long long)json_integer_value(v), SHARD_FORMAT_VERSION_OLDEST, SHARD_FORMAT_VERSION);
-    c->version = (int)json_integer_value(v);
-    c->file_hash_kind = c->version == 1 ? SHARD_FHASH_XXH64 : SHARD_FHASH_XXH3_BLOCKS;
+    c->file_hash_kind = json_integer_value(v) == 1 ? SHARD_FHASH_XXH64 : SHARD_FHASH_XXH3_BLOCKS;
     json_t *cj = json_object_get(m, "config_json");
     if (!json_is_string(cj)) BAD("%s: \"config_json\" missing", mpath);
     c->config = json_string_value(cj);

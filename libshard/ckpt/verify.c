@@ -4,7 +4,6 @@
  * their piece's XXH64, so that no byte is read twice. */
 #include "ckpt.h"
 
-#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -36,21 +35,6 @@ static int by_addr(const void *a, const void *b)
 {
     uint64_t x = ((const located *)a)->addr, y = ((const located *)b)->addr;
     return x < y ? -1 : x > y;
-}
-
-/* Bytes [from, to) of the file into its hash (the HDF5 metadata between chunks). */
-static shard_status hash_gap(int fd, const char *path, uint64_t from, uint64_t to, uint8_t *buf, shard_fhash_state *h)
-{
-    while (from < to) {
-        size_t n = to - from < GAP_BLOCK ? (size_t)(to - from) : GAP_BLOCK;
-        ssize_t r = pread(fd, buf, n, (off_t)from);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return r < 0 ? shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno))
-                                 : shard_fail(SHARD_E_CORRUPT, "%s: truncated", path);
-        shard_fhash_update(h, buf, (size_t)r);
-        from += (uint64_t)r;
-    }
-    return SHARD_OK;
 }
 
 /* Every chunk of the file's pieces, in file order. */
@@ -87,7 +71,7 @@ static shard_status walk_file(shard_ckpt *c, size_t fi, piece_ref *refs, const l
     for (size_t i = 0; i < n && !st; i++) {
         piece_ref *r = &refs[l[i].ref];
         if (l[i].addr < pos) { st = shard_fail(SHARD_E_CORRUPT, "%s: dataset %s: chunks overlap", path, r->p->dataset); break; }
-        if ((st = hash_gap(fd, path, pos, l[i].addr, gap, &fh))) break;
+        if ((st = shard_fd_hash_range(fd, path, pos, l[i].addr, gap, GAP_BLOCK, &fh))) break; /* HDF5's metadata */
         const uint8_t *stored;
         const int in_order = l[i].k == r->next_k; /* else check_pieces hashes the piece again */
         if ((st = ckpt_chunk_check(c, r->p, l[i].k, s, &stored, in_order ? &r->h : NULL))) break;
@@ -96,7 +80,7 @@ static shard_status walk_file(shard_ckpt *c, size_t fi, piece_ref *refs, const l
         else r->out_of_order = 1;
         pos = l[i].addr + l[i].size;
     }
-    if (!st) st = hash_gap(fd, path, pos, c->file_bytes[fi], gap, &fh);
+    if (!st) st = shard_fd_hash_range(fd, path, pos, c->file_bytes[fi], gap, GAP_BLOCK, &fh);
     if (!st && shard_fhash_digest(&fh) != c->file_hash[fi]) st = shard_fail(SHARD_E_CORRUPT, "%s: checksum mismatch (file damaged)", path);
     free(gap);
     ckpt_scratch_put(c, s);

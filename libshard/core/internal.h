@@ -22,6 +22,10 @@ int shard_path_is_contained(const char *name);
  * descriptor of path). */
 shard_status shard_file_hash(const char *path, shard_fhash_kind kind, uint64_t *hash, uint64_t *bytes);
 shard_status shard_fd_hash(int fd, const char *path, shard_fhash_kind kind, uint64_t *hash, uint64_t *bytes);
+/* Bytes [from, to) of fd into h, read cap bytes at a time through buf; a file shorter
+ * than `to` is "truncated" (SHARD_E_CORRUPT). */
+shard_status shard_fd_hash_range(int fd, const char *path, uint64_t from, uint64_t to, void *buf, size_t cap,
+                                 shard_fhash_state *h);
 /* A shard writer's record of the blocks it wrote itself (SHARD_FHASH_XXH3_BLOCKS):
  * record hashes, from memory, the blocks that lie wholly inside n bytes written at
  * offset `at` (thread-safe); finish computes the file's checksum from those and reads
