@@ -74,11 +74,12 @@ int main(int argc, char **argv)
     return launch_ranks(argc, argv, eval_main);
 }
 
-enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_DOCS, O_DOC_SEP, O_MASK, O_TOGETHER, O_COUNT };
+enum { O_CKPT, O_DATA, O_BATCH, O_SEQ, O_BATCHES, O_LAYOUT, O_JSON, O_DOCS, O_DOC_SEP, O_MASK, O_TOGETHER, O_SHARE, O_COUNT };
 static const cli_opt OPTS[O_COUNT] = {{"--ckpt", 0},    {"--data", 0},      {"--batch", 0},
                                       {"--seq", 0},     {"--batches", 0},   {"--layout", 0},
                                       {"--json", 1},    {"--documents", 1}, {"--doc-sep", 0},
-                                      {"--loss-mask", 0}, {"--read-together", 0}};
+                                      {"--loss-mask", 0}, {"--read-together", 0},
+                                      {"--share-weights", 0}};
 
 static int eval_main(int argc, char **argv, par_ctx *P)
 {
@@ -98,6 +99,10 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     shard_layout lay = {1, 1, 1, P->size, 1};
     if (layout && shard_layout_parse(layout, &lay)) return cli_usage("--layout: %s", shard_errmsg());
     if ((rc = launch_read_together(val[O_TOGETHER], P))) return rc;
+    static const char *const YESNO[] = {"no", "yes", NULL};
+    int share = 1;
+    if ((rc = cli_choice("--share-weights", val[O_SHARE], YESNO, &share))) return rc;
+    P->share_weights = share;
     char lb[64];
     if (shard_layout_size(&lay) != P->size)
         return cli_usage("--layout %s is a layout of %d ranks, but %d processes run (start them with mpirun -np %d)",

@@ -215,7 +215,8 @@ shard_status model_localize(model *m, const shard_piece *pieces, int tp)
         default: break;
         }
     }
-    dfree(m, m->params);
+    if (!m->params_lent) dfree(m, m->params);
+    m->params_lent = 0;
     dfree(m, m->grads);
     free(m->hparams);
     m->hparams = NULL;
@@ -380,6 +381,7 @@ void model_free(model *m)
         m->offset = m->numel = NULL;
         m->inv_freq = NULL;
     }
+    if (m->params_lent) m->params = NULL;
     if (m->dev) {
         free_acts(m);
         dfree(m, m->params);
@@ -579,6 +581,15 @@ float *model_params_host(model *m)
     if (!m->dev->cuda) return m->params;
     if (!m->hparams) m->hparams = malloc((m->nparams ? m->nparams : 1) * sizeof(float));
     return m->hparams;
+}
+
+shard_status model_adopt_params(model *m, void *buf)
+{
+    if (m->dev->cuda || m->acts || m->shares) return shard_fail(SHARD_E_INTERNAL, "model_adopt_params on a GPU, a lane or after model_alloc_acts");
+    if (!m->params_lent) dfree(m, m->params);
+    m->params = buf;
+    m->params_lent = 1;
+    return bind(m);
 }
 
 void model_params_download(model *m)

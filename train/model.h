@@ -128,6 +128,7 @@ typedef struct model_s {
      * numel, inv_freq) this one reads; its gradients and activations are its own */
     const struct model_s *shares;
     void *params;            /* [nparams] in dev->dt: the compute copy */
+    int params_lent;         /* params are the caller's (model_adopt_params): not freed here */
     float *grads;            /* [nparams] fp32 */
     float *hparams;          /* host fp32 copy for checkpoints (model_params_host) */
     void *embed, *norm_final, *head;       /* head == embed when tied */
@@ -294,6 +295,10 @@ void *model_stage_input(model *m);
  * the C backend; on CUDA a host buffer, filled from the device by
  * model_params_download and sent to it by model_params_upload. NULL on out of memory. */
 float *model_params_host(model *m);
+/* The parameters moved into buf (nparams elements of the compute dtype, on the C
+ * backend, the caller's until after model_free): the model's own are freed and every
+ * view rebound. Before model_alloc_acts or any lane. */
+shard_status model_adopt_params(model *m, void *buf);
 void model_params_download(model *m);
 void model_params_upload(model *m);
 /* Bytes of the parameters, gradients and activations (all slots and scratch),

@@ -1,5 +1,7 @@
 /* train/par.c: smp-train across processes (par.h). */
 #include "par.h"
+
+#include "share.h"
 #include "prefault.h"
 
 #include <mpi.h>
@@ -24,6 +26,7 @@ shard_status par_init_world(par_ctx *p, int mpi)
 
 void par_release(par_ctx *p)
 {
+    share_release(p);
     shard_comm_free(p->kvc);
     shard_comm_free(p->emb);
     shard_comm_free(p->erep);
@@ -204,7 +207,8 @@ static void prefault_held(const par_ctx *p, const model *m, float *host)
     if (!sp) return; /* the load faults them in */
     size_t n = 0;
     for (size_t i = 0; i < m->ntensors; i++)
-        if (p->pp[i].holds && m->numel[i]) sp[n++] = (prefault_span){host + m->offset[i], m->numel[i] * sizeof(float)};
+        if (p->pp[i].holds && m->numel[i] && share_reads(p, i))
+            sp[n++] = (prefault_span){host + m->offset[i], m->numel[i] * sizeof(float)};
     prefault_spans(sp, n, ckptio_load_threads(p->size));
     free(sp);
 }
@@ -213,22 +217,25 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *gr
 {
     *present = ckptio_group_count(c, m, group) > 0;
     if (!*present) return SHARD_OK;
-    float *host = model_params_host(m);
-    shard_status s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
-    if (host) prefault_held(p, m, host);
     int together = 0;
-    shard_status t = read_together(p, &together); /* collective: every rank, whatever its s */
-    if (!s) s = t;
+    shard_status s = read_together(p, &together); /* collective: every rank */
+    if (!s && !together && p->share_weights) s = share_weights(p, m, "smp-eval");
+    if (s) return s;
+    float *host = model_params_host(m);
+    s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
     if (together) {
         if ((s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL))) return s;
+        prefault_held(p, m, host);
         return par_coread(p, c, m, group, 0, host);
     }
+    if (host && !p->twins) prefault_held(p, m, host); /* twins: share_weights did */
     for (size_t i = 0; !s && i < m->ntensors; i++) {
         long k;
-        if ((s = ckptio_group_tensor(c, group, &m->spec[i], &k))) return s;
-        if (p->pp[i].holds && m->numel[i]) s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, host + m->offset[i], SHARD_DT_F32);
+        if ((s = ckptio_group_tensor(c, group, &m->spec[i], &k))) break;
+        if (p->pp[i].holds && m->numel[i] && share_reads(p, i))
+            s = shard_ckpt_read(c, (size_t)k, &p->pp[i].box, host + m->offset[i], SHARD_DT_F32);
     }
-    return s;
+    return share_seal(p, s);
 }
 
 shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const char *group, float *dst, int *present)

@@ -77,6 +77,11 @@ typedef struct {
     shard_comm *world;       /* MPI (or self): host values (losses, norms, flags) */
     int read_together;       /* loading: 1 coread.c, 0 each rank alone, -1 (the default)
                               * together when the ranks span more than one host */
+    int share_weights;       /* loading read-only weights (smp-eval): twins keep one copy (share.h) */
+    shard_comm *twins;       /* the ranks of this host holding this rank's pieces (NULL: none) */
+    void *shm;               /* their shared weights, shm_bytes long */
+    size_t shm_bytes;
+    int *reader;             /* per tensor: the twin that reads it */
     shard_groups g;          /* its layout groups */
     /* the groups that move tensors in the backend's memory: g itself on the C
      * backend, NCCL communicators over the same ranks on CUDA (dev comm_for) */

@@ -602,7 +602,8 @@ for _flag, _vals in (("--batch", ["0", "-4", "x", "99999999999999999999", str(2*
                      ("--lr", ["nan", "inf", "-1e-3", "1e39", "abc", ""])):
     for _v in _vals:
         arg_case(f"train{_flag}-{_v or 'empty'}", "train", _flag, _v)
-for _flag, _vals in (("--batch", ["0", "abc", str(2**40)]), ("--seq", ["", "-8"]), ("--batches", ["0"])):
+for _flag, _vals in (("--batch", ["0", "abc", str(2**40)]), ("--seq", ["", "-8"]), ("--batches", ["0"]),
+                     ("--share-weights", ["maybe", ""])):
     for _v in _vals:
         arg_case(f"eval{_flag}-{_v or 'empty'}", "eval", _flag, _v)
 for _v in ["nan", "inf", "1e-9", "-5GB", "1e30GB", "", "5XB"]:

@@ -10,6 +10,7 @@ import json
 import os
 import re
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -114,15 +115,60 @@ def test_ranks_read_only_the_chunks_they_need(chunky):
 def test_reading_together_reads_each_chunk_once(chunky, layout, np_):
     """--read-together yes: the run reads every stored chunk exactly once between its
     ranks (the single rank's bytes), and every rank gets the same bits as reading
-    alone (the losses are equal, not close). The default on one host reads alone: a
-    dp replica reads its chunks again."""
+    alone (the losses are equal, not close). Reading alone with each rank's own copy
+    (--share-weights no), a dp replica reads its chunks again."""
     _, args, read1, _ = chunky
-    alone = mpirun_eval(np_, "--layout", layout, *args)
+    alone = mpirun_eval(np_, "--layout", layout, "--share-weights", "no", *args)
     together = mpirun_eval(np_, "--layout", layout, "--read-together", "yes", *args)
     assert loaded(together) == read1, (layout, loaded(together), read1)
     assert json.loads(together.stdout)["loss"] == json.loads(alone.stdout)["loss"], layout
     if "dp=2" in layout:
         assert loaded(alone) > 1.9 * read1, (layout, loaded(alone), read1)
+
+
+def shm_objects():
+    return sorted(p.name for p in Path("/dev/shm").glob("smp-weights-*"))
+
+
+@pytest.mark.parametrize("layout,np_,alone", [("dp=2", 2, None), ("cp=2", 2, None), ("tp=2,dp=2", 4, "tp=2"),
+                                              ("pp=2,tp=2,cp=2", 8, "pp=2,tp=2")])
+def test_twins_keep_one_copy(chunky, layout, np_, alone):
+    """The ranks of a host that hold the same pieces (dp, cp replicas) share one copy of
+    them (the default): between them they read each piece once (the bytes of the layout
+    without the replicas, `alone`), each reading part of it, and every rank computes with
+    all of it: the loss is bit for bit that of each rank reading its own copy. Nothing
+    is left in /dev/shm."""
+    _, args, read1, _ = chunky
+    before = shm_objects()
+    shared = mpirun_eval(np_, "--layout", layout, *args)
+    own = mpirun_eval(np_, "--layout", layout, "--share-weights", "no", *args)
+    want = read1 if alone is None else loaded(mpirun_eval(np_ // 2, "--layout", alone, *args))
+    assert loaded(shared) == want, (layout, loaded(shared), want)
+    assert loaded(own) > 1.9 * want, (layout, loaded(own), want)
+    assert json.loads(shared.stdout)["loss"] == json.loads(own.stdout)["loss"], layout
+    assert "note:" not in shared.stderr, shared.stderr
+    assert shm_objects() == before
+
+
+def test_twins_without_shared_memory_keep_a_copy_each(chunky, tmp_path):
+    """A /dev/shm too small for the weights (a 1 MiB tmpfs in a mount namespace of its
+    own; MPI told to keep off it): each twin group says so once, on one line, and its
+    ranks load their own copies: the loss and bytes of --share-weights no."""
+    if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode:
+        pytest.skip("needs a mount namespace of its own (unshare --mount) to shrink /dev/shm")
+    _, args, _, _ = chunky
+    own = mpirun_eval(2, "--layout", "dp=2", "--share-weights", "no", *args)
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-np", "2",
+           str(BUILD / "bin" / "smp-eval"), "--layout", "dp=2", *[str(a) for a in args]]
+    p = subprocess.run(["unshare", "--mount", "sh", "-c",
+                        'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"', "sh", *cmd],
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
+    assert len(notes) == 1 and notes[0].startswith("smp-eval: note: ") and "No space left" in notes[0], p.stderr
+    assert loaded(p) == loaded(own)
+    assert json.loads(p.stdout)["loss"] == json.loads(own.stdout)["loss"]
 
 
 def test_reading_together_catches_a_corrupt_chunk(chunky, tmp_path):

@@ -36,9 +36,13 @@
 #   (f'') (f) with --read-together yes (each chunk read once by one rank, an all-to-all
 #        hands the ranks their parts; when smp-eval has it): its load and the bytes the
 #        ranks read, beside (f)'s
+#   (f''') (f) with --share-weights no (each rank keeps its own copy of its weights, as
+#        before smp-eval shared them; when smp-eval has the option): its load and bytes
 #   (f') the physical anchor of (f): 8 processes (mpirun, as (f)) each writing, for the
-#        first time, as many bytes of fresh memory as its rank's fp32 weights (the
-#        model's fp32 bytes / (tp x pp) of the layout): the largest time printed
+#        first time, as many bytes of fresh memory as its rank allocates for the fp32
+#        weights: the model's fp32 bytes / 8 when smp-eval shares them between the ranks
+#        of a host that hold the same pieces (the model once, split over the ranks), else
+#        / (tp x pp) of the layout (each rank its own pieces): the largest time printed
 #   (g)  (b), (c), (d), (e) on CK_ZSTD                 target: <= 2.0 x the CK_NONE run
 #   (h)  a Python merge written the obvious way (h5py + hdf5plugin + numpy: read every
 #        piece of every shard file, place it by its `offset`/`global_shape` attributes,
@@ -82,7 +86,8 @@ SMALL=${SMP_BENCH_SMALL:-0}
 BIG=${SMP_BENCH_8B:-0}
 EVAL_LAYOUT=${SMP_BENCH_EVAL_LAYOUT:-tp=4,dp=2}
 REPEAT=${SMP_BENCH_REPEAT:-3}
-# the ranks that split one replica of the weights in (f): tp x pp of its layout
+# the ranks that split one replica of the weights in (f): tp x pp of its layout (8, all
+# of them, when smp-eval shares the weights of a host: set below)
 EVAL_SPLIT=$(tr ',' '\n' <<<"$EVAL_LAYOUT" | awk -F= '$1 == "tp" || $1 == "pp" { n *= $2 } BEGIN { n = 1 } END { print n }')
 mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
@@ -287,9 +292,10 @@ pair() {
     else prime; measure "$k2" - "${b[@]}"; prime; measure "$k1" - "${a[@]}"; fi
 }
 
-HAVE_LAYOUT=0 HAVE_TOGETHER=0
+HAVE_LAYOUT=0 HAVE_TOGETHER=0 HAVE_SHARE=0
 if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--layout'; then HAVE_LAYOUT=1; fi
 if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--read-together'; then HAVE_TOGETHER=1; fi
+if "$BIN/smp-eval" --help 2>&1 | grep -q -- '--share-weights'; then HAVE_SHARE=1; EVAL_SPLIT=8; fi
 echo "host: $(nproc) cores, $(free -g | awk '/Mem:/ {print $2}') GiB, load average $(cut -d' ' -f1-3 /proc/loadavg), $(df -h "$CACHE" | awk 'NR==2 {print $1}')"
 damon_note
 echo "model: $HF, $(numfmt --to=iec "$MODEL_BYTES") ($MODEL_BYTES bytes), bf16; binaries: $("$BIN/smp-convert" --version 2>&1 | head -1)"
@@ -316,6 +322,11 @@ for ((round = 1; round <= REPEAT; round++)); do
         if [ "$HAVE_TOGETHER" = 1 ]; then
             prime # the anchor of (f), as before (f) itself
             measure evt - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --read-together yes --ckpt "$CKN" --data "$TOK" \
+                --batch 2 --seq 16 --batches 1
+        fi
+        if [ "$HAVE_SHARE" = 1 ]; then
+            prime
+            measure evn - "${MPI[@]}" "$BIN/smp-eval" --layout "$EVAL_LAYOUT" --share-weights no --ckpt "$CKN" --data "$TOK" \
                 --batch 2 --seq 16 --batches 1
         fi
     fi
@@ -377,6 +388,10 @@ if [ "$HAVE_LAYOUT" = 1 ] && [ "$BIG" = 0 ]; then
     if [ "$HAVE_TOGETHER" = 1 ]; then
         row "(f'') (f) with --read-together yes, load" "$(load evt)" "$CKN_BYTES" evt "$(like "$(load evt)" "$(load evp)" "(f) load")"
         echo "       bytes read by the 8 ranks: (f) $(readbytes evp), (f'') $(readbytes evt) (the checkpoint: $CKN_BYTES)"
+    fi
+    if [ "$HAVE_SHARE" = 1 ]; then
+        row "(f''') (f) with --share-weights no, load" "$(load evn)" "$CKN_BYTES" evn "$(like "$(load evn)" "$(load evp)" "(f) load")"
+        echo "       bytes read by the 8 ranks: (f) $(readbytes evp), (f''') $(readbytes evn)"
     fi
 fi
 row "(a') cp -r CK_NONE && sync" "${T[cps]}" "$CKN_BYTES" cps

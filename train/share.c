@@ -1,0 +1,216 @@
+/* train/share.c: one copy of read-only weights per host and piece (share.h). */
+#include "share.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack the name */
+#endif
+
+enum { HOST = 64, NAME = 64 };
+
+/* what makes two ranks twins: the host and a hash of the pieces they hold */
+typedef struct {
+    char host[HOST];
+    uint64_t key;
+} who;
+
+/* this rank's weights, flattened: the element count and size, then per tensor
+ * whether it holds a piece and the piece's box; twins have equal ones */
+static int64_t *signature(const par_ctx *p, const model *m, size_t *n)
+{
+    int64_t *v = malloc((2 + m->ntensors * (1 + 2 * 2)) * sizeof *v);
+    if (!v) return NULL;
+    size_t k = 0;
+    v[k++] = (int64_t)m->nparams;
+    v[k++] = (int64_t)m->dev->es;
+    for (size_t i = 0; i < m->ntensors; i++) {
+        const shard_piece *q = &p->pp[i];
+        v[k++] = q->holds;
+        for (int d = 0; d < 2; d++) {
+            const int in = q->holds && d < m->spec[i].ndim;
+            v[k++] = in ? q->box.off[d] : 0;
+            v[k++] = in ? q->box.len[d] : 0;
+        }
+    }
+    *n = k;
+    return v;
+}
+
+static uint64_t fnv1a(const void *buf, size_t bytes)
+{
+    const unsigned char *b = buf;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < bytes; i++) h = (h ^ b[i]) * 1099511628211ull;
+    return h;
+}
+
+/* The ranks of this host with this rank's signature (a split of the world, in world
+ * rank order), and whether every one of them has exactly the first one's (*same; a
+ * hash that collides leaves the ranks alone). Collective over the world. */
+static shard_status twins_of(par_ctx *p, const int64_t *sig, size_t n, shard_comm **out, int *same)
+{
+    *out = NULL;
+    who me, *all = calloc((size_t)p->size, sizeof *all);
+    int64_t *first = malloc(n * sizeof *first);
+    shard_status s = all && first ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    memset(&me, 0, sizeof me);
+    (void)gethostname(me.host, HOST - 1);
+    me.key = fnv1a(sig, n * sizeof *sig);
+    if (!s) s = shard_comm_allgather(p->world, &me, all, sizeof me, SHARD_DT_U8);
+    int color = p->rank;
+    for (int r = 0; !s && r < p->size; r++)
+        if (!memcmp(&all[r], &me, sizeof me)) {
+            color = r; /* the lowest world rank of the group names it */
+            break;
+        }
+    if (!s) s = shard_comm_split(p->world, color, p->rank, out);
+    if (!s) memcpy(first, sig, n * sizeof *sig);
+    if (!s) s = shard_comm_broadcast(*out, first, n, SHARD_DT_I64, 0);
+    int32_t bad = !s && memcmp(first, sig, n * sizeof *sig) != 0;
+    if (!s) s = shard_comm_allreduce(*out, &bad, 1, SHARD_DT_I32, SHARD_OP_MAX); /* any twin differs */
+    *same = !s && !bad;
+    free(all);
+    free(first);
+    return s;
+}
+
+/* Who reads tensor i: the twin with the fewest bytes so far, in tensor order (every
+ * twin computes the same table). */
+static int *readers(const model *m, int twins)
+{
+    int *r = malloc((m->ntensors ? m->ntensors : 1) * sizeof *r);
+    size_t *load = calloc((size_t)twins, sizeof *load);
+    if (!r || !load) {
+        free(r);
+        free(load);
+        return NULL;
+    }
+    for (size_t i = 0; i < m->ntensors; i++) {
+        int best = 0;
+        for (int t = 1; t < twins; t++)
+            if (load[t] < load[best]) best = t;
+        r[i] = best;
+        load[best] += m->numel[i];
+    }
+    free(load);
+    return r;
+}
+
+/* The pages of the tensors this twin reads, allocated in the object and mapped
+ * (MADV_POPULATE_WRITE, Linux 5.14: one pass, where posix_fallocate and the load's
+ * faults would take two; it fails instead of the SIGBUS a full /dev/shm would raise
+ * later). The twins together cover the object; a page that two tensors share is
+ * populated twice, harmlessly. 0, or the errno of the first failure. */
+static int allocate_mine(int fd, char *at, const par_ctx *p, const model *m, const int *reader, int me)
+{
+    const size_t es = m->dev->es, page = (size_t)sysconf(_SC_PAGESIZE);
+    for (size_t i = 0; i < m->ntensors; i++) {
+        if (reader[i] != me || !m->numel[i] || !p->pp[i].holds) continue;
+        const size_t a = m->offset[i] * es / page * page, b = ((m->offset[i] + m->numel[i]) * es + page - 1) / page * page;
+        if (!madvise(at + a, b - a, MADV_POPULATE_WRITE)) continue;
+        const int e = errno == EINVAL ? posix_fallocate(fd, (off_t)a, (off_t)(b - a)) : errno; /* an older kernel */
+        if (e) return e == EFAULT ? ENOSPC : e; /* EFAULT: the page could not be had, as a SIGBUS would say */
+    }
+    return 0;
+}
+
+/* The group's shared object: created by its first rank, opened and mapped by every
+ * twin, each allocating the pages it will write. NULL and *why set on this rank's
+ * failure (the object, when made, is left for the caller to unlink). */
+static void *map_object(par_ctx *p, const model *m, const int *reader, size_t bytes, char *name, char *why, size_t whysz)
+{
+    const int first = shard_comm_rank(p->twins) == 0;
+    int fd = -1;
+    if (first) {
+        snprintf(name, NAME, "/smp-weights-%ld-%d", (long)getpid(), p->rank);
+        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
+        if (fd >= 0 && ftruncate(fd, (off_t)bytes)) {
+            close(fd);
+            fd = -1;
+        }
+        if (fd < 0) snprintf(why, whysz, "shm_open %s: %s", name, strerror(errno));
+    }
+    if (shard_comm_broadcast(p->twins, name, NAME, SHARD_DT_U8, 0)) name[0] = 0;
+    if (!first && name[0] && (fd = shm_open(name, O_RDWR, 0)) < 0)
+        snprintf(why, whysz, "shm_open %s: %s", name, strerror(errno));
+    if (fd < 0) return NULL;
+    void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int e = at == MAP_FAILED ? errno : allocate_mine(fd, at, p, m, reader, shard_comm_rank(p->twins));
+    close(fd);
+    if (!e) return at;
+    snprintf(why, whysz, "%s: %s (%zu bytes of weights)", at == MAP_FAILED ? "mmap" : "/dev/shm", strerror(e), bytes);
+    if (at != MAP_FAILED) munmap(at, bytes);
+    return NULL;
+}
+
+shard_status share_weights(par_ctx *p, model *m, const char *cmd)
+{
+    if (p->size == 1 || m->dev->cuda || p->twins) return SHARD_OK;
+    size_t n = 0;
+    int64_t *sig = signature(p, m, &n);
+    int same = 0;
+    shard_status s = sig ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_comm *tw = NULL;
+    s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL);
+    if (!s) s = twins_of(p, sig, n, &tw, &same);
+    free(sig);
+    if (s || !same || shard_comm_size(tw) == 1) {
+        shard_comm_free(tw);
+        return s;
+    }
+    p->twins = tw;
+    const size_t bytes = (m->nparams ? m->nparams : 1) * m->dev->es;
+    char name[NAME] = "", why[256] = "out of memory";
+    int *reader = readers(m, shard_comm_size(tw));
+    void *at = reader ? map_object(p, m, reader, bytes, name, why, sizeof why) : NULL;
+    int32_t bad = at == NULL;
+    s = shard_comm_allreduce(tw, &bad, 1, SHARD_DT_I32, SHARD_OP_MAX); /* every twin mapped it, or one failed */
+    if (shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name); /* mapped by all: no name needed any more */
+    if (!s && !bad) {
+        p->shm = at;
+        p->shm_bytes = bytes;
+        p->reader = reader;
+        return model_adopt_params(m, at);
+    }
+    if (!s && shard_comm_rank(tw) == 0)
+        fprintf(stderr, "%s: note: %d ranks of this host hold the same weights but keep a copy each: %s\n", cmd,
+                shard_comm_size(tw), at ? "another rank could not map them" : why);
+    if (at) munmap(at, bytes);
+    free(reader);
+    p->twins = NULL;
+    shard_comm_free(tw);
+    return s;
+}
+
+int share_reads(const par_ctx *p, size_t i)
+{
+    return !p->reader || p->reader[i] == shard_comm_rank(p->twins);
+}
+
+shard_status share_seal(par_ctx *p, shard_status mine)
+{
+    if (!p->twins) return mine;
+    shard_status s = shard_comm_agree(p->twins, mine, "another process failed", NULL);
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the twins' writes, seen after the agreement */
+    if (!s && mprotect(p->shm, p->shm_bytes, PROT_READ))
+        s = shard_fail(SHARD_E_IO, "mprotect of the shared weights: %s", strerror(errno));
+    return s;
+}
+
+void share_release(par_ctx *p)
+{
+    if (p->shm) munmap(p->shm, p->shm_bytes);
+    free(p->reader);
+    shard_comm_free(p->twins);
+    p->shm = NULL;
+    p->shm_bytes = 0;
+    p->reader = NULL;
+    p->twins = NULL;
+}
