@@ -40,6 +40,9 @@ static const char HELP[] =
     "                each chunk by one rank, an all-to-all handing every rank its part\n"
     "                (auto, the default: yes when the ranks span several hosts; ranks of\n"
     "                one host share its page cache and load faster alone)\n"
+    "  --share-weights yes|no  under mpirun, reading alone: the ranks of one host that\n"
+    "                hold the same pieces (dp and cp replicas) keep one copy of them in\n"
+    "                shared memory (/dev/shm), each reading part of it (default yes)\n"
     "The loss is the mean over the counted targets; \"tokens\" counts them.\n";
 
 /* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank

@@ -20,7 +20,8 @@
  * reported, and replaces `latest`. Loading, from a checkpoint of any layout: each
  * rank reads the chunks its boxes touch through the planner, or, when the ranks span
  * several hosts (or --read-together yes), the ranks read together (coread.c: each
- * chunk read once by one rank, an all-to-all hands every rank its boxes).
+ * chunk read once by one rank, an all-to-all hands every rank its boxes). smp-eval's
+ * ranks of one host that hold the same pieces share one read-only copy (share.h).
  *
  * Tensor parallelism (Megatron, DESIGN.md "Parallel layout"): each rank holds only its
  * shard_partition pieces (model_localize). q/k/v/gate/up are column-parallel (whole
