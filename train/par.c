@@ -188,13 +188,12 @@ static shard_status read_together(par_ctx *p, int *yes)
         *yes = p->size > 1 && p->read_together > 0;
         return SHARD_OK;
     }
-    enum { HOST = 64 };
-    char me[HOST] = {0}, *all = calloc((size_t)p->size, HOST);
+    char me[PAR_HOST] = {0}, *all = calloc((size_t)p->size, PAR_HOST);
     if (!all) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    (void)gethostname(me, HOST - 1);
-    shard_status s = shard_comm_allgather(p->world, me, all, HOST, SHARD_DT_U8);
+    (void)gethostname(me, PAR_HOST - 1);
+    shard_status s = shard_comm_allgather(p->world, me, all, PAR_HOST, SHARD_DT_U8);
     int hosts = 1;
-    for (int r = 1; !s && r < p->size; r++) hosts += memcmp(all, all + (size_t)r * HOST, HOST) != 0;
+    for (int r = 1; !s && r < p->size; r++) hosts += memcmp(all, all + (size_t)r * PAR_HOST, PAR_HOST) != 0;
     free(all);
     p->read_together = *yes = hosts > 1;
     return s;

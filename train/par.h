@@ -70,6 +70,8 @@
 #include "optim.h"
 #include "shard.h"
 
+enum { PAR_HOST = 64 }; /* bytes of a hostname compared between ranks (the rest cut) */
+
 typedef struct {
     int mpi;                 /* 1: launched by mpirun (MPI_Init was called) */
     int rank, size;          /* in the world */

@@ -13,13 +13,7 @@
 #define MADV_POPULATE_WRITE 23 /* Linux 5.14; older headers lack the name */
 #endif
 
-enum { HOST = 64, NAME = 64 };
-
-/* what makes two ranks twins: the host and a hash of the pieces they hold */
-typedef struct {
-    char host[HOST];
-    uint64_t key;
-} who;
+enum { NAME = 64 };
 
 /* this rank's weights, flattened: the element count and size, then per tensor
  * whether it holds a piece and the piece's box; twins have equal ones */
@@ -43,41 +37,36 @@ static int64_t *signature(const par_ctx *p, const model *m, size_t *n)
     return v;
 }
 
-static uint64_t fnv1a(const void *buf, size_t bytes)
+/* c split so that each part holds the ranks whose `bytes`-long key (gathered) equals
+ * that of the part's lowest rank. Collective over c. */
+static shard_status split_by(shard_comm *c, const void *key, size_t bytes, shard_comm **out)
 {
-    const unsigned char *b = buf;
-    uint64_t h = 1469598103934665603ull;
-    for (size_t i = 0; i < bytes; i++) h = (h ^ b[i]) * 1099511628211ull;
-    return h;
-}
-
-/* The ranks of this host with this rank's signature (a split of the world, in world
- * rank order), and whether every one of them has exactly the first one's (*same; a
- * hash that collides leaves the ranks alone). Collective over the world. */
-static shard_status twins_of(par_ctx *p, const int64_t *sig, size_t n, shard_comm **out, int *same)
-{
-    *out = NULL;
-    who me, *all = calloc((size_t)p->size, sizeof *all);
-    int64_t *first = malloc(n * sizeof *first);
-    shard_status s = all && first ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
-    memset(&me, 0, sizeof me);
-    (void)gethostname(me.host, HOST - 1);
-    me.key = fnv1a(sig, n * sizeof *sig);
-    if (!s) s = shard_comm_allgather(p->world, &me, all, sizeof me, SHARD_DT_U8);
-    int color = p->rank;
-    for (int r = 0; !s && r < p->size; r++)
-        if (!memcmp(&all[r], &me, sizeof me)) {
-            color = r; /* the lowest world rank of the group names it */
+    const int me = shard_comm_rank(c), size = shard_comm_size(c);
+    unsigned char *all = malloc((size_t)size * bytes);
+    shard_status s = all ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    s = shard_comm_agree(c, s, "another process ran out of memory", NULL);
+    if (!s) s = shard_comm_allgather(c, key, all, bytes, SHARD_DT_U8);
+    int color = me;
+    for (int r = 0; !s && r < me; r++)
+        if (!memcmp(all + (size_t)r * bytes, key, bytes)) {
+            color = r;
             break;
         }
-    if (!s) s = shard_comm_split(p->world, color, p->rank, out);
-    if (!s) memcpy(first, sig, n * sizeof *sig);
-    if (!s) s = shard_comm_broadcast(*out, first, n, SHARD_DT_I64, 0);
-    int32_t bad = !s && memcmp(first, sig, n * sizeof *sig) != 0;
-    if (!s) s = shard_comm_allreduce(*out, &bad, 1, SHARD_DT_I32, SHARD_OP_MAX); /* any twin differs */
-    *same = !s && !bad;
     free(all);
-    free(first);
+    return s ? s : shard_comm_split(c, color, me, out);
+}
+
+/* The ranks of this host that hold exactly this rank's pieces, in world rank order
+ * (the hostname, then the signature, compared whole). Collective over the world. */
+static shard_status twins_of(par_ctx *p, const int64_t *sig, size_t n, shard_comm **out)
+{
+    char host[PAR_HOST] = {0};
+    (void)gethostname(host, PAR_HOST - 1);
+    shard_comm *h = NULL;
+    *out = NULL;
+    shard_status s = split_by(p->world, host, PAR_HOST, &h);
+    if (!s) s = split_by(h, sig, n * sizeof *sig, out);
+    shard_comm_free(h);
     return s;
 }
 
@@ -150,38 +139,63 @@ static void *map_object(par_ctx *p, const model *m, const int *reader, size_t by
     return NULL;
 }
 
+/* The lowest rank of c that failed (*failed 1; the others give at non-NULL), its
+ * reason in why on every rank of c, and the number of ranks that failed (*count; may
+ * be NULL). Collective over c. */
+static shard_status first_failure(shard_comm *c, const void *at, char *why, size_t whysz, int *failed, int *count)
+{
+    const int size = shard_comm_size(c);
+    int32_t v[2] = {at ? 0 : size - shard_comm_rank(c), !at}; /* the largest v[0]: the lowest failing rank */
+    shard_status s = shard_comm_allreduce(c, &v[0], 1, SHARD_DT_I32, SHARD_OP_MAX);
+    if (!s && count) s = shard_comm_allreduce(c, &v[1], 1, SHARD_DT_I32, SHARD_OP_SUM);
+    *failed = !s && v[0] > 0;
+    if (count) *count = v[1];
+    if (*failed) s = shard_comm_broadcast(c, why, whysz, SHARD_DT_U8, size - v[0]);
+    return s;
+}
+
+/* The twins that could not share say so once for the run: world rank 0 prints how
+ * many groups keep a copy per rank, with the first group's reason. Collective over
+ * the world (lead: this rank leads a group; kept: that group shares). */
+static shard_status say_unshared(par_ctx *p, int lead, int kept, char *why, size_t whysz, const char *cmd)
+{
+    int failed = 0, groups = 0;
+    const void *ok = lead && !kept ? NULL : (const void *)p;
+    shard_status s = first_failure(p->world, ok, why, whysz, &failed, &groups);
+    if (!s && failed && p->rank == 0)
+        fprintf(stderr, "%s: note: %d group(s) of ranks on one host hold the same weights but keep a copy per rank: %s\n",
+                cmd, groups, why);
+    return s;
+}
+
 shard_status share_weights(par_ctx *p, model *m, const char *cmd)
 {
     if (p->size == 1 || m->dev->cuda || p->twins) return SHARD_OK;
     size_t n = 0;
     int64_t *sig = signature(p, m, &n);
-    int same = 0;
     shard_status s = sig ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
     shard_comm *tw = NULL;
     s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL);
-    if (!s) s = twins_of(p, sig, n, &tw, &same);
+    if (!s) s = twins_of(p, sig, n, &tw);
     free(sig);
-    if (s || !same || shard_comm_size(tw) == 1) {
+    char name[NAME] = "", why[256] = "out of memory";
+    if (s || shard_comm_size(tw) == 1) {
         shard_comm_free(tw);
-        return s;
+        return s ? s : say_unshared(p, 0, 0, why, sizeof why, cmd);
     }
     p->twins = tw;
     const size_t bytes = (m->nparams ? m->nparams : 1) * m->dev->es;
-    char name[NAME] = "", why[256] = "out of memory";
-    int *reader = readers(m, shard_comm_size(tw));
+    int *reader = readers(m, shard_comm_size(tw)), bad = 1;
     void *at = reader ? map_object(p, m, reader, bytes, name, why, sizeof why) : NULL;
-    int32_t bad = at == NULL;
-    s = shard_comm_allreduce(tw, &bad, 1, SHARD_DT_I32, SHARD_OP_MAX); /* every twin mapped it, or one failed */
-    if (shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name); /* mapped by all: no name needed any more */
+    s = first_failure(tw, at, why, sizeof why, &bad, NULL);
+    if (shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name); /* mapped by all (or given up): no name needed */
+    if (!s) s = say_unshared(p, shard_comm_rank(tw) == 0, !bad, why, sizeof why, cmd);
     if (!s && !bad) {
         p->shm = at;
         p->shm_bytes = bytes;
         p->reader = reader;
         return model_adopt_params(m, at);
     }
-    if (!s && shard_comm_rank(tw) == 0)
-        fprintf(stderr, "%s: note: %d ranks of this host hold the same weights but keep a copy each: %s\n", cmd,
-                shard_comm_size(tw), at ? "another rank could not map them" : why);
     if (at) munmap(at, bytes);
     free(reader);
     p->twins = NULL;

@@ -17,8 +17,8 @@
  * backend). When this rank has twins: p->twins, p->shm and p->reader set, and m's
  * parameters moved into the mapping (model_adopt_params) with the pages of the tensors
  * this rank reads allocated. When the twins cannot get the shared memory (/dev/shm
- * full or absent), each keeps its own copy and the group's first rank says why on
- * stderr, once (cmd: the program's name). Fails only when a collective does. */
+ * full or absent), each keeps its own copy, and world rank 0 says so on stderr, once
+ * for the run (cmd: the program's name). Fails only when a collective does. */
 shard_status share_weights(par_ctx *p, model *m, const char *cmd);
 /* 1 when this rank reads tensor i (every tensor it holds, without twins) */
 int share_reads(const par_ctx *p, size_t i);

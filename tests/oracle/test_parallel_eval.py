@@ -152,21 +152,22 @@ def test_twins_keep_one_copy(chunky, layout, np_, alone):
 
 def test_twins_without_shared_memory_keep_a_copy_each(chunky, tmp_path):
     """A /dev/shm too small for the weights (a 1 MiB tmpfs in a mount namespace of its
-    own; MPI told to keep off it): each twin group says so once, on one line, and its
-    ranks load their own copies: the loss and bytes of --share-weights no."""
+    own; MPI told to keep off it): the run says so once, on one line naming the two twin
+    groups of tp=2,dp=2 and the reason, and the ranks load their own copies: the loss and
+    bytes of --share-weights no."""
     if subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode:
         pytest.skip("needs a mount namespace of its own (unshare --mount) to shrink /dev/shm")
     _, args, _, _ = chunky
-    own = mpirun_eval(2, "--layout", "dp=2", "--share-weights", "no", *args)
+    own = mpirun_eval(4, "--layout", "tp=2,dp=2", "--share-weights", "no", *args)
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-np", "2",
-           str(BUILD / "bin" / "smp-eval"), "--layout", "dp=2", *[str(a) for a in args]]
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-np", "4",
+           str(BUILD / "bin" / "smp-eval"), "--layout", "tp=2,dp=2", *[str(a) for a in args]]
     p = subprocess.run(["unshare", "--mount", "sh", "-c",
                         'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"', "sh", *cmd],
                        capture_output=True, text=True, env=env, timeout=120)
     assert p.returncode == 0, p.stderr
     notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
-    assert len(notes) == 1 and notes[0].startswith("smp-eval: note: ") and "No space left" in notes[0], p.stderr
+    assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 2 group(s) ") and "No space left" in notes[0], p.stderr
     assert loaded(p) == loaded(own)
     assert json.loads(p.stdout)["loss"] == json.loads(own.stdout)["loss"]
 
