@@ -20,11 +20,25 @@ static void write_file(const char *name, const void *p, size_t n)
     fclose(f);
 }
 
+static const char *const FILES[3] = {"a.safetensors", "b.safetensors", "model.safetensors.index.json"};
+
+/* at libFuzzer's exit: /dev/shm keeps nothing */
+static void remove_dir(void)
+{
+    char path[128];
+    for (int i = 0; i < 3; i++) {
+        snprintf(path, sizeof path, "%s/%s", dir, FILES[i]);
+        unlink(path);
+    }
+    rmdir(dir);
+}
+
 static void setup(void)
 {
     snprintf(dir, sizeof dir, "/dev/shm/smp-fuzz-index-%d", (int)getpid());
     mkdir(dir, 0755);
-    const char *names[2] = {"a.safetensors", "b.safetensors"};
+    atexit(remove_dir);
+    const char *const *names = FILES;
     const char *hdrs[2] = {"{\"x\":{\"dtype\":\"F32\",\"shape\":[2],\"data_offsets\":[0,8]}}",
                            "{\"y\":{\"dtype\":\"BF16\",\"shape\":[1,2],\"data_offsets\":[0,4]},\"z\":{\"dtype\":\"I8\",\"shape\":[],\"data_offsets\":[4,5]}}"};
     for (int i = 0; i < 2; i++) {

@@ -8,10 +8,16 @@
 #include <string.h>
 #include <unistd.h>
 
+static char path[64];
+
+static void remove_file(void) { unlink(path); } /* at libFuzzer's exit: /dev/shm keeps nothing */
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {
-    static char path[64];
-    if (!path[0]) snprintf(path, sizeof path, "/dev/shm/smp-fuzz-st-%d.safetensors", (int)getpid());
+    if (!path[0]) {
+        snprintf(path, sizeof path, "/dev/shm/smp-fuzz-st-%d.safetensors", (int)getpid());
+        atexit(remove_file);
+    }
     FILE *f = fopen(path, "wb");
     if (!f) return 0;
     fwrite(data, 1, size, f);
