@@ -154,14 +154,20 @@ static shard_status first_failure(shard_comm *c, const void *at, char *why, size
     return s;
 }
 
-/* The twins that could not share say so once for the run: world rank 0 prints how
- * many groups keep a copy per rank, with the first group's reason. Collective over
- * the world (lead: this rank leads a group; kept: that group shares). */
-static shard_status say_unshared(par_ctx *p, int lead, int kept, char *why, size_t whysz, const char *cmd)
+/* What the run's twins did, said once by world rank 0: how many ranks share how
+ * many copies, and how many groups could not share, with the first one's reason.
+ * Collective over the world (lead: this rank leads a group of `twins` ranks; kept:
+ * that group shares). */
+static shard_status say_sharing(par_ctx *p, int lead, int twins, int kept, char *why, size_t whysz, const char *cmd)
 {
     int failed = 0, groups = 0;
     const void *ok = lead && !kept ? NULL : (const void *)p;
     shard_status s = first_failure(p->world, ok, why, whysz, &failed, &groups);
+    int32_t shared[2] = {lead && kept, lead && kept ? twins : 0}; /* groups that share, their ranks */
+    if (!s) s = shard_comm_allreduce(p->world, shared, 2, SHARD_DT_I32, SHARD_OP_SUM);
+    if (!s && p->rank == 0 && shared[0])
+        fprintf(stderr, "%s: %d ranks keep their weights in %d shared copies (one per host and piece)\n", cmd,
+                shared[1], shared[0]);
     if (!s && failed && p->rank == 0)
         fprintf(stderr, "%s: note: %d group(s) of ranks on one host hold the same weights but keep a copy per rank: %s\n",
                 cmd, groups, why);
@@ -181,7 +187,7 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
     char name[NAME] = "", why[256] = "out of memory";
     if (s || shard_comm_size(tw) == 1) {
         shard_comm_free(tw);
-        return s ? s : say_unshared(p, 0, 0, why, sizeof why, cmd);
+        return s ? s : say_sharing(p, 0, 1, 0, why, sizeof why, cmd);
     }
     p->twins = tw;
     const size_t bytes = (m->nparams ? m->nparams : 1) * m->dev->es;
@@ -189,7 +195,7 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
     void *at = reader ? map_object(p, m, reader, bytes, name, why, sizeof why) : NULL;
     s = first_failure(tw, at, why, sizeof why, &bad, NULL);
     if (shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name); /* mapped by all (or given up): no name needed */
-    if (!s) s = say_unshared(p, shard_comm_rank(tw) == 0, !bad, why, sizeof why, cmd);
+    if (!s) s = say_sharing(p, shard_comm_rank(tw) == 0, shard_comm_size(tw), !bad, why, sizeof why, cmd);
     if (!s && !bad) {
         p->shm = at;
         p->shm_bytes = bytes;

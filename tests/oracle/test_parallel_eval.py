@@ -140,7 +140,7 @@ def test_twins_keep_one_copy(chunky, layout, np_, alone):
     them (the default): between them they read each piece once (the bytes of the layout
     without the replicas, `alone`), each reading part of it, and every rank computes with
     all of it: the loss is bit for bit that of each rank reading its own copy. Nothing
-    is left in /dev/shm."""
+    is left in /dev/shm. Rank 0 says how many copies the ranks keep."""
     _, args, read1, _ = chunky
     shared = mpirun_eval(np_, "--layout", layout, *args)
     own = mpirun_eval(np_, "--layout", layout, "--share-weights", "no", *args)
@@ -149,6 +149,9 @@ def test_twins_keep_one_copy(chunky, layout, np_, alone):
     assert loaded(own) > 1.9 * want, (layout, loaded(own), want)
     assert json.loads(shared.stdout)["loss"] == json.loads(own.stdout)["loss"], layout
     assert "note:" not in shared.stderr, shared.stderr
+    said = f"smp-eval: {np_} ranks keep their weights in {np_ // 2} shared copies (one per host and piece)"
+    assert said in shared.stderr.splitlines(), shared.stderr
+    assert "shared copies" not in own.stderr, own.stderr
     assert stale_shm_objects() == []
 
 
@@ -171,7 +174,7 @@ def test_twins_without_shared_memory_keep_a_copy_each(chunky, tmp_path):
     assert p.returncode == 0, p.stderr
     notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
     assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 2 group(s) ") and "No space left" in notes[0], p.stderr
-    assert loaded(p) == loaded(own)
+    assert loaded(p) == loaded(own) and "shared copies" not in p.stderr
     assert json.loads(p.stdout)["loss"] == json.loads(own.stdout)["loss"]
 
 
