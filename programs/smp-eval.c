@@ -40,9 +40,9 @@ static const char HELP[] =
     "                each chunk by one rank, an all-to-all handing every rank its part\n"
     "                (auto, the default: yes when the ranks span several hosts; ranks of\n"
     "                one host share its page cache and load faster alone)\n"
-    "  --share-weights yes|no  under mpirun, reading alone: the ranks of one host that\n"
-    "                hold the same pieces (dp and cp replicas) keep one copy of them in\n"
-    "                shared memory (/dev/shm), each reading part of it (default yes)\n"
+    "  --share-weights yes|no  under mpirun: the ranks of one host that hold the same\n"
+    "                pieces (dp and cp replicas) keep one copy of them in shared memory\n"
+    "                (/dev/shm), each loading part of it (default yes)\n"
     "The loss is the mean over the counted targets; \"tokens\" counts them.\n";
 
 /* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank
@@ -152,7 +152,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
-    if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load))) OUT(cli_fail(s));
+    if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load, P->moved))) OUT(cli_fail(s));
     if (par) model_params_upload(&m);
     long long avail = (long long)(ds.nseq / (uint64_t)B);
     if (avail < 1)

@@ -120,17 +120,19 @@ int ckptio_load_threads(int world_size)
     return t < 1 ? 1 : t > 16 ? 16 : (int)t;
 }
 
-shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_ckpt *c, double seconds)
+shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_ckpt *c, double seconds, uint64_t moved)
 {
-    uint64_t bytes = shard_ckpt_bytes_read(c);
+    uint64_t bytes[2] = {shard_ckpt_bytes_read(c), moved};
     shard_status s = SHARD_OK;
     if (world && shard_comm_size(world) > 1 &&
         ((s = shard_comm_allreduce(world, &seconds, 1, SHARD_DT_F64, SHARD_OP_MAX)) ||
-         (s = shard_comm_allreduce(world, &bytes, 1, SHARD_DT_U64, SHARD_OP_SUM))))
+         (s = shard_comm_allreduce(world, bytes, 2, SHARD_DT_U64, SHARD_OP_SUM))))
         return s;
+    char between[64] = "";
+    if (bytes[1]) snprintf(between, sizeof between, ", %llu bytes between the ranks", (unsigned long long)bytes[1]);
     if (!world || shard_comm_rank(world) == 0)
-        fprintf(stderr, "%s: loaded %s: %llu bytes in %.3f s (%.2f GB/s)\n", cmd, shard_ckpt_dir(c),
-                (unsigned long long)bytes, seconds, seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0);
+        fprintf(stderr, "%s: loaded %s: %llu bytes in %.3f s (%.2f GB/s)%s\n", cmd, shard_ckpt_dir(c),
+                (unsigned long long)bytes[0], seconds, seconds > 0 ? (double)bytes[0] / seconds / 1e9 : 0.0, between);
     return SHARD_OK;
 }
 

@@ -44,8 +44,9 @@ shard_status ckptio_write_grads(const char *dir, const model *m, double loss);
 int ckptio_load_threads(int world_size);
 /* After the load: "<cmd>: loaded DIR: N bytes in T s (R GB/s)" on rank 0's stderr,
  * with the bytes every rank read and the slowest rank's time (world: NULL or the
- * world communicator). */
-shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_ckpt *c, double seconds);
+ * world communicator); when the ranks read together, ", M bytes between the ranks"
+ * after it (moved: the bytes this rank sent the others while loading). */
+shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_ckpt *c, double seconds, uint64_t moved);
 /* The stored dtype of each parameter (params group) into dts[m->ntensors]. */
 void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts);
 

@@ -21,6 +21,7 @@
 #include <string.h>
 
 #include "ckptio.h"
+#include "share.h"
 
 #define COREAD_BUDGET ((uint64_t)64 << 20)
 #define COREAD_BATCH 64 /* tensors in one round at most */
@@ -45,6 +46,9 @@ typedef struct {
     size_t *sc, *sd, *rc, *rd, *bo; /* bytes per rank; bo: each task's band in band */
     char *band, *send, *recv;
     size_t nband, nsend, nrecv;     /* capacities in bytes */
+    uint8_t *reads;                 /* params with twins (share.h): rank j receives tensor i when bit i of
+                                     * reads[j * nreads] is set (its twin that reads it, else); NULL: all */
+    size_t nreads;
 } coread;
 
 static int grow(char **b, size_t *cap, size_t n)
@@ -183,6 +187,7 @@ static shard_status plan(coread *r, const model *m, size_t i, int blocks, task *
         shard_status s = blocks ? shard_partition_optim(&m->d, &p->l, p->stages, &m->spec[i], j, &t->pc[j])
                                : shard_partition(&m->d, &p->l, p->stages, &m->spec[i], j, &t->pc[j]);
         if (s) return s;
+        if (r->reads && !(r->reads[(size_t)j * r->nreads + i / 8] >> (i % 8) & 1)) t->pc[j].holds = 0; /* a twin's */
         if (!has(&t->pc[j])) continue;
         held += shard_box_numel(&t->pc[j].box);
         if (!(*any)++) t->U = t->pc[j].box;
@@ -221,6 +226,25 @@ static shard_status add(coread *r, const model *m, size_t i, int blocks, long k,
     return SHARD_OK;
 }
 
+/* Which ranks receive which parameters (coread.reads): each rank's share_reads,
+ * gathered; left NULL when no rank of the run shares its weights. Collective. */
+static shard_status gather_reads(coread *r, const model *m)
+{
+    par_ctx *p = r->p;
+    int32_t any = p->twins != NULL;
+    shard_status s = shard_comm_allreduce(p->world, &any, 1, SHARD_DT_I32, SHARD_OP_MAX);
+    if (s || !any) return s;
+    r->nreads = (m->ntensors + 7) / 8 + 1;
+    uint8_t *mine = calloc(r->nreads, 1);
+    r->reads = malloc((size_t)p->size * r->nreads);
+    s = mine && r->reads ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; mine && i < m->ntensors; i++) mine[i / 8] |= (uint8_t)(share_reads(p, i) << (i % 8));
+    s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL);
+    if (!s) s = shard_comm_allgather(p->world, mine, r->reads, r->nreads, SHARD_DT_U8);
+    free(mine);
+    return s;
+}
+
 shard_status par_coread(par_ctx *p, shard_ckpt *c, const model *m, const char *group, int blocks, float *dst)
 {
     const size_t n = (size_t)p->size;
@@ -229,6 +253,10 @@ shard_status par_coread(par_ctx *p, shard_ckpt *c, const model *m, const char *g
     r.rc = calloc(n, sizeof(size_t)); r.rd = calloc(n, sizeof(size_t));
     r.bo = calloc(COREAD_BATCH, sizeof(size_t));
     shard_status s = r.sc && r.sd && r.rc && r.rd && r.bo ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!blocks) {
+        shard_status g = gather_reads(&r, m); /* collective: every rank, whatever its s */
+        s = s ? s : g;
+    }
     size_t base = 0;
     uint64_t load = 0;
     for (size_t i = 0; !s && i < m->ntensors; i++) {
@@ -241,6 +269,6 @@ shard_status par_coread(par_ctx *p, shard_ckpt *c, const model *m, const char *g
     if (!s && r.nt) s = flush(&r);
     for (int i = 0; i < r.nt; i++) { free(r.t[i].pc); free(r.t[i].cuts); }
     free(r.sc); free(r.sd); free(r.rc); free(r.rd); free(r.bo);
-    free(r.band); free(r.send); free(r.recv);
+    free(r.band); free(r.send); free(r.recv); free(r.reads);
     return s;
 }

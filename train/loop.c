@@ -133,7 +133,7 @@ static shard_status load_state(train_run *r)
             return shard_fail(SHARD_E_NOMEM, "out of memory");
         if ((s = ckptio_read_fp8(r->ck, m->fp8))) return s;
     }
-    return ckptio_print_load("smp-train", P->world, r->ck, r->a->now() - t_load); /* all of it read and checked */
+    return ckptio_print_load("smp-train", P->world, r->ck, r->a->now() - t_load, P->moved); /* all of it read and checked */
 }
 
 /* The lane count: --lanes N, refused where lanes cannot run; a resumed run's, where

@@ -218,16 +218,18 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *gr
     if (!*present) return SHARD_OK;
     int together = 0;
     shard_status s = read_together(p, &together); /* collective: every rank */
-    if (!s && !together && p->share_weights) s = share_weights(p, m, "smp-eval");
+    if (!s && p->share_weights) s = share_weights(p, m, "smp-eval");
     if (s) return s;
     float *host = model_params_host(m);
     s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
+    if (host && !p->twins) prefault_held(p, m, host); /* twins: share_weights did */
     if (together) {
         if ((s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL))) return s;
-        prefault_held(p, m, host);
-        return par_coread(p, c, m, group, 0, host);
+        const uint64_t sent = shard_comm_bytes(p->world);
+        s = par_coread(p, c, m, group, 0, host);
+        p->moved += shard_comm_bytes(p->world) - sent;
+        return share_seal(p, s);
     }
-    if (host && !p->twins) prefault_held(p, m, host); /* twins: share_weights did */
     for (size_t i = 0; !s && i < m->ntensors; i++) {
         long k;
         if ((s = ckptio_group_tensor(c, group, &m->spec[i], &k))) break;
@@ -248,7 +250,12 @@ shard_status par_read_optim(par_ctx *p, shard_ckpt *c, const model *m, const cha
     int together = 0;
     shard_status s = read_together(p, &together);
     if (s) return s;
-    if (together) return par_coread(p, c, m, group, 1, dst);
+    if (together) {
+        const uint64_t sent = shard_comm_bytes(p->world);
+        s = par_coread(p, c, m, group, 1, dst);
+        p->moved += shard_comm_bytes(p->world) - sent;
+        return s;
+    }
     size_t base = 0;
     for (size_t i = 0; i < m->ntensors; i++) {
         long k;

@@ -80,6 +80,7 @@ typedef struct {
     shard_comm *world;       /* MPI (or self): host values (losses, norms, flags) */
     int read_together;       /* loading: 1 coread.c, 0 each rank alone, -1 (the default)
                               * together when the ranks span more than one host */
+    uint64_t moved;          /* loading: bytes this rank sent the others (reading together) */
     int share_weights;       /* loading read-only weights (smp-eval): twins keep one copy (share.h) */
     shard_comm *twins;       /* the ranks of this host holding this rank's pieces (NULL: none) */
     void *shm;               /* their shared weights, shm_bytes long */

@@ -96,6 +96,12 @@ def loaded(p):
     return int(LOADED.search(p.stderr).group(1))
 
 
+def moved(p):
+    """the bytes the ranks sent each other while loading (reading together)"""
+    m = re.search(r"smp-eval: loaded .*, (\d+) bytes between the ranks$", p.stderr, re.M)
+    return int(m.group(1)) if m else 0
+
+
 def test_ranks_read_only_the_chunks_they_need(chunky):
     """Under pp=2 each embedding chunk is read by one stage, under tp=2 each rank reads
     the chunks of its half of the vocabulary (plus the one they share); whole-piece
@@ -152,6 +158,14 @@ def test_twins_keep_one_copy(chunky, layout, np_, alone):
     said = f"smp-eval: {np_} ranks keep their weights in {np_ // 2} shared copies (one per host and piece)"
     assert said in shared.stderr.splitlines(), shared.stderr
     assert "shared copies" not in own.stderr, own.stderr
+    # reading together, only the twin that reads a tensor receives it: each chunk read once, the same
+    # bits, and about half the bytes between the ranks of each rank taking its own copy
+    together = mpirun_eval(np_, "--layout", layout, "--read-together", "yes", *args)
+    apart = mpirun_eval(np_, "--layout", layout, "--read-together", "yes", "--share-weights", "no", *args)
+    assert loaded(together) == read1 == loaded(apart), (layout, loaded(together), loaded(apart), read1)
+    assert json.loads(together.stdout)["loss"] == json.loads(own.stdout)["loss"], layout
+    assert said in together.stderr.splitlines(), together.stderr
+    assert 0 < moved(together) < 0.6 * moved(apart), (layout, moved(together), moved(apart))
     assert stale_shm_objects() == []
 
 

@@ -39,3 +39,6 @@ def test_resume_pp2_tp2_dp2_at_tp4_cp2(tmp_path):
     # ...through the together path: the cp=2 replicas each read their chunks when alone
     read = [int(re.search(r"loaded .*: (\d+) bytes", p.stderr).group(1)) for p in (alone, together)]
     assert read[1] < 0.75 * read[0], read
+    # and the load line says what went between the ranks (nothing when each read alone)
+    assert re.search(r"smp-train: loaded .*, [1-9]\d* bytes between the ranks$", together.stderr, re.M), together.stderr
+    assert "between the ranks" not in alone.stderr, alone.stderr
