@@ -46,8 +46,8 @@ typedef struct {
     size_t *sc, *sd, *rc, *rd, *bo; /* bytes per rank; bo: each task's band in band */
     char *band, *send, *recv;
     size_t nband, nsend, nrecv;     /* capacities in bytes */
-    uint8_t *reads;                 /* params with twins (share.h): rank j receives tensor i when bit i of
-                                     * reads[j * nreads] is set (its twin that reads it, else); NULL: all */
+    uint8_t *reads;                 /* params with twins (share.h): rank j receives tensor i only when bit i
+                                     * of reads[j * nreads] is set (else a twin of j does); NULL: every rank */
     size_t nreads;
 } coread;
 
@@ -231,6 +231,7 @@ static shard_status add(coread *r, const model *m, size_t i, int blocks, long k,
 static shard_status gather_reads(coread *r, const model *m)
 {
     par_ctx *p = r->p;
+    if (!p->share_weights) return SHARD_OK; /* the same on every rank: smp-train never shares */
     int32_t any = p->twins != NULL;
     shard_status s = shard_comm_allreduce(p->world, &any, 1, SHARD_DT_I32, SHARD_OP_MAX);
     if (s || !any) return s;

@@ -113,9 +113,10 @@ static int allocate_mine(int fd, char *at, const par_ctx *p, const model *m, con
 /* The group's shared object: created by its first rank, opened and mapped by every
  * twin, each allocating the pages it will write. NULL and *why set on this rank's
  * failure (the object, when made, is left for the caller to unlink). */
-static void *map_object(par_ctx *p, const model *m, const int *reader, size_t bytes, char *name, char *why, size_t whysz)
+static void *map_object(const par_ctx *p, shard_comm *tw, const model *m, const int *reader, size_t bytes, char *name,
+                        char *why, size_t whysz)
 {
-    const int first = shard_comm_rank(p->twins) == 0;
+    const int first = shard_comm_rank(tw) == 0;
     int fd = -1;
     if (first) {
         snprintf(name, NAME, "/smp-weights-%ld-%d", (long)getpid(), p->rank);
@@ -126,12 +127,12 @@ static void *map_object(par_ctx *p, const model *m, const int *reader, size_t by
         }
         if (fd < 0) snprintf(why, whysz, "shm_open %s: %s", name, strerror(errno));
     }
-    if (shard_comm_broadcast(p->twins, name, NAME, SHARD_DT_U8, 0)) name[0] = 0;
+    if (shard_comm_broadcast(tw, name, NAME, SHARD_DT_U8, 0)) name[0] = 0;
     if (!first && name[0] && (fd = shm_open(name, O_RDWR, 0)) < 0)
         snprintf(why, whysz, "shm_open %s: %s", name, strerror(errno));
     if (fd < 0) return NULL;
     void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int e = at == MAP_FAILED ? errno : allocate_mine(fd, at, p, m, reader, shard_comm_rank(p->twins));
+    int e = at == MAP_FAILED ? errno : allocate_mine(fd, at, p, m, reader, shard_comm_rank(tw));
     close(fd);
     if (!e) return at;
     snprintf(why, whysz, "%s: %s (%zu bytes of weights)", at == MAP_FAILED ? "mmap" : "/dev/shm", strerror(e), bytes);
@@ -139,13 +140,12 @@ static void *map_object(par_ctx *p, const model *m, const int *reader, size_t by
     return NULL;
 }
 
-/* The lowest rank of c that failed (*failed 1; the others give at non-NULL), its
- * reason in why on every rank of c, and the number of ranks that failed (*count; may
- * be NULL). Collective over c. */
-static shard_status first_failure(shard_comm *c, const void *at, char *why, size_t whysz, int *failed, int *count)
+/* Whether a rank of c failed (ok 0 there): *failed, the lowest such rank's reason in
+ * why on every rank of c, and how many failed (*count; may be NULL). Collective over c. */
+static shard_status first_failure(shard_comm *c, int ok, char *why, size_t whysz, int *failed, int *count)
 {
     const int size = shard_comm_size(c);
-    int32_t v[2] = {at ? 0 : size - shard_comm_rank(c), !at}; /* the largest v[0]: the lowest failing rank */
+    int32_t v[2] = {ok ? 0 : size - shard_comm_rank(c), !ok}; /* the largest v[0]: the lowest failing rank */
     shard_status s = shard_comm_allreduce(c, &v[0], 1, SHARD_DT_I32, SHARD_OP_MAX);
     if (!s && count) s = shard_comm_allreduce(c, &v[1], 1, SHARD_DT_I32, SHARD_OP_SUM);
     *failed = !s && v[0] > 0;
@@ -161,8 +161,7 @@ static shard_status first_failure(shard_comm *c, const void *at, char *why, size
 static shard_status say_sharing(par_ctx *p, int lead, int twins, int kept, char *why, size_t whysz, const char *cmd)
 {
     int failed = 0, groups = 0;
-    const void *ok = lead && !kept ? NULL : (const void *)p;
-    shard_status s = first_failure(p->world, ok, why, whysz, &failed, &groups);
+    shard_status s = first_failure(p->world, !lead || kept, why, whysz, &failed, &groups);
     int32_t shared[2] = {lead && kept, lead && kept ? twins : 0}; /* groups that share, their ranks */
     if (!s) s = shard_comm_allreduce(p->world, shared, 2, SHARD_DT_I32, SHARD_OP_SUM);
     if (!s && p->rank == 0 && shared[0])
@@ -189,14 +188,14 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
         shard_comm_free(tw);
         return s ? s : say_sharing(p, 0, 1, 0, why, sizeof why, cmd);
     }
-    p->twins = tw;
     const size_t bytes = (m->nparams ? m->nparams : 1) * m->dev->es;
     int *reader = readers(m, shard_comm_size(tw)), bad = 1;
-    void *at = reader ? map_object(p, m, reader, bytes, name, why, sizeof why) : NULL;
-    s = first_failure(tw, at, why, sizeof why, &bad, NULL);
+    void *at = reader ? map_object(p, tw, m, reader, bytes, name, why, sizeof why) : NULL;
+    s = first_failure(tw, at != NULL, why, sizeof why, &bad, NULL);
     if (shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name); /* mapped by all (or given up): no name needed */
     if (!s) s = say_sharing(p, shard_comm_rank(tw) == 0, shard_comm_size(tw), !bad, why, sizeof why, cmd);
     if (!s && !bad) {
+        p->twins = tw;
         p->shm = at;
         p->shm_bytes = bytes;
         p->reader = reader;
@@ -204,7 +203,6 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
     }
     if (at) munmap(at, bytes);
     free(reader);
-    p->twins = NULL;
     shard_comm_free(tw);
     return s;
 }
