@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #ifndef MADV_POPULATE_WRITE
@@ -14,6 +15,12 @@
 #endif
 
 enum { NAME = 64 };
+
+/* How the twins come to map one object. First an anonymous memfd that the others open
+ * through /proc/PID/fd: it has no name to leave behind when a rank is killed, and no
+ * /dev/shm to fill (containers mount a 64 MB one). Else, where memfd_create or /proc is
+ * refused (old kernels, sandboxes), a POSIX object in /dev/shm, unlinked once mapped. */
+enum { BY_MEMFD, BY_SHM, BY_END };
 
 /* this rank's weights, flattened: the element count and size, then per tensor
  * whether it holds a piece and the piece's box; twins have equal ones */
@@ -97,7 +104,7 @@ static int *readers(const model *m, int twins)
  * faults would take two; it fails instead of the SIGBUS a full /dev/shm would raise
  * later). The twins together cover the object; a page that two tensors share is
  * populated twice, harmlessly. 0, or the errno of the first failure. */
-static int allocate_mine(int fd, char *at, const par_ctx *p, const model *m, const int *reader, int me)
+static int allocate_mine(int fd, char *at, const par_ctx *p, const model *m, const int *reader, int me, int by)
 {
     const size_t es = m->dev->es, page = (size_t)sysconf(_SC_PAGESIZE);
     for (size_t i = 0; i < m->ntensors; i++) {
@@ -105,37 +112,88 @@ static int allocate_mine(int fd, char *at, const par_ctx *p, const model *m, con
         const size_t a = m->offset[i] * es / page * page, b = ((m->offset[i] + m->numel[i]) * es + page - 1) / page * page;
         if (!madvise(at + a, b - a, MADV_POPULATE_WRITE)) continue;
         const int e = errno == EINVAL ? posix_fallocate(fd, (off_t)a, (off_t)(b - a)) : errno; /* an older kernel */
-        if (e) return e == EFAULT ? ENOSPC : e; /* EFAULT: the page could not be had, as a SIGBUS would say */
+        if (e) return e != EFAULT ? e : by == BY_SHM ? ENOSPC : ENOMEM; /* EFAULT: the page could not be had */
     }
     return 0;
 }
 
-/* The group's shared object: created by its first rank, opened and mapped by every
+/* What the group's first rank tells the others: where its object is, and which it is
+ * (a /proc/PID/fd path names another process's descriptor where the twins do not
+ * share a PID namespace; an object in another container's /dev/shm is another). */
+typedef struct {
+    char name[NAME];
+    uint64_t dev, ino;
+} object_id;
+
+/* The object, made by the group's first rank, its size fixed and *id filled in; -1
+ * with errno on failure. */
+static int create_object(int by, const par_ctx *p, size_t bytes, object_id *id)
+{
+    int fd;
+    struct stat st;
+    if (by == BY_MEMFD) {
+        fd = memfd_create("smp-weights", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        snprintf(id->name, NAME, "/proc/%ld/fd/%d", (long)getpid(), fd);
+    } else {
+        snprintf(id->name, NAME, "/smp-weights-%ld-%d", (long)getpid(), p->rank);
+        fd = shm_open(id->name, O_RDWR | O_CREAT | O_EXCL, 0600);
+    }
+    /* sealed at its size: no process can shrink it under the twins' mappings (SIGBUS) */
+    if (fd >= 0 && (ftruncate(fd, (off_t)bytes) || fstat(fd, &st) ||
+                    (by == BY_MEMFD && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)))) {
+        const int e = errno;
+        close(fd);
+        if (by == BY_SHM) shm_unlink(id->name);
+        errno = e;
+        return -1;
+    }
+    if (fd >= 0) {
+        id->dev = (uint64_t)st.st_dev;
+        id->ino = (uint64_t)st.st_ino;
+    }
+    return fd;
+}
+
+/* The other twins' side: the object their first rank made, opened and checked to be it. */
+static int open_object(int by, const object_id *id, char *why, size_t whysz)
+{
+    struct stat st;
+    int fd = by == BY_MEMFD ? open(id->name, O_RDWR | O_CLOEXEC) : shm_open(id->name, O_RDWR, 0);
+    if (fd < 0) {
+        snprintf(why, whysz, "%s %s: %s", by == BY_MEMFD ? "open" : "shm_open", id->name, strerror(errno));
+    } else if (fstat(fd, &st) || (uint64_t)st.st_dev != id->dev || (uint64_t)st.st_ino != id->ino) {
+        snprintf(why, whysz, "%s is not the object its creator made (another PID namespace or /dev/shm)", id->name);
+        close(fd);
+        fd = -1;
+    }
+    return fd;
+}
+
+/* The group's shared object (made `by` its first rank), opened and mapped by every
  * twin, each allocating the pages it will write. NULL and *why set on this rank's
- * failure (the object, when made, is left for the caller to unlink). */
-static void *map_object(const par_ctx *p, shard_comm *tw, const model *m, const int *reader, size_t bytes, char *name,
-                        char *why, size_t whysz)
+ * failure. *fd: the object, open, for the caller to close once every twin has opened
+ * it (a memfd lives through its creator's descriptor until then); name: the POSIX
+ * object's, for the caller to unlink. */
+static void *map_object(const par_ctx *p, shard_comm *tw, const model *m, const int *reader, size_t bytes, int by, char *name,
+                        int *fd, char *why, size_t whysz)
 {
     const int first = shard_comm_rank(tw) == 0;
-    int fd = -1;
-    if (first) {
-        snprintf(name, NAME, "/smp-weights-%ld-%d", (long)getpid(), p->rank);
-        fd = shm_open(name, O_RDWR | O_CREAT | O_EXCL, 0600);
-        if (fd >= 0 && ftruncate(fd, (off_t)bytes)) {
-            close(fd);
-            fd = -1;
-        }
-        if (fd < 0) snprintf(why, whysz, "shm_open %s: %s", name, strerror(errno));
+    object_id id = {{0}, 0, 0};
+    if (first && (*fd = create_object(by, p, bytes, &id)) < 0) {
+        if (by == BY_SHM) snprintf(why, whysz, "shm_open %s: %s", id.name, strerror(errno));
+        else snprintf(why, whysz, "memfd_create: %s", strerror(errno));
+        id.name[0] = 0; /* nothing for the others to open */
     }
-    if (shard_comm_broadcast(tw, name, NAME, SHARD_DT_U8, 0)) name[0] = 0;
-    if (!first && name[0] && (fd = shm_open(name, O_RDWR, 0)) < 0)
-        snprintf(why, whysz, "shm_open %s: %s", name, strerror(errno));
-    if (fd < 0) return NULL;
-    void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    int e = at == MAP_FAILED ? errno : allocate_mine(fd, at, p, m, reader, shard_comm_rank(tw));
-    close(fd);
+    if (shard_comm_broadcast(tw, &id, sizeof id, SHARD_DT_U8, 0)) id.name[0] = 0;
+    id.name[NAME - 1] = 0;
+    memcpy(name, id.name, NAME);
+    if (!first) *fd = id.name[0] ? open_object(by, &id, why, whysz) : -1;
+    if (*fd < 0) return NULL;
+    void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
+    int e = at == MAP_FAILED ? errno : allocate_mine(*fd, at, p, m, reader, shard_comm_rank(tw), by);
     if (!e) return at;
-    snprintf(why, whysz, "%s: %s (%zu bytes of weights)", at == MAP_FAILED ? "mmap" : "/dev/shm", strerror(e), bytes);
+    snprintf(why, whysz, "%s: %s (%zu bytes of weights)", at == MAP_FAILED ? "mmap" : by == BY_SHM ? "/dev/shm" : "memfd",
+             strerror(e), bytes);
     if (at != MAP_FAILED) munmap(at, bytes);
     return NULL;
 }
@@ -190,9 +248,18 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
     }
     const size_t bytes = (m->nparams ? m->nparams : 1) * m->dev->es;
     int *reader = readers(m, shard_comm_size(tw)), bad = 1;
-    void *at = reader ? map_object(p, tw, m, reader, bytes, name, why, sizeof why) : NULL;
-    s = first_failure(tw, at != NULL, why, sizeof why, &bad, NULL);
-    if (shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name); /* mapped by all (or given up): no name needed */
+    void *at = NULL;
+    for (int by = 0; !s && bad && by < BY_END; by++) { /* a memfd, else /dev/shm */
+        int fd = -1;
+        at = reader ? map_object(p, tw, m, reader, bytes, by, name, &fd, why, sizeof why) : NULL;
+        s = first_failure(tw, at != NULL, why, sizeof why, &bad, NULL);
+        if (fd >= 0) close(fd); /* mapped by all (or given up): no descriptor or name needed */
+        if (by == BY_SHM && shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name);
+        if (bad && at) {
+            munmap(at, bytes);
+            at = NULL;
+        }
+    }
     if (!s) s = say_sharing(p, shard_comm_rank(tw) == 0, shard_comm_size(tw), !bad, why, sizeof why, cmd);
     if (!s && !bad) {
         p->twins = tw;

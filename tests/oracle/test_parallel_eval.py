@@ -169,23 +169,78 @@ def test_twins_keep_one_copy(chunky, layout, np_, alone):
     assert stale_shm_objects() == []
 
 
-def test_twins_without_shared_memory_keep_a_copy_each(chunky, tmp_path):
-    """A /dev/shm too small for the weights (a 1 MiB tmpfs in a mount namespace of its
-    own; MPI told to keep off it): the run says so once, on one line naming the two twin
-    groups of tp=2,dp=2 and the reason, and the ranks load their own copies: the loss and
-    bytes of --share-weights no."""
+NO_MEMFD = (BUILD / "release" / "tests" / "no-memfd" if (BUILD / "release").exists()
+            else BUILD / "tests" / "no-memfd")
+
+
+def eval_under(prefix, np_, layout, args):
+    """smp-eval under mpirun, run by `prefix` (a shell line whose "$@" is the mpirun
+    command, or None); MPI kept on self and tcp, off /dev/shm."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-np", str(np_),
+           str(BUILD / "bin" / "smp-eval"), "--layout", layout, *[str(a) for a in args]]
+    if prefix:
+        cmd = ["sh", "-c", prefix, "sh", *cmd]
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
+    assert p.returncode == 0, p.stderr
+    return p
+
+
+SMALL_SHM = 'exec unshare --mount sh -c \'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"\' sh "$@"'
+
+
+def need_small_shm():
     probe = ["unshare", "--mount", "sh", "-c", "mount -t tmpfs -o size=1M tmpfs /dev/shm"]
     if subprocess.run(probe, capture_output=True).returncode:
         pytest.skip("needs a mount namespace of its own (unshare --mount, mount -t tmpfs: root) to shrink /dev/shm")
+
+
+def need_no_memfd():
+    p = subprocess.run([str(NO_MEMFD), "true"], capture_output=True, text=True)
+    if p.returncode == 125:
+        pytest.skip(f"a seccomp filter cannot be installed here: {p.stderr.strip()}")
+    assert p.returncode == 0, p.stderr
+
+
+def test_a_small_dev_shm_does_not_stop_the_twins(chunky):
+    """Containers mount a small /dev/shm (Docker: 64 MB); the twins' copy is a memfd,
+    not a file there: under a 1 MiB /dev/shm (a tmpfs in a mount namespace of its own)
+    the two twin groups of tp=2,dp=2 still share, with the bytes and the loss of the
+    default run, and no note."""
+    need_small_shm()
+    _, args, _, _ = chunky
+    shared = eval_under(None, 4, "tp=2,dp=2", args)
+    p = eval_under(SMALL_SHM, 4, "tp=2,dp=2", args)
+    assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
+    assert "note:" not in p.stderr, p.stderr
+    assert loaded(p) == loaded(shared)
+    assert json.loads(p.stdout)["loss"] == json.loads(shared.stdout)["loss"]
+
+
+def test_without_memfd_the_twins_share_through_dev_shm(chunky):
+    """Where memfd_create is refused (a seccomp filter, as old kernels and some sandboxes
+    have it), the twins share a POSIX object in /dev/shm instead: the same bytes and loss,
+    and the object unlinked once mapped (nothing left)."""
+    need_no_memfd()
+    _, args, _, _ = chunky
+    shared = eval_under(None, 4, "tp=2,dp=2", args)
+    p = eval_under(f'exec {NO_MEMFD} "$@"', 4, "tp=2,dp=2", args)
+    assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
+    assert "note:" not in p.stderr, p.stderr
+    assert loaded(p) == loaded(shared)
+    assert json.loads(p.stdout)["loss"] == json.loads(shared.stdout)["loss"]
+    assert stale_shm_objects() == []
+
+
+def test_twins_without_shared_memory_keep_a_copy_each(chunky):
+    """Neither a memfd nor room in /dev/shm (1 MiB): the run says so once, on one line
+    naming the two twin groups of tp=2,dp=2 and the reason, and the ranks load their own
+    copies: the loss and bytes of --share-weights no."""
+    need_small_shm()
+    need_no_memfd()
     _, args, _, _ = chunky
     own = mpirun_eval(4, "--layout", "tp=2,dp=2", "--share-weights", "no", *args)
-    env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-np", "4",
-           str(BUILD / "bin" / "smp-eval"), "--layout", "tp=2,dp=2", *[str(a) for a in args]]
-    p = subprocess.run(["unshare", "--mount", "sh", "-c",
-                        'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"', "sh", *cmd],
-                       capture_output=True, text=True, env=env, timeout=120)
-    assert p.returncode == 0, p.stderr
+    p = eval_under(SMALL_SHM.replace('exec unshare', f'exec {NO_MEMFD} unshare'), 4, "tp=2,dp=2", args)
     notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
     assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 2 group(s) ") and "No space left" in notes[0], p.stderr
     assert loaded(p) == loaded(own) and "shared copies" not in p.stderr
