@@ -233,21 +233,22 @@ static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst,
 /* A piece is cut into chunks of whole rows (chunk shape [1, ..., 1, rows, rowlen]).
  * The chunks of a list of pieces (of one file or several) form one stream, each file's
  * pieces one after the other (plan_stream says the order). Worker threads each take
- * the next chunk, fill it, byte-shuffle and compress it; then, in stream order, fold
- * it into its piece's checksum, and, in stream order again, hand it to HDF5 with
+ * the next chunk, fill it, byte-shuffle and compress it; then, in its piece's order,
+ * fold it into the piece's checksum (each piece has its own turn: the stream's next
+ * chunk, of another piece, does not wait), and, in stream order, hand it to HDF5 with
  * H5Dwrite_chunk, which bypasses HDF5's filter pipeline (and its global lock for the
  * compression work). The holder of the write turn also creates a piece's dataset
  * before its first chunk and gives it its attributes after its last, so each file's
  * operations come in the same order as piece by piece, and the workers never wait for
- * one piece to drain before filling the next. Two turns, each held by one thread at a
- * time and neither under the pipeline's lock: while one thread writes chunk c, another
+ * one piece to drain before filling the next. The turns are held by one thread at a
+ * time and not under the pipeline's lock: while one thread writes chunk c, another
  * hashes chunk c+1 and the others fill. Uncompressed pieces ("direct") are made with
- * every chunk's place allocated (H5D_ALLOC_TIME_EARLY, nothing written): the write
- * turn then only looks the chunk's place up, and the bytes go there by pwrite outside
- * any turn, from every worker at once and SHARD_WRITE_MAX at a time (HDF5 would hand
- * the kernel the whole chunk in one write, in the turn: a reshard without compression
- * took 1.4-2.3 s that way against 0.73-0.87 s, docs/DESIGN.md). Memory: threads x
- * (chunk + compressed chunk). */
+ * every chunk's place allocated (H5D_ALLOC_TIME_EARLY, nothing written) and looked up
+ * then: their middle chunks take no write turn, only wait for the dataset, and every
+ * chunk's bytes go to its place by pwrite outside any turn, from every worker at once
+ * and SHARD_WRITE_MAX at a time (HDF5 would hand the kernel the whole chunk in one
+ * write, in the turn: a reshard without compression took 1.4-2.3 s that way against
+ * 0.73-0.87 s, docs/DESIGN.md). Memory: threads x (chunk + compressed chunk). */
 typedef struct {
     const shard_h5_piece *pc;
     hid_t ds;
@@ -255,20 +256,26 @@ typedef struct {
     shard_xxh64_state hash; /* the piece's checksum, fed in stream order */
     uint64_t *chunk_xxh3;              /* g.nchunks: each chunk's own checksum */
     int direct;                        /* raw chunks placed at creation, written by pwrite in parallel */
+    haddr_t *at;                       /* direct: each chunk's place, looked up at creation */
+    uint64_t hashed, created;          /* chunks folded into hash; 1 once the dataset is made */
     char hex[17];
 } piece_run;
 
-/* a place in the stream: chunk k of run `run` */
+/* a place in the stream: chunk k of run `run`, and its place among the chunks that
+ * need HDF5 in stream order (NO_TURN: a direct piece's middle chunk, which needs only
+ * its dataset made) */
 typedef struct {
     size_t run;
-    uint64_t k;
+    uint64_t k, turn;
 } stream_slot;
+
+#define NO_TURN UINT64_MAX
 
 typedef struct {
     piece_run *runs;
     size_t nruns;
     stream_slot *slot;                 /* nchunks: the stream's order */
-    uint64_t nchunks, next_take, next_hash, next_write;
+    uint64_t nchunks, next_take, next_write;
     size_t max_full;
     void (*done)(void *arg, uint64_t bytes);
     void *done_arg;
@@ -303,7 +310,8 @@ static shard_status plan_run(piece_run *r, const shard_h5_piece *pc)
     shard_chunking_init(&r->g, pc->ndim, pc->box.len, es, shard_chunking_rows_for(pc->ndim, pc->box.len, es));
     if (r->g.full > SHARD_CHUNK_BYTES_MAX) return shard_fail(SHARD_E_UNSUPPORTED, "%s: tensor \"%s\": rows too long to chunk", pc->w->path, pc->name);
     r->chunk_xxh3 = malloc(r->g.nchunks * sizeof *r->chunk_xxh3);
-    return r->chunk_xxh3 ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    r->at = r->direct ? malloc(r->g.nchunks * sizeof *r->at) : NULL;
+    return r->chunk_xxh3 && (r->at || !r->direct) ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
 }
 
 static shard_status create_dataset(piece_run *r)
@@ -349,18 +357,20 @@ static shard_status chunk_place(const piece_run *r, const hsize_t *hoff, size_t 
     return SHARD_OK;
 }
 
-/* A direct piece's blocks on disk, taken at once before its chunks are written
- * (shard_reserve_blocks). The chunks lie one after the other from the first (early
- * allocation); where they do not, nothing is taken. */
-static shard_status reserve_piece(const piece_run *r)
+/* A direct piece's chunks' places, looked up once when its dataset is made (so that
+ * its middle chunks need no HDF5 call), and its blocks on disk, taken at once before
+ * its chunks are written (shard_reserve_blocks). The chunks lie one after the other
+ * from the first (early allocation); where they do not, no blocks are taken. */
+static shard_status place_chunks(piece_run *r)
 {
     shard_box sub;
-    hsize_t h0[SHARD_MAX_DIMS], h1[SHARD_MAX_DIMS];
-    haddr_t a0, a1;
-    chunk_box(r, 0, &sub, h0);
-    chunk_box(r, r->g.nchunks - 1, &sub, h1);
-    shard_status s = chunk_place(r, h0, r->g.full, &a0);
-    if (!s) s = chunk_place(r, h1, r->g.full, &a1);
+    hsize_t hoff[SHARD_MAX_DIMS];
+    shard_status s = SHARD_OK;
+    for (uint64_t k = 0; k < r->g.nchunks && !s; k++) {
+        chunk_box(r, k, &sub, hoff);
+        s = chunk_place(r, hoff, r->g.full, &r->at[k]);
+    }
+    const haddr_t a0 = r->at[0], a1 = r->at[r->g.nchunks - 1];
     int err = s || a1 < a0 ? 0 : shard_reserve_blocks(r->pc->w->fd, a0, a1 - a0 + r->g.full);
     if (err) s = write_failed(r->pc, err);
     return s;
@@ -480,33 +490,36 @@ static void *pipeline_worker(void *arg)
             out = z;
             outn = r;
         }
-        /* the checksum, in stream order (the holder of the turn alone touches it) */
+        /* the checksum, in the piece's order (the holder of the piece's turn alone touches it) */
         pthread_mutex_lock(&p->mu);
         fail_locked(p, s);
-        int failed = wait_turn(p, &p->next_hash, c);
+        int failed = wait_turn(p, &run->hashed, k);
         pthread_mutex_unlock(&p->mu);
         if (failed) break;
         if (k == 0) shard_xxh64_reset(&run->hash);
         shard_xxh64_update(&run->hash, raw, valid);
         if (k + 1 == run->g.nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)shard_xxh64_digest(&run->hash));
-        /* the write, in stream order (the chunks' places in the file follow it) */
+        /* HDF5's part, in stream order (the chunks' places in the file follow it); a
+         * direct piece's middle chunk waits only for its dataset */
+        const uint64_t turn = p->slot[c].turn;
         pthread_mutex_lock(&p->mu);
-        end_turn(p, &p->next_hash, SHARD_OK);
-        failed = wait_turn(p, &p->next_write, c);
+        end_turn(p, &run->hashed, SHARD_OK);
+        failed = turn == NO_TURN ? wait_turn(p, &run->created, 1) : wait_turn(p, &p->next_write, turn);
         pthread_mutex_unlock(&p->mu);
         if (failed) break;
-        if (k == 0) s = create_dataset(run);
-        if (!s && k == 0 && run->direct) s = reserve_piece(run);
+        if (turn != NO_TURN && k == 0) s = create_dataset(run);
+        if (turn != NO_TURN && !s && k == 0 && run->direct) s = place_chunks(run);
         haddr_t at = HADDR_UNDEF;
-        if (!s && run->direct) s = chunk_place(run, hoff, outn, &at);
+        if (!s && run->direct) at = run->at[k];
         else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
             s = write_failed(pc, 0);
         else if (!s)
             at = written_at(run, hoff, outn);
-        if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
+        if (turn != NO_TURN && !s && k + 1 == run->g.nchunks) s = finish_dataset(run);
         if (run->direct) { /* the turn held only for HDF5's part: the bytes go in parallel */
             pthread_mutex_lock(&p->mu);
-            end_turn(p, &p->next_write, s);
+            if (turn != NO_TURN) end_turn(p, &p->next_write, s);
+            if (k == 0) end_turn(p, &run->created, s);
             pthread_mutex_unlock(&p->mu);
             int err = s ? 0 : shard_pwrite_all(pc->w->fd, out, outn, (uint64_t)at);
             if (err) s = write_failed(pc, err);
@@ -538,7 +551,7 @@ static shard_status plan_stream(pipeline *p)
 {
     p->slot = malloc(p->nchunks * sizeof *p->slot);
     if (!p->slot) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    uint64_t c = 0;
+    uint64_t c = 0, turn = 0;
     for (size_t g0 = 0, g1; g0 < p->nruns; g0 = g1) {
         for (g1 = g0 + 1; g1 < p->nruns; g1++) {
             size_t i = g0;
@@ -549,7 +562,8 @@ static shard_status plan_stream(pipeline *p)
             left = 0;
             for (size_t i = g0; i < g1; i++)
                 if (k < p->runs[i].g.nchunks) {
-                    p->slot[c++] = (stream_slot){i, k};
+                    const int middle = p->runs[i].direct && k > 0 && k + 1 < p->runs[i].g.nchunks;
+                    p->slot[c++] = (stream_slot){i, k, middle ? NO_TURN : turn++};
                     left = 1;
                 }
         }
@@ -592,6 +606,7 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
     for (size_t i = 0; i < p.nruns; i++) {
         if (p.runs[i].ds >= 0) H5Dclose(p.runs[i].ds); /* a piece left unfinished by a failure */
         free(p.runs[i].chunk_xxh3);
+        free(p.runs[i].at);
     }
     free(p.runs);
     free(p.slot);
