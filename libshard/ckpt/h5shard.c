@@ -253,7 +253,7 @@ typedef struct {
     const shard_h5_piece *pc;
     hid_t ds;
     shard_chunking g;
-    shard_xxh64_state hash; /* the piece's checksum, fed in stream order */
+    shard_xxh64_state hash; /* the piece's checksum, fed in the piece's order */
     uint64_t *chunk_xxh3;              /* g.nchunks: each chunk's own checksum */
     int direct;                        /* raw chunks placed at creation, written by pwrite in parallel */
     haddr_t *at;                       /* direct: each chunk's place, looked up at creation */
@@ -507,15 +507,15 @@ static void *pipeline_worker(void *arg)
         failed = turn == NO_TURN ? wait_turn(p, &run->created, 1) : wait_turn(p, &p->next_write, turn);
         pthread_mutex_unlock(&p->mu);
         if (failed) break;
-        if (turn != NO_TURN && k == 0) s = create_dataset(run);
-        if (turn != NO_TURN && !s && k == 0 && run->direct) s = place_chunks(run);
+        if (k == 0) s = create_dataset(run); /* a piece's first and last chunks always take the turn */
+        if (!s && k == 0 && run->direct) s = place_chunks(run);
         haddr_t at = HADDR_UNDEF;
         if (!s && run->direct) at = run->at[k];
         else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
             s = write_failed(pc, 0);
         else if (!s)
             at = written_at(run, hoff, outn);
-        if (turn != NO_TURN && !s && k + 1 == run->g.nchunks) s = finish_dataset(run);
+        if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
         if (run->direct) { /* the turn held only for HDF5's part: the bytes go in parallel */
             pthread_mutex_lock(&p->mu);
             if (turn != NO_TURN) end_turn(p, &p->next_write, s);
