@@ -133,6 +133,7 @@ static int create_object(int by, const par_ctx *p, size_t bytes, object_id *id)
     struct stat st;
     if (by == BY_MEMFD) {
         fd = memfd_create("smp-weights", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+        if (fd < 0) return -1; /* errno: memfd_create's */
         snprintf(id->name, NAME, "/proc/%ld/fd/%d", (long)getpid(), fd);
     } else {
         snprintf(id->name, NAME, "/smp-weights-%ld-%d", (long)getpid(), p->rank);
