@@ -42,7 +42,8 @@ static const char HELP[] =
     "                one host share its page cache and load faster alone)\n"
     "  --share-weights yes|no  under mpirun: the ranks of one host that hold the same\n"
     "                pieces (dp and cp replicas) keep one copy of them in shared memory\n"
-    "                (/dev/shm), each loading part of it (default yes)\n"
+    "                (a memfd; /dev/shm where memfd_create is refused), each loading\n"
+    "                part of it (default yes)\n"
     "The loss is the mean over the counted targets; \"tokens\" counts them.\n";
 
 /* The loss sum of NB batches of B rows over the ranks of the layout: each dp rank

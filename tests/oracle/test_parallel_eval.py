@@ -186,7 +186,9 @@ def eval_under(prefix, np_, layout, args):
     return p
 
 
-SMALL_SHM = 'exec unshare --mount sh -c \'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"\' sh "$@"'
+def small_shm(under=""):
+    """the prefix of eval_under that runs the command with a 1 MiB /dev/shm, under `under`"""
+    return f'exec {under} unshare --mount sh -c \'mount -t tmpfs -o size=1M tmpfs /dev/shm && exec "$@"\' sh "$@"'
 
 
 def need_small_shm():
@@ -210,7 +212,7 @@ def test_a_small_dev_shm_does_not_stop_the_twins(chunky):
     need_small_shm()
     _, args, _, _ = chunky
     shared = eval_under(None, 4, "tp=2,dp=2", args)
-    p = eval_under(SMALL_SHM, 4, "tp=2,dp=2", args)
+    p = eval_under(small_shm(), 4, "tp=2,dp=2", args)
     assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
     assert "note:" not in p.stderr, p.stderr
     assert loaded(p) == loaded(shared)
@@ -240,7 +242,7 @@ def test_twins_without_shared_memory_keep_a_copy_each(chunky):
     need_no_memfd()
     _, args, _, _ = chunky
     own = mpirun_eval(4, "--layout", "tp=2,dp=2", "--share-weights", "no", *args)
-    p = eval_under(SMALL_SHM.replace('exec unshare', f'exec {NO_MEMFD} unshare'), 4, "tp=2,dp=2", args)
+    p = eval_under(small_shm(NO_MEMFD), 4, "tp=2,dp=2", args)
     notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
     assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 2 group(s) ") and "No space left" in notes[0], p.stderr
     assert loaded(p) == loaded(own) and "shared copies" not in p.stderr
