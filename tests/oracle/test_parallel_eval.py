@@ -9,6 +9,7 @@ ranks of a split layout read about the checkpoint once between them, not once ea
 import json
 import os
 import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -173,12 +174,16 @@ NO_MEMFD = (BUILD / "release" / "tests" / "no-memfd" if (BUILD / "release").exis
             else BUILD / "tests" / "no-memfd")
 
 
-def eval_under(prefix, np_, layout, args):
+def eval_under(prefix, np_, layout, args, each=None):
     """smp-eval under mpirun, run by `prefix` (a shell line whose "$@" is the mpirun
-    command, or None); MPI kept on self and tcp, off /dev/shm."""
+    command, or None), each rank by `each` (a bash line whose "$@" is the rank's
+    smp-eval command, or None); MPI kept on self and tcp, off /dev/shm."""
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    exe = [str(BUILD / "bin" / "smp-eval")]
+    if each:
+        exe = ["bash", "-c", each, "bash", *exe]
     cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "--mca", "btl", "self,tcp", "-np", str(np_),
-           str(BUILD / "bin" / "smp-eval"), "--layout", layout, *[str(a) for a in args]]
+           *exe, "--layout", layout, *[str(a) for a in args]]
     if prefix:
         cmd = ["sh", "-c", prefix, "sh", *cmd]
     p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=120)
@@ -247,6 +252,39 @@ def test_twins_without_shared_memory_keep_a_copy_each(chunky):
     assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 2 group(s) ") and "No space left" in notes[0], p.stderr
     assert loaded(p) == loaded(own) and "shared copies" not in p.stderr
     assert json.loads(p.stdout)["loss"] == json.loads(own.stdout)["loss"]
+
+
+def need_pid_namespaces():
+    if subprocess.run(["unshare", "--pid", "--fork", "--mount-proc", "true"], capture_output=True).returncode:
+        pytest.skip("needs PID namespaces of its own (unshare --pid --mount-proc: root)")
+
+
+def test_a_twin_in_another_pid_namespace_does_not_map_the_wrong_object(chunky, tmp_path):
+    """The twins find their creator's memfd as /proc/PID/fd/N. Every rank here runs in a
+    PID namespace of its own (as ranks in separate containers of one host do), so that
+    path names, in the twins' namespace, a descriptor of their own: ranks 2 and 3 (the
+    twins of ranks 0 and 1 under tp=2,dp=2, dp outermost) hold a decoy file, big enough
+    to be mapped, on every low descriptor. They must see that it is not their creator's
+    object (its device and inode) and share through /dev/shm instead: the loss and bytes
+    of the default run, the decoy never written, nothing left in /dev/shm. Without the
+    check, each twin would load its half into the decoy and the forward would read zeros
+    in the other half."""
+    need_pid_namespaces()
+    _, args, _, _ = chunky
+    decoy = tmp_path / "decoy"
+    with open(decoy, "wb") as f:
+        f.truncate(64 << 20)  # sparse zeros, more than the whole model's 6 MB of fp32
+    hold = f'for fd in $(seq 3 60); do eval "exec $fd<>{shlex.quote(str(decoy))}"; done'
+    each = f'if [ "$OMPI_COMM_WORLD_RANK" -ge 2 ]; then {hold}; fi; exec unshare --pid --fork --mount-proc "$@"'
+    shared = eval_under(None, 4, "tp=2,dp=2", args)
+    p = eval_under(None, 4, "tp=2,dp=2", args, each=each)
+    assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
+    assert "note:" not in p.stderr, p.stderr
+    assert loaded(p) == loaded(shared)
+    assert json.loads(p.stdout)["loss"] == json.loads(shared.stdout)["loss"]
+    with open(decoy, "rb") as f:
+        assert f.read().count(0) == 64 << 20, "a twin wrote into its own descriptor's file"
+    assert stale_shm_objects() == []
 
 
 def test_reading_together_catches_a_corrupt_chunk(chunky, tmp_path):
