@@ -6,8 +6,8 @@
  * else a POSIX shared memory object unlinked as soon as every twin has mapped it),
  * split the reading of the tensors between them, and make the mapping read-only once
  * it is loaded. On the 2-core benchmark VM the fresh memory that a load writes, not the
- * reading, sets the 8-rank load's time (docs/TRAINING.md "Loading"): twins halve both. Training never shares: each rank
- * updates its own weights. */
+ * reading, sets the 8-rank load's time (docs/TRAINING.md "Loading"): twins halve both.
+ * Training never shares: each rank updates its own weights. */
 #ifndef SMP_TRAIN_SHARE_H
 #define SMP_TRAIN_SHARE_H
 

@@ -370,10 +370,10 @@ static shard_status place_chunks(piece_run *r)
         chunk_box(r, k, &sub, hoff);
         s = chunk_place(r, hoff, r->g.full, &r->at[k]);
     }
+    if (s) return s; /* r->at is not filled in past the failure */
     const haddr_t a0 = r->at[0], a1 = r->at[r->g.nchunks - 1];
-    int err = s || a1 < a0 ? 0 : shard_reserve_blocks(r->pc->w->fd, a0, a1 - a0 + r->g.full);
-    if (err) s = write_failed(r->pc, err);
-    return s;
+    const int err = a1 < a0 ? 0 : shard_reserve_blocks(r->pc->w->fd, a0, a1 - a0 + r->g.full);
+    return err ? write_failed(r->pc, err) : SHARD_OK;
 }
 
 /* Where HDF5 put the n bytes of a chunk it wrote (H5Dwrite_chunk; in the write turn),
