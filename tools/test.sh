@@ -51,7 +51,7 @@ step "oracle tests (pytest, one worker per core), the CUDA backend on the CPU em
 # order, on one worker, as they do alone). The emulated CUDA backend's file is one of them
 # (its tests run single-threaded; its fixture finds the emulator built above). README,
 # "Tests", has the figures.
-SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -p no:cacheprovider --durations=15 \
+SMP_BUILD="$ROOT/build" SMP_BUILD_SAN="$ROOT/build/asan" "$PY" -m pytest -q -rs -p no:cacheprovider --durations=15 \
     -n "$JOBS" --dist loadfile tests/oracle
 rc=$?
 if [ $rc -eq 0 ]; then ok "pytest tests/oracle"; else bad "pytest tests/oracle (exit $rc)"; fi
