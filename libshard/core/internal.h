@@ -47,10 +47,21 @@ shard_status shard_blockmap_finish(shard_blockmap *m, int fd, const char *path, 
  * file, else 0; the note is removed either way. */
 shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes);
 int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes);
+/* A durable writer's background flushes (io/flusher.c): a thread that fdatasyncs the
+ * file (a duplicate of fd) once after each kick, while the writer goes on. start: NULL
+ * where fd < 0 or no thread can be made (the writer's fsync at close then does it all);
+ * kick and stop take NULL. stop waits for the flushes asked for, ends the thread and
+ * returns 0 or the errno of the first failed flush, which the writer must report as
+ * its fsync's failure (the kernel reports a writeback error once per open file). */
+typedef struct shard_flusher shard_flusher;
+shard_flusher *shard_flusher_start(int fd);
+void shard_flusher_kick(shard_flusher *f);
+int shard_flusher_stop(shard_flusher *f);
 /* Early writeback for durable writers: count n more bytes written to fd and, past
  * 64 MiB since the last time, start the kernel's writeback of the file without
- * waiting, so that the fsync at close finds most of it on disk (no_fsync: never). */
-void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync);
+ * waiting and kick the writer's flusher (NULL: none), so that the fsync at close finds
+ * most of it on disk (no_fsync: never). */
+void shard_start_writeback(int fd, shard_flusher *f, uint64_t *unsynced, size_t n, int no_fsync);
 /* The most bytes one write(2) of ours hands the kernel. Linux (6.x, ext4 among others)
  * sizes page-cache folios by the write: a 4 MiB write gets 2 MiB folios, taken from the
  * free blocks a VM's balloon has reported to its host (2 MiB and up), so that copying

@@ -221,6 +221,7 @@ struct shard_st_writer {
     size_t blen;
     shard_write_opts opts;
     uint64_t unsynced; /* bytes written since writeback was last started */
+    shard_flusher *flusher; /* durable writes: flushes while the file is written, or NULL */
 };
 #define WBUF (4u << 20)
 
@@ -249,6 +250,7 @@ shard_status shard_st_writer_create_opts(const char *path, const shard_write_opt
         shard_st_writer_abort(w);
         return s;
     }
+    if (!w->opts.no_fsync) w->flusher = shard_flusher_start(w->fd);
     *out = w;
     return SHARD_OK;
 }
@@ -292,7 +294,7 @@ static shard_status raw_write(shard_st_writer *w, const void *p, size_t n)
         if (r < 0) return shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(errno));
         c += r;
         n -= (size_t)r;
-        shard_start_writeback(w->fd, &w->unsynced, (size_t)r, w->opts.no_fsync);
+        shard_start_writeback(w->fd, w->flusher, &w->unsynced, (size_t)r, w->opts.no_fsync);
     }
     return SHARD_OK;
 }
@@ -349,6 +351,9 @@ shard_status shard_st_writer_finish(shard_st_writer *w)
     if (!s && w->written != w->total)
         s = shard_fail(SHARD_E_USAGE, "%s: %llu of %llu declared bytes written", w->path, (unsigned long long)w->written, (unsigned long long)w->total);
     if (!s) s = flush_buf(w);
+    const int flushed = shard_flusher_stop(w->flusher); /* a failure it saw is this fsync's */
+    w->flusher = NULL;
+    if (!s && flushed) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(flushed));
     if (!s && !w->opts.no_fsync && fsync(w->fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
     if (!s && fchmod(w->fd, 0644) != 0) s = shard_fail(SHARD_E_IO, "%s: chmod failed: %s", w->path, strerror(errno));
     if (!s && close(w->fd) != 0) s = shard_fail(SHARD_E_IO, "%s: close failed: %s", w->path, strerror(errno));
@@ -364,6 +369,7 @@ shard_status shard_st_writer_finish(shard_st_writer *w)
 void shard_st_writer_abort(shard_st_writer *w)
 {
     if (!w) return;
+    (void)shard_flusher_stop(w->flusher);
     if (w->fd >= 0) close(w->fd);
     if (w->tmp) unlink(w->tmp);
     json_decref(w->hdr);

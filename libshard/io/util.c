@@ -134,11 +134,12 @@ shard_status shard_fsync_dir_of(const char *path)
     return s;
 }
 
-void shard_start_writeback(int fd, uint64_t *unsynced, size_t n, int no_fsync)
+void shard_start_writeback(int fd, shard_flusher *f, uint64_t *unsynced, size_t n, int no_fsync)
 {
     *unsynced += n;
     if (fd < 0 || no_fsync || *unsynced < (64u << 20)) return;
     sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+    shard_flusher_kick(f);
     *unsynced = 0;
 }
 

@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -171,6 +172,38 @@ static void test_fhash_stream(void **st)
 /* A shard writer's block map: the blocks it recorded are taken from memory and only the
  * rest is read back; recorded spans start and end inside blocks or on their edges. A
  * span recorded from bytes that are not the file's shows that the map is what counts. */
+/* The background flusher (io/flusher.c): every kick gets its fdatasync before stop
+ * returns, and a failed one comes back from stop (a pipe cannot be synced: EINVAL), so
+ * that the writer's close can report it as its fsync's failure. */
+static void test_flusher(void **st)
+{
+    (void)st;
+    assert_null(shard_flusher_start(-1));
+    shard_flusher_kick(NULL);
+    assert_int_equal(shard_flusher_stop(NULL), 0);
+    char path[] = "/tmp/smp-unit-fl-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    shard_flusher *f = shard_flusher_start(fd);
+    assert_non_null(f);
+    assert_int_equal(write(fd, "durable", 7), 7);
+    shard_flusher_kick(f);
+    close(fd); /* the flusher holds a duplicate: the writer may close its own first */
+    assert_int_equal(shard_flusher_stop(f), 0);
+    unlink(path);
+    int p[2];
+    assert_int_equal(pipe(p), 0);
+    f = shard_flusher_start(p[1]);
+    assert_non_null(f);
+    assert_int_equal(shard_flusher_stop(f), 0); /* never kicked: never flushed */
+    f = shard_flusher_start(p[1]);
+    shard_flusher_kick(f);
+    shard_flusher_kick(f);
+    assert_int_equal(shard_flusher_stop(f), EINVAL);
+    close(p[0]);
+    close(p[1]);
+}
+
 static void test_blockmap(void **st)
 {
     (void)st;
@@ -449,7 +482,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
