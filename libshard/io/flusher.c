@@ -44,7 +44,7 @@ static void *flusher_main(void *arg)
         pthread_mutex_unlock(&f->mu);
         const int r = fdatasync(f->fd) == 0 ? 0 : errno;
         pthread_mutex_lock(&f->mu);
-        if (r && !f->err) f->err = r;
+        if (r && r != EINTR && !f->err) f->err = r; /* interrupted: nothing was reported, the close's fsync runs */
     }
     pthread_mutex_unlock(&f->mu);
     return NULL;
