@@ -111,7 +111,7 @@ struct shard_h5_writer {
     int threads;
     int fd;                /* the file's descriptor (sec2 driver), or -1 */
     uint64_t unsynced;     /* bytes handed to HDF5 since writeback was last started */
-    shard_flusher *flusher; /* durable writes: flushes while the file is written, or NULL */
+    shard_flusher *flusher; /* durable writes past 64 MiB: flushes while the file grows, or NULL */
     shard_blockmap blocks; /* the file checksum's blocks hashed as the chunks were written */
 };
 
@@ -135,7 +135,6 @@ shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer
     if (w->file < 0) { free(w->path); free(w); return shard_fail(SHARD_E_IO, "%s: cannot create the HDF5 file", path); }
     void *handle = NULL;
     w->fd = H5Fget_vfd_handle(w->file, H5P_DEFAULT, &handle) >= 0 && handle ? *(int *)handle : -1;
-    if (!c.no_fsync) w->flusher = shard_flusher_start(w->fd);
     shard_blockmap_init(&w->blocks);
     *out = w;
     return SHARD_OK;
@@ -528,7 +527,7 @@ static void *pipeline_worker(void *arg)
             else if (!s) shard_blockmap_record(&pc->w->blocks, (uint64_t)at, out, outn);
         }
         pthread_mutex_lock(&p->mu);
-        if (!s) shard_start_writeback(pc->w->fd, pc->w->flusher, &pc->w->unsynced, outn, pc->w->c.no_fsync); /* the disk works while we convert */
+        if (!s) shard_start_writeback(pc->w->fd, &pc->w->flusher, &pc->w->unsynced, outn, pc->w->c.no_fsync); /* the disk works while we convert */
         if (!s && p->done) p->done(p->done_arg, valid);
         if (run->direct) fail_locked(p, s);
         else end_turn(p, &p->next_write, s);
@@ -651,20 +650,16 @@ shard_status shard_h5_close(shard_h5_writer *w)
     }
     int fd = s ? -1 : open(w->path, O_RDONLY | O_CLOEXEC);
     if (!s && fd < 0) s = shard_fail(SHARD_E_IO, "%s: cannot open: %s", w->path, strerror(errno));
-    if (!s) {
-        /* the file's checksum for the commit, while the disk writes the rest back: the
-         * chunks' blocks were hashed as they were written, the rest is read back */
-        uint64_t hash, bytes;
-        if (!w->c.no_fsync) sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-        s = shard_blockmap_finish(&w->blocks, fd, w->path, &hash, &bytes);
-        const int flushed = shard_flusher_stop(w->flusher); /* a failure it saw is this fsync's */
-        w->flusher = NULL;
-        if (!s && flushed) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(flushed));
-        if (!s && !w->c.no_fsync && fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
-        if (!s) (void)shard_file_hash_note(w->path, fd, hash, bytes); /* without a note, the commit reads the file */
-    }
+    /* the file's checksum for the commit, while the disk writes the rest back: the
+     * chunks' blocks were hashed as they were written, the rest is read back */
+    uint64_t hash = 0, bytes = 0;
+    if (!s && !w->c.no_fsync) sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
+    if (!s) s = shard_blockmap_finish(&w->blocks, fd, w->path, &hash, &bytes);
+    const int flushed = shard_flusher_stop(w->flusher); /* a failure it saw is this fsync's */
+    if (!s && flushed) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(flushed));
+    if (!s && !w->c.no_fsync && fsync(fd) != 0) s = shard_fail(SHARD_E_IO, "%s: fsync failed: %s", w->path, strerror(errno));
+    if (!s) (void)shard_file_hash_note(w->path, fd, hash, bytes); /* without a note, the commit reads the file */
     if (fd >= 0) close(fd);
-    (void)shard_flusher_stop(w->flusher); /* a failed close: the file is not kept */
     H5Eclear2(H5E_DEFAULT); /* a failure's error stack: this may be a thread of its own, about to end */
     shard_blockmap_free(&w->blocks);
     free(w->path);

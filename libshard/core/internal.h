@@ -59,9 +59,10 @@ void shard_flusher_kick(shard_flusher *f);
 int shard_flusher_stop(shard_flusher *f);
 /* Early writeback for durable writers: count n more bytes written to fd and, past
  * 64 MiB since the last time, start the kernel's writeback of the file without
- * waiting and kick the writer's flusher (NULL: none), so that the fsync at close finds
- * most of it on disk (no_fsync: never). */
-void shard_start_writeback(int fd, shard_flusher *f, uint64_t *unsynced, size_t n, int no_fsync);
+ * waiting and kick the writer's flusher (*f, started the first time: smaller files
+ * never get one), so that the fsync at close finds most of it on disk (no_fsync:
+ * never). */
+void shard_start_writeback(int fd, shard_flusher **f, uint64_t *unsynced, size_t n, int no_fsync);
 /* The most bytes one write(2) of ours hands the kernel. Linux (6.x, ext4 among others)
  * sizes page-cache folios by the write: a 4 MiB write gets 2 MiB folios, taken from the
  * free blocks a VM's balloon has reported to its host (2 MiB and up), so that copying

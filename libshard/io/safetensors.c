@@ -221,7 +221,7 @@ struct shard_st_writer {
     size_t blen;
     shard_write_opts opts;
     uint64_t unsynced; /* bytes written since writeback was last started */
-    shard_flusher *flusher; /* durable writes: flushes while the file is written, or NULL */
+    shard_flusher *flusher; /* durable writes past 64 MiB: flushes while the file grows, or NULL */
 };
 #define WBUF (4u << 20)
 
@@ -250,7 +250,6 @@ shard_status shard_st_writer_create_opts(const char *path, const shard_write_opt
         shard_st_writer_abort(w);
         return s;
     }
-    if (!w->opts.no_fsync) w->flusher = shard_flusher_start(w->fd);
     *out = w;
     return SHARD_OK;
 }
@@ -294,7 +293,7 @@ static shard_status raw_write(shard_st_writer *w, const void *p, size_t n)
         if (r < 0) return shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(errno));
         c += r;
         n -= (size_t)r;
-        shard_start_writeback(w->fd, w->flusher, &w->unsynced, (size_t)r, w->opts.no_fsync);
+        shard_start_writeback(w->fd, &w->flusher, &w->unsynced, (size_t)r, w->opts.no_fsync);
     }
     return SHARD_OK;
 }

@@ -134,12 +134,13 @@ shard_status shard_fsync_dir_of(const char *path)
     return s;
 }
 
-void shard_start_writeback(int fd, shard_flusher *f, uint64_t *unsynced, size_t n, int no_fsync)
+void shard_start_writeback(int fd, shard_flusher **f, uint64_t *unsynced, size_t n, int no_fsync)
 {
     *unsynced += n;
     if (fd < 0 || no_fsync || *unsynced < (64u << 20)) return;
     sync_file_range(fd, 0, 0, SYNC_FILE_RANGE_WRITE);
-    shard_flusher_kick(f);
+    if (!*f) *f = shard_flusher_start(fd); /* its first 64 MiB: a file worth flushing as it grows */
+    shard_flusher_kick(*f);
     *unsynced = 0;
 }
 
