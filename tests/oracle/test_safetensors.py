@@ -178,3 +178,62 @@ def test_merge_writes_at_most_256_kib_at_a_time(tmp_path):
     assert max(sizes) <= 256 << 10, max(sizes)
     src, got = load_file(str(tmp_path / "hf" / "model.safetensors")), load_file(str(tmp_path / "m" / "model.safetensors"))
     assert set(src) == set(got) and all(np.array_equal(src[k], got[k]) for k in src)
+
+
+def traced_syncs(tmp_path, tag, cmd, *args):
+    """Runs a release command under strace; returns (main pid, [(pid, syscall)]) of its
+    fsync and fdatasync calls."""
+    import subprocess
+    from conftest import BUILD
+    log = tmp_path / f"{tag}.strace"
+    p = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve,fsync,fdatasync", "-e", "signal=none", "-o", str(log),
+                        str(BUILD / "bin" / cmd), *map(str, args)], capture_output=True, text=True, timeout=300)
+    if p.returncode != 0 and "ptrace" in p.stderr.lower():
+        pytest.skip(f"strace cannot trace here: {p.stderr.strip().splitlines()[0]}")
+    assert p.returncode == 0, p.stderr
+    calls = [line.split(None, 1) for line in log.read_text().splitlines()]
+    main = next(int(pid) for pid, rest in calls if rest.startswith("execve("))
+    return main, [(int(pid), rest.split("(", 1)[0]) for pid, rest in calls if not rest.startswith("execve(")]
+
+
+@pytest.mark.skipif(shutil.which("strace") is None, reason="strace is not installed")
+def test_durable_writers_flush_in_the_background(tmp_path):
+    """A durable HDF5 shard writer (hf2smp) and safetensors writer (smp-merge) past 64 MiB
+    start their flusher (libshard/io/flusher.c): a thread other than the main one calls
+    fdatasync while the file is written, the close still fsyncs, and what lands is bit for
+    bit what `safetensors` and h5py read back; the ASan + UBSan build does the same without
+    a report. With --no-fsync, neither call happens. One pp=1 shard file and one merged
+    file of 2 x 80 MiB (f32 embedding and head [32000, 640])."""
+    import h5py
+    from conftest import run
+    from test_read import assert_same, llama_config, make_hf
+    cfg = llama_config(32000, 640, 128, 1, 4, 2, "float32")
+    src = make_hf(tmp_path / "hf", cfg, np.float32, seed=5)
+    ref = load_file(str(src / "model.safetensors"))
+    ck, out = tmp_path / "ck", tmp_path / "m"
+    steps = [("hf2smp", "smp-convert", "hf2smp", "--in", src, "--out", ck, "--layout", "pp=1", "--compress", "none"),
+             ("merge", "smp-merge", "--in", ck, "--out", out)]
+    for tag, *cmd in steps:
+        main, calls = traced_syncs(tmp_path, tag, *cmd)
+        flushes = [pid for pid, name in calls if name == "fdatasync"]
+        assert flushes and main not in flushes, (tag, calls)  # the flusher's, in its own thread
+        assert "fsync" in [name for _, name in calls], (tag, calls)  # the durability point at close
+    [shard_file] = list(ck.rglob("*.h5"))
+    assert shard_file.stat().st_size > 128 << 20
+    with h5py.File(shard_file, "r") as f:
+        found = []
+        f.visititems(lambda name, obj: found.append(obj[()]) if isinstance(obj, h5py.Dataset) and
+                     obj.shape == ref["lm_head.weight"].shape else None)
+    assert any(np.array_equal(a, ref["lm_head.weight"]) for a in found)
+    assert any(np.array_equal(a, ref["model.embed_tokens.weight"]) for a in found)
+    got = load_file(str(out / "model.safetensors"))
+    assert set(got) == set(ref)
+    for k in ref:
+        assert_same(got[k], ref[k], f"durable merge {k}")
+    run("smp-verify", ck, check=0)
+    run("smp-convert", "hf2smp", "--in", src, "--out", tmp_path / "ck-san", "--layout", "pp=1", "--compress", "none",
+        san=True, check=0)
+    run("smp-merge", "--in", tmp_path / "ck-san", "--out", tmp_path / "m-san", san=True, check=0)
+    assert (tmp_path / "m-san" / "model.safetensors").read_bytes() == (out / "model.safetensors").read_bytes()
+    _, calls = traced_syncs(tmp_path, "merge-no-fsync", "smp-merge", "--in", ck, "--out", tmp_path / "m2", "--no-fsync")
+    assert calls == [], calls
