@@ -5,11 +5,11 @@
 #include <stdint.h>
 #include <cmocka.h>
 
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -169,9 +169,6 @@ static void test_fhash_stream(void **st)
     free(buf);
 }
 
-/* A shard writer's block map: the blocks it recorded are taken from memory and only the
- * rest is read back; recorded spans start and end inside blocks or on their edges. A
- * span recorded from bytes that are not the file's shows that the map is what counts. */
 /* The background flusher (io/flusher.c): every kick gets its fdatasync before stop
  * returns, and a failed one comes back from stop (a pipe cannot be synced: EINVAL), so
  * that the writer's close can report it as its fsync's failure. */
@@ -204,6 +201,9 @@ static void test_flusher(void **st)
     close(p[1]);
 }
 
+/* A shard writer's block map: the blocks it recorded are taken from memory and only the
+ * rest is read back; recorded spans start and end inside blocks or on their edges. A
+ * span recorded from bytes that are not the file's shows that the map is what counts. */
 static void test_blockmap(void **st)
 {
     (void)st;
