@@ -977,21 +977,26 @@ static void test_fp8_recipe(int fmt, float margin)
     TEST_END();
 }
 
-/* dst [cols, ld]: the rows transposed, columns rows..ld-1 zero */
-static void test_fp8_transpose(int rows, int cols, int ld)
+/* dst [cols, ld]: the rows transposed, columns rows..ld-1 zero. soff / doff shift the
+ * source and destination off their allocation's alignment (the word form needs 4 bytes). */
+static void test_fp8_transpose(int rows, int cols, int ld, int soff, int doff)
 {
-    TEST_BEGIN("fp8 transpose %dx%d ld=%d", rows, cols, ld);
+    TEST_BEGIN("fp8 transpose %dx%d ld=%d src+%d dst+%d", rows, cols, ld, soff, doff);
     const size_t n = (size_t)rows * cols, nt = (size_t)ld * cols;
     uint8_t *a = (uint8_t *)hmalloc(n), *t = (uint8_t *)hmalloc(nt);
     for (size_t i = 0; i < n; i++) a[i] = (uint8_t)rng_u64();
-    uint8_t *d_a = (uint8_t *)dmalloc(n), *d_t = (uint8_t *)dmalloc(nt);
+    uint8_t *d_a0 = (uint8_t *)dmalloc(n + 4), *d_t0 = (uint8_t *)dmalloc(nt + 4);
+    uint8_t *d_a = d_a0 + soff, *d_t = d_t0 + doff;
     CK(cudaMemcpy(d_a, a, n, cudaMemcpyHostToDevice));
-    CK(cudaMemset(d_t, 0x5a, nt)); /* the pad must be written, not left */
+    CK(cudaMemset(d_t0, 0x5a, nt + 4)); /* the pad must be written, not left */
     CK_SYNC(cuda_op_fp8_transpose(d_t, ld, d_a, rows, cols, 0));
     CK(cudaMemcpy(t, d_t, nt, cudaMemcpyDeviceToHost));
     size_t bad = 0;
     for (int c = 0; c < cols; c++)
         for (int r = 0; r < ld; r++) bad += t[(size_t)c * ld + r] != (r < rows ? a[(size_t)r * cols + c] : 0);
+    uint8_t edge[4];
+    CK(cudaMemcpy(edge, d_t + nt, (size_t)(4 - doff), cudaMemcpyDeviceToHost));
+    for (int i = 0; i < 4 - doff; i++) bad += edge[i] != 0x5a; /* nothing written past dst */
     report("bytes differing", (double)bad, 0.0);
     TEST_END();
 }
@@ -1262,10 +1267,19 @@ int main(int argc, char **argv)
         test_fp8_recipe(OP_FP8_E5M2, 1.0f);
     }
     if (selected("fp8 transpose")) {
-        test_fp8_transpose(64, 96, 64);
-        test_fp8_transpose(77, 130, 77);
-        test_fp8_transpose(77, 130, 80); /* padded to 16 rows */
-        test_fp8_transpose(3, 70, 16);   /* an expert's few rows */
+        /* the word form: columns and ld multiples of 4, aligned pointers */
+        test_fp8_transpose(64, 96, 64, 0, 0);
+        test_fp8_transpose(77, 132, 80, 0, 0);   /* partial tiles, rows padded */
+        test_fp8_transpose(3, 68, 16, 0, 0);     /* an expert's few rows */
+        test_fp8_transpose(130, 260, 132, 0, 0); /* tiles both ways, partial at both ends */
+        test_fp8_transpose(40, 64, 256, 0, 0);   /* tiles of pad only */
+        /* the byte form: odd columns or ld, or pointers off 4 bytes */
+        test_fp8_transpose(77, 130, 77, 0, 0);
+        test_fp8_transpose(77, 130, 80, 0, 0); /* padded to 16 rows */
+        test_fp8_transpose(3, 70, 16, 0, 0);
+        test_fp8_transpose(77, 132, 77, 0, 0);
+        test_fp8_transpose(64, 96, 64, 1, 0);
+        test_fp8_transpose(64, 96, 64, 0, 2);
     }
     if (selected("adamw")) {
         test_adamw(quick ? 10003 : 1000003, 1);

@@ -518,6 +518,15 @@ cudaError_t cudaGetDeviceProperties(struct cudaDeviceProp *p, int)
 }
 cudaError_t cudaDriverGetVersion(int *v) { *v = 13000; return cudaSuccess; }
 cudaError_t cudaRuntimeGetVersion(int *v) { *v = 13000; return cudaSuccess; }
+/* Hopper's limits without the registers (the emulator cannot know them): 2048 threads
+ * and 228 KiB of shared memory a multiprocessor, 1 KiB of it reserved a block */
+cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int *n, const void *, int threads, size_t smem)
+{
+    if (threads < 1 || threads > 1024 || smem > 227 * 1024) return ret(cudaErrorInvalidValue);
+    const int by_threads = 2048 / threads, by_smem = (int)((228 * 1024) / (smem + 1024));
+    *n = by_threads < by_smem ? by_threads : by_smem;
+    return cudaSuccess;
+}
 cudaError_t cudaFuncSetAttribute(const void *, enum cudaFuncAttribute attr, int value)
 {
     if (attr == cudaFuncAttributeMaxDynamicSharedMemorySize && value > 227 * 1024) return ret(cudaErrorInvalidValue);

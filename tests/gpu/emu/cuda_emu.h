@@ -122,5 +122,17 @@ static inline unsigned __float_as_uint(float x) { unsigned i; memcpy(&i, &x, 4);
 static inline float __int_as_float(int i) { float x; memcpy(&x, &i, 4); return x; }
 static inline float __uint_as_float(unsigned i) { float x; memcpy(&x, &i, 4); return x; }
 template <typename T> static inline T __ldg(const T *p) { return *p; }
+/* PRMT's default mode: selector nibble i picks byte (n & 7) of {y:x} for result byte i,
+ * its sign replicated when n & 8 */
+static inline unsigned __byte_perm(unsigned x, unsigned y, unsigned s)
+{
+    const uint64_t xy = (uint64_t)y << 32 | x;
+    unsigned r = 0;
+    for (int i = 0; i < 4; i++) {
+        const unsigned n = (s >> (4 * i)) & 15u, b = (unsigned)(xy >> (8 * (n & 7))) & 0xffu;
+        r |= (n & 8 ? (b & 0x80 ? 0xffu : 0u) : b) << (8 * i);
+    }
+    return r;
+}
 
 #endif
