@@ -5,10 +5,11 @@
  * variance about it in a second pass over the row (no cancellation).
  * backward: a grid of as many blocks as fit on the multiprocessors at once walks the
  * rows; each block sums its rows' dweight (and dbias) in shared memory (every column
- * has one owning thread) and adds it to dweight (dbias) once, atomically. A block waits
- * on its row's loads and two block reductions a row, so the multiprocessor needs many
- * blocks to keep memory busy (two a multiprocessor ran at 40% of the copy bandwidth on
- * an H200, 2026-12-04); more blocks cost only more atomic adds at the end. */
+ * has one owning thread) and adds it to dweight (dbias) once, atomically. A block
+ * waits on its row's loads and a block reduction (two with centering) a row, so the
+ * multiprocessor needs many blocks to keep memory busy (two a multiprocessor ran the
+ * RMSNorm backward at 40% of the copy bandwidth on an H200, 2026-12-04); more blocks
+ * cost only more atomic adds at the end. */
 #include "norm.cuh"
 
 enum { NORM_THREADS = 256 };
