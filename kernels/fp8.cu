@@ -133,13 +133,12 @@ __global__ void __launch_bounds__(256) fp8_transpose_words_kernel(uint32_t *dst,
 }
 
 template <typename T>
-static cudaError_t quantize_run(uint8_t *q, float *amax, const void *x, size_t n, const float *scale, bool e5m2,
-                                cudaStream_t stream)
+static cudaError_t quantize_run(uint8_t *q, float *amax, bool reset, const void *x, size_t n, const float *scale,
+                                bool e5m2, cudaStream_t stream, const char *fn)
 {
-    if (amax) {
+    if (amax && reset) {
         cudaError_t e = cudaMemsetAsync(amax, 0, sizeof(float), stream);
-        if (e != cudaSuccess)
-            return smp_cuda_fail(e, "cuda_op_fp8_quantize", "cudaMemsetAsync: %s", cudaGetErrorString(e));
+        if (e != cudaSuccess) return smp_cuda_fail(e, fn, "cudaMemsetAsync: %s", cudaGetErrorString(e));
     }
     if (n == 0) return cudaSuccess;
     int sms = smp_cuda_sm_count();
@@ -157,18 +156,34 @@ static cudaError_t quantize_run(uint8_t *q, float *amax, const void *x, size_t n
         auto k = fp8_quantize_kernel<T, false>;
         SMP_LAUNCH(k, smp_blocks(n, Q_THREADS, cap), Q_THREADS, 0, stream, q, amax, (const T *)x, n, scale, e5m2);
     }
-    return smp_cuda_launched("cuda_op_fp8_quantize");
+    return smp_cuda_launched(fn);
 }
 
-extern "C" cudaError_t cuda_op_fp8_quantize(uint8_t *q, float *amax, const void *x, size_t n, const float *scale,
-                                            int fmt, cudaDataType_t dt, cudaStream_t stream)
+static cudaError_t quantize_op(uint8_t *q, float *amax, bool reset, const void *x, size_t n, const float *scale,
+                               int fmt, cudaDataType_t dt, cudaStream_t stream, const char *fn)
 {
     SMP_ARG(SMP_DT_OK(dt), "dtype %d is not CUDA_R_32F or CUDA_R_16BF", (int)dt);
     SMP_ARG(fmt == OP_FP8_E4M3 || fmt == OP_FP8_E5M2, "fmt=%d is not OP_FP8_E4M3 or OP_FP8_E5M2", fmt);
     SMP_ARG(scale && ((q && x) || n == 0), "NULL pointer");
     const bool e5m2 = fmt == OP_FP8_E5M2;
-    return dt == CUDA_R_32F ? quantize_run<float>(q, amax, x, n, scale, e5m2, stream)
-                            : quantize_run<bf16>(q, amax, x, n, scale, e5m2, stream);
+    return dt == CUDA_R_32F ? quantize_run<float>(q, amax, reset, x, n, scale, e5m2, stream, fn)
+                            : quantize_run<bf16>(q, amax, reset, x, n, scale, e5m2, stream, fn);
+}
+
+extern "C" cudaError_t cuda_op_fp8_quantize(uint8_t *q, float *amax, const void *x, size_t n, const float *scale,
+                                            int fmt, cudaDataType_t dt, cudaStream_t stream)
+{
+    return quantize_op(q, amax, true, x, n, scale, fmt, dt, stream, "cuda_op_fp8_quantize");
+}
+
+/* The blocks' atomic max on the float's bits is the fold's rule already (|x| >= 0, and
+ * NaN, 0x7fc00000 once made positive, is above every other value): accumulating into
+ * the step's slot needs no reset and no fold kernel. */
+extern "C" cudaError_t cuda_op_fp8_quantize_acc(uint8_t *q, float *amax, const void *x, size_t n, const float *scale,
+                                                int fmt, cudaDataType_t dt, cudaStream_t stream)
+{
+    SMP_ARG(amax, "NULL amax");
+    return quantize_op(q, amax, false, x, n, scale, fmt, dt, stream, "cuda_op_fp8_quantize_acc");
 }
 
 extern "C" cudaError_t cuda_op_fp8_dequantize(void *x, const uint8_t *q, size_t n, const float *scale, int fmt,

@@ -252,6 +252,13 @@ cudaError_t cuda_op_add(void *y, const void *a, const void *b, size_t n, cudaDat
 cudaError_t cuda_op_fp8_quantize(uint8_t *q, float *amax, const void *x, size_t n,
                                  const float *scale, int fmt, cudaDataType_t dt,
                                  cudaStream_t stream);
+/* As cuda_op_fp8_quantize, but amax (not NULL) ACCUMULATES: amax = max(amax, max |x|),
+ * a NaN on either side giving NaN, the rule of cuda_op_fp8_amax_fold; amax must hold
+ * 0 to start, or what this op or the fold left there (a value >= 0, or a NaN with its
+ * sign clear). The delayed recipe records each call straight into its step's slot this
+ * way: no reset and no fold kernel a call. */
+cudaError_t cuda_op_fp8_quantize_acc(uint8_t *q, float *amax, const void *x, size_t n, const float *scale, int fmt,
+                                     cudaDataType_t dt, cudaStream_t stream);
 cudaError_t cuda_op_fp8_dequantize(void *x, const uint8_t *q, size_t n, const float *scale,
                                    int fmt, cudaDataType_t dt, cudaStream_t stream);
 /* The recipe's bookkeeping on the device (train/fp8.h), on n scalars at once.

@@ -11,7 +11,8 @@
  *   backward: g_q = e5m2(dout * s_g), x_q and w_q again with the forward's scales;
  *             dinp += g_q @ w_q / s_g / s_w, dw (fp32) += g_q^T @ x_q / s_g / s_in
  * delayed: the scales are the host's (fp8_scales_changed uploads them) and each
- *          call's amax is recorded; current: a tensor's scale comes from its own
+ *          call's amax is recorded (the quantize accumulates it into the step's slot
+ *          itself: no reset and no fold kernel a call); current: a tensor's scale comes from its own
  *          amax first (amax, scale update, quantize); frozen (validation): the same,
  *          but nothing is recorded and current scales are not kept. */
 #include <math.h>
@@ -21,14 +22,25 @@
 #include "dev_cuda.h"
 #include "fp8.h"
 
+/* The 1/scale a GEMM reads sit 16 bytes apart: cuBLASLt's FP8 GEMMs refuse scale
+ * pointers that are not 16-byte aligned, and kernels/gemm.cu copies such a scale into
+ * an aligned slot first, an extra device copy for each operand of each call. */
+enum { SI_STRIDE = 4 };
+
 struct cu_fp8 {
     const fp8_state *owner; /* the state the scalars below mirror */
     int n;                  /* nlin * FP8_ROLES */
-    float *scale, *sinv, *amax; /* device [n] */
-    float *tmp;             /* device [3 * FP8_ROLES]: amax, scale, 1/scale of a call */
+    float *scale, *amax;    /* device [n] */
+    float *sinv;            /* device [n * SI_STRIDE]: 1/scale of k at k * SI_STRIDE */
+    float *tmp;             /* device: a call's 1/scale [FP8_ROLES * SI_STRIDE], amax and scale [FP8_ROLES] */
     uint8_t *inp_q, *w_q, *dout_q;
     int resN, resD;         /* the reservation: N rows, layers up to resD x resD */
 };
+
+static float *sinv_at(const cu_fp8 *f, int k) { return f->sinv + (size_t)k * SI_STRIDE; }
+static float *tmp_sinv(const cu_fp8 *f, int role) { return f->tmp + role * SI_STRIDE; }
+static float *tmp_amax(const cu_fp8 *f, int role) { return f->tmp + FP8_ROLES * SI_STRIDE + role; }
+static float *tmp_scale(const cu_fp8 *f, int role) { return f->tmp + FP8_ROLES * (SI_STRIDE + 1) + role; }
 
 void cu_fp8_free(dev *d)
 {
@@ -56,18 +68,19 @@ static void *dalloc(dev *d, size_t bytes)
 /* host scales -> device scale and 1/scale (as the C recipe dequantizes: 1 / scale) */
 static void upload_scales(dev *d, cu_fp8 *f, const fp8_state *s)
 {
-    float *h = malloc((size_t)f->n * 2 * sizeof(float) + 1);
+    float *h = calloc((size_t)f->n * (1 + SI_STRIDE) + 1, sizeof(float));
     if (!h) {
         dev_fail(d, SHARD_E_NOMEM, "out of host memory");
         return;
     }
     for (int i = 0; i < f->n; i++) {
         h[i] = s->scale[i];
-        h[f->n + i] = 1.0f / s->scale[i];
+        h[f->n + (size_t)i * SI_STRIDE] = 1.0f / s->scale[i];
     }
     cu_rt(d, cudaMemcpyAsync(f->scale, h, (size_t)f->n * sizeof(float), cudaMemcpyHostToDevice, cu_of(d)->st),
           "cudaMemcpyAsync");
-    cu_rt(d, cudaMemcpyAsync(f->sinv, h + f->n, (size_t)f->n * sizeof(float), cudaMemcpyHostToDevice, cu_of(d)->st),
+    cu_rt(d, cudaMemcpyAsync(f->sinv, h + f->n, (size_t)f->n * SI_STRIDE * sizeof(float), cudaMemcpyHostToDevice,
+                             cu_of(d)->st),
           "cudaMemcpyAsync");
     cu_rt(d, cudaStreamSynchronize(cu_of(d)->st), "cudaStreamSynchronize"); /* h is pageable and freed now */
     free(h);
@@ -88,9 +101,9 @@ static cu_fp8 *state_of(dev *d, const fp8_state *s)
     f->scale = f->sinv = f->amax = NULL;
     f->owner = NULL;
     f->scale = dalloc(d, (size_t)n * sizeof(float));
-    f->sinv = dalloc(d, (size_t)n * sizeof(float));
+    f->sinv = dalloc(d, (size_t)n * SI_STRIDE * sizeof(float));
     f->amax = dalloc(d, (size_t)n * sizeof(float));
-    if (!f->tmp) f->tmp = dalloc(d, 3 * FP8_ROLES * sizeof(float));
+    if (!f->tmp) f->tmp = dalloc(d, FP8_ROLES * (SI_STRIDE + 2) * sizeof(float));
     if (d->err) return NULL;
     f->n = n;
     f->owner = s;
@@ -156,21 +169,23 @@ static const float *quantize(dev *d, cu_fp8 *f, const fp8_state *s, int idx, int
 {
     cudaStream_t st = cu_of(d)->st;
     const int k = idx * FP8_ROLES + role, fmt = role == FP8_ROLE_GRAD ? OP_FP8_E5M2 : OP_FP8_E4M3;
-    float *amax = f->tmp + role, *sc = f->scale + k, *si = f->sinv + k;
+    float *amax = tmp_amax(f, role), *sc = f->scale + k, *si = sinv_at(f, k);
     if (s->mode == FP8_CURRENT) {
         cu_op(d, cuda_op_amax(amax, x, n, cu_dt(d), st));
         if (s->frozen) { /* a scale for this call only */
-            float *tsc = f->tmp + FP8_ROLES + role;
+            float *tsc = tmp_scale(f, role);
             cu_rt(d, cudaMemcpyAsync(tsc, sc, sizeof(float), cudaMemcpyDeviceToDevice, st), "cudaMemcpyAsync");
             sc = tsc;
-            si = f->tmp + 2 * FP8_ROLES + role;
+            si = tmp_sinv(f, role);
         }
         cu_op(d, cuda_op_fp8_scale_update(sc, si, amax, 1, fmt, s->margin, st));
         cu_op(d, cuda_op_fp8_quantize(q, NULL, x, n, sc, fmt, cu_dt(d), st));
+        if (!s->frozen) cu_op(d, cuda_op_fp8_amax_fold(f->amax + k, amax, 1, st));
+    } else if (s->frozen) {
+        cu_op(d, cuda_op_fp8_quantize(q, NULL, x, n, sc, fmt, cu_dt(d), st));
     } else {
-        cu_op(d, cuda_op_fp8_quantize(q, s->frozen ? NULL : amax, x, n, sc, fmt, cu_dt(d), st));
+        cu_op(d, cuda_op_fp8_quantize_acc(q, f->amax + k, x, n, sc, fmt, cu_dt(d), st));
     }
-    if (!s->frozen) cu_op(d, cuda_op_fp8_amax_fold(f->amax + k, amax, 1, st));
     return si;
 }
 
@@ -201,7 +216,7 @@ void cu_fp8_linear_backward(dev *d, fp8_state *s, int idx, void *dinp, float *dw
         cu_op(d, cuda_op_fp8_quantize(f->w_q, NULL, w, (size_t)OUT * IN, f->scale + k + FP8_ROLE_WEIGHT, OP_FP8_E4M3,
                                       cu_dt(d), st));
     cu_op(d, cuda_op_linear_backward_fp8(cu_of(d)->gemm, dinp, cu_dt(d), dw, CUDA_R_32F, f->dout_q, si_g, f->inp_q,
-                                         f->sinv + k + FP8_ROLE_INPUT, f->w_q, f->sinv + k + FP8_ROLE_WEIGHT, N, IN,
+                                         sinv_at(f, k + FP8_ROLE_INPUT), f->w_q, sinv_at(f, k + FP8_ROLE_WEIGHT), N, IN,
                                          OUT, st));
 }
 

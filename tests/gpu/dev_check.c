@@ -437,6 +437,7 @@ static void test_fp8(fp8_mode mode, int N, int IN, int OUT)
     const size_t ni = (size_t)N * IN, no = (size_t)N * OUT, nw = (size_t)OUT * IN;
     pair x = ACT(randn(ni, 1.0f, 1), ni), w = ACT(randn(nw, 0.1f, 1), nw), y = ACT(NULL, no);
     pair g = ACT(randn(no, 1e-3f, 1), no), dx = ACT(randn(ni, 1e-3f, 1), ni), dw = F32(randn(nw, 1e-2f, 0), nw);
+    pair xs = ACT(randn(ni, 0.25f, 1), ni); /* a second, smaller microbatch */
     for (int round = 0; round < 2; round++) {
         const char *r = round ? "(after a step) " : "";
         char what[96];
@@ -446,6 +447,11 @@ static void test_fp8(fp8_mode mode, int N, int IN, int OUT)
             snprintf(what, sizeof what, "%sforward layer %d", r, idx);
             cmp_act(what, y);
         }
+        /* layer 0 again, on the smaller microbatch: the step's amax must stay the first's */
+        dc.ops->fp8_linear_forward(&dc, sc, 0, y.c, xs.c, w.c, N, IN, OUT);
+        dg.ops->fp8_linear_forward(&dg, sg, 0, y.g, xs.g, w.g, N, IN, OUT);
+        snprintf(what, sizeof what, "%sforward layer 0, a second microbatch", r);
+        cmp_act(what, y);
         dc.ops->fp8_linear_backward(&dc, sc, 1, dx.c, dw.c, g.c, x.c, w.c, N, IN, OUT);
         dg.ops->fp8_linear_backward(&dg, sg, 1, dx.g, dw.g, g.g, x.g, w.g, N, IN, OUT);
         snprintf(what, sizeof what, "%sbackward dinp", r);

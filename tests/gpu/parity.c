@@ -21,6 +21,7 @@
  * --only S: run only the checks whose group name contains S.
  * SMP_PARITY_MAX_TOKENS=N in the environment leaves out the attention cases with
  * more than N tokens a side (the full set on the emulator, where 4096 take hours). */
+#include <float.h>
 #include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
@@ -887,6 +888,23 @@ static void fp8_special_values(float *x, size_t n, int fmt)
     for (size_t i = 0; i < sizeof specials / sizeof specials[0] && i < n; i++) memcpy(&x[i * 97 % n], &specials[i], 4);
 }
 
+/* cuda_op_fp8_quantize_acc from `start`: the bytes of the C op, amax folded by the
+ * recipe's rule (train/fp8.c: a NaN amax wins, a NaN accumulator stays) */
+static void check_quantize_acc(const char *what, const uint8_t *q, float am, uint8_t *qg, uint8_t *d_q, const void *d_x,
+                               size_t n, const float *d_s, int fmt, cudaDataType_t dt, float start)
+{
+    const float want = (am > start || isnan(am)) ? (isnan(start) ? start : am) : start;
+    float *d_acc = dev_scalar(start), got;
+    CK_SYNC(cuda_op_fp8_quantize_acc(d_q, d_acc, d_x, n, d_s, fmt, dt, 0));
+    CK(cudaMemcpy(&got, d_acc, 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(qg, d_q, n, cudaMemcpyDeviceToHost));
+    char name[96];
+    snprintf(name, sizeof name, "quantize_acc from %g %s: amax", start, what);
+    report(name, (got == want || (isnan(got) && isnan(want))) ? 0.0 : INFINITY, 0.0);
+    snprintf(name, sizeof name, "quantize_acc from %g %s: bytes differing", start, what);
+    report(name, memcmp(q, qg, n) ? INFINITY : 0.0, 0.0);
+}
+
 static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
 {
     TEST_BEGIN("fp8 %s %s n=%zu scale=%g", dtname(dt), fmt == OP_FP8_E5M2 ? "e5m2" : "e4m3", n, scale);
@@ -916,6 +934,7 @@ static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
     }
     report("quantize bytes differing (fraction)", (double)bad / (double)n, 0.0);
     report("quantize amax (NaN in input)", (am == amg || (isnan(am) && isnan(amg))) ? 0.0 : INFINITY, 0.0);
+    check_quantize_acc("(NaN in input)", q, am, qg, d_q, d_x, n, d_s, fmt, dt, 1.0f);
     /* amax of finite data: replace the NaNs and infinities */
     for (size_t i = 0; i < n; i++)
         if (!isfinite(x[i])) x[i] = 0.5f;
@@ -924,6 +943,9 @@ static void test_fp8(cudaDataType_t dt, int fmt, size_t n, float scale)
     CK_SYNC(cuda_op_fp8_quantize(d_q, d_am, d_x, n, d_s, fmt, dt, 0));
     CK(cudaMemcpy(&amg, d_am, 4, cudaMemcpyDeviceToHost));
     report("quantize amax (finite input)", am == amg ? 0.0 : INFINITY, 0.0);
+    const float starts[] = {0.0f, 0.5f * am, 2.0f * am + 1.0f, FLT_MAX, NAN};
+    for (size_t i = 0; i < sizeof starts / sizeof starts[0]; i++)
+        check_quantize_acc("(finite input)", q, am, qg, d_q, d_x, n, d_s, fmt, dt, starts[i]);
     /* unaligned input and output take the scalar path */
     if (n > 64) {
         const size_t m = n - 64;
