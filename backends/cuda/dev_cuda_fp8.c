@@ -12,9 +12,10 @@
  *             dinp += g_q @ w_q / s_g / s_w, dw (fp32) += g_q^T @ x_q / s_g / s_in
  * delayed: the scales are the host's (fp8_scales_changed uploads them) and each
  *          call's amax is recorded (the quantize accumulates it into the step's slot
- *          itself: no reset and no fold kernel a call); current: a tensor's scale comes from its own
- *          amax first (amax, scale update, quantize); frozen (validation): the same,
- *          but nothing is recorded and current scales are not kept. */
+ *          itself: no reset and no fold kernel a call); current: a tensor's scale
+ *          comes from its own amax first (amax, scale update, quantize); frozen
+ *          (validation): the same, but nothing is recorded and current scales are
+ *          not kept. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
