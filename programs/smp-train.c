@@ -97,6 +97,8 @@ static const char HELP[] =
     "                            comma-separated) NaN\n"
     "  --inject-fail RANK:STEP   testing aid: rank RANK fails with an error in the middle of\n"
     "                            step STEP (1-based; after its backward pass)\n"
+    "  --inject-signal RANK:STEP testing aid: rank RANK sends itself SIGTERM once step STEP\n"
+    "                            is logged (after the ranks agreed whether to stop there)\n"
     "\n"
     "SIGTERM or SIGINT: finish the current step, save a checkpoint, exit 0.\n"
     "The log's loss is the mean over the step's counted targets (all B*S without\n"
@@ -115,7 +117,7 @@ enum {
     O_CKPT, O_DATA, O_VAL_DATA, O_VAL_EVERY, O_VAL_BATCHES, O_SAVE_DIR, O_LAYOUT, O_STEPS, O_BATCH, O_MICRO, O_SEQ,
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
-    O_INJECT_NAN, O_INJECT_FAIL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_DOCS, O_DOC_SEP, O_MASK, O_VAL_MASK,
+    O_INJECT_NAN, O_INJECT_FAIL, O_INJECT_SIGNAL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_DOCS, O_DOC_SEP, O_MASK, O_VAL_MASK,
     O_TOGETHER, O_LANES, O_COUNT
 };
 static const cli_opt OPTS[O_COUNT] = {
@@ -129,7 +131,8 @@ static const cli_opt OPTS[O_COUNT] = {
     [O_FP8_HIST] = {"--fp8-history", 0}, [O_FP8_MARGIN] = {"--fp8-margin", 0}, [O_BACKEND] = {"--backend", 0},
     [O_SAVE_EVERY] = {"--save-every", 0}, [O_KEEP] = {"--keep", 0}, [O_COMPRESS] = {"--compress", 0},
     [O_LOG] = {"--log", 0}, [O_STOP_AT] = {"--stop-at", 0}, [O_DUMP_GRADS] = {"--dump-grads", 0},
-    [O_INJECT_NAN] = {"--inject-nan", 0}, [O_INJECT_FAIL] = {"--inject-fail", 0}, [O_STAGES] = {"--stages", 0},
+    [O_INJECT_NAN] = {"--inject-nan", 0}, [O_INJECT_FAIL] = {"--inject-fail", 0},
+    [O_INJECT_SIGNAL] = {"--inject-signal", 0}, [O_STAGES] = {"--stages", 0},
     [O_DTYPE] = {"--dtype", 0}, [O_RECOMPUTE] = {"--recompute", 0}, [O_SEQPAR] = {"--sequence-parallel", 1},
     [O_DOCS] = {"--documents", 1}, [O_DOC_SEP] = {"--doc-sep", 0}, [O_MASK] = {"--loss-mask", 0},
     [O_VAL_MASK] = {"--val-loss-mask", 0}, [O_TOGETHER] = {"--read-together", 0}, [O_LANES] = {"--lanes", 0},
@@ -187,7 +190,8 @@ static int read_args(train_cmd *t, par_ctx *P)
     *a = (loop_args){.ckpt = v[O_CKPT], .data = v[O_DATA], .val_data = v[O_VAL_DATA], .save_dir = v[O_SAVE_DIR],
                      .log = v[O_LOG], .stages = v[O_STAGES], .dump_grads = v[O_DUMP_GRADS], .seqpar = !!v[O_SEQPAR],
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],
-                     .layout = {1, 1, 1, P->size}, .fail_rank = -1, .fail_step = -1, .stop = &stop_requested,
+                     .layout = {1, 1, 1, P->size}, .fail_rank = -1, .fail_step = -1,
+                     .signal_rank = -1, .signal_step = -1, .stop = &stop_requested,
                      .now = now_seconds};
     if (v[O_LAYOUT] && shard_layout_parse(v[O_LAYOUT], &a->layout)) return cli_usage("--layout: %s", shard_errmsg());
     if (shard_layout_size(&a->layout) != P->size) {
@@ -219,6 +223,9 @@ static int read_args(train_cmd *t, par_ctx *P)
     if (v[O_INJECT_FAIL] && (sscanf(v[O_INJECT_FAIL], "%lld:%lld", &a->fail_rank, &a->fail_step) != 2 ||
                              a->fail_rank < 0 || a->fail_step < 1))
         return cli_usage("--inject-fail takes RANK:STEP (STEP >= 1)");
+    if (v[O_INJECT_SIGNAL] && (sscanf(v[O_INJECT_SIGNAL], "%lld:%lld", &a->signal_rank, &a->signal_step) != 2 ||
+                               a->signal_rank < 0 || a->signal_step < 1))
+        return cli_usage("--inject-signal takes RANK:STEP (STEP >= 1)");
     return 0;
 }
 

@@ -2,6 +2,7 @@
 #include "loop.h"
 
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -394,8 +395,11 @@ shard_status loop_step(train_run *r, step_result *res, int *save)
     res->elapsed = t1 - r->t_start;
     /* periodic saves wait for a good step; skipped steps leave the weights as they
      * were, so the end of the run (or a signal) saves in any case */
-    if (r->P->size > 1) *r->a->stop = par_any(r->P, *r->a->stop);
-    *save = (!r->bad_run && c->save_every && c->step % c->save_every == 0) || *r->a->stop || c->step == c->steps ||
+    /* one reading of the flag a step, agreed by the ranks: a signal landing after it waits
+     * for the next step, so a stop always comes with its save (and every rank stops) */
+    r->stopping = *r->a->stop;
+    if (r->P->size > 1) r->stopping = par_any(r->P, r->stopping);
+    *save = (!r->bad_run && c->save_every && c->step % c->save_every == 0) || r->stopping || c->step == c->steps ||
             (c->stop_at && c->step >= c->stop_at);
     if (r->vs.nfiles && !r->bad_run &&
         ((c->val_every && c->step % c->val_every == 0) || (!c->val_every && *save) || c->step == c->steps) &&
@@ -440,6 +444,7 @@ shard_status loop_run(train_run *r, loop_end *end)
         int do_save;
         if ((s = loop_step(r, &res, &do_save))) return s;
         steplog_step(&r->log, &res, c->steps);
+        if (r->P->rank == r->a->signal_rank && c->step == r->a->signal_step) raise(SIGTERM); /* after the agreement */
         if (r->bad_run >= c->max_bad) {
             steplog_end_line(&r->log);
             char last[64] = "none in this run";
@@ -452,7 +457,7 @@ shard_status loop_run(train_run *r, loop_end *end)
             return SHARD_OK;
         }
         if (do_save && (s = save(r))) return s;
-        if (*r->a->stop) {
+        if (r->stopping) {
             steplog_end_line(&r->log);
             if (me0)
                 fprintf(stderr, "smp-train: stopped by a signal after step %lld; saved %s/step-%06lld\n",

@@ -52,6 +52,7 @@ typedef struct {
     const int64_t *inject_nan;     /* --inject-nan: steps (1-based) whose loss becomes NaN */
     int ninject;
     long long fail_rank, fail_step; /* --inject-fail (-1: none) */
+    long long signal_rank, signal_step; /* --inject-signal (-1: none) */
     volatile sig_atomic_t *stop;   /* set by a signal: save and stop after the step */
     double (*now)(void);           /* a monotonic clock, in seconds */
 } loop_args;
@@ -77,6 +78,7 @@ typedef struct {
     double t_start;
     int64_t bad_run;               /* non-finite steps in a row */
     int64_t saved_step;            /* the last checkpoint's step (the one resumed from), -1: none */
+    int stopping;                  /* a signal asked to stop, as of this step's agreement (loop_step) */
 } train_run;
 
 typedef enum { LOOP_DONE, LOOP_STOPPED, LOOP_BAD } loop_end;

@@ -167,6 +167,18 @@ def test_error_on_one_rank_ends_all(setup):
     run("smp-verify", out / "step-000001", check=0)
 
 
+def test_signal_on_one_rank_stops_all_with_a_save(setup):
+    """Rank 1 alone gets SIGTERM once step 2 is logged, after the ranks agreed to go on:
+    both take it at step 3, save it whole, and end 0 (none waits for the other)."""
+    tmp, ck, data, _ = setup
+    out = tmp / "sig"
+    p = mpirun(2, "--ckpt", ck, "--data", data, "--save-dir", out, "--steps", 20, "--layout", "dp=2",
+               "--inject-signal", "1:2", *COMMON, timeout=120)
+    assert "stopped by a signal after step 3" in p.stderr, p.stderr
+    assert (out / "latest").read_text().strip() == "step-000003"
+    run("smp-verify", out / "step-000003", check=0)
+
+
 def zero1_elems(case, D):
     """Elements of one rank's packed ZeRO-1 block: every tensor's dim 0 cut in
     ceil(rows / D) rows (the last blocks padded)."""

@@ -395,6 +395,20 @@ def test_resume_is_bit_exact(tmp_path, version):
     assert "nothing to do" in p.stdout
 
 
+def test_signal_after_the_stop_agreement_still_saves(tmp_path):
+    """A SIGTERM landing after a step decided whether to save (here once step 3 is logged)
+    is taken at the next step: step 4 is saved and named by `latest`, and the run says so.
+    (It used to end after step 3 saying it had saved, with nothing saved.)"""
+    ck, data = _tiny(tmp_path)
+    sig = tmp_path / "sig"
+    p = run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", sig, "--steps", 20, "--inject-signal", "0:3",
+            "--log", tmp_path / "sig.jsonl", *COMMON, check=0)
+    assert "stopped by a signal after step 4" in p.stderr, p.stderr
+    assert latest(sig).name == "step-000004" and training_state(latest(sig))["step"] == 4
+    assert len(read_log(tmp_path / "sig.jsonl")) == 4
+    run("smp-verify", latest(sig), check=0)
+
+
 def test_sigterm_saves_and_continues_identically(tmp_path):
     ck, data = _tiny(tmp_path, n_tokens=20000)
     sig, ref = tmp_path / "sig", tmp_path / "ref"
