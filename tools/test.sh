@@ -15,7 +15,10 @@ FUZZ_SECONDS=${FUZZ_SECONDS:-20}
 JOBS=$(nproc)
 LOG=build/test-logs
 passed=0; failed=0; failures=()
-step() { echo; echo "==== $*"; }
+# each step's time, so that a run's log says where the suite's minutes go (CI's budget)
+step_name=""; step_t0=$SECONDS
+step_time() { [ -z "$step_name" ] || echo "---- $((SECONDS - step_t0)) s: $step_name"; }
+step() { step_time; step_name=$*; step_t0=$SECONDS; echo; echo "==== $*"; }
 ok()   { passed=$((passed + 1)); echo "PASS: $1"; }
 bad()  { failed=$((failed + 1)); failures+=("$1"); echo "FAIL: $1"; }
 
@@ -118,7 +121,9 @@ else
     cat "$LOG/emu-check.log"; bad "emu-check"
 fi
 
+step_time
 echo
 for f in "${failures[@]}"; do echo "failed: $f"; done
+echo "time: ${SECONDS} s in all"
 echo "suites: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
