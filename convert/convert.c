@@ -342,8 +342,7 @@ static shard_status plan(run *r)
         return s;
     r->comp.threads = o->threads;
     r->comp.no_fsync = o->no_fsync;
-    struct stat st;
-    if (stat(o->out, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", o->out);
+    if ((s = shard_check_new_output(o->out))) return s;
     r->nranks = shard_layout_size(&r->l);
     r->files = calloc(1, sizeof *r->files);
     if (!r->files || !(r->jobs = make_jobs(r->src, &r->nj))) return nomem();

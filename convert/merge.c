@@ -310,11 +310,10 @@ static shard_status finish(const merge *m)
 
 shard_status merge_run(const char *in, const char *out, const merge_opts *o, int *nfiles)
 {
-    struct stat st;
-    if (stat(out, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", out);
-    merge m = {.o = o, .in = in, .out = out, .wo = {o->no_fsync}};
-    shard_status s = shard_ckpt_open(in, &m.c);
+    shard_status s = shard_check_new_output(out);
     if (s) return s;
+    merge m = {.o = o, .in = in, .out = out, .wo = {o->no_fsync}};
+    if ((s = shard_ckpt_open(in, &m.c))) return s;
     shard_ckpt_set_threads(m.c, o->threads);
     m.d = shard_ckpt_model(m.c);
     if (!(s = check_extra_names(&m))) s = plan_files(&m);

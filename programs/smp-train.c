@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "c/blas_pick.h"
+#include "ckptio.h"
 #include "cli.h"
 #include "launch.h"
 #include "loop.h"
@@ -187,6 +188,8 @@ static int read_args(train_cmd *t, par_ctx *P)
     int backend = 0, dtype = -1, rcm = RECOMPUTE_NONE, rc;
     if (!v[O_CKPT] || !v[O_DATA]) return cli_usage("--ckpt and --data are required");
     if (!v[O_SAVE_DIR] && !v[O_DUMP_GRADS]) return cli_usage("--save-dir is required");
+    shard_status rs = v[O_SAVE_DIR] ? ckptio_check_run_dir(v[O_SAVE_DIR]) : SHARD_OK; /* before any loading */
+    if (rs) return rs == SHARD_E_USAGE ? cli_usage("--save-dir %s", shard_errmsg()) : cli_fail(rs);
     *a = (loop_args){.ckpt = v[O_CKPT], .data = v[O_DATA], .val_data = v[O_VAL_DATA], .save_dir = v[O_SAVE_DIR],
                      .log = v[O_LOG], .stages = v[O_STAGES], .dump_grads = v[O_DUMP_GRADS], .seqpar = !!v[O_SEQPAR],
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],

@@ -83,6 +83,10 @@ shard_status shard_copy_file(const char *src, const char *dst, const shard_write
  * _of: the folder that holds path. */
 shard_status shard_fsync_dir(const char *dir);
 shard_status shard_fsync_dir_of(const char *path);
+/* Whether path can name a command's new output folder, checked before any work:
+ * not empty, ".", ".." or "/", nothing there yet (not even a link), and its parent
+ * an existing folder; SHARD_E_USAGE naming path otherwise. */
+shard_status shard_check_new_output(const char *path);
 /* Remove a folder and everything under it (best effort; for staging folders). */
 void shard_remove_tree(const char *path);
 /* The names in folder dir that keep(name, ctx) accepts ("." and ".." never), sorted;

@@ -121,6 +121,36 @@ shard_status shard_fsync_dir(const char *dir)
     return s;
 }
 
+shard_status shard_check_new_output(const char *path)
+{
+    if (!path[0]) return shard_fail(SHARD_E_USAGE, "\"\": an empty output path");
+    size_t n = strlen(path);
+    while (n > 1 && path[n - 1] == '/') n--; /* "out/" is the folder out */
+    char *d = strndup(path, n);
+    if (!d) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
+    char *slash = strrchr(d, '/');
+    const char *base = slash ? slash + 1 : d;
+    shard_status s = SHARD_OK;
+    struct stat st;
+    if (!strcmp(base, ".") || !strcmp(base, "..") || !strcmp(d, "/"))
+        s = shard_fail(SHARD_E_USAGE, "%s: not the name of a new folder", path);
+    else if (lstat(d, &st) == 0) /* a link counts, even a dangling one: the rename would replace it */
+        s = shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", path);
+    else if (errno != ENOENT)
+        s = shard_fail(SHARD_E_USAGE, "%s: %s", path, strerror(errno));
+    else {
+        if (slash == d) slash[1] = 0;
+        else if (slash) *slash = 0;
+        else strcpy(d, ".");
+        if (stat(d, &st) != 0)
+            s = shard_fail(SHARD_E_USAGE, "%s: its folder %s: %s", path, d, strerror(errno));
+        else if (!S_ISDIR(st.st_mode))
+            s = shard_fail(SHARD_E_USAGE, "%s: %s is not a folder", path, d);
+    }
+    free(d);
+    return s;
+}
+
 shard_status shard_fsync_dir_of(const char *path)
 {
     char *d = strdup(path);

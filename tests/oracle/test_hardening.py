@@ -52,6 +52,55 @@ def test_trailing_slashes(tmp_path):
     assert (ex / "model.safetensors").exists() and not [e for e in os.listdir(tmp_path) if e.startswith(".tmp")]
 
 
+def test_output_paths_refused_before_any_work(tmp_path):
+    """An --out that cannot name a new folder: empty, ".", "..", "/", something there
+    already (a dangling link too: the rename would replace it), a parent that is missing
+    or a file. Each command refuses it first: exit 2, one line naming it, nothing
+    written, the link still a link."""
+    hf, ck = tmp_path / "hf", tmp_path / "ck"
+    models.make(CASE, hf)
+    assert run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2", "--no-fsync").returncode == 0
+    dangling = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere", dangling)
+    (tmp_path / "file").write_text("x")
+    commands = {
+        "hf2smp": ("smp-convert", "hf2smp", "--in", hf, "--layout", "tp=1"),
+        "reshard": ("smp-convert", "reshard", "--in", ck, "--layout", "tp=1"),
+        "init": ("smp-convert", "init", "--config", hf / "config.json", "--layout", "tp=1"),
+        "merge": ("smp-merge", "--in", ck),
+    }
+    outs = {"": '""', ".": ".", "..": "..", "/": "/", str(ck): str(ck), f"{ck}/": str(ck), str(dangling): str(dangling),
+            str(tmp_path / "no" / "out"): str(tmp_path / "no"), str(tmp_path / "file" / "out"): str(tmp_path / "file"),
+            f"{tmp_path}/new/.": f"{tmp_path}/new/."}
+    before = sorted(os.listdir(tmp_path))
+    for what, cmd in commands.items():
+        for out, named in outs.items():
+            p = run(*cmd, "--out", out, "--no-fsync")
+            lines = p.stderr.strip().splitlines()
+            assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{cmd[0]}: error: {named}"), \
+                (what, out, p.returncode, p.stderr)
+    assert sorted(os.listdir(tmp_path)) == before and os.readlink(dangling) == str(tmp_path / "nowhere")
+
+
+def test_run_folders_refused_before_loading(tmp_path):
+    """smp-train's --save-dir: empty, a file, a path through a file, a dangling link: exit
+    2 and one line naming it before the checkpoint is loaded (no "loaded" line), nothing
+    written; a new nested path still works (made at the first save)."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    (tmp_path / "file").write_text("x")
+    os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    before = sorted(os.listdir(tmp_path))
+    for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling"):
+        p = train(ck, data, bad, 1)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1, (bad, p.returncode, p.stderr)
+        assert lines[0].startswith(f"smp-train: error: --save-dir {bad if bad else chr(34) * 2}:"), lines
+    assert sorted(os.listdir(tmp_path)) == before
+    assert train(ck, data, f"{tmp_path}/new/run/", 1).returncode == 0
+    assert (tmp_path / "new" / "run" / "latest").read_text().strip() == "step-000001"
+
+
 def test_special_files_in_a_model_folder(tmp_path):
     """config.json, a weight file or the index as a FIFO: refused at once (exit 3, one
     line naming it), not waited on."""
