@@ -342,7 +342,7 @@ static shard_status plan(run *r)
         return s;
     r->comp.threads = o->threads;
     r->comp.no_fsync = o->no_fsync;
-    if ((s = shard_check_new_output(o->out))) return s;
+    if ((s = shard_check_output(o->out, SHARD_OUT_NEW_DIR))) return s;
     r->nranks = shard_layout_size(&r->l);
     r->files = calloc(1, sizeof *r->files);
     if (!r->files || !(r->jobs = make_jobs(r->src, &r->nj))) return nomem();

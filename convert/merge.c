@@ -310,7 +310,7 @@ static shard_status finish(const merge *m)
 
 shard_status merge_run(const char *in, const char *out, const merge_opts *o, int *nfiles)
 {
-    shard_status s = shard_check_new_output(out);
+    shard_status s = shard_check_output(out, SHARD_OUT_NEW_DIR);
     if (s) return s;
     merge m = {.o = o, .in = in, .out = out, .wo = {o->no_fsync}};
     if ((s = shard_ckpt_open(in, &m.c))) return s;

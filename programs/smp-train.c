@@ -9,7 +9,6 @@
 #include <string.h>
 
 #include "c/blas_pick.h"
-#include "ckptio.h"
 #include "cli.h"
 #include "launch.h"
 #include "loop.h"
@@ -180,6 +179,12 @@ static int parse_steps_list(const char *text, int64_t **out, int *n)
     return 0;
 }
 
+static int check_output(const char *opt, const char *path, shard_out_kind kind)
+{
+    shard_status s = path ? shard_check_output(path, kind) : SHARD_OK;
+    return !s ? 0 : s == SHARD_E_USAGE ? cli_usage("%s %s", opt, shard_errmsg()) : cli_fail(s);
+}
+
 /* What the options say beyond run_cfg's numbers, checked before anything is opened. */
 static int read_args(train_cmd *t, par_ctx *P)
 {
@@ -188,8 +193,9 @@ static int read_args(train_cmd *t, par_ctx *P)
     int backend = 0, dtype = -1, rcm = RECOMPUTE_NONE, rc;
     if (!v[O_CKPT] || !v[O_DATA]) return cli_usage("--ckpt and --data are required");
     if (!v[O_SAVE_DIR] && !v[O_DUMP_GRADS]) return cli_usage("--save-dir is required");
-    shard_status rs = v[O_SAVE_DIR] ? ckptio_check_run_dir(v[O_SAVE_DIR]) : SHARD_OK; /* before any loading */
-    if (rs) return rs == SHARD_E_USAGE ? cli_usage("--save-dir %s", shard_errmsg()) : cli_fail(rs);
+    /* the outputs, before anything is loaded */
+    if ((rc = check_output("--save-dir", v[O_SAVE_DIR], SHARD_OUT_DIR)) || (rc = check_output("--log", v[O_LOG], SHARD_OUT_FILE)))
+        return rc;
     *a = (loop_args){.ckpt = v[O_CKPT], .data = v[O_DATA], .val_data = v[O_VAL_DATA], .save_dir = v[O_SAVE_DIR],
                      .log = v[O_LOG], .stages = v[O_STAGES], .dump_grads = v[O_DUMP_GRADS], .seqpar = !!v[O_SEQPAR],
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],

@@ -267,18 +267,6 @@ static int mkdir_p(const char *dir)
     return rc;
 }
 
-shard_status ckptio_check_run_dir(const char *run_dir)
-{
-    struct stat st;
-    if (!run_dir[0]) return shard_fail(SHARD_E_USAGE, "\"\": an empty run folder path");
-    if (stat(run_dir, &st) == 0)
-        return S_ISDIR(st.st_mode) ? SHARD_OK : shard_fail(SHARD_E_USAGE, "%s: not a folder", run_dir);
-    if (errno == EACCES || errno == EIO) return shard_fail(SHARD_E_IO, "%s: %s", run_dir, strerror(errno));
-    if (errno != ENOENT) return shard_fail(SHARD_E_USAGE, "%s: %s", run_dir, strerror(errno)); /* a file on the way */
-    if (lstat(run_dir, &st) == 0) return shard_fail(SHARD_E_USAGE, "%s: a link to nothing", run_dir);
-    return SHARD_OK;
-}
-
 shard_status ckptio_prepare(const char *run_dir)
 {
     if (mkdir_p(run_dir) != 0)

@@ -62,10 +62,6 @@ typedef struct {
 } ckptio_save_args;
 /* Create the run folder (and its parents) if needed. */
 shard_status ckptio_prepare(const char *run_dir);
-/* Whether run_dir can be the run folder, checked from the command line before anything
- * is loaded: not empty, a folder where something is there (no dangling link), else a
- * path that mkdir -p can make (no file on the way); SHARD_E_USAGE naming it otherwise. */
-shard_status ckptio_check_run_dir(const char *run_dir);
 /* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it, from every rank
  * of p at once (collective over p->world; one rank: p->size 1): rank 0 creates the
  * run folder, begins the staging folder and broadcasts it; every rank writes

@@ -2,8 +2,11 @@
 #include "steplog.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
+#include <stdio.h>
 #include <string.h>
+#include <unistd.h>
 
 shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *P)
 {
@@ -12,8 +15,16 @@ shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *
     l->bytes = P->size > 1;
     l->comms = (step_comms){.tp = P->dg.tp, .kv = P->kvc, .cp = P->dg.cp, .pp = P->dg.pp, .emb = P->emb,
                             .dp = P->dg.dp, .dpcp = P->dg.dpcp, .ep = P->ep_d, .erep = P->erep};
-    if (path && !(l->f = fopen(path, "a")))
-        return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    if (!path) return SHARD_OK;
+    /* O_NONBLOCK: a FIFO without a reader is refused (ENXIO) instead of waited on forever;
+     * with one (a monitor reading the log) the writes then block as usual */
+    const int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0 && errno == ENXIO) return shard_fail(SHARD_E_USAGE, "%s: a FIFO that nobody reads", path);
+    if (fd < 0 || fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 || !(l->f = fdopen(fd, "a"))) {
+        const int e = errno;
+        if (fd >= 0) close(fd);
+        return shard_fail(SHARD_E_IO, "%s: cannot open: %s", path, strerror(e));
+    }
     return SHARD_OK;
 }
 

@@ -83,10 +83,15 @@ shard_status shard_copy_file(const char *src, const char *dst, const shard_write
  * _of: the folder that holds path. */
 shard_status shard_fsync_dir(const char *dir);
 shard_status shard_fsync_dir_of(const char *path);
-/* Whether path can name a command's new output folder, checked before any work:
- * not empty, ".", ".." or "/", nothing there yet (not even a link), and its parent
- * an existing folder; SHARD_E_USAGE naming path otherwise. */
-shard_status shard_check_new_output(const char *path);
+/* Whether path can name a command's output, checked before any work: never empty nor
+ * a link to nothing; NEW_DIR (a checkpoint or export, renamed into place when whole):
+ * not ".", ".." or "/", nothing there yet (not even a link), in an existing folder;
+ * DIR (a run folder, made with its parents): a folder if there, no file on the way;
+ * FILE (a log, appended to; perhaps in the run folder, made later): not a folder if
+ * there, no file on the way. SHARD_E_USAGE
+ * naming path otherwise (SHARD_E_IO where it cannot be looked at). */
+typedef enum { SHARD_OUT_NEW_DIR, SHARD_OUT_DIR, SHARD_OUT_FILE } shard_out_kind;
+shard_status shard_check_output(const char *path, shard_out_kind kind);
 /* Remove a folder and everything under it (best effort; for staging folders). */
 void shard_remove_tree(const char *path);
 /* The names in folder dir that keep(name, ctx) accepts ("." and ".." never), sorted;

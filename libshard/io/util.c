@@ -121,32 +121,47 @@ shard_status shard_fsync_dir(const char *dir)
     return s;
 }
 
-shard_status shard_check_new_output(const char *path)
+/* The folder that holds d (d is changed): "/" for "/x", "." for "x" */
+static const char *parent_of(char *d)
 {
-    if (!path[0]) return shard_fail(SHARD_E_USAGE, "\"\": an empty output path");
+    char *slash = strrchr(d, '/');
+    if (slash == d) slash[1] = 0;
+    else if (slash) *slash = 0;
+    else return ".";
+    return d;
+}
+
+static shard_status check_output(const char *path, char *d, shard_out_kind kind)
+{
+    const char *base = strrchr(d, '/') ? strrchr(d, '/') + 1 : d;
+    struct stat st;
+    if (kind == SHARD_OUT_NEW_DIR && (!strcmp(base, ".") || !strcmp(base, "..") || !strcmp(d, "/")))
+        return shard_fail(SHARD_E_USAGE, "%s: not the name of a new folder", path);
+    if (lstat(d, &st) == 0) {
+        if (kind == SHARD_OUT_NEW_DIR) /* a link too, even a dangling one: the rename would replace it */
+            return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", path);
+        if (stat(d, &st) != 0) return shard_fail(SHARD_E_USAGE, "%s: a link to nothing", path);
+        if (kind == SHARD_OUT_DIR && !S_ISDIR(st.st_mode)) return shard_fail(SHARD_E_USAGE, "%s: not a folder", path);
+        if (kind == SHARD_OUT_FILE && S_ISDIR(st.st_mode)) return shard_fail(SHARD_E_USAGE, "%s: a folder, not a file", path);
+        return SHARD_OK;
+    }
+    if (errno != ENOENT) /* ENOTDIR: a file on the way */
+        return shard_fail(errno == EACCES || errno == EIO ? SHARD_E_IO : SHARD_E_USAGE, "%s: %s", path, strerror(errno));
+    if (kind != SHARD_OUT_NEW_DIR) return SHARD_OK; /* a run folder is made with its parents, a log may be in it */
+    const char *parent = parent_of(d);
+    if (stat(parent, &st) != 0) return shard_fail(SHARD_E_USAGE, "%s: its folder %s: %s", path, parent, strerror(errno));
+    if (!S_ISDIR(st.st_mode)) return shard_fail(SHARD_E_USAGE, "%s: %s is not a folder", path, parent);
+    return SHARD_OK;
+}
+
+shard_status shard_check_output(const char *path, shard_out_kind kind)
+{
+    if (!path[0]) return shard_fail(SHARD_E_USAGE, "\"\": an empty path");
     size_t n = strlen(path);
     while (n > 1 && path[n - 1] == '/') n--; /* "out/" is the folder out */
     char *d = strndup(path, n);
     if (!d) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
-    char *slash = strrchr(d, '/');
-    const char *base = slash ? slash + 1 : d;
-    shard_status s = SHARD_OK;
-    struct stat st;
-    if (!strcmp(base, ".") || !strcmp(base, "..") || !strcmp(d, "/"))
-        s = shard_fail(SHARD_E_USAGE, "%s: not the name of a new folder", path);
-    else if (lstat(d, &st) == 0) /* a link counts, even a dangling one: the rename would replace it */
-        s = shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", path);
-    else if (errno != ENOENT)
-        s = shard_fail(SHARD_E_USAGE, "%s: %s", path, strerror(errno));
-    else {
-        if (slash == d) slash[1] = 0;
-        else if (slash) *slash = 0;
-        else strcpy(d, ".");
-        if (stat(d, &st) != 0)
-            s = shard_fail(SHARD_E_USAGE, "%s: its folder %s: %s", path, d, strerror(errno));
-        else if (!S_ISDIR(st.st_mode))
-            s = shard_fail(SHARD_E_USAGE, "%s: %s is not a folder", path, d);
-    }
+    shard_status s = check_output(path, d, kind);
     free(d);
     return s;
 }
@@ -155,11 +170,7 @@ shard_status shard_fsync_dir_of(const char *path)
 {
     char *d = strdup(path);
     if (!d) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
-    char *slash = strrchr(d, '/');
-    if (slash == d) slash[1] = 0;
-    else if (slash) *slash = 0;
-    else strcpy(d, ".");
-    shard_status s = shard_fsync_dir(d);
+    shard_status s = shard_fsync_dir(parent_of(d));
     free(d);
     return s;
 }

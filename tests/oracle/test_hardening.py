@@ -82,23 +82,40 @@ def test_output_paths_refused_before_any_work(tmp_path):
     assert sorted(os.listdir(tmp_path)) == before and os.readlink(dangling) == str(tmp_path / "nowhere")
 
 
-def test_run_folders_refused_before_loading(tmp_path):
-    """smp-train's --save-dir: empty, a file, a path through a file, a dangling link: exit
-    2 and one line naming it before the checkpoint is loaded (no "loaded" line), nothing
-    written; a new nested path still works (made at the first save)."""
+def test_run_folders_and_logs_refused_before_loading(tmp_path):
+    """smp-train's --save-dir (empty, a file, a path through a file, a dangling link) and
+    --log (empty, a folder, a path through a file, a dangling link): exit 2 and one line
+    naming it before the checkpoint is loaded (no "loaded" line), nothing written. A log
+    that is a FIFO nobody reads: exit 2 at once (it waited forever); one that is read gets
+    the steps. A new nested run folder is made at the first save, a log in it works."""
     _, ck = make_ckpt(tmp_path, CASE, sharp=False)
     data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
     (tmp_path / "file").write_text("x")
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
+    os.mkfifo(tmp_path / "fifo")
     before = sorted(os.listdir(tmp_path))
-    for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling"):
-        p = train(ck, data, bad, 1)
+    runs = [("--save-dir", bad, ()) for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling")]
+    runs += [("--log", bad, ("--log", bad)) for bad in ("", tmp_path, tmp_path / "file" / "log", tmp_path / "dangling")]
+    for opt, bad, extra in runs:
+        p = train(ck, data, bad if opt == "--save-dir" else tmp_path / "run", 1, *extra)
         lines = p.stderr.strip().splitlines()
-        assert p.returncode == 2 and len(lines) == 1, (bad, p.returncode, p.stderr)
-        assert lines[0].startswith(f"smp-train: error: --save-dir {bad if bad else chr(34) * 2}:"), lines
-    assert sorted(os.listdir(tmp_path)) == before
-    assert train(ck, data, f"{tmp_path}/new/run/", 1).returncode == 0
+        assert p.returncode == 2 and len(lines) == 1, (opt, bad, p.returncode, p.stderr)
+        assert lines[0].startswith(f"smp-train: error: {opt} {bad if bad != '' else chr(34) * 2}:"), lines
+    p = subprocess.run([str(BUILD / "bin" / "smp-train"), "--ckpt", str(ck), "--data", str(data), "--save-dir",
+                        str(tmp_path / "run"), "--steps", "1", "--batch", "2", "--seq", "16", "--log",
+                        str(tmp_path / "fifo")], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and p.stderr.strip().endswith("fifo: a FIFO that nobody reads"), p.stderr
+    assert sorted(os.listdir(tmp_path)) == before + ["run"] and not os.listdir(tmp_path / "run")
+    rd = os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK)  # a reader before the writer comes
+    try:
+        assert train(ck, data, tmp_path / "run", 2, "--log", tmp_path / "fifo").returncode == 0
+        got = os.read(rd, 1 << 16).decode()  # two lines: within the pipe's buffer
+    finally:
+        os.close(rd)
+    assert [json.loads(x)["step"] for x in got.splitlines()] == [1, 2], got
+    assert train(ck, data, f"{tmp_path}/new/run/", 1, "--log", tmp_path / "new" / "run" / "log.jsonl").returncode == 0
     assert (tmp_path / "new" / "run" / "latest").read_text().strip() == "step-000001"
+    assert json.loads((tmp_path / "new" / "run" / "log.jsonl").read_text())["step"] == 1
 
 
 def test_special_files_in_a_model_folder(tmp_path):
