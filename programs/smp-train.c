@@ -179,6 +179,14 @@ static int parse_steps_list(const char *text, int64_t **out, int *n)
     return 0;
 }
 
+/* a testing aid's RANK:STEP (absent: left as it is) */
+static int rank_step(const char *opt, const char *text, long long *rank, long long *step)
+{
+    if (text && (sscanf(text, "%lld:%lld", rank, step) != 2 || *rank < 0 || *step < 1))
+        return cli_usage("%s takes RANK:STEP (STEP >= 1)", opt);
+    return 0;
+}
+
 static int check_output(const char *opt, const char *path, shard_out_kind kind)
 {
     shard_status s = path ? shard_check_output(path, kind) : SHARD_OK;
@@ -229,12 +237,9 @@ static int read_args(train_cmd *t, par_ctx *P)
         return cli_usage("--compress: %s", shard_errmsg());
     if ((rc = parse_steps_list(v[O_INJECT_NAN], &t->inject, &a->ninject))) return rc;
     a->inject_nan = t->inject;
-    if (v[O_INJECT_FAIL] && (sscanf(v[O_INJECT_FAIL], "%lld:%lld", &a->fail_rank, &a->fail_step) != 2 ||
-                             a->fail_rank < 0 || a->fail_step < 1))
-        return cli_usage("--inject-fail takes RANK:STEP (STEP >= 1)");
-    if (v[O_INJECT_SIGNAL] && (sscanf(v[O_INJECT_SIGNAL], "%lld:%lld", &a->signal_rank, &a->signal_step) != 2 ||
-                               a->signal_rank < 0 || a->signal_step < 1))
-        return cli_usage("--inject-signal takes RANK:STEP (STEP >= 1)");
+    if ((rc = rank_step("--inject-fail", v[O_INJECT_FAIL], &a->fail_rank, &a->fail_step)) ||
+        (rc = rank_step("--inject-signal", v[O_INJECT_SIGNAL], &a->signal_rank, &a->signal_step)))
+        return rc;
     return 0;
 }
 
