@@ -1,5 +1,6 @@
 #include "cli.h"
 
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,7 +11,26 @@ char *openblas_get_corename(void); /* OpenBLAS's; not declared in every cblas.h 
 
 static const char *g_cmd = "smp";
 
-void cli_init(const char *cmd) { g_cmd = cmd; }
+static void error_line(const char *msg, const char *tail, int secondhand);
+
+/* Output that was not written is a failure, not a success with a short file
+ * (`smp-eval --json > r.json` on a full disk): checked once at exit, as coreutils'
+ * close_stdout does. */
+static void check_stdout(void)
+{
+    const int flushed = fflush(stdout) == 0, e = errno;
+    if (flushed && !ferror(stdout)) return;
+    char msg[256];
+    snprintf(msg, sizeof msg, "standard output: a write failed%s%s", flushed ? "" : ": ", flushed ? "" : strerror(e));
+    error_line(msg, "", 0);
+    _exit(1);
+}
+
+void cli_init(const char *cmd)
+{
+    g_cmd = cmd;
+    atexit(check_stdout);
+}
 const char *cli_name(void) { return g_cmd; }
 
 static int g_rank = 0; /* under mpirun: this process's rank (cli_set_rank) */

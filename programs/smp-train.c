@@ -348,6 +348,8 @@ static int train(train_run *r)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
+    /* a --log FIFO whose reader went away: EPIPE, a warning, the run goes on (steplog.c) */
+    signal(SIGPIPE, SIG_IGN);
     shard_status s;
     if (r->a->dump_grads) return (s = loop_dump_grads(r)) ? cli_fail(s) : 0;
     if (me0) print_start(r);
@@ -374,6 +376,8 @@ static int train_main(int argc, char **argv, par_ctx *P)
         int done = 0;
         rc = set_up(&r, &t, P, &done);
         if (!rc && !done) rc = train(&r);
+        shard_status s = steplog_finish(&r.log);
+        if (!rc && s) rc = cli_fail(s);
         loop_close(&r);
     }
     free(t.inject);

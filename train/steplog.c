@@ -12,6 +12,7 @@ shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *
 {
     memset(l, 0, sizeof *l);
     l->tty = tty;
+    l->path = path;
     l->bytes = P->size > 1;
     l->comms = (step_comms){.tp = P->dg.tp, .kv = P->kvc, .cp = P->dg.cp, .pp = P->dg.pp, .emb = P->emb,
                             .dp = P->dg.dp, .dpcp = P->dg.dpcp, .ep = P->ep_d, .erep = P->erep};
@@ -32,6 +33,26 @@ void steplog_close(steplog *l)
 {
     if (l->f) fclose(l->f);
     l->f = NULL;
+}
+
+/* A line that was not written: said once, then the run goes on without its log */
+static void lose(steplog *l, int64_t step, int e)
+{
+    l->lost = step;
+    l->lost_errno = e;
+    steplog_close(l);
+    fprintf(stderr, "%ssmp-train: warning: %s: writing the log failed (%s); the steps from %lld on are not in it\n",
+            steplog_clear(l), l->path, strerror(e), (long long)step);
+}
+
+shard_status steplog_finish(steplog *l)
+{
+    const int closed = !l->f || fclose(l->f) == 0, e = errno;
+    l->f = NULL;
+    if (l->lost_errno)
+        return shard_fail(SHARD_E_IO, "%s: the log lacks the steps from %lld on: %s", l->path, (long long)l->lost,
+                          strerror(l->lost_errno));
+    return closed ? SHARD_OK : shard_fail(SHARD_E_IO, "%s: closing the log failed: %s", l->path, strerror(e));
 }
 
 static void reset(shard_comm *c)
@@ -83,7 +104,6 @@ static void log_line(FILE *f, const step_result *r, int bytes)
     if (!isnan(r->val_loss)) log_num(f, "val_loss", r->val_loss, "%.17g");
     if (!isnan(r->aux_loss)) log_num(f, "aux_loss", r->aux_loss, "%.17g");
     fputs("}\n", f);
-    fflush(f);
 }
 
 /* "1h05m", "3m07s"; "--" when unknown */
@@ -96,7 +116,11 @@ static void fmt_eta(char *buf, size_t cap, double s)
 
 void steplog_step(steplog *l, const step_result *r, int64_t steps)
 {
-    if (l->f) log_line(l->f, r, l->bytes);
+    if (l->f) {
+        log_line(l->f, r, l->bytes);
+        const int flushed = fflush(l->f) == 0, e = errno; /* a line a step: a monitor sees it at once */
+        if (!flushed || ferror(l->f)) lose(l, r->step, !flushed && e ? e : EIO);
+    }
     if (!l->tty) return;
     l->ema_dt = l->ema_dt > 0 ? 0.9 * l->ema_dt + 0.1 * r->seconds : r->seconds;
     char eta[32];

@@ -51,6 +51,9 @@ typedef struct {
 
 typedef struct {
     FILE *f;               /* the --log file, or NULL */
+    const char *path;      /* its name */
+    int lost_errno;        /* a step's line was not written: why (0: none was lost) */
+    int64_t lost;          /* the first such step */
     int tty;               /* the progress line is drawn */
     int bytes;             /* more than one rank: the bytes by kind are logged */
     double ema_dt;         /* the ETA's smoothed step time */
@@ -61,6 +64,9 @@ typedef struct {
  * (more than one: the log has the bytes by kind). */
 shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *P);
 void steplog_close(steplog *l);
+/* At the run's end: closes the log; an error if a step's line was not written (a full
+ * disk, a monitor that stopped reading): the run went on, warned once, without it. */
+shard_status steplog_finish(steplog *l);
 /* At the start of a step: the byte counters of the communicators to 0. */
 void steplog_reset_bytes(const steplog *l);
 /* The bytes this rank sent since steplog_reset_bytes. */

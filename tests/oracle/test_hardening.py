@@ -172,3 +172,56 @@ def test_inspect_many_huge_dimensions(tmp_path):
     assert p is not None and "Sanitizer" not in p.stderr and "runtime error" not in p.stderr, p and p.stderr[-2000:]
     assert p.returncode == 0, p.stderr
     assert "[0, " + ", ".join(["9223372036854775807"] * 7) + "]" in p.stdout
+
+
+def test_output_that_cannot_be_written(tmp_path):
+    """Standard output on a full disk (/dev/full) or closed: exit 1 and one line saying
+    so, not exit 0 with a short file (`smp-eval --json > r.json`). smp-train's --log on a
+    full disk, or a FIFO whose monitor stops reading: the run warns once, trains and
+    saves to the end, then exits 1 naming the first step the log lacks (the FIFO's writes
+    used to kill it with SIGPIPE, losing every step since its last checkpoint)."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    printing = [("smp-verify", ck), ("smp-inspect", ck), ("smp-inspect", "--json", ck), ("smp-convert", "--help"),
+                ("smp-eval", "--ckpt", ck, "--data", data, "--batch", 2, "--seq", 16, "--batches", 1, "--json")]
+    sinks = [("closed", {"preexec_fn": lambda: os.close(1)})]
+    if os.path.exists("/dev/full"):
+        sinks.append(("/dev/full", {"stdout": open("/dev/full", "w")}))
+    for what, how in sinks:
+        for cmd, *args in printing:
+            p = subprocess.run([str(BUILD / "bin" / cmd), *map(str, args)], stderr=subprocess.PIPE, text=True,
+                               timeout=120, **how)
+            errs = [ln for ln in p.stderr.splitlines() if ": error: " in ln]
+            assert p.returncode == 1 and errs == [f"{cmd}: error: " + errs[0].split(": error: ")[1]], (what, cmd, p.stderr)
+            assert errs[0].startswith(f"{cmd}: error: standard output: a write failed"), (what, cmd, p.stderr)
+    if os.path.exists("/dev/full"):
+        p = train(ck, data, tmp_path / "full", 3, "--log", "/dev/full")
+        assert p.returncode == 1, p.stderr
+        assert "smp-train: warning: /dev/full: writing the log failed (No space left on device); the steps from 1 on" \
+            in p.stderr, p.stderr
+        assert p.stderr.strip().splitlines()[-1] == \
+            "smp-train: error: /dev/full: the log lacks the steps from 1 on: No space left on device", p.stderr
+        assert (tmp_path / "full" / "latest").read_text().strip() == "step-000003"
+    fifo = tmp_path / "monitor"
+    os.mkfifo(fifo)
+    rd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
+    proc = subprocess.Popen([str(BUILD / "bin" / "smp-train"), "--ckpt", str(ck), "--data", str(data), "--save-dir",
+                             str(tmp_path / "run"), "--steps", "400", "--batch", "2", "--seq", "16", "--log", str(fifo)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        got, deadline = b"", time.time() + 60
+        while b"\n" not in got and time.time() < deadline:  # the monitor reads the first step's line, then quits
+            try:
+                got += os.read(rd, 4096)
+            except BlockingIOError:
+                time.sleep(0.001)
+    finally:
+        os.close(rd)
+    _, err = proc.communicate(timeout=120)
+    assert json.loads(got.split(b"\n")[0])["step"] == 1
+    assert proc.returncode == 1, (proc.returncode, err[-2000:])
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"smp-train: error: {fifo}: the log lacks the steps from ") and last.endswith(": Broken pipe"), err
+    assert 1 < int(last.split("steps from ")[1].split()[0]) <= 400, last
+    assert (tmp_path / "run" / "latest").read_text().strip() == "step-000400"
+    assert run("smp-verify", tmp_path / "run" / "step-000400").returncode == 0
