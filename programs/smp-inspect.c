@@ -335,10 +335,11 @@ int main(int argc, char **argv)
     if (stat(path, &st) != 0) { shard_fail(SHARD_E_INVALID, "%s: no such file or folder", path); return cli_fail(SHARD_E_INVALID); }
     if (!S_ISDIR(st.st_mode)) { shard_fail(SHARD_E_INVALID, "%s: not a folder", path); return cli_fail(SHARD_E_INVALID); }
     char probe[4096];
+    /* lstat: a link, even to nothing, is the folder's kind, refused by the reader */
     snprintf(probe, sizeof probe, "%s/config.json", path);
-    if (stat(probe, &st) == 0) return inspect_hf(path, as_json);
+    if (lstat(probe, &st) == 0) return inspect_hf(path, as_json);
     snprintf(probe, sizeof probe, "%s/smp.json", path);
-    if (stat(probe, &st) == 0) return inspect_ckpt(path, as_json);
+    if (lstat(probe, &st) == 0) return inspect_ckpt(path, as_json);
     shard_fail(SHARD_E_INVALID, "%s: neither a Hugging Face model folder (no config.json) nor an SMP checkpoint", path);
     return cli_fail(SHARD_E_INVALID);
 }

@@ -376,7 +376,8 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     struct stat st;
     shard_status s;
     if (!mp) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-    else if (stat(mp, &st) != 0) s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint, or one that was never committed", dir);
+    else if (lstat(mp, &st) != 0) /* a link, even to nothing, is refused by the read below */
+        s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint, or one that was never committed", dir);
     else {
         char *text;
         size_t len;

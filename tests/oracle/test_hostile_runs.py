@@ -15,7 +15,7 @@ helpers). The classes:
 - data:    token files (--data of smp-train and smp-eval) that are malformed or not
            regular files (a FIFO must not make anything hang);
 - special: smp.json, a shard file or an extra file that is a FIFO, a symlink to
-           /dev/zero or /dev/urandom, a symlink to a regular file outside the checkpoint
+           /dev/zero or /dev/urandom or to nothing, a symlink to a regular file outside the checkpoint
            folder, or a directory (every command that reads it: smp-verify, smp-merge,
            smp-convert reshard, smp-inspect, smp-eval, smp-train);
 - args:    flag values out of range or not numbers (exit 2), and extra files whose
@@ -571,9 +571,14 @@ def make_dir(p, d):
     replace_by_dir(p)
 
 
+def make_dangling(p, d):
+    replace_by_symlink(p, d / "nowhere")
+
+
 for _target, _tag in (("smp.json", "manifest"), ("shard-00000.h5", "shard"), (EXTRA, "extra")):
     for _kind, _make in (("fifo", make_fifo), ("symlink-dev-zero", make_zero), ("symlink-dev-urandom", make_urandom),
-                         ("symlink-outside-regular-file", make_outside), ("directory", make_dir)):
+                         ("symlink-outside-regular-file", make_outside), ("directory", make_dir),
+                         ("symlink-dangling", make_dangling)):
         special_case(f"{_tag}-{_kind}", _target, _make)
 
 

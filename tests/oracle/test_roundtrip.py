@@ -1,4 +1,5 @@
 """hf2smp -> reshard chains -> smp-merge against transformers, safetensors, h5py."""
+import hashlib
 import json
 import shutil
 
@@ -69,6 +70,32 @@ def test_roundtrip_bit_for_bit(tmp_path, case):
     loaded = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ref_logits)
+
+
+def test_hub_cache_snapshot(tmp_path):
+    """A model as huggingface_hub caches it (snapshots/REV/NAME -> ../../blobs/HASH, the
+    commonest local copy): hf2smp follows those links out of the snapshot folder (the
+    links refused inside a checkpoint are not refused here), and the export holds the
+    same tensors and files as regular files."""
+    hf = tmp_path / "hf"
+    models.make("llama-sharded", hf)
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snap = repo / "snapshots" / ("0" * 40)
+    (repo / "blobs").mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for f in sorted(hf.iterdir()):
+        digest = hashlib.sha256(f.read_bytes()).hexdigest()
+        shutil.copyfile(f, repo / "blobs" / digest)
+        (snap / f.name).symlink_to(f"../../blobs/{digest}")
+    from transformers import AutoConfig
+    assert AutoConfig.from_pretrained(str(snap)).num_hidden_layers == AutoConfig.from_pretrained(str(hf)).num_hidden_layers
+    run("smp-convert", "hf2smp", "--in", snap, "--out", tmp_path / "ck", "--layout", "pp=2,tp=2", check=0)
+    run("smp-merge", "--in", tmp_path / "ck", "--out", tmp_path / "out", check=0)
+    ref, got = tensors_of(hf), tensors_of(tmp_path / "out")
+    assert set(got) == set(ref) and all(torch.equal(got[k], ref[k]) for k in ref)
+    for name in ("config.json", "generation_config.json"):
+        out = tmp_path / "out" / name
+        assert not out.is_symlink() and out.read_bytes() == (hf / name).read_bytes(), name
 
 
 def test_split_export_with_index(tmp_path):
