@@ -318,9 +318,8 @@ shard_status merge_run(const char *in, const char *out, const merge_opts *o, int
     m.d = shard_ckpt_model(m.c);
     if (!(s = check_extra_names(&m))) s = plan_files(&m);
     /* the staging folder beside the output, renamed into place when whole */
-    if (!s && !(m.stage = malloc(strlen(out) + 64))) s = nomem();
+    if (!s && !(m.stage = shard_staging_path(out))) s = nomem();
     if (!s) {
-        sprintf(m.stage, "%s.tmp-%ld", out, (long)getpid());
         if (mkdir(m.stage, 0755) != 0) {
             s = shard_fail(SHARD_E_IO, "%s: cannot create: %s", m.stage, strerror(errno));
             free(m.stage);

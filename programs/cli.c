@@ -1,6 +1,7 @@
 #include "cli.h"
 
 #include <errno.h>
+#include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -70,8 +71,33 @@ static void error_line(const char *msg, const char *tail, int secondhand)
 int cli_fail(shard_status s)
 {
     const char *m = shard_errmsg();
-    error_line(m && m[0] ? m : shard_status_name(s), "", shard_err_secondhand());
+    error_line(m && m[0] ? m : shard_status_name(s), s == SHARD_E_CANCELLED ? "; the unfinished output was removed" : "",
+               shard_err_secondhand());
     return shard_status_exit_code(s);
+}
+
+static void on_cancel(int sig) { shard_cancel(sig); }
+
+void cli_cancel_on_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_cancel;
+    sa.sa_flags = SA_RESETHAND; /* the second one: the default, at once */
+    sigemptyset(&sa.sa_mask);
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL);
+}
+
+int cli_end(int rc)
+{
+    const int sig = shard_cancelled();
+    if (!rc || sig <= 0) return rc;
+    fflush(stdout);
+    signal(sig, SIG_DFL);
+    raise(sig);
+    return rc; /* a signal whose default is not to end the process */
 }
 
 int cli_usage(const char *fmt, ...)

@@ -16,6 +16,12 @@ void cli_defer(void);
 void cli_deferred(int print);
 /* Print "smp-x: error: <libshard's message>" and return the status's exit code. */
 int cli_fail(shard_status s);
+/* For the commands that write an output folder: SIGINT, SIGTERM and SIGHUP stop the
+ * writers (shard_cancel), whose failure path removes the staging folder; a second
+ * signal ends the process at once. cli_end(rc) at the end of main: after such a stop,
+ * the process ends by the same signal (as a shell expects of an interrupted command). */
+void cli_cancel_on_signals(void);
+int cli_end(int rc);
 /* Print "smp-x: error: <message>" plus a hint to --help; return 2. */
 int cli_usage(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* Handle --help and --version anywhere in argv: print and return 1 (exit 0). */

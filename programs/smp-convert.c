@@ -124,6 +124,7 @@ int main(int argc, char **argv)
         if (s) { rc = cli_fail(s); MPI_Abort(MPI_COMM_WORLD, rc); return rc; }
         if (shard_comm_size(world) == 1) { shard_comm_free(world); world = NULL; }
     }
+    cli_cancel_on_signals(); /* after MPI_Init: ours, not the library's */
     if (!world) {
         rc = run_command(&a, NULL, NULL);
     } else {
@@ -142,5 +143,5 @@ int main(int argc, char **argv)
         shard_comm_free(world);
     }
     if (mpi) MPI_Finalize();
-    return rc;
+    return cli_end(rc);
 }

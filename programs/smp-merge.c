@@ -81,8 +81,9 @@ int main(int argc, char **argv)
     if (parse_size(maxs, &o.max_file_bytes)) return cli_usage("--max-shard-size \"%s\": expected e.g. 5GB, 500MB, 200KB", maxs);
     double t0 = now_seconds();
     int nfiles = 0;
+    cli_cancel_on_signals();
     shard_status s = merge_run(in, out, &o, &nfiles);
-    if (s) return cli_fail(s);
+    if (s) return cli_end(cli_fail(s));
     fprintf(stderr, "%s: %s written in %.2fs (%d file%s)\n", cli_name(), out, now_seconds() - t0, nfiles, nfiles == 1 ? "" : "s");
     return 0;
 }

@@ -12,7 +12,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <time.h>
 #include <unistd.h>
 
 struct shard_ckpt_writer {
@@ -35,16 +34,7 @@ shard_status shard_ckpt_begin_opts(const char *final_dir, const shard_write_opts
     if (!w) return shard_fail(SHARD_E_NOMEM, "out of memory");
     if (o) w->opts = *o;
     w->final_dir = strdup(final_dir);
-    size_t n = strlen(final_dir);
-    while (n > 1 && final_dir[n - 1] == '/') n--;
-    char *parent = strndup(final_dir, n), *slash = parent ? strrchr(parent, '/') : NULL, *base = parent;
-    if (slash) { *slash = 0; base = slash + 1; if (!parent[0]) strcpy(parent, "/"); }
-    char nonce[32];
-    snprintf(nonce, sizeof nonce, "%ld-%ld", (long)getpid(), (long)time(NULL));
-    w->staging = parent ? malloc(strlen(final_dir) + strlen(base) + 64) : NULL;
-    if (w->staging && slash) sprintf(w->staging, "%s/.tmp-%s-%s", parent, base, nonce);
-    else if (w->staging) sprintf(w->staging, ".tmp-%s-%s", base, nonce);
-    free(parent);
+    w->staging = shard_staging_path(final_dir);
     w->extras = json_array();
     if (!w->final_dir || !w->staging || !w->extras) {
         free(w->staging); /* not made yet: nothing to remove */

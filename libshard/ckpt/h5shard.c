@@ -491,6 +491,7 @@ static void *pipeline_worker(void *arg)
             out = z;
             outn = r;
         }
+        if (!s && shard_cancelled()) s = shard_fail_cancelled(); /* a chunk at a time: the signal stops it soon */
         /* the checksum, in the piece's order (the holder of the piece's turn alone touches it) */
         pthread_mutex_lock(&p->mu);
         fail_locked(p, s);

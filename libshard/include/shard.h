@@ -31,7 +31,8 @@ typedef enum {
     SHARD_E_INVALID,     /* input is malformed or violates the format's rules */
     SHARD_E_UNSUPPORTED, /* input is well-formed but uses something smp refuses */
     SHARD_E_CORRUPT,     /* a checksum or size does not match: data is damaged */
-    SHARD_E_INTERNAL     /* a bug: an invariant of the library does not hold */
+    SHARD_E_INTERNAL,    /* a bug: an invariant of the library does not hold */
+    SHARD_E_CANCELLED    /* shard_cancel was called (a signal): the work stopped, its output removed */
 } shard_status;
 
 /* The message of the calling thread's last failure ("" if none). */
@@ -42,8 +43,16 @@ int shard_err_secondhand(void);
 /* A fixed name for a status: "I/O error", "invalid input", ... */
 const char *shard_status_name(shard_status s);
 /* The exit code a command maps a status to: 0 ok, 1 runtime, 2 usage, 3 invalid
- * or corrupt input. */
+ * or corrupt input, 130 cancelled (a shell's code for an interrupted command). */
 int shard_status_exit_code(shard_status s);
+/* Ask the process's writers to stop (async-signal-safe: for a SIGINT/SIGTERM handler;
+ * sig names the signal, 0 none). Each writer stops at its next chunk and fails with
+ * SHARD_E_CANCELLED, and its caller's usual failure path removes what it staged.
+ * shard_cancelled: the signal asked for (-1 for 0), or 0 when none was. */
+void shard_cancel(int sig);
+int shard_cancelled(void);
+/* SHARD_E_CANCELLED with its message ("interrupted by SIGINT") */
+shard_status shard_fail_cancelled(void);
 /* Set the thread's message (printf-style) and return s; for use by libshard's
  * parts and by commands built on it. */
 shard_status shard_fail(shard_status s, const char *fmt, ...)
@@ -83,6 +92,10 @@ shard_status shard_copy_file(const char *src, const char *dst, const shard_write
  * _of: the folder that holds path. */
 shard_status shard_fsync_dir(const char *dir);
 shard_status shard_fsync_dir_of(const char *path);
+/* The staging folder's name for an output folder final_dir, beside it and hidden:
+ * "<parent>/.tmp-<name>-<pid>-<time>" (malloc'd; NULL when out of memory). What an
+ * interrupted write leaves there is garbage (docs/FORMAT.md, "The commit protocol"). */
+char *shard_staging_path(const char *final_dir);
 /* Whether path can name a command's output, checked before any work: never empty nor
  * a link to nothing; NEW_DIR (a checkpoint or export, renamed into place when whole):
  * not ".", ".." or "/", nothing there yet (not even a link), in an existing folder;

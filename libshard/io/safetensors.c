@@ -288,6 +288,7 @@ static shard_status raw_write(shard_st_writer *w, const void *p, size_t n)
 {
     const char *c = p;
     while (n) {
+        if (shard_cancelled()) return shard_fail_cancelled(); /* a signal: the export stops here, removed */
         ssize_t r = write(w->fd, c, n < SHARD_WRITE_MAX ? n : SHARD_WRITE_MAX);
         if (r < 0 && errno == EINTR) continue;
         if (r < 0) return shard_fail(SHARD_E_IO, "%s: write failed: %s", w->path, strerror(errno));

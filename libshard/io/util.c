@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 shard_status shard_open_regular(const char *path, int nofollow, int *fd, uint64_t *size)
@@ -164,6 +165,23 @@ shard_status shard_check_output(const char *path, shard_out_kind kind)
     shard_status s = check_output(path, d, kind);
     free(d);
     return s;
+}
+
+char *shard_staging_path(const char *final_dir)
+{
+    size_t n = strlen(final_dir);
+    while (n > 1 && final_dir[n - 1] == '/') n--;
+    char *d = strndup(final_dir, n), *out = d ? malloc(2 * n + 64) : NULL;
+    if (out) {
+        const char *slash = strrchr(d, '/'), *base = slash ? slash + 1 : d;
+        char *parent = strdup(d);
+        const char *in = parent ? parent_of(parent) : NULL;
+        if (in) sprintf(out, "%s%s.tmp-%s-%ld-%ld", in, strcmp(in, "/") ? "/" : "", base, (long)getpid(), (long)time(NULL));
+        else { free(out); out = NULL; }
+        free(parent);
+    }
+    free(d);
+    return out;
 }
 
 shard_status shard_fsync_dir_of(const char *path)

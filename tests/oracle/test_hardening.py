@@ -5,6 +5,7 @@ dimensions."""
 import json
 import os
 import shutil
+import signal
 import subprocess
 import threading
 import time
@@ -225,3 +226,73 @@ def test_output_that_cannot_be_written(tmp_path):
     assert 1 < int(last.split("steps from ")[1].split()[0]) <= 400, last
     assert (tmp_path / "run" / "latest").read_text().strip() == "step-000400"
     assert run("smp-verify", tmp_path / "run" / "step-000400").returncode == 0
+
+
+def big_model(path, layers=6):
+    """~200 MB of bf16 (hidden 1024, 6 layers, vocab 16000): writing it takes long enough
+    to be stopped midway."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import LlamaConfig
+    H, F, V, nq, nkv = 1024, 2816, 16000, 16, 4
+    path.mkdir()
+    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=layers, num_attention_heads=nq,
+                num_key_value_heads=nkv, dtype="bfloat16", architectures=["LlamaForCausalLM"]).to_json_file(path / "config.json")
+    g = torch.Generator().manual_seed(0)
+    shapes = {"model.embed_tokens.weight": (V, H), "lm_head.weight": (V, H), "model.norm.weight": (H,)}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({p + "self_attn.q_proj.weight": (H, H), p + "self_attn.k_proj.weight": (H * nkv // nq, H),
+                       p + "self_attn.v_proj.weight": (H * nkv // nq, H), p + "self_attn.o_proj.weight": (H, H),
+                       p + "mlp.gate_proj.weight": (F, H), p + "mlp.up_proj.weight": (F, H),
+                       p + "mlp.down_proj.weight": (H, F), p + "input_layernorm.weight": (H,),
+                       p + "post_attention_layernorm.weight": (H,)})
+    # bit patterns of bf16 values in [0, 1): random, so zstd works for real
+    save_file({k: torch.randint(0, 0x3F80, s, generator=g, dtype=torch.int16).view(torch.bfloat16) for k, s in shapes.items()},
+              str(path / "model.safetensors"), metadata={"format": "pt"})
+
+
+def stop_midway(cmd, parent, sig):
+    """Start cmd, freeze it (SIGSTOP) once its staging folder under parent holds a
+    written file, send sig, let it go on: the signal lands while the output is
+    unfinished whatever the machine's speed."""
+    proc = subprocess.Popen([str(BUILD / "bin" / cmd[0]), *map(str, cmd[1:])], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline and proc.poll() is None:
+        staged = [f for d in parent.glob(".tmp-*") for f in d.iterdir() if f.is_file() and f.stat().st_size > 0]
+        if staged:
+            break
+        time.sleep(0.0005)
+    os.kill(proc.pid, signal.SIGSTOP)
+    assert staged and proc.poll() is None, "the command ended before it could be stopped"
+    os.kill(proc.pid, sig)
+    os.kill(proc.pid, signal.SIGCONT)
+    out, err = proc.communicate(timeout=120)
+    return proc.returncode, err
+
+
+def test_interrupted_writers_leave_nothing(tmp_path):
+    """SIGINT, SIGTERM or SIGHUP (Ctrl-C, a scheduler, a closed terminal) during hf2smp
+    (raw and zstd), reshard and smp-merge: the writers stop at their next chunk, the
+    staging folder is removed (it used to stay: a hidden .tmp-* folder of up to the
+    model's size per interruption), one error line, and the process ends by that signal
+    as a shell expects; the input is untouched."""
+    hf, out = tmp_path / "hf", tmp_path / "out"
+    big_model(hf)
+    out.mkdir()
+    run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", "--layout", "tp=2", "--compress", "none", check=0)
+    names = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
+    cases = [(["smp-convert", "hf2smp", "--in", hf, "--out", out / "a", "--layout", "pp=2,tp=2", "--compress", "none"], signal.SIGINT),
+             (["smp-convert", "hf2smp", "--in", hf, "--out", out / "b", "--layout", "tp=4"], signal.SIGTERM),
+             (["smp-convert", "reshard", "--in", tmp_path / "ck", "--out", out / "c", "--layout", "tp=4"], signal.SIGHUP),
+             (["smp-merge", "--in", tmp_path / "ck", "--out", out / "d"], signal.SIGINT)]
+    for cmd, sig in cases:
+        rc, err = stop_midway(cmd, out, sig)
+        assert rc == -sig, (cmd, rc, err)
+        assert err.strip().splitlines() == [f"{cmd[0]}: error: interrupted by {names[sig]}; the unfinished output was removed"], (cmd, err)
+        assert os.listdir(out) == [], (cmd, os.listdir(out))
+    assert run("smp-verify", tmp_path / "ck").returncode == 0
+    # a signal after the work is done changes nothing: the output is whole and kept
+    run("smp-convert", "reshard", "--in", tmp_path / "ck", "--out", out / "e", "--layout", "tp=1", check=0)
+    assert run("smp-verify", out / "e").returncode == 0

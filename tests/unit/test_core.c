@@ -27,6 +27,7 @@ static void test_exit_codes(void **st)
     assert_int_equal(shard_status_exit_code(SHARD_E_INVALID), 3);
     assert_int_equal(shard_status_exit_code(SHARD_E_UNSUPPORTED), 3);
     assert_int_equal(shard_status_exit_code(SHARD_E_CORRUPT), 3);
+    assert_int_equal(shard_status_exit_code(SHARD_E_CANCELLED), 130);
     assert_int_equal(shard_fail(SHARD_E_CORRUPT, "%s: bad %d", "f.h5", 7), SHARD_E_CORRUPT);
     assert_string_equal(shard_errmsg(), "f.h5: bad 7");
 }
@@ -83,6 +84,16 @@ static void test_paths(void **st)
     char *p = shard_path_join("dir/", "f");
     assert_string_equal(p, "dir/f");
     free(p);
+    /* staging folders: beside the output, hidden, named after it and this process */
+    static const char *const outs[][2] = {{"ck", "./.tmp-ck-"}, {"a/b/", "a/.tmp-b-"}, {"/x", "/.tmp-x-"}, {"/a/b//", "/a/.tmp-b-"}};
+    for (size_t i = 0; i < sizeof outs / sizeof *outs; i++) {
+        char want[64];
+        snprintf(want, sizeof want, "%s%ld-", outs[i][1], (long)getpid());
+        p = shard_staging_path(outs[i][0]);
+        assert_non_null(p);
+        assert_memory_equal(p, want, strlen(want));
+        free(p);
+    }
 }
 
 /* The writer's contract, durable (o NULL) or not (no_fsync changes nothing but the
