@@ -348,6 +348,7 @@ static int train(train_run *r)
     sigemptyset(&sa.sa_mask);
     sigaction(SIGTERM, &sa, NULL);
     sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGHUP, &sa, NULL); /* a closed terminal: saved, not lost since the last save */
     /* a --log FIFO whose reader went away: EPIPE, a warning, the run goes on (steplog.c) */
     signal(SIGPIPE, SIG_IGN);
     shard_status s;

@@ -409,7 +409,10 @@ def test_signal_after_the_stop_agreement_still_saves(tmp_path):
     run("smp-verify", latest(sig), check=0)
 
 
-def test_sigterm_saves_and_continues_identically(tmp_path):
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_saves_and_continues_identically(tmp_path, signum):
+    """SIGTERM (a scheduler) or SIGHUP (a closed terminal; it used to end the run
+    unsaved) mid-run: the step ends, is saved, and the run resumes bit for bit."""
     ck, data = _tiny(tmp_path, n_tokens=20000)
     sig, ref = tmp_path / "sig", tmp_path / "ref"
     steps = 2000
@@ -420,7 +423,7 @@ def test_sigterm_saves_and_continues_identically(tmp_path):
     log = tmp_path / "sig.jsonl"
     while time.time() < deadline and (not log.exists() or len(log.read_text().splitlines()) < 5):
         time.sleep(0.005)
-    proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signum)
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     k = training_state(latest(sig))["step"]
