@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -267,11 +268,48 @@ static int mkdir_p(const char *dir)
     return rc;
 }
 
-shard_status ckptio_prepare(const char *run_dir)
+/* The lock's holder, written into the lock file: "pid 123 on host h" */
+static void lock_holder(int fd, char *buf, size_t cap)
 {
+    ssize_t n = pread(fd, buf, cap - 1, 0);
+    buf[n > 0 ? n : 0] = 0;
+    for (char *c = buf; *c; c++)
+        if (*c == '\n' || (unsigned char)*c < 32) *c = 0;
+    if (!buf[0]) snprintf(buf, cap, "another process");
+}
+
+shard_status ckptio_prepare(const char *run_dir, int *lock_fd)
+{
+    *lock_fd = -1;
     if (mkdir_p(run_dir) != 0)
         return shard_fail(SHARD_E_IO, "%s: cannot create the run folder: %s", run_dir, strerror(errno));
-    return SHARD_OK;
+    char *path = join(run_dir, ".lock");
+    if (!path) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    /* no links, no waiting on a FIFO; a file only */
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
+    struct stat st;
+    shard_status s = SHARD_OK;
+    if (fd < 0 && errno == ELOOP)
+        s = shard_fail(SHARD_E_INVALID, "%s: the run folder's lock is a symbolic link (refused)", path);
+    else if (fd < 0 || fstat(fd, &st) != 0)
+        s = shard_fail(SHARD_E_IO, "%s: cannot open the run folder's lock: %s", path, strerror(errno));
+    else if (!S_ISREG(st.st_mode))
+        s = shard_fail(SHARD_E_INVALID, "%s: the run folder's lock is not a regular file", path);
+    else if (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+        char who[128];
+        lock_holder(fd, who, sizeof who);
+        s = shard_fail(SHARD_E_USAGE, "%s: another smp-train is saving into this run folder (%s)", run_dir, who);
+    } else { /* locked, or a file system without flock: the run goes on */
+        char who[128], host[64] = "?";
+        gethostname(host, sizeof host - 1);
+        const int n = snprintf(who, sizeof who, "pid %ld on host %s\n", (long)getpid(), host);
+        if (ftruncate(fd, 0) == 0) (void)!pwrite(fd, who, (size_t)n, 0); /* a hint for the message above */
+        *lock_fd = fd;
+        fd = -1;
+    }
+    if (fd >= 0) close(fd);
+    free(path);
+    return s;
 }
 
 static shard_status write_rank_file(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p,

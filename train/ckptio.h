@@ -60,8 +60,11 @@ typedef struct {
     shard_compress compress;
     const char *training_json;
 } ckptio_save_args;
-/* Create the run folder (and its parents) if needed. */
-shard_status ckptio_prepare(const char *run_dir);
+/* Create the run folder (and its parents) if needed and hold its lock (run_dir/.lock,
+ * flock: released when *lock_fd is closed or the process ends, however it ends): a
+ * second smp-train saving into the same folder (a job started twice) is refused,
+ * naming the process that holds it. A file system without flock: no lock. */
+shard_status ckptio_prepare(const char *run_dir, int *lock_fd);
 /* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it, from every rank
  * of p at once (collective over p->world; one rank: p->size 1): rank 0 creates the
  * run folder, begins the staging folder and broadcasts it; every rank writes

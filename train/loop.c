@@ -30,6 +30,7 @@ shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a)
     r->P = P;
     r->a = a;
     r->saved_step = -1;
+    r->lock_fd = -1;
     shard_status s = dev_open(&r->D, a->backend, a->dtype, !strcmp(a->backend, "cuda") ? shard_comm_local_rank() : 0);
     if (s) return s;
     if ((s = ckptio_open_model(a->ckpt, &r->ck, &r->m, &r->D))) return s;
@@ -174,7 +175,7 @@ shard_status loop_load(train_run *r)
         return s;
     if (m->fp8) r->D.ops->fp8_scales_changed(&r->D, m->fp8);
     if ((s = dev_status(&r->D))) return s;
-    if (me0 && !a->dump_grads && (s = ckptio_prepare(a->save_dir))) return s;
+    if (me0 && !a->dump_grads && (s = ckptio_prepare(a->save_dir, &r->lock_fd))) return s;
     if ((s = steplog_open(&r->log, me0 ? a->log : NULL, me0 && isatty(2), P))) return s; /* perhaps in it */
     r->in = malloc((size_t)r->Bm * r->S * sizeof *r->in);
     r->tg = malloc((size_t)r->Bm * r->S * sizeof *r->tg);
@@ -184,6 +185,7 @@ shard_status loop_load(train_run *r)
 void loop_close(train_run *r)
 {
     steplog_close(&r->log);
+    if (r->lock_fd >= 0) close(r->lock_fd);
     free(r->in);
     free(r->tg);
     free(r->pdt);

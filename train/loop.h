@@ -77,6 +77,7 @@ typedef struct {
     /* the loop */
     double t_start;
     int64_t bad_run;               /* non-finite steps in a row */
+    int lock_fd;                   /* rank 0: the run folder's lock (ckptio_prepare), -1: none */
     int64_t saved_step;            /* the last checkpoint's step (the one resumed from), -1: none */
     int stopping;                  /* a signal asked to stop, as of this step's agreement (loop_step) */
 } train_run;

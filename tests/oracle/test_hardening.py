@@ -296,3 +296,39 @@ def test_interrupted_writers_leave_nothing(tmp_path):
     # a signal after the work is done changes nothing: the output is whole and kept
     run("smp-convert", "reshard", "--in", tmp_path / "ck", "--out", out / "e", "--layout", "tp=1", check=0)
     assert run("smp-verify", out / "e").returncode == 0
+
+
+def test_one_run_at_a_time_in_a_run_folder(tmp_path):
+    """A second smp-train saving into a run folder that a running one saves into (a job
+    started twice) is refused: exit 2, one line naming the folder and the first run's
+    pid (the two used to replace each other's step folders and `latest`). Once the
+    first ends, however it ends, the folder is free. A lock that is a link or a FIFO is
+    refused (exit 3), not followed or waited on."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    r, log = tmp_path / "run", tmp_path / "log.jsonl"
+    first = subprocess.Popen([str(BUILD / "bin" / "smp-train"), "--ckpt", str(ck), "--data", str(data), "--save-dir", str(r),
+                              "--steps", "100000", "--batch", "2", "--seq", "16", "--log", str(log)],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 60
+        while time.time() < deadline and (not log.exists() or not log.read_text()):
+            time.sleep(0.01)
+        p = train(ck, data, r, 3)
+        assert p.returncode == 2, p.stderr
+        errs = [ln for ln in p.stderr.splitlines() if ": error: " in ln]
+        assert errs == [f"smp-train: error: {r}: another smp-train is saving into this run folder "
+                        f"(pid {first.pid} on host {os.uname().nodename})"], p.stderr
+    finally:
+        first.kill()  # SIGKILL: the lock goes with the process
+        first.communicate(timeout=60)
+    assert train(ck, data, r, 3).returncode == 0
+    assert (r / "latest").read_text().strip() == "step-000003"
+    for bad, make in (("link", lambda p: os.symlink(tmp_path / "elsewhere", p)), ("fifo", os.mkfifo)):
+        rb = tmp_path / f"run-{bad}"
+        rb.mkdir()
+        make(rb / ".lock")
+        p = train(ck, data, rb, 1)
+        errs = [ln for ln in p.stderr.splitlines() if ": error: " in ln]
+        assert p.returncode == 3 and len(errs) == 1 and f"{rb}/.lock" in errs[0], (bad, p.returncode, p.stderr)
+        assert not (tmp_path / "elsewhere").exists() and not (rb / "latest").exists()
