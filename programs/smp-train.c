@@ -3,10 +3,13 @@
  * command section for the contract. The command line is read here; the run itself
  * is train/'s: runcfg.h (its configuration), loop.h (the run and its steps),
  * steplog.h (what each step reports), ckptio.h (the checkpoints). */
+#include <errno.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 
 #include "c/blas_pick.h"
 #include "cli.h"
@@ -209,7 +212,16 @@ static int read_args(train_cmd *t, par_ctx *P)
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],
                      .layout = {1, 1, 1, P->size}, .fail_rank = -1, .fail_step = -1,
                      .signal_rank = -1, .signal_step = -1, .stop = &stop_requested,
-                     .now = now_seconds};
+                     .now = now_seconds, .log_fd = -1};
+    struct stat st;
+    if (P->rank == 0 && a->log && stat(a->log, &st) == 0 && S_ISFIFO(st.st_mode)) {
+        /* a FIFO: opened before the load and kept, so that one nobody reads is refused at once
+         * (a probe that closed it again would end a monitor such as `cat`) */
+        if ((a->log_fd = open(a->log, O_WRONLY | O_APPEND | O_CLOEXEC | O_NONBLOCK)) < 0) {
+            if (errno == ENXIO) return cli_usage("--log %s: a FIFO that nobody reads", a->log);
+            return cli_fail(shard_fail(SHARD_E_IO, "%s: cannot open: %s", a->log, strerror(errno)));
+        }
+    }
     if (v[O_LAYOUT] && shard_layout_parse(v[O_LAYOUT], &a->layout)) return cli_usage("--layout: %s", shard_errmsg());
     if (shard_layout_size(&a->layout) != P->size) {
         char lb[64];

@@ -176,7 +176,7 @@ shard_status loop_load(train_run *r)
     if (m->fp8) r->D.ops->fp8_scales_changed(&r->D, m->fp8);
     if ((s = dev_status(&r->D))) return s;
     if (me0 && !a->dump_grads && (s = ckptio_prepare(a->save_dir, &r->lock_fd))) return s;
-    if ((s = steplog_open(&r->log, me0 ? a->log : NULL, me0 && isatty(2), P))) return s; /* perhaps in it */
+    if ((s = steplog_open(&r->log, me0 ? a->log : NULL, a->log_fd, me0 && isatty(2), P))) return s; /* perhaps in it */
     r->in = malloc((size_t)r->Bm * r->S * sizeof *r->in);
     r->tg = malloc((size_t)r->Bm * r->S * sizeof *r->tg);
     return r->in && r->tg ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");

@@ -39,6 +39,7 @@
 /* What the command line gives a run beyond run_cfg's settings. */
 typedef struct {
     const char *ckpt, *data, *val_data, *save_dir, *log, *stages;
+    int log_fd;                    /* a --log FIFO, opened before the load (-1: opened at the run's start) */
     const char *dump_grads;        /* --dump-grads DIR, or NULL */
     const char *loss_mask, *val_loss_mask; /* --loss-mask, --val-loss-mask FILES, or NULL */
     int documents;                 /* --documents: packed documents ended by doc_sep */

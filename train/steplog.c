@@ -8,7 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
-shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *P)
+shard_status steplog_open(steplog *l, const char *path, int fd, int tty, const par_ctx *P)
 {
     memset(l, 0, sizeof *l);
     l->tty = tty;
@@ -19,7 +19,7 @@ shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *
     if (!path) return SHARD_OK;
     /* O_NONBLOCK: a FIFO without a reader is refused (ENXIO) instead of waited on forever;
      * with one (a monitor reading the log) the writes then block as usual */
-    const int fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0) fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
     if (fd < 0 && errno == ENXIO) return shard_fail(SHARD_E_USAGE, "%s: a FIFO that nobody reads", path);
     if (fd < 0 || fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) & ~O_NONBLOCK) != 0 || !(l->f = fdopen(fd, "a"))) {
         const int e = errno;

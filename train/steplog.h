@@ -60,9 +60,9 @@ typedef struct {
     step_comms comms;
 } steplog;
 
-/* path: the --log file (NULL: none); tty: draw the progress line; P: the run's ranks
+/* path: the --log file (NULL: none), fd: it opened already (-1: not yet); tty: draw the progress line; P: the run's ranks
  * (more than one: the log has the bytes by kind). */
-shard_status steplog_open(steplog *l, const char *path, int tty, const par_ctx *P);
+shard_status steplog_open(steplog *l, const char *path, int fd, int tty, const par_ctx *P);
 void steplog_close(steplog *l);
 /* At the run's end: closes the log; an error if a step's line was not written (a full
  * disk, a monitor that stopped reading): the run went on, warned once, without it. */

@@ -88,7 +88,8 @@ def test_run_folders_and_logs_refused_before_loading(tmp_path):
     --log (empty, a folder, a path through a file, a dangling link): exit 2 and one line
     naming it before the checkpoint is loaded (no "loaded" line), nothing written. A log
     that is a FIFO nobody reads: exit 2 at once (it waited forever); one that is read gets
-    the steps. A new nested run folder is made at the first save, a log in it works."""
+    the steps. (The FIFO used to be refused after the load, leaving an empty run
+    folder.) A new nested run folder is made at the first save, a log in it works."""
     _, ck = make_ckpt(tmp_path, CASE, sharp=False)
     data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
     (tmp_path / "file").write_text("x")
@@ -105,8 +106,9 @@ def test_run_folders_and_logs_refused_before_loading(tmp_path):
     p = subprocess.run([str(BUILD / "bin" / "smp-train"), "--ckpt", str(ck), "--data", str(data), "--save-dir",
                         str(tmp_path / "run"), "--steps", "1", "--batch", "2", "--seq", "16", "--log",
                         str(tmp_path / "fifo")], capture_output=True, text=True, timeout=60)
-    assert p.returncode == 2 and p.stderr.strip().endswith("fifo: a FIFO that nobody reads"), p.stderr
-    assert sorted(os.listdir(tmp_path)) == before + ["run"] and not os.listdir(tmp_path / "run")
+    assert p.returncode == 2 and p.stderr.strip().splitlines() == \
+        [f"smp-train: error: --log {tmp_path / 'fifo'}: a FIFO that nobody reads (see smp-train --help)"], p.stderr
+    assert sorted(os.listdir(tmp_path)) == before  # refused before the load: no run folder made
     rd = os.open(tmp_path / "fifo", os.O_RDONLY | os.O_NONBLOCK)  # a reader before the writer comes
     try:
         assert train(ck, data, tmp_path / "run", 2, "--log", tmp_path / "fifo").returncode == 0
