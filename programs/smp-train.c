@@ -207,13 +207,19 @@ static int read_args(train_cmd *t, par_ctx *P)
     /* the outputs, before anything is loaded */
     if ((rc = check_output("--save-dir", v[O_SAVE_DIR], SHARD_OUT_DIR)) || (rc = check_output("--log", v[O_LOG], SHARD_OUT_FILE)))
         return rc;
+    /* a checkpoint as the run folder: the step folders and latest would go inside it, and
+     * --ckpt DIR would still mean the checkpoint, not the run */
+    struct stat st;
+    char manifest[4096];
+    if (v[O_SAVE_DIR] && snprintf(manifest, sizeof manifest, "%s/smp.json", v[O_SAVE_DIR]) < (int)sizeof manifest &&
+        lstat(manifest, &st) == 0)
+        return cli_usage("--save-dir %s: a checkpoint, not a run folder (give a folder of its own)", v[O_SAVE_DIR]);
     *a = (loop_args){.ckpt = v[O_CKPT], .data = v[O_DATA], .val_data = v[O_VAL_DATA], .save_dir = v[O_SAVE_DIR],
                      .log = v[O_LOG], .stages = v[O_STAGES], .dump_grads = v[O_DUMP_GRADS], .seqpar = !!v[O_SEQPAR],
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],
                      .layout = {1, 1, 1, P->size}, .fail_rank = -1, .fail_step = -1,
                      .signal_rank = -1, .signal_step = -1, .stop = &stop_requested,
                      .now = now_seconds, .log_fd = -1};
-    struct stat st;
     if (P->rank == 0 && a->log && stat(a->log, &st) == 0 && S_ISFIFO(st.st_mode)) {
         /* a FIFO: opened before the load and kept, so that one nobody reads is refused at once
          * (a probe that closed it again would end a monitor such as `cat`) */

@@ -84,7 +84,8 @@ def test_output_paths_refused_before_any_work(tmp_path):
 
 
 def test_run_folders_and_logs_refused_before_loading(tmp_path):
-    """smp-train's --save-dir (empty, a file, a path through a file, a dangling link) and
+    """smp-train's --save-dir (empty, a file, a path through a file, a dangling link, a
+    checkpoint: its step folders used to go inside it) and
     --log (empty, a folder, a path through a file, a dangling link): exit 2 and one line
     naming it before the checkpoint is loaded (no "loaded" line), nothing written. A log
     that is a FIFO nobody reads: exit 2 at once (it waited forever); one that is read gets
@@ -96,7 +97,7 @@ def test_run_folders_and_logs_refused_before_loading(tmp_path):
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     os.mkfifo(tmp_path / "fifo")
     before = sorted(os.listdir(tmp_path))
-    runs = [("--save-dir", bad, ()) for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling")]
+    runs = [("--save-dir", bad, ()) for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling", ck)]
     runs += [("--log", bad, ("--log", bad)) for bad in ("", tmp_path, tmp_path / "file" / "log", tmp_path / "dangling")]
     for opt, bad, extra in runs:
         p = train(ck, data, bad if opt == "--save-dir" else tmp_path / "run", 1, *extra)
