@@ -44,7 +44,7 @@ shard_status convert_open_hf(const char *dir, convert_source *src)
 shard_status convert_open_ckpt(const char *dir, convert_source *src)
 {
     memset(src, 0, sizeof *src);
-    shard_status s = shard_ckpt_open(dir, &src->c);
+    shard_status s = shard_ckpt_open_any(dir, &src->c);
     if (s) return s;
     src->d = shard_ckpt_model(src->c);
     src->config = shard_ckpt_config_json(src->c);

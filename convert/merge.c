@@ -313,7 +313,7 @@ shard_status merge_run(const char *in, const char *out, const merge_opts *o, int
     shard_status s = shard_check_output(out, SHARD_OUT_NEW_DIR);
     if (s) return s;
     merge m = {.o = o, .in = in, .out = out, .wo = {o->no_fsync}};
-    if ((s = shard_ckpt_open(in, &m.c))) return s;
+    if ((s = shard_ckpt_open_any(in, &m.c))) return s;
     shard_ckpt_set_threads(m.c, o->threads);
     m.d = shard_ckpt_model(m.c);
     if (!(s = check_extra_names(&m))) s = plan_files(&m);

@@ -23,7 +23,8 @@ static const char HELP[] =
     "\n"
     "hf2smp   shard a Hugging Face model folder (config.json, safetensors weights, tokenizer\n"
     "         and other files) into an SMP checkpoint laid out for pp x tp x cp x dp ranks.\n"
-    "reshard  turn a checkpoint of any layout into one of another layout.\n"
+    "reshard  turn a checkpoint of any layout into one of another layout (--in a run\n"
+    "         folder: the checkpoint its latest names).\n"
     "init     a new model from a config.json, initialized as transformers does (normal\n"
     "         weights with std initializer_range, norms at one), the same in every layout.\n"
     "\n"
@@ -33,7 +34,8 @@ static const char HELP[] =
     "             or an OS crash. For scratch disks, outputs made durable by a later `sync`,\n"
     "             and benchmarks that compare with a plain `cp` (which does not fsync).\n"
     "\n"
-    "The output appears only when whole (written under a temporary name, then renamed);\n"
+    "The output appears only when whole (written under a temporary name, then renamed;\n"
+    "SIGINT, SIGTERM or SIGHUP remove the unfinished one);\n"
     "by default every file and folder is fsynced before the rename, and the parent after.\n"
     "Exit codes: 0 ok, 1 runtime failure, 2 usage, 3 invalid or corrupt input.\n";
 

@@ -14,8 +14,9 @@ static const char HELP[] =
     "\n"
     "Describe a Hugging Face model folder (config.json + safetensors weights):\n"
     "architecture, sizes, parameter count, dtypes, bytes and files; or an SMP\n"
-    "checkpoint (smp.json + shard files): layout, stages, tensors and their pieces,\n"
-    "sizes per shard file, compression ratio and the training state.\n"
+    "checkpoint (smp.json + shard files; a run folder: the checkpoint its latest\n"
+    "names): layout, stages, tensors and their pieces, sizes per shard file,\n"
+    "compression ratio and the training state.\n"
     "\n"
     "  --json     print the same as one JSON object\n"
     "  --help     this text\n"
@@ -303,9 +304,10 @@ static void ckpt_text(const ckpt_info *k)
 
 static int inspect_ckpt(const char *dir, int as_json)
 {
-    ckpt_info k = {.dir = dir};
-    shard_status s = shard_ckpt_open(dir, &k.c);
+    ckpt_info k = {0};
+    shard_status s = shard_ckpt_open_any(dir, &k.c);
     if (s) return cli_fail(s);
+    k.dir = shard_ckpt_dir(k.c); /* a run folder's: the checkpoint its latest names */
     k.m = (json_t *)shard_ckpt_manifest_json(k.c);
     k.files = json_object_get(k.m, "files");
     k.tensors = json_object_get(k.m, "tensors");
@@ -339,7 +341,10 @@ int main(int argc, char **argv)
     snprintf(probe, sizeof probe, "%s/config.json", path);
     if (lstat(probe, &st) == 0) return inspect_hf(path, as_json);
     snprintf(probe, sizeof probe, "%s/smp.json", path);
-    if (lstat(probe, &st) == 0) return inspect_ckpt(path, as_json);
-    shard_fail(SHARD_E_INVALID, "%s: neither a Hugging Face model folder (no config.json) nor an SMP checkpoint", path);
+    const int ckpt = lstat(probe, &st) == 0;
+    snprintf(probe, sizeof probe, "%s/latest", path);
+    if (ckpt || lstat(probe, &st) == 0) return inspect_ckpt(path, as_json);
+    shard_fail(SHARD_E_INVALID, "%s: neither a Hugging Face model folder (no config.json) nor an SMP checkpoint or run folder",
+               path);
     return cli_fail(SHARD_E_INVALID);
 }

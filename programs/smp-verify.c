@@ -8,7 +8,7 @@
 static const char HELP[] =
     "usage: smp-verify [--threads N] CKPT\n"
     "\n"
-    "Check a checkpoint: the manifest's rules (format, version, paths, every element\n"
+    "Check a checkpoint (a run folder: the checkpoint its latest names): the manifest's rules (format, version, paths, every element\n"
     "stored exactly once), the xxh64 of every file, and the xxh64 of every piece's data.\n"
     "Each file is read once, front to back: its bytes go through the file's xxh64, and\n"
     "each chunk of data is decoded there and checked against its own xxh3 and its piece's\n"
@@ -28,7 +28,7 @@ int main(int argc, char **argv)
     if (npos != 1) return cli_usage("expected exactly one CKPT");
     const char *dir = pos[0];
     shard_ckpt *c;
-    shard_status s = shard_ckpt_open(dir, &c);
+    shard_status s = shard_ckpt_open_any(dir, &c);
     if (s) return cli_fail(s);
     shard_ckpt_set_threads(c, (int)threads);
     uint64_t bytes = 0;
@@ -37,7 +37,7 @@ int main(int argc, char **argv)
     for (size_t i = 0; i < shard_ckpt_tensor_count(c); i++) pieces += shard_ckpt_tensor_at(c, i)->npieces;
     char b[32], l[64];
     if (!s)
-        printf("%s: ok: %zu tensors, %zu pieces, %s checked, layout %s\n", dir, shard_ckpt_tensor_count(c), pieces,
+        printf("%s: ok: %zu tensors, %zu pieces, %s checked, layout %s\n", shard_ckpt_dir(c), shard_ckpt_tensor_count(c), pieces,
                cli_bytes(b, (double)bytes), shard_layout_format(shard_ckpt_layout(c), l, sizeof l));
     shard_ckpt_close(c);
     return s ? cli_fail(s) : 0;

@@ -23,49 +23,9 @@ static char *join(const char *a, const char *b)
     return p;
 }
 
-shard_status ckptio_resolve(const char *path, char **ckpt_dir)
-{
-    *ckpt_dir = NULL;
-    char *man = join(path, "smp.json"), *lat = join(path, "latest");
-    if (!man || !lat) {
-        free(man); free(lat);
-        return shard_fail(SHARD_E_NOMEM, "out of memory");
-    }
-    shard_status s = SHARD_OK;
-    struct stat lst;
-    if (lstat(man, &lst) == 0) {
-        *ckpt_dir = strdup(path);
-    } else if (lstat(lat, &lst) == 0) {
-        char *name = NULL;
-        size_t len;
-        s = shard_read_file_in(lat, 4096, 1, &name, &len); /* a FIFO, link or directory: refused */
-        if (!s) {
-            name[strcspn(name, "\r\n")] = 0;
-            if (!name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
-                s = shard_fail(SHARD_E_INVALID, "%s: does not hold the name of a checkpoint folder", lat);
-            else if (!(*ckpt_dir = join(path, name)))
-                s = shard_fail(SHARD_E_NOMEM, "out of memory");
-            else if (lstat(*ckpt_dir, &lst) != 0 || !S_ISDIR(lst.st_mode)) /* a link would lead out of the run folder */
-                s = shard_fail(SHARD_E_INVALID, "%s: names %s, which is not a folder of this run", lat, name);
-        }
-        free(name);
-    } else {
-        s = shard_fail(SHARD_E_USAGE, "%s: neither a checkpoint (no smp.json) nor a run folder (no latest)", path);
-    }
-    if (!s && !*ckpt_dir) s = shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (s) { free(*ckpt_dir); *ckpt_dir = NULL; }
-    free(man);
-    free(lat);
-    return s;
-}
-
 shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev *d)
 {
-    char *dir;
-    shard_status s = ckptio_resolve(path, &dir);
-    if (s) return s;
-    s = shard_ckpt_open(dir, out);
-    free(dir);
+    shard_status s = shard_ckpt_open_any(path, out);
     if (s) return s;
     s = model_create(m, shard_ckpt_model(*out), d);
     if (s) {

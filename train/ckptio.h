@@ -18,9 +18,6 @@
 #include "par.h"
 #include "shard.h"
 
-/* path is a checkpoint (has smp.json) or a run folder (has latest): the checkpoint
- * folder to open (malloc'ed). */
-shard_status ckptio_resolve(const char *path, char **ckpt_dir);
 /* Open the checkpoint at path (resolved as above) and create the model it describes
  * on backend d. */
 shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev *d);

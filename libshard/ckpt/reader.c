@@ -361,6 +361,17 @@ void shard_ckpt_close(shard_ckpt *c)
     free(c);
 }
 
+shard_status shard_ckpt_open_any(const char *path, shard_ckpt **out)
+{
+    char *dir;
+    *out = NULL;
+    shard_status s = shard_ckpt_resolve(path, &dir);
+    if (s) return s;
+    s = shard_ckpt_open(dir, out);
+    free(dir);
+    return s;
+}
+
 shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
 {
     shard_h5_quiet();
@@ -389,6 +400,46 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     if (s) { shard_ckpt_close(c); return s; }
     *out = c;
     return SHARD_OK;
+}
+
+shard_status shard_ckpt_resolve(const char *path, char **ckpt_dir)
+{
+    *ckpt_dir = NULL;
+    char *man = shard_path_join(path, "smp.json"), *lat = shard_path_join(path, "latest");
+    if (!man || !lat) {
+        free(man); free(lat);
+        return shard_fail(SHARD_E_NOMEM, "out of memory");
+    }
+    shard_status s = SHARD_OK;
+    struct stat lst;
+    if (lstat(man, &lst) == 0) {
+        *ckpt_dir = strdup(path);
+    } else if (lstat(lat, &lst) == 0) {
+        char *name = NULL;
+        size_t len;
+        s = shard_read_file_in(lat, 4096, 1, &name, &len); /* a FIFO, link or directory: refused */
+        if (!s) {
+            const size_t n = strcspn(name, "\r\n");
+            int clean = memchr(name, 0, n) == NULL; /* one name, then only line ends */
+            for (size_t i = n; clean && i < len; i++) clean = name[i] == '\r' || name[i] == '\n';
+            name[n] = 0;
+            if (!clean || !name[0] || strchr(name, '/') || !strcmp(name, ".") || !strcmp(name, ".."))
+                s = shard_fail(SHARD_E_INVALID, "%s: does not hold the name of a checkpoint folder", lat);
+            else if (!(*ckpt_dir = shard_path_join(path, name)))
+                s = shard_fail(SHARD_E_NOMEM, "out of memory");
+            else if (lstat(*ckpt_dir, &lst) != 0 || !S_ISDIR(lst.st_mode)) /* a link would lead out of the run folder */
+                s = shard_fail(SHARD_E_INVALID, "%s: names %s, which is not a folder of this run", lat, name);
+        }
+        free(name);
+    } else {
+        s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint (or one never committed), nor a run "
+                                        "folder (no latest)", path);
+    }
+    if (!s && !*ckpt_dir) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (s) { free(*ckpt_dir); *ckpt_dir = NULL; }
+    free(man);
+    free(lat);
+    return s;
 }
 
 const char *shard_ckpt_dir(const shard_ckpt *c) { return c->dir; }

@@ -547,6 +547,14 @@ typedef struct {
     size_t npieces;
 } shard_ckpt_tensor;
 shard_status shard_ckpt_open(const char *dir, shard_ckpt **out);
+/* The checkpoint that path names: path itself (it has smp.json) or, for a run folder,
+ * the step folder its `latest` names (one name, no '/', a folder of the run, not a
+ * link; `latest` a regular file of at most 4 KiB holding only that name and line
+ * ends). *ckpt_dir: malloc'd. SHARD_E_INVALID when path is neither, or for a
+ * `latest` that is not such a file. _open_any: resolve, then shard_ckpt_open (what
+ * every command that reads a checkpoint takes; shard_ckpt_dir names the one opened). */
+shard_status shard_ckpt_resolve(const char *path, char **ckpt_dir);
+shard_status shard_ckpt_open_any(const char *path, shard_ckpt **out);
 void shard_ckpt_close(shard_ckpt *c);
 const char *shard_ckpt_dir(const shard_ckpt *c);
 const shard_model_desc *shard_ckpt_model(const shard_ckpt *c);

@@ -335,3 +335,23 @@ def test_one_run_at_a_time_in_a_run_folder(tmp_path):
         errs = [ln for ln in p.stderr.splitlines() if ": error: " in ln]
         assert p.returncode == 3 and len(errs) == 1 and f"{rb}/.lock" in errs[0], (bad, p.returncode, p.stderr)
         assert not (tmp_path / "elsewhere").exists() and not (rb / "latest").exists()
+
+
+def test_every_reader_takes_a_run_folder(tmp_path):
+    """smp-verify, smp-inspect, smp-merge --in and smp-convert reshard --in take a run
+    folder as smp-train and smp-eval do, reading the checkpoint its `latest` names (they
+    used to refuse it: "no smp.json"); the export equals the one from the step folder."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    r = tmp_path / "run"
+    assert train(ck, data, r, 3, "--save-every", 1).returncode == 0
+    step = r / "step-000003"
+    v = run("smp-verify", r, check=0)
+    assert v.stdout.startswith(f"{step}: ok: "), v.stdout
+    assert json.loads(run("smp-inspect", "--json", r, check=0).stdout) == json.loads(run("smp-inspect", "--json", step, check=0).stdout)
+    run("smp-merge", "--in", r, "--out", tmp_path / "from-run", check=0)
+    run("smp-merge", "--in", step, "--out", tmp_path / "from-step", check=0)
+    a, b = (tmp_path / "from-run" / "model.safetensors").read_bytes(), (tmp_path / "from-step" / "model.safetensors").read_bytes()
+    assert a == b
+    run("smp-convert", "reshard", "--in", r, "--out", tmp_path / "re", "--layout", "tp=2", check=0)
+    run("smp-verify", tmp_path / "re", check=0)

@@ -11,7 +11,9 @@ helpers). The classes:
 - tensors: optimizer and FP8 state holding NaN, inf, negative second moments, zero
            scales (read by smp-train resuming the run; the checksums are right);
 - run:     run folders whose `latest` is hostile or names something that is not a whole
-           checkpoint (smp-train --ckpt RUN and smp-eval --ckpt RUN);
+           checkpoint (smp-train --ckpt RUN, smp-eval --ckpt RUN, and smp-verify,
+           smp-inspect, smp-merge --in and smp-convert reshard --in, which take a run
+           folder too);
 - data:    token files (--data of smp-train and smp-eval) that are malformed or not
            regular files (a FIFO must not make anything hang);
 - special: smp.json, a shard file or an extra file that is a FIFO, a symlink to
@@ -341,7 +343,10 @@ def run_case(name, may_block=False):
         def _(ctx, d):
             rdir = copy_run(ctx.run, d)
             names = fn(ctx, rdir, d)
-            return Plan([resume_cmd(ctx, rdir), eval_cmd(rdir, ctx.data)], names=names, train_dir=rdir)
+            reads = [("smp-verify", rdir), ("smp-inspect", rdir), ("smp-merge", "--in", rdir, "--out", d / "merged"),
+                     ("smp-convert", "reshard", "--in", rdir, "--out", d / "re", "--layout", "tp=1")]
+            return Plan([resume_cmd(ctx, rdir), eval_cmd(rdir, ctx.data), *reads], names=names, train_dir=rdir,
+                        outs=[("smp-merge", d / "merged"), ("smp-convert", d / "re")])
         return fn
     return reg
 
@@ -392,6 +397,8 @@ latest_case("latest-names-dot", ".\n")
 latest_case("latest-names-itself", "latest\n")
 latest_case("latest-empty", "")
 latest_case("latest-huge", STEP + "x" * (4 << 20) + "\n")  # 4 MiB on one line that starts with the right name
+latest_case("latest-second-line", STEP + "\nstep-000001\n")  # the right name, then more
+latest_case("latest-nul", (STEP + "\0junk\n").encode())  # the right name, a NUL, then more
 
 
 @run_case("latest-fifo", may_block=True)
