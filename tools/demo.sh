@@ -38,20 +38,20 @@ say "3. train under mpirun: 8 ranks, pp=2,tp=2,cp=2 (ring attention)"
 $MPI -np 8 build/bin/smp-train --ckpt "$OUT/ckpt" --data "$OUT/train.bin" --val-data "$OUT/val.bin" \
     --save-dir "$OUT/run" --layout pp=2,tp=2,cp=2 --steps 40 --stop-at 24 --batch 8 --microbatches 2 \
     --seq 64 --lr 1e-2 --warmup 4 --seed 1 --log "$OUT/run/log.jsonl"
-build/bin/smp-verify "$OUT/run/$(cat "$OUT/run/latest")"
+build/bin/smp-verify "$OUT/run"
 
 say "4. reshard the run to tp=4,dp=2 and resume there"
 mkdir -p "$OUT/run2"
-build/bin/smp-convert reshard --in "$OUT/run/$(cat "$OUT/run/latest")" --out "$OUT/run2/step-000024" --layout tp=4,dp=2
+build/bin/smp-convert reshard --in "$OUT/run" --out "$OUT/run2/step-000024" --layout tp=4,dp=2
 echo step-000024 > "$OUT/run2/latest"
 $MPI -np 8 build/bin/smp-train --ckpt "$OUT/run2" --data "$OUT/train.bin" --val-data "$OUT/val.bin" \
     --save-dir "$OUT/run2" --layout tp=4,dp=2 --log "$OUT/run2/log.jsonl"
-build/bin/smp-verify "$OUT/run2/$(cat "$OUT/run2/latest")"
+build/bin/smp-verify "$OUT/run2"
 "$PY" tools/plot_log.py "$OUT/run/log.jsonl" -o "$OUT/loss.png" >/dev/null && echo "plot: $OUT/loss.png"
 
 say "5. evaluate, merge, check the export with transformers"
 build/bin/smp-eval --ckpt "$OUT/run2" --data "$OUT/val.bin" --batch 4 --seq 64 --batches 4 --json | tee "$OUT/eval.json"
-build/bin/smp-merge --in "$OUT/run2/$(cat "$OUT/run2/latest")" --out "$OUT/export"
+build/bin/smp-merge --in "$OUT/run2" --out "$OUT/export"
 "$PY" tools/demo/check_export.py "$OUT/hf" "$OUT/export" "$OUT/val.bin" "$OUT/eval.json" "$OUT/run/log.jsonl" "$OUT/run2/log.jsonl"
 
 say "6. fine-tune the export on chats: packed documents, loss on the answers, cp=2,dp=2"
@@ -80,7 +80,7 @@ say "7. a mixture of experts: Mixtral, pp=2,tp=2, the load-balancing loss traine
 build/bin/smp-convert hf2smp --in "$OUT/moe-hf" --out "$OUT/moe-ckpt" --layout pp=2,tp=2
 $MPI -np 4 build/bin/smp-train --ckpt "$OUT/moe-ckpt" --data "$OUT/train.bin" --save-dir "$OUT/moe" --layout pp=2,tp=2 \
     --steps 20 --batch 8 --microbatches 2 --seq 64 --lr 1e-2 --warmup 3 --seed 3 --log "$OUT/moe/log.jsonl"
-build/bin/smp-merge --in "$OUT/moe/$(cat "$OUT/moe/latest")" --out "$OUT/moe-export"
+build/bin/smp-merge --in "$OUT/moe" --out "$OUT/moe-export"
 build/bin/smp-eval --ckpt "$OUT/moe" --data "$OUT/val.bin" --batch 4 --seq 64 --batches 2 --json | tee "$OUT/moe-eval.json"
 "$PY" tools/demo/moe.py check "$OUT/moe-export" "$OUT/val.bin" "$OUT/moe-eval.json" "$OUT/moe/log.jsonl"
 echo "demo: ok"
