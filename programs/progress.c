@@ -49,3 +49,32 @@ void progress_end(progress *p)
 void progress_cb_start(void *p, uint64_t total) { progress_start(p, ((progress *)p)->label, total); }
 void progress_cb_add(void *p, uint64_t bytes) { progress_add(p, bytes); }
 void progress_cb_end(void *p) { progress_end(p); }
+
+static void *watch(void *arg)
+{
+    progress_watch *w = arg;
+    while (!__atomic_load_n(&w->stop, __ATOMIC_ACQUIRE)) {
+        usleep(200000);
+        const uint64_t d = w->count(w->arg);
+        if (d > w->p.done) progress_add(&w->p, d - w->p.done);
+    }
+    return NULL;
+}
+
+void progress_watch_start(progress_watch *w, const char *label, uint64_t total, uint64_t (*count)(const void *),
+                          const void *arg)
+{
+    *w = (progress_watch){.count = count, .arg = arg};
+    progress_start(&w->p, label, total);
+    w->running = w->p.tty && pthread_create(&w->thread, NULL, watch, w) == 0;
+}
+
+void progress_watch_stop(progress_watch *w, int done)
+{
+    if (!w->running) return;
+    __atomic_store_n(&w->stop, 1, __ATOMIC_RELEASE);
+    pthread_join(w->thread, NULL);
+    w->running = 0;
+    if (done) w->p.done = w->p.total;
+    progress_end(&w->p);
+}

@@ -2,6 +2,7 @@
  * stderr is not a terminal (logs stay clean). */
 #ifndef SMP_PROGRESS_H
 #define SMP_PROGRESS_H
+#include <pthread.h>
 #include <stdint.h>
 typedef struct {
     const char *label;
@@ -18,4 +19,20 @@ double now_seconds(void);
 void progress_cb_start(void *p, uint64_t total_bytes);
 void progress_cb_add(void *p, uint64_t bytes);
 void progress_cb_end(void *p);
+
+/* A progress line for work that counts its own bytes (count(arg): done so far, read
+ * from any thread): a thread polls it five times a second while stderr is a terminal,
+ * and none is started otherwise. */
+typedef struct {
+    progress p;
+    uint64_t (*count)(const void *arg);
+    const void *arg;
+    pthread_t thread;
+    int running;
+    volatile int stop;
+} progress_watch;
+void progress_watch_start(progress_watch *w, const char *label, uint64_t total, uint64_t (*count)(const void *),
+                          const void *arg);
+/* Stops the thread; done: the line ends at the total, else it stops where it was. */
+void progress_watch_stop(progress_watch *w, int done);
 #endif

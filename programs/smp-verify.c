@@ -1,8 +1,10 @@
 /* smp-verify: every checksum (whole files and pieces) and coverage of a checkpoint. */
 #include "cli.h"
 #include "opts.h"
+#include "progress.h"
 #include "shard.h"
 
+#include <jansson.h>
 #include <stdio.h>
 
 static const char HELP[] =
@@ -12,8 +14,11 @@ static const char HELP[] =
     "stored exactly once), the xxh64 of every file, and the xxh64 of every piece's data.\n"
     "Each file is read once, front to back: its bytes go through the file's xxh64, and\n"
     "each chunk of data is decoded there and checked against its own xxh3 and its piece's\n"
-    "xxh64. --threads N: files checked at once (default: cores, <= 16).\n"
+    "xxh64. --threads N: files checked at once (default: cores, <= 16). On a terminal, a\n"
+    "progress line.\n"
     "Names the damaged file. Exit codes: 0 whole, 3 invalid or corrupt, 1 I/O failure.\n";
+
+static uint64_t chunk_bytes(const void *c) { return shard_ckpt_bytes_read(c); }
 
 int main(int argc, char **argv)
 {
@@ -31,8 +36,15 @@ int main(int argc, char **argv)
     shard_status s = shard_ckpt_open_any(dir, &c);
     if (s) return cli_fail(s);
     shard_ckpt_set_threads(c, (int)threads);
-    uint64_t bytes = 0;
+    uint64_t bytes = 0, stored = 0;
+    size_t fi;
+    json_t *f;
+    json_array_foreach(json_object_get(shard_ckpt_manifest_json(c), "files"), fi, f)
+        stored += (uint64_t)json_integer_value(json_object_get(f, "bytes"));
+    progress_watch pw; /* a terminal sees the chunks' bytes go by */
+    progress_watch_start(&pw, "verifying", stored, chunk_bytes, c);
     s = shard_ckpt_verify(c, &bytes);
+    progress_watch_stop(&pw, !s);
     size_t pieces = 0;
     for (size_t i = 0; i < shard_ckpt_tensor_count(c); i++) pieces += shard_ckpt_tensor_at(c, i)->npieces;
     char b[32], l[64];

@@ -355,3 +355,45 @@ def test_every_reader_takes_a_run_folder(tmp_path):
     assert a == b
     run("smp-convert", "reshard", "--in", r, "--out", tmp_path / "re", "--layout", "tp=2", check=0)
     run("smp-verify", tmp_path / "re", check=0)
+
+
+def on_a_terminal(args):
+    """Run a command with stderr on a pseudo-terminal; what it wrote there."""
+    import pty  # noqa: F401  (os.openpty needs it on some platforms)
+    master, slave = os.openpty()
+    try:
+        p = subprocess.run([str(BUILD / "bin" / args[0]), *map(str, args[1:])], stdout=subprocess.PIPE, stderr=slave,
+                           timeout=120)
+    finally:
+        os.close(slave)
+    out = b""
+    while True:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:  # EIO: the terminal's other end is closed and its data read
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.close(master)
+    return p.returncode, out.decode()
+
+
+def test_progress_lines_on_a_terminal_only(tmp_path):
+    """hf2smp, smp-verify (new: it said nothing while it read) and smp-merge draw a
+    progress line ("label done / total") on a terminal, ending at the total; with stderr
+    not a terminal (a log) there is none."""
+    hf = tmp_path / "hf"
+    models.make("llama-sharded", hf)
+    ck = tmp_path / "ck"
+    cmds = [(("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=2"), "smp-convert: writing "),
+            (("smp-verify", ck), "smp-verify: verifying "), (("smp-merge", "--in", ck, "--out", tmp_path / "m"), "smp-merge: merging ")]
+    for args, label in cmds:
+        rc, text = on_a_terminal(args)
+        assert rc == 0, text
+        last = [ln for ln in text.replace("\r", "\n").splitlines() if ln.startswith(label)]
+        assert last, (args, text)
+        done, total = last[-1][len(label):].split("/s")[0].split(" / ")[:2]
+        assert done.strip() == total.split("  ")[0].strip(), last[-1]
+    p = run("smp-verify", ck, check=0)
+    assert "\r" not in p.stderr and "verifying" not in p.stderr, p.stderr
