@@ -15,6 +15,7 @@ int cli_parse(int argc, char **argv, int first, const cli_opt *opts, int n, cons
     for (int k = 0; k < n; k++) val[k] = NULL;
     for (int i = first; i < argc; i++) {
         const char *a = argv[i];
+        if (!a[0]) return cli_usage("\"\": an empty argument"); /* a path "" would mean the current or root folder */
         if (a[0] != '-' || !a[1]) {
             if (np >= maxpos) return cli_usage(maxpos ? "unexpected argument \"%s\"" : "unexpected argument \"%s\" (options start with --)", a);
             pos[np++] = a;
@@ -28,6 +29,7 @@ int cli_parse(int argc, char **argv, int first, const cli_opt *opts, int n, cons
             continue;
         }
         if (i + 1 >= argc) return cli_usage("%s needs a value", a);
+        if (!argv[i + 1][0]) return cli_usage("%s \"\": an empty value", a);
         val[k] = argv[++i];
     }
     if (npos) *npos = np;

@@ -70,7 +70,7 @@ def test_output_paths_refused_before_any_work(tmp_path):
         "init": ("smp-convert", "init", "--config", hf / "config.json", "--layout", "tp=1"),
         "merge": ("smp-merge", "--in", ck),
     }
-    outs = {"": '""', ".": ".", "..": "..", "/": "/", str(ck): str(ck), f"{ck}/": str(ck), str(dangling): str(dangling),
+    outs = {"": '--out "": an empty value', ".": ".", "..": "..", "/": "/", str(ck): str(ck), f"{ck}/": str(ck), str(dangling): str(dangling),
             str(tmp_path / "no" / "out"): str(tmp_path / "no"), str(tmp_path / "file" / "out"): str(tmp_path / "file"),
             f"{tmp_path}/new/.": f"{tmp_path}/new/."}
     before = sorted(os.listdir(tmp_path))
@@ -397,3 +397,20 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
         assert done.strip() == total.split("  ")[0].strip(), last[-1]
     p = run("smp-verify", ck, check=0)
     assert "\r" not in p.stderr and "verifying" not in p.stderr, p.stderr
+
+
+def test_empty_arguments_are_usage_errors(tmp_path):
+    """An empty path ("", as an unset shell variable gives) is exit 2 and one line in
+    every command: it used to be read as a path ("/config.json": the root folder's,
+    "": no smp.json, exit 3) or to fall through to "required" messages."""
+    cases = [("smp-verify", ""), ("smp-inspect", ""), ("smp-inspect", "--json", ""),
+             ("smp-merge", "--in", "", "--out", tmp_path / "m"), ("smp-merge", "--in", tmp_path, "--out", ""),
+             ("smp-convert", "hf2smp", "--in", "", "--out", tmp_path / "o", "--layout", "tp=1"),
+             ("smp-convert", "reshard", "--in", "", "--out", tmp_path / "o", "--layout", "tp=1"),
+             ("smp-eval", "--ckpt", "", "--data", tmp_path / "d.bin", "--batch", 1, "--seq", 8),
+             ("smp-train", "--ckpt", tmp_path, "--data", "", "--save-dir", tmp_path / "r", "--steps", 1)]
+    for cmd, *args in cases:
+        p = run(cmd, *args)
+        lines = p.stderr.strip().splitlines()
+        assert p.returncode == 2 and len(lines) == 1 and '"": an empty ' in lines[0], (cmd, args, p.returncode, p.stderr)
+    assert sorted(os.listdir(tmp_path)) == []
