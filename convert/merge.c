@@ -159,6 +159,21 @@ static shard_status plan_files(merge *m)
     return SHARD_OK;
 }
 
+/* fp16 holds up to 65504: a wider value converted to it is inf, and a model with an
+ * inf weight gives NaN. An export to fp16 is refused then (torch's .half() writes the
+ * inf without a word). A tensor stored as fp16 is written as it is. */
+static shard_status check_f16(const merge *m, const shard_ckpt_tensor *ct, size_t i, const void *buf, size_t nb)
+{
+    if (m->dts[i] != SHARD_DT_F16 || ct->dtype == SHARD_DT_F16) return SHARD_OK;
+    const uint16_t *h = buf;
+    size_t bad = 0;
+    for (size_t k = 0; k < nb / 2; k++) bad += (h[k] & 0x7c00) == 0x7c00; /* inf or NaN */
+    if (!bad) return SHARD_OK;
+    return shard_fail(SHARD_E_UNSUPPORTED, "%s: %s holds values beyond fp16's range (+-65504) or not finite, which fp16 "
+                                           "would store as inf or NaN: export as bf16 or fp32 (--dtype)",
+                      shard_ckpt_dir(m->c), ct->name);
+}
+
 /* Tensor i into w, streamed in blocks of whole rows of dim 0 (~32 MiB each). */
 static shard_status write_tensor(merge *m, shard_st_writer *w, size_t i)
 {
@@ -182,7 +197,9 @@ static shard_status write_tensor(merge *m, shard_st_writer *w, size_t i)
         blk.off[0] = r0;
         blk.len[0] = ct->shape[0] - r0 < rows ? ct->shape[0] - r0 : rows;
         size_t nb = (size_t)blk.len[0] * (size_t)row;
-        if (!(s = shard_ckpt_read(m->c, (size_t)m->idx[i], &blk, m->buf[m->cur], m->dts[i]))) s = behind_write(&m->wb, w, m->buf[m->cur], nb);
+        if (!(s = shard_ckpt_read(m->c, (size_t)m->idx[i], &blk, m->buf[m->cur], m->dts[i])) &&
+            !(s = check_f16(m, ct, i, m->buf[m->cur], nb)))
+            s = behind_write(&m->wb, w, m->buf[m->cur], nb);
         m->cur ^= 1;
         if (pg->add) pg->add(pg->ctx, nb);
     }

@@ -1,6 +1,7 @@
 """hf2smp -> reshard chains -> smp-merge against transformers, safetensors, h5py."""
 import hashlib
 import json
+import os
 import shutil
 
 import h5py
@@ -96,6 +97,40 @@ def test_hub_cache_snapshot(tmp_path):
     for name in ("config.json", "generation_config.json"):
         out = tmp_path / "out" / name
         assert not out.is_symlink() and out.read_bytes() == (hf / name).read_bytes(), name
+
+
+def test_merge_to_fp16_as_torch_and_refused_where_it_overflows(tmp_path):
+    """smp-merge --dtype fp16 of a bf16 model writes what torch's .to(float16) gives, bit
+    for bit, and transformers loads it as fp16. A weight beyond fp16's +-65504 (which
+    torch turns into inf without a word, and the model then gives NaN) is refused: exit
+    3, one line naming the tensor, no export."""
+    hf = tmp_path / "hf"
+    models.make("llama-tied-bf16-llama3", hf)
+    ref = tensors_of(hf)
+    run("smp-convert", "hf2smp", "--in", hf, "--out", tmp_path / "ck", "--layout", "tp=2", check=0)
+    run("smp-merge", "--in", tmp_path / "ck", "--out", tmp_path / "out", "--dtype", "fp16", check=0)
+    got = tensors_of(tmp_path / "out")
+    assert set(got) == set(ref)
+    for k in ref:
+        assert got[k].dtype == torch.float16 and torch.equal(got[k], ref[k].to(torch.float16)), k
+    from transformers import AutoModelForCausalLM
+    assert AutoModelForCausalLM.from_pretrained(str(tmp_path / "out")).dtype == torch.float16
+    big = tmp_path / "big"
+    shutil.copytree(hf, big)
+    w = tensors_of(big)
+    name = "model.layers.0.mlp.down_proj.weight"
+    w[name][1, 2] = 1e6
+    assert torch.isinf(w[name].to(torch.float16)).any()  # what a plain cast would write
+    f = sorted(big.glob("*.safetensors"))
+    assert len(f) == 1
+    from safetensors.torch import save_file
+    save_file(w, str(f[0]), metadata={"format": "pt"})
+    run("smp-convert", "hf2smp", "--in", big, "--out", tmp_path / "ck-big", "--layout", "tp=2", check=0)
+    p = run("smp-merge", "--in", tmp_path / "ck-big", "--out", tmp_path / "out-big", "--dtype", "fp16")
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 3 and len(lines) == 1 and name in lines[0] and "fp16" in lines[0], p.stderr
+    assert not [e for e in os.listdir(tmp_path) if "out-big" in e]
+    run("smp-merge", "--in", tmp_path / "ck-big", "--out", tmp_path / "out-big", "--dtype", "bf16", check=0)
 
 
 def test_split_export_with_index(tmp_path):
