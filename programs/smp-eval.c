@@ -70,6 +70,14 @@ static shard_status par_loss_sum(par_ctx *P, model *m, data_set *ds, int B, long
 
 static int eval_main(int argc, char **argv, par_ctx *P);
 
+/* JSON has no inf or NaN: null (a perplexity past exp(709) is inf while its loss is finite) */
+static const char *json_number(char buf[32], double v)
+{
+    if (isfinite(v)) snprintf(buf, 32, "%.17g", v);
+    else snprintf(buf, 32, "null");
+    return buf;
+}
+
 int main(int argc, char **argv)
 {
     cli_init("smp-eval");
@@ -183,10 +191,12 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     double ppl = exp(loss);
     char aux[64] = ""; /* a mixture of experts: the load-balancing loss over every batch's tokens */
     if (m.E && par && (s = par_aux_reduce(P, &m))) OUT(cli_fail(s));
-    if (m.E) snprintf(aux, sizeof aux, json ? ", \"aux_loss\": %.17g" : "  aux loss %.6f", model_aux_loss(&m));
+    char jl[32], jp[32], ja[32];
+    if (m.E && json) snprintf(aux, sizeof aux, ", \"aux_loss\": %s", json_number(ja, model_aux_loss(&m)));
+    else if (m.E) snprintf(aux, sizeof aux, "  aux loss %.6f", model_aux_loss(&m));
     if (me0 && json)
-        printf("{\"loss\": %.17g, \"perplexity\": %.17g, \"tokens\": %llu, \"batches\": %lld%s}\n", loss, ppl,
-               (unsigned long long)ntok, NB, aux);
+        printf("{\"loss\": %s, \"perplexity\": %s, \"tokens\": %llu, \"batches\": %lld%s}\n", json_number(jl, loss),
+               json_number(jp, ppl), (unsigned long long)ntok, NB, aux);
     else if (me0)
         printf("loss %.6f  perplexity %.4f%s  (%llu tokens, %lld batches of %ld x %ld)\n", loss, ppl, aux,
                (unsigned long long)ntok, NB, B, S);

@@ -414,3 +414,28 @@ def test_empty_arguments_are_usage_errors(tmp_path):
         lines = p.stderr.strip().splitlines()
         assert p.returncode == 2 and len(lines) == 1 and '"": an empty ' in lines[0], (cmd, args, p.returncode, p.stderr)
     assert sorted(os.listdir(tmp_path)) == []
+
+
+def test_eval_json_stays_json_when_the_perplexity_overflows(tmp_path):
+    """A model whose loss is finite but past 709 nats (its head scaled by 3000): the loss
+    as transformers computes it, and a perplexity of null in --json (it printed `inf`,
+    which no JSON parser reads, with exit 0)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    hf = tmp_path / "hf"
+    model = models.make(CASE, hf)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(3000.0)
+    model.save_pretrained(str(hf))
+    ck = tmp_path / "ck"
+    run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=1", check=0)
+    toks = np.random.default_rng(1).integers(0, vocab_of(CASE), size=400)
+    data = write_tokens(tmp_path / "d.bin", toks)
+    p = run("smp-eval", "--ckpt", ck, "--data", data, "--batch", 1, "--seq", 16, "--batches", 1, "--json", check=0)
+    got = json.loads(p.stdout)
+    ids = torch.tensor(toks[:17], dtype=torch.long)[None]
+    ref = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32)
+    with torch.no_grad():
+        want = torch.nn.functional.cross_entropy(ref(ids[:, :16]).logits[0], ids[0, 1:]).item()
+    assert want > 709 and abs(got["loss"] - want) <= 1e-4 * want, (got, want)
+    assert got["perplexity"] is None and got["tokens"] == 16
