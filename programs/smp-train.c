@@ -11,6 +11,8 @@
 #include <string.h>
 #include <sys/stat.h>
 
+#include <jansson.h>
+
 #include "c/blas_pick.h"
 #include "cli.h"
 #include "launch.h"
@@ -320,6 +322,33 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
 }
 
 /* rank 0's first lines: the run, the backend and the memory, sequence parallelism */
+/* 1 when a and b name one file (the same inode), or the same path where one is gone */
+static int same_file(const char *a, const char *b)
+{
+    struct stat x, y;
+    if (stat(a, &x) == 0 && stat(b, &y) == 0) return x.st_dev == y.st_dev && x.st_ino == y.st_ino;
+    return !strcmp(a, b);
+}
+
+/* A resumed run given other token files than it trained on goes on at its data position
+ * in the new ones: allowed (a new stage of training), but said, once. */
+static void note_new_data(const train_run *r)
+{
+    const json_t *was = json_object_get(json_object_get(json_object_get(shard_ckpt_manifest_json(r->ck), "training"), "data"),
+                                        "files");
+    if (!r->resumed || !json_is_array(was)) return;
+    int same = (int)json_array_size(was) == r->ds.nfiles;
+    for (int i = 0; same && i < r->ds.nfiles; i++) {
+        const char *p = json_string_value(json_array_get(was, (size_t)i));
+        same = p && same_file(p, r->ds.files[i].path);
+    }
+    if (same) return;
+    const char *first = json_string_value(json_array_get(was, 0));
+    fprintf(stderr, "smp-train: note: --data is not what the run trained on (%s%s); it goes on at data position %lld "
+                    "in the new files\n", first ? first : "?", json_array_size(was) > 1 ? ", ..." : "",
+            (long long)r->c.position);
+}
+
 static void print_start(train_run *r)
 {
     const run_cfg *c = &r->c;
@@ -335,6 +364,7 @@ static void print_start(train_run *r)
     lanes_memory(&r->ln, &lg, &la);
     bg += lg;
     ba += la;
+    note_new_data(r);
     if (r->ln.n > 1)
         fprintf(stderr, "smp-train: %d lanes of %d sequence%s each (--lanes), a thread each\n", r->ln.n, r->ln.rows,
                 r->ln.rows == 1 ? "" : "s");
