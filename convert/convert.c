@@ -28,6 +28,10 @@ static char *join(const char *dir, const char *name)
 shard_status convert_open_hf(const char *dir, convert_source *src)
 {
     memset(src, 0, sizeof *src);
+    struct stat st;
+    if (stat(dir, &st) != 0) return shard_fail(SHARD_E_INVALID, "%s: no such folder", dir);
+    if (!S_ISDIR(st.st_mode))
+        return shard_fail(SHARD_E_INVALID, "%s: not a folder (a model folder: config.json and its safetensors)", dir);
     char *cfg = join(dir, "config.json");
     if (!cfg) return nomem();
     shard_status s = shard_config_read(cfg, &src->model, &src->text, &src->config_len);

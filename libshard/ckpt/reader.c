@@ -432,8 +432,14 @@ shard_status shard_ckpt_resolve(const char *path, char **ckpt_dir)
         }
         free(name);
     } else {
-        s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint (or one never committed), nor a run "
-                                        "folder (no latest)", path);
+        char *cfg = shard_path_join(path, "config.json");
+        if (cfg && lstat(cfg, &lst) == 0) /* the commonest mix-up, said as such */
+            s = shard_fail(SHARD_E_INVALID, "%s: a Hugging Face model folder, not a checkpoint (smp-convert hf2smp "
+                                            "makes one of it)", path);
+        else
+            s = shard_fail(SHARD_E_INVALID, "%s: no smp.json: not a checkpoint (or one never committed), nor a run "
+                                            "folder (no latest)", path);
+        free(cfg);
     }
     if (!s && !*ckpt_dir) s = shard_fail(SHARD_E_NOMEM, "out of memory");
     if (s) { free(*ckpt_dir); *ckpt_dir = NULL; }

@@ -459,3 +459,23 @@ def test_resume_on_other_data_is_said(tmp_path):
     p = subprocess.run([str(exe), "--ckpt", str(r), "--data", "b.bin", "--save-dir", str(r), "--stop-at", "6"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and ": note: " not in p.stderr, p.stderr
+
+
+def test_inputs_of_the_wrong_kind_are_named(tmp_path):
+    """hf2smp given a file or nothing says so (it said "FILE/config.json: missing"); a
+    checkpoint reader given a Hugging Face model folder says that is what it is, and
+    how to make a checkpoint of it. Exit 3, one line, nothing written."""
+    hf = tmp_path / "hf"
+    models.make(CASE, hf)
+    weights = sorted(hf.glob("*.safetensors"))[0]
+    cases = [(("smp-convert", "hf2smp", "--in", weights, "--out", tmp_path / "o", "--layout", "tp=1"), f"{weights}: not a folder (a model folder: config.json and its safetensors)"),
+             (("smp-convert", "hf2smp", "--in", tmp_path / "nothing", "--out", tmp_path / "o", "--layout", "tp=1"),
+              f"{tmp_path / 'nothing'}: no such folder")]
+    for cmd in (("smp-verify", hf), ("smp-merge", "--in", hf, "--out", tmp_path / "o"),
+                ("smp-convert", "reshard", "--in", hf, "--out", tmp_path / "o", "--layout", "tp=1"),
+                ("smp-eval", "--ckpt", hf, "--data", hf / "config.json", "--batch", 1, "--seq", 8)):
+        cases.append((cmd, f"{hf}: a Hugging Face model folder, not a checkpoint (smp-convert hf2smp makes one of it)"))
+    for cmd, says in cases:
+        p = run(*cmd)
+        assert p.returncode == 3 and p.stderr.strip().splitlines() == [f"{cmd[0]}: error: {says}"], (cmd, p.stderr)
+    assert sorted(os.listdir(tmp_path)) == ["hf"]
