@@ -32,8 +32,16 @@ shard_status convert_open_hf(const char *dir, convert_source *src)
     if (stat(dir, &st) != 0) return shard_fail(SHARD_E_INVALID, "%s: no such folder", dir);
     if (!S_ISDIR(st.st_mode))
         return shard_fail(SHARD_E_INVALID, "%s: not a folder (a model folder: config.json and its safetensors)", dir);
-    char *cfg = join(dir, "config.json");
+    char *cfg = join(dir, "config.json"), *man = join(dir, "smp.json"), *lat = join(dir, "latest");
+    const int ckpt = cfg && man && lat && lstat(cfg, &st) != 0 && (lstat(man, &st) == 0 || lstat(lat, &st) == 0);
+    free(man);
+    free(lat);
     if (!cfg) return nomem();
+    if (ckpt) { /* the mix-up the other way round */
+        free(cfg);
+        return shard_fail(SHARD_E_INVALID, "%s: an SMP checkpoint or run folder, not a model folder (smp-convert reshard "
+                                           "changes its layout, smp-merge exports it)", dir);
+    }
     shard_status s = shard_config_read(cfg, &src->model, &src->text, &src->config_len);
     free(cfg);
     if (!s) s = shard_weights_open(dir, &src->w);

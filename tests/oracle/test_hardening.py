@@ -462,9 +462,9 @@ def test_resume_on_other_data_is_said(tmp_path):
 
 
 def test_inputs_of_the_wrong_kind_are_named(tmp_path):
-    """hf2smp given a file or nothing says so (it said "FILE/config.json: missing"); a
-    checkpoint reader given a Hugging Face model folder says that is what it is, and
-    how to make a checkpoint of it. Exit 3, one line, nothing written."""
+    """hf2smp given a file, nothing or a checkpoint says so (it said "FILE/config.json:
+    missing"); a checkpoint reader given a Hugging Face model folder says that is what
+    it is, and how to make a checkpoint of it. Exit 3, one line, nothing written."""
     hf = tmp_path / "hf"
     models.make(CASE, hf)
     weights = sorted(hf.glob("*.safetensors"))[0]
@@ -475,7 +475,12 @@ def test_inputs_of_the_wrong_kind_are_named(tmp_path):
                 ("smp-convert", "reshard", "--in", hf, "--out", tmp_path / "o", "--layout", "tp=1"),
                 ("smp-eval", "--ckpt", hf, "--data", hf / "config.json", "--batch", 1, "--seq", 8)):
         cases.append((cmd, f"{hf}: a Hugging Face model folder, not a checkpoint (smp-convert hf2smp makes one of it)"))
+    ck = tmp_path / "ck"
+    run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "tp=1", check=0)
+    cases.append((("smp-convert", "hf2smp", "--in", ck, "--out", tmp_path / "o", "--layout", "tp=2"),
+                  f"{ck}: an SMP checkpoint or run folder, not a model folder (smp-convert reshard changes its layout, "
+                  "smp-merge exports it)"))
     for cmd, says in cases:
         p = run(*cmd)
         assert p.returncode == 3 and p.stderr.strip().splitlines() == [f"{cmd[0]}: error: {says}"], (cmd, p.stderr)
-    assert sorted(os.listdir(tmp_path)) == ["hf"]
+    assert sorted(os.listdir(tmp_path)) == ["ck", "hf"]
