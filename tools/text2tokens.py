@@ -17,7 +17,14 @@ import argparse
 import array
 import sys
 
+from atomic_write import write_atomically
+
 MAGIC, VERSION, EOT = 20240520, 1, 256
+
+
+def fail(msg, code):
+    print("text2tokens: error: " + msg, file=sys.stderr)
+    sys.exit(code)
 
 
 def write_tokens(path, toks):
@@ -27,9 +34,7 @@ def write_tokens(path, toks):
     if sys.byteorder != "little":
         header.byteswap()
         body.byteswap()
-    with open(path, "wb") as f:
-        f.write(header.tobytes())
-        f.write(body.tobytes())
+    write_atomically(path, (header.tobytes(), body.tobytes()))
 
 
 def main(argv=None):
@@ -45,18 +50,21 @@ def main(argv=None):
     if not 0.0 <= a.val_fraction < 1.0:
         ap.error("--val-fraction must be in [0, 1)")
     toks = array.array("H")
-    for p in a.inputs:
-        with open(p, "rb") as f:
-            toks.extend(f.read())
-        if a.eot:
-            toks.append(EOT)
-    if len(toks) > 2**31 - 1:
-        sys.exit("text2tokens: error: more than 2^31-1 tokens: split the input")
-    n_val = int(len(toks) * a.val_fraction)
-    train = toks[: len(toks) - n_val]
-    write_tokens(a.out, train)
-    if a.val_out:
-        write_tokens(a.val_out, toks[len(toks) - n_val:])
+    try:
+        for p in a.inputs:
+            with open(p, "rb") as f:  # a FIFO too: `<(zcat corpus.gz)` is an input
+                toks.extend(f.read())
+            if a.eot:
+                toks.append(EOT)
+        if len(toks) > 2**31 - 1:
+            fail("more than 2^31-1 tokens: split the input", 3)
+        n_val = int(len(toks) * a.val_fraction)
+        train = toks[: len(toks) - n_val]
+        write_tokens(a.out, train)
+        if a.val_out:
+            write_tokens(a.val_out, toks[len(toks) - n_val:])
+    except OSError as e:
+        fail("%s: %s" % (e.filename, e.strerror or e), 1)
     print(f"{a.out}: {len(train)} tokens" + (f"; {a.val_out}: {n_val} tokens" if a.val_out else ""))
 
 

@@ -14,6 +14,8 @@ import sys
 
 import numpy as np
 
+from atomic_write import write_atomically
+
 
 def header(magic, version, count):
     """llm.c's file header: 256 little-endian int32, the first three magic, version, count."""
@@ -24,17 +26,19 @@ def header(magic, version, count):
 
 def write_tokens(path, toks, vocab):
     u16 = vocab <= 65536
-    with open(path, "wb") as f:
-        f.write(header(*((20240520, 1) if u16 else (20240801, 7)), len(toks)))
-        f.write(np.asarray(toks, dtype="<u2" if u16 else "<u4").tobytes())
+    write_atomically(path, (header(*((20240520, 1) if u16 else (20240801, 7)), len(toks)),
+                            np.asarray(toks, dtype="<u2" if u16 else "<u4").tobytes()))
 
 
 def write_mask(path, mask):
     """The loss mask of a token file: magic 20241201 version 1, then one uint8 per token
     (1: the token is a target, 0: not)."""
-    with open(path, "wb") as f:
-        f.write(header(20241201, 1, len(mask)))
-        f.write(np.asarray(mask, dtype=np.uint8).tobytes())
+    write_atomically(path, (header(20241201, 1, len(mask)), np.asarray(mask, dtype=np.uint8).tobytes()))
+
+
+def fail(msg, code):
+    print("tokenize_hf: error: " + msg, file=sys.stderr)
+    sys.exit(code)
 
 
 def main(argv=None):
@@ -45,18 +49,28 @@ def main(argv=None):
     ap.add_argument("inputs", nargs="+")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
+    try:
+        tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
+    except (OSError, ValueError) as e:
+        fail("%s: cannot load the tokenizer: %s" % (a.tokenizer, e), 1)
     if a.eot and tok.eos_token_id is None:
-        sys.exit("tokenize_hf: error: %s: the tokenizer has no eos token for --eot" % a.tokenizer)
+        fail("%s: the tokenizer has no eos token for --eot" % a.tokenizer, 2)
     ids = []
-    for p in a.inputs:
-        with open(p, encoding="utf-8") as f:
-            ids.extend(tok.encode(f.read(), add_special_tokens=False))
-        if a.eot:
-            ids.append(tok.eos_token_id)
-    if len(ids) > 2**31 - 1:
-        sys.exit("tokenize_hf: error: more than 2^31-1 tokens: split the input")
-    write_tokens(a.out, ids, len(tok))
+    try:
+        for p in a.inputs:
+            with open(p, encoding="utf-8") as f:
+                try:
+                    text = f.read()
+                except UnicodeDecodeError as e:
+                    fail("%s: not UTF-8 text (byte %d)" % (p, e.start), 3)
+            ids.extend(tok.encode(text, add_special_tokens=False))
+            if a.eot:
+                ids.append(tok.eos_token_id)
+        if len(ids) > 2**31 - 1:
+            fail("more than 2^31-1 tokens: split the input", 3)
+        write_tokens(a.out, ids, len(tok))
+    except OSError as e:
+        fail("%s: %s" % (e.filename, e.strerror or e), 1)
     print(f"{a.out}: {len(ids)} tokens (vocabulary {len(tok)})")
 
 

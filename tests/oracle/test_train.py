@@ -665,6 +665,56 @@ def test_text2tokens_and_tokenize_hf(tmp_path):
     assert (h[0], h[1], h[2]) == (20240520, 1, len(want)) and toks.tolist() == want
 
 
+def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
+    """text2tokens and tokenize_hf: a missing input, a folder, a full disk (/dev/full)
+    or non-UTF-8 text is one line `NAME: error: PATH: what` (they printed tracebacks),
+    exit 1 (3 for the text); the output appears whole or not at all (a good old file
+    stays), a device is written through, never replaced (the first version of this
+    replaced /dev/full by a file), a link stays a link; a FIFO is an input
+    (`<(zcat corpus.gz)`)."""
+    import stat
+    import threading
+    t2t = [str(pathlib.Path(os.sys.executable)), str(ROOT / "tools" / "text2tokens.py")]
+    hf = [str(pathlib.Path(os.sys.executable)), str(ROOT / "tools" / "tokenize_hf.py")]
+    (tmp_path / "a.txt").write_text("hello\n")
+    out = tmp_path / "out.bin"
+    assert subprocess.run([*t2t, str(out), str(tmp_path / "a.txt")], capture_output=True).returncode == 0
+    good = out.read_bytes()
+    bad = [([*t2t, str(out), str(tmp_path / "none.txt")], f"text2tokens: error: {tmp_path / 'none.txt'}: No such file or directory", 1),
+           ([*t2t, str(out), str(tmp_path)], f"text2tokens: error: {tmp_path}: Is a directory", 1),
+           ([*t2t, str(tmp_path / "no" / "o.bin"), str(tmp_path / "a.txt")], f"text2tokens: error: {tmp_path / 'no' / 'o.bin'}: No such file or directory", 1)]
+    if os.path.exists("/dev/full"):
+        bad.append(([*t2t, "/dev/full", str(tmp_path / "a.txt")], "text2tokens: error: /dev/full: No space left on device", 1))
+    for cmd, line, code in bad:
+        p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert p.returncode == code and p.stderr.strip().splitlines() == [line], (cmd, p.returncode, p.stderr)
+    assert out.read_bytes() == good and sorted(os.listdir(tmp_path)) == ["a.txt", "out.bin"]
+    if os.path.exists("/dev/full"):
+        assert stat.S_ISCHR(os.stat("/dev/full").st_mode)
+    os.symlink(out, tmp_path / "link.bin")
+    (tmp_path / "b.txt").write_text("a longer text\n")
+    assert subprocess.run([*t2t, str(tmp_path / "link.bin"), str(tmp_path / "b.txt")], capture_output=True).returncode == 0
+    assert os.path.islink(tmp_path / "link.bin") and len(out.read_bytes()) == 1024 + 2 * len("a longer text\n")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    w = threading.Thread(target=lambda: fifo.write_bytes(b"from a pipe"))
+    w.start()
+    p = subprocess.run([*t2t, str(tmp_path / "f.bin"), str(fifo)], capture_output=True, text=True, timeout=120)
+    w.join()
+    assert p.returncode == 0 and len((tmp_path / "f.bin").read_bytes()) == 1024 + 2 * len(b"from a pipe"), p.stderr
+    (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    tk = Tokenizer(tm.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel()
+    tk.train_from_iterator(["hello world"] * 20, trainers.BpeTrainer(vocab_size=280, special_tokens=["<unk>", "</s>"]))
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>").save_pretrained(str(tmp_path / "tok"))
+    p = subprocess.run([*hf, "--tokenizer", str(tmp_path / "tok"), str(tmp_path / "h.bin"), str(tmp_path / "latin1.txt")],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and p.stderr.strip().splitlines() == [f"tokenize_hf: error: {tmp_path / 'latin1.txt'}: not UTF-8 text (byte 3)"], p.stderr
+    assert not (tmp_path / "h.bin").exists()
+
+
 # ---------------------------------------------------------------- FP8
 E4M3, E5M2 = 0, 1
 FP8_FMT = {E4M3: ("float8_e4m3fn", 448.0), E5M2: ("float8_e5m2", 57344.0)}
