@@ -179,13 +179,18 @@ def main(argv=None):
     ap.add_argument("--builtin", action="store_true", help="draw without matplotlib even when it is installed")
     a = ap.parse_args(argv)
     out = a.out or (a.log.rsplit(".", 1)[0] + ".png")
-    rows = read_log(a.log)
     try:
-        if a.builtin:
-            raise ImportError
-        plot_matplotlib(rows, out, a.width, a.height)
-    except ImportError:
-        plot_builtin(rows, out, a.width, a.height)
+        rows = read_log(a.log)
+        try:
+            if a.builtin:
+                raise ImportError
+            plot_matplotlib(rows, out, a.width, a.height)
+        except ImportError:
+            plot_builtin(rows, out, a.width, a.height)
+    except OSError as e:  # a log or an output that cannot be read or written: one line
+        sys.exit(f"plot_log: error: {e.filename or out}: {e.strerror or e}")
+    except UnicodeDecodeError as e:
+        sys.exit(f"plot_log: error: {a.log}: not text (byte {e.start})")
     print(out)
 
 

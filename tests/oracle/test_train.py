@@ -666,7 +666,7 @@ def test_text2tokens_and_tokenize_hf(tmp_path):
 
 
 def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
-    """text2tokens and tokenize_hf: a missing input, a folder, a full disk (/dev/full)
+    """text2tokens, tokenize_hf (and plot_log): a missing input, a folder, a full disk (/dev/full)
     or non-UTF-8 text is one line `NAME: error: PATH: what` (they printed tracebacks),
     exit 1 (3 for the text); the output appears whole or not at all (a good old file
     stays), a device is written through, never replaced (the first version of this
@@ -713,6 +713,15 @@ def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and p.stderr.strip().splitlines() == [f"tokenize_hf: error: {tmp_path / 'latin1.txt'}: not UTF-8 text (byte 3)"], p.stderr
     assert not (tmp_path / "h.bin").exists()
+    plot = [str(pathlib.Path(os.sys.executable)), str(ROOT / "tools" / "plot_log.py"), "--builtin"]
+    (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe\x00")
+    for args, line in (([str(tmp_path / "none.jsonl")], f"plot_log: error: {tmp_path / 'none.jsonl'}: No such file or directory"),
+                       ([str(tmp_path / "log.jsonl"), "-o", str(tmp_path / "no" / "p.png")],
+                        f"plot_log: error: {tmp_path / 'no' / 'p.png'}: No such file or directory"),
+                       ([str(tmp_path / "bin.jsonl")], f"plot_log: error: {tmp_path / 'bin.jsonl'}: not text (byte 0)")):
+        p = subprocess.run([*plot, *args], capture_output=True, text=True, timeout=120)
+        assert p.returncode == 1 and p.stderr.strip().splitlines() == [line], (args, p.stderr)
 
 
 # ---------------------------------------------------------------- FP8
