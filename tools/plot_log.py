@@ -32,7 +32,13 @@ def read_log(path):
 
 
 def series(rows, key):
-    return [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    """(step, value) by step. A run resumed from an older checkpoint logs its steps again
+    after the abandoned ones: the last line of a step is the run as it stands."""
+    last = {}
+    for r in rows:
+        if isinstance(r.get(key), (int, float)) and isinstance(r.get("step"), int):
+            last[r["step"]] = r[key]
+    return sorted(last.items())
 
 
 # ---- a tiny raster canvas -------------------------------------------------------

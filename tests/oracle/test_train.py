@@ -722,6 +722,14 @@ def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
                        ([str(tmp_path / "bin.jsonl")], f"plot_log: error: {tmp_path / 'bin.jsonl'}: not text (byte 0)")):
         p = subprocess.run([*plot, *args], capture_output=True, text=True, timeout=120)
         assert p.returncode == 1 and p.stderr.strip().splitlines() == [line], (args, p.stderr)
+    # a run resumed from step 1 after steps 2-3 were abandoned: the plot is the run as it stands
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("plot_log", ROOT / "tools" / "plot_log.py")
+    pl = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pl)
+    rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 9.0}, {"step": 3, "loss": 9.0}, {"step": 2, "loss": 2.0},
+            {"step": 3, "loss": 1.0, "val_loss": 1.5}]
+    assert pl.series(rows, "loss") == [(1, 3.0), (2, 2.0), (3, 1.0)] and pl.series(rows, "val_loss") == [(3, 1.5)]
 
 
 # ---------------------------------------------------------------- FP8
