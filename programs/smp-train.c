@@ -37,7 +37,8 @@ static const char HELP[] =
     "  --val-data TOKENS         validation tokens: val_loss in the log\n"
     "  --val-every N             validate every N steps (default: when saving)\n"
     "  --val-batches N           validation batches of B/M sequences (default 8)\n"
-    "  --save-dir RUN_DIR        where step-NNNNNN/ checkpoints and `latest` go\n"
+    "  --save-dir RUN_DIR        where step-NNNNNN/ checkpoints and `latest` go (one run at a\n"
+    "                            time: a second one saving there is refused)\n"
     "  --layout L                pp=P,tp=T,cp=C,dp=D (P*T*C*D ranks under mpirun; default\n"
     "                            dp=<ranks>); cp: each sequence in 2C chunks, ring attention\n"
     "  --stages S                layers per pipeline stage: \"auto\" or \"2,1,...\" (default: the\n"
@@ -105,7 +106,7 @@ static const char HELP[] =
     "  --inject-signal RANK:STEP testing aid: rank RANK sends itself SIGTERM once step STEP\n"
     "                            is logged (after the ranks agreed whether to stop there)\n"
     "\n"
-    "SIGTERM or SIGINT: finish the current step, save a checkpoint, exit 0.\n"
+    "SIGTERM, SIGINT or SIGHUP: finish the current step, save a checkpoint, exit 0.\n"
     "The log's loss is the mean over the step's counted targets (all B*S without\n"
     "--documents and --loss-mask; `targets` in the log); a step with none makes no\n"
     "update and logs \"loss\": null.\n";
