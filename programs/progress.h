@@ -22,17 +22,23 @@ void progress_cb_end(void *p);
 
 /* A progress line for work that counts its own bytes (count(arg): done so far, read
  * from any thread): a thread polls it five times a second while stderr is a terminal,
- * and none is started otherwise. */
+ * and none is started otherwise. total 0: not known (the line says what is done and
+ * how fast, no ETA). */
 typedef struct {
     progress p;
     uint64_t (*count)(const void *arg);
     const void *arg;
     pthread_t thread;
-    int running;
-    volatile int stop;
+    pthread_mutex_t mu;
+    pthread_cond_t wake; /* stop wakes the poller at once: a stop never waits out a tick */
+    int running, stop;
 } progress_watch;
 void progress_watch_start(progress_watch *w, const char *label, uint64_t total, uint64_t (*count)(const void *),
                           const void *arg);
 /* Stops the thread; done: the line ends at the total, else it stops where it was. */
 void progress_watch_stop(progress_watch *w, int done);
+/* The load of a checkpoint as a watched line ("loading", the stored bytes read):
+ * loop_args' load_start and load_end for smp-train, and smp-eval's own. */
+void progress_load_start(void *w, const void *ckpt);
+void progress_load_end(void *w, int ok);
 #endif

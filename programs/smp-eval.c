@@ -158,7 +158,10 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     const double t_load = now_seconds();
     shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
     shard_ckpt_set_uncached(ck, 1); /* the weights are read once, into fresh memory */
+    progress_watch pw = {0};
+    if (me0) progress_load_start(&pw, ck);
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
+    progress_load_end(&pw, !s);
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load, P->moved))) OUT(cli_fail(s));

@@ -101,17 +101,13 @@ static shard_status load_optim(train_run *r, int *moments)
     return dev_status(&r->D);
 }
 
-/* This rank's state from the checkpoint, read and checked: the weights (the fp32
- * master copy when saved, else the parameters), the optimizer, the FP8 scaling
- * state; then the load's line. */
-static shard_status load_state(train_run *r)
+static shard_status read_state(train_run *r)
 {
     par_ctx *P = r->P;
     model *m = &r->m;
     const run_cfg *c = &r->c;
     const char *dir = shard_ckpt_dir(r->ck);
     int have_master = 0, have_p = 0, moments = 0;
-    const double t_load = r->a->now();
     shard_ckpt_set_threads(r->ck, ckptio_load_threads(P->size));
     shard_ckpt_set_uncached(r->ck, 1); /* the weights are read once, into fresh memory */
     shard_status s = par_read_params(P, r->ck, m, "optim/master", &have_master);
@@ -135,7 +131,21 @@ static shard_status load_state(train_run *r)
             return shard_fail(SHARD_E_NOMEM, "out of memory");
         if ((s = ckptio_read_fp8(r->ck, m->fp8))) return s;
     }
-    return ckptio_print_load("smp-train", P->world, r->ck, r->a->now() - t_load, P->moved); /* all of it read and checked */
+    return SHARD_OK;
+}
+
+/* This rank's state from the checkpoint, read and checked: the weights (the fp32
+ * master copy when saved, else the parameters), the optimizer, the FP8 scaling
+ * state (on a terminal with a progress line); then the load's line. */
+static shard_status load_state(train_run *r)
+{
+    const int watch = r->P->rank == 0 && r->a->load_start;
+    const double t_load = r->a->now();
+    if (watch) r->a->load_start(r->a->load_ctx, r->ck);
+    shard_status s = read_state(r);
+    if (watch) r->a->load_end(r->a->load_ctx, !s);
+    if (s) return s;
+    return ckptio_print_load("smp-train", r->P->world, r->ck, r->a->now() - t_load, r->P->moved); /* all of it read and checked */
 }
 
 /* The lane count: --lanes N, refused where lanes cannot run; a resumed run's, where

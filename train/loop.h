@@ -56,6 +56,10 @@ typedef struct {
     long long signal_rank, signal_step; /* --inject-signal (-1: none) */
     volatile sig_atomic_t *stop;   /* set by a signal: save and stop after the step */
     double (*now)(void);           /* a monotonic clock, in seconds */
+    /* rank 0, around the checkpoint's load (NULL: none): the command's progress line */
+    void (*load_start)(void *ctx, const void *ckpt);
+    void (*load_end)(void *ctx, int ok);
+    void *load_ctx;
 } loop_args;
 
 typedef struct {

@@ -381,8 +381,9 @@ def on_a_terminal(args):
 
 def test_progress_lines_on_a_terminal_only(tmp_path):
     """hf2smp, smp-verify (new: it said nothing while it read) and smp-merge draw a
-    progress line ("label done / total") on a terminal, ending at the total; with stderr
-    not a terminal (a log) there is none."""
+    progress line ("label done / total") on a terminal, ending at the total; smp-eval's
+    and smp-train's loads (new) a "loading" line, erased for the "loaded" line; with
+    stderr not a terminal (a log) there is none."""
     hf = tmp_path / "hf"
     models.make("llama-sharded", hf)
     ck = tmp_path / "ck"
@@ -397,6 +398,15 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
         assert done.strip() == total.split("  ")[0].strip(), last[-1]
     p = run("smp-verify", ck, check=0)
     assert "\r" not in p.stderr and "verifying" not in p.stderr, p.stderr
+    # the loads: a "loading" line while the checkpoint is read, erased for the "loaded" line
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, 200, size=2000))
+    for args in (("smp-eval", "--ckpt", ck, "--data", data, "--batch", 1, "--seq", 16, "--batches", 1),
+                 ("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", 1, "--batch", 2,
+                  "--seq", 16, "--layout", "pp=1")):
+        rc, text = on_a_terminal(args)
+        assert rc == 0 and f"\x1b[K{args[0]}: loaded " in text, text  # the "loading" line erased first
+    p = run("smp-eval", "--ckpt", ck, "--data", data, "--batch", 1, "--seq", 16, "--batches", 1, check=0)
+    assert "loading" not in p.stderr and "\r" not in p.stderr and "\x1b" not in p.stderr, p.stderr
 
 
 def test_empty_arguments_are_usage_errors(tmp_path):
