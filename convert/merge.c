@@ -166,9 +166,9 @@ static shard_status check_f16(const merge *m, const shard_ckpt_tensor *ct, size_
 {
     if (m->dts[i] != SHARD_DT_F16 || ct->dtype == SHARD_DT_F16) return SHARD_OK;
     const uint16_t *h = buf;
-    size_t bad = 0;
-    for (size_t k = 0; k < nb / 2; k++) bad += (h[k] & 0x7c00) == 0x7c00; /* inf or NaN */
-    if (!bad) return SHARD_OK;
+    size_t k = 0;
+    while (k < nb / 2 && (h[k] & 0x7c00) != 0x7c00) k++; /* the first inf or NaN */
+    if (k == nb / 2) return SHARD_OK;
     return shard_fail(SHARD_E_UNSUPPORTED, "%s: %s holds values beyond fp16's range (+-65504) or not finite, which fp16 "
                                            "would store as inf or NaN: export as bf16 or fp32 (--dtype)",
                       shard_ckpt_dir(m->c), ct->name);

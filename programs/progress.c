@@ -109,11 +109,10 @@ void progress_watch_stop(progress_watch *w, int done)
     progress_end(&w->p);
 }
 
-static uint64_t stored_bytes_read(const void *c) { return shard_ckpt_bytes_read(c); }
+uint64_t progress_ckpt_bytes(const void *ckpt) { return shard_ckpt_bytes_read(ckpt); }
 
-void progress_load_start(void *w, const void *ckpt) { progress_watch_start(w, "loading", 0, stored_bytes_read, ckpt); }
-void progress_load_end(void *w, int ok)
+void progress_load_start(void *w, const void *ckpt) { progress_watch_start(w, "loading", 0, progress_ckpt_bytes, ckpt); }
+void progress_load_end(void *w)
 {
-    (void)ok;
     if (watch_join(w)) fputs("\r\033[K", stderr); /* the line goes: the load's own line follows */
 }

@@ -37,8 +37,10 @@ void progress_watch_start(progress_watch *w, const char *label, uint64_t total, 
                           const void *arg);
 /* Stops the thread; done: the line ends at the total, else it stops where it was. */
 void progress_watch_stop(progress_watch *w, int done);
+/* A checkpoint's stored bytes read so far (shard_ckpt_bytes_read): what a watch counts. */
+uint64_t progress_ckpt_bytes(const void *ckpt);
 /* The load of a checkpoint as a watched line ("loading", the stored bytes read):
  * loop_args' load_start and load_end for smp-train, and smp-eval's own. */
 void progress_load_start(void *w, const void *ckpt);
-void progress_load_end(void *w, int ok);
+void progress_load_end(void *w);
 #endif

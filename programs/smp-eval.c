@@ -161,7 +161,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     progress_watch pw = {0};
     if (me0) progress_load_start(&pw, ck);
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
-    progress_load_end(&pw, !s);
+    progress_load_end(&pw);
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load, P->moved))) OUT(cli_fail(s));

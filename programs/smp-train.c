@@ -325,7 +325,6 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
     return (s = loop_load(r)) ? set_up_failed(r, s) : 0;
 }
 
-/* rank 0's first lines: the run, the backend and the memory, sequence parallelism */
 /* 1 when a and b name one file (the same inode), or the same path where one is gone */
 static int same_file(const char *a, const char *b)
 {
@@ -353,6 +352,7 @@ static void note_new_data(const train_run *r)
             (long long)r->c.position);
 }
 
+/* rank 0's first lines: the run, the backend and the memory, sequence parallelism */
 static void print_start(train_run *r)
 {
     const run_cfg *c = &r->c;

@@ -10,15 +10,14 @@
 static const char HELP[] =
     "usage: smp-verify [--threads N] CKPT\n"
     "\n"
-    "Check a checkpoint (a run folder: the checkpoint its latest names): the manifest's rules (format, version, paths, every element\n"
-    "stored exactly once), the xxh64 of every file, and the xxh64 of every piece's data.\n"
+    "Check a checkpoint (a run folder: the checkpoint its latest names): the manifest's\n"
+    "rules (format, version, paths, every element stored exactly once), the xxh64 of every\n"
+    "file, and the xxh64 of every piece's data.\n"
     "Each file is read once, front to back: its bytes go through the file's xxh64, and\n"
     "each chunk of data is decoded there and checked against its own xxh3 and its piece's\n"
     "xxh64. --threads N: files checked at once (default: cores, <= 16). On a terminal, a\n"
     "progress line.\n"
     "Names the damaged file. Exit codes: 0 whole, 3 invalid or corrupt, 1 I/O failure.\n";
-
-static uint64_t chunk_bytes(const void *c) { return shard_ckpt_bytes_read(c); }
 
 int main(int argc, char **argv)
 {
@@ -42,7 +41,7 @@ int main(int argc, char **argv)
     json_array_foreach(json_object_get(shard_ckpt_manifest_json(c), "files"), fi, f)
         stored += (uint64_t)json_integer_value(json_object_get(f, "bytes"));
     progress_watch pw; /* a terminal sees the chunks' bytes go by */
-    progress_watch_start(&pw, "verifying", stored, chunk_bytes, c);
+    progress_watch_start(&pw, "verifying", stored, progress_ckpt_bytes, c);
     s = shard_ckpt_verify(c, &bytes);
     progress_watch_stop(&pw, !s);
     size_t pieces = 0;

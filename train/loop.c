@@ -143,7 +143,7 @@ static shard_status load_state(train_run *r)
     const double t_load = r->a->now();
     if (watch) r->a->load_start(r->a->load_ctx, r->ck);
     shard_status s = read_state(r);
-    if (watch) r->a->load_end(r->a->load_ctx, !s);
+    if (watch) r->a->load_end(r->a->load_ctx);
     if (s) return s;
     return ckptio_print_load("smp-train", r->P->world, r->ck, r->a->now() - t_load, r->P->moved); /* all of it read and checked */
 }

@@ -58,7 +58,7 @@ typedef struct {
     double (*now)(void);           /* a monotonic clock, in seconds */
     /* rank 0, around the checkpoint's load (NULL: none): the command's progress line */
     void (*load_start)(void *ctx, const void *ckpt);
-    void (*load_end)(void *ctx, int ok);
+    void (*load_end)(void *ctx);
     void *load_ctx;
 } loop_args;
 
