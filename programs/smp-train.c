@@ -352,6 +352,34 @@ static void note_new_data(const train_run *r)
             (long long)r->c.position);
 }
 
+/* "shuffled by seed N" or "sequential" */
+static const char *order_name(char *buf, size_t n, int shuffle, uint64_t seed)
+{
+    if (shuffle) snprintf(buf, n, "shuffled by seed %llu", (unsigned long long)seed);
+    else snprintf(buf, n, "sequential");
+    return buf;
+}
+
+/* A resumed run given another --seq or order than it trained with: where it goes on in
+ * the data (loop.c re-expressed the position of another --seq), said once. */
+static void note_data_order(const train_run *r)
+{
+    const run_cfg *c = &r->c;
+    if (!r->resumed) return;
+    if (c->seq != c->saved.seq)
+        fprintf(stderr, "smp-train: note: --seq %lld is not the run's %lld: its data position %lld becomes %lld (%s)\n",
+                (long long)c->seq, (long long)c->saved.seq, (long long)r->position_saved, (long long)c->position,
+                c->shuffle || c->saved.shuffle ? "the same fraction of its epoch"
+                                               : "the same point of the data: no target is trained on twice");
+    if (c->shuffle == c->saved.shuffle && (!c->shuffle || c->seed == c->saved.seed)) return;
+    char now[48], was[48];
+    const uint64_t n = r->ds.nseq, p = (uint64_t)c->position;
+    fprintf(stderr, "smp-train: note: the data order is %s, the run's was %s: it changes at data position %lld (epoch "
+                    "%llu)%s\n", order_name(now, sizeof now, c->shuffle, c->seed),
+            order_name(was, sizeof was, c->saved.shuffle, c->saved.seed), (long long)p, (unsigned long long)(p / n),
+            p % n ? ", so the rest of this epoch may repeat sequences already trained on and leave out others" : "");
+}
+
 /* rank 0's first lines: the run, the backend and the memory, sequence parallelism */
 static void print_start(train_run *r)
 {
@@ -368,7 +396,6 @@ static void print_start(train_run *r)
     lanes_memory(&r->ln, &lg, &la);
     bg += lg;
     ba += la;
-    note_new_data(r);
     if (r->ln.n > 1)
         fprintf(stderr, "smp-train: %d lanes of %d sequence%s each (--lanes), a thread each\n", r->ln.n, r->ln.rows,
                 r->ln.rows == 1 ? "" : "s");
@@ -404,6 +431,10 @@ static int train(train_run *r)
     /* a --log FIFO whose reader went away: EPIPE, a warning, the run goes on (steplog.c) */
     signal(SIGPIPE, SIG_IGN);
     shard_status s;
+    if (me0) {
+        note_new_data(r); /* where it goes on in the data: the gradients dumped are that step's */
+        note_data_order(r);
+    }
     if (r->a->dump_grads) return (s = loop_dump_grads(r)) ? cli_fail(s) : 0;
     if (me0) print_start(r);
     loop_end end;

@@ -92,6 +92,12 @@ static shard_status read_header(int fd, const char *path, uint64_t size, const c
 }
 
 /* Tokens [i0, i0 + n) decoded from raw, every one inside the vocabulary. */
+/* sequences of S + 1 tokens in a file of n (consecutive ones share a token) */
+static uint64_t seqs_in(uint64_t n, int S)
+{
+    return n > 0 ? (n - 1) / (uint64_t)S : 0;
+}
+
 static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_t i0, size_t n)
 {
     for (size_t k = 0; k < n; k++) {
@@ -137,7 +143,7 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
         if (!(s = read_at(f->fd, f->path, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size))) s = check_tokens(f, buf, i, n);
     }
     free(buf);
-    f->nseq = f->ntokens > 0 ? (f->ntokens - 1) / (uint64_t)S : 0;
+    f->nseq = seqs_in(f->ntokens, S);
     return s;
 }
 
@@ -312,6 +318,30 @@ static shard_status fill_seq(data_set *ds, uint64_t seq, int32_t *in, int32_t *t
         if ((f->mpath && !mask[t + 1]) || (ds->documents && in[t] == ds->sep)) tg[t] = -1;
     }
     return s;
+}
+
+shard_status data_position_at(const data_set *ds, uint64_t p, int old_S, int sequential, uint64_t *out)
+{
+    uint64_t nold = 0, idx, at;
+    for (int i = 0; i < ds->nfiles; i++) nold += seqs_in(ds->files[i].ntokens, old_S);
+    *out = p;
+    if (old_S == ds->S || nold == 0) return SHARD_OK;
+    const uint64_t epoch = p / nold;
+    idx = p % nold;
+    if (sequential) {
+        int f = 0;
+        for (; idx >= seqs_in(ds->files[f].ntokens, old_S); f++) idx -= seqs_in(ds->files[f].ntokens, old_S);
+        const data_file *df = &ds->files[f];
+        const uint64_t k = (idx * (uint64_t)old_S + (uint64_t)ds->S - 1) / (uint64_t)ds->S; /* no target twice */
+        at = df->first_seq + (k < df->nseq ? k : df->nseq);
+    } else {
+        at = (uint64_t)(((unsigned __int128)idx * ds->nseq + nold - 1) / nold);
+    }
+    if (epoch > ((uint64_t)DATA_COUNTER_MAX - at) / ds->nseq)
+        return shard_fail(SHARD_E_INVALID, "data position %llu at %d tokens a sequence is past the counters' range at %d",
+                          (unsigned long long)p, old_S, ds->S);
+    *out = epoch * ds->nseq + at;
+    return SHARD_OK;
 }
 
 shard_status data_fill(data_set *ds, uint64_t first, int count, int32_t *inputs, int32_t *targets)

@@ -40,6 +40,9 @@
 #define DATA_MAGIC_U16 20240520
 #define DATA_MAGIC_U32 20240801
 #define DATA_MAGIC_MASK 20241201
+/* The data position and token count may grow past INT32 but not near 2^63, where the
+ * arithmetic of a step (position + batch, tokens + batch * seq) would overflow. */
+#define DATA_COUNTER_MAX (1ll << 62)
 
 typedef struct {
     char *path;
@@ -82,6 +85,13 @@ shard_status data_open_masks(data_set *ds, const char *spec);
 void data_set_documents(data_set *ds, int32_t sep);
 /* The order: sequential (shuffle 0) or shuffled by seed. */
 void data_set_order(data_set *ds, int shuffle, uint64_t seed);
+/* Position p of a run whose sequences were old_S tokens long, re-expressed at this set's
+ * length S (*out; p itself when old_S is S or makes no sequence in these files):
+ * sequential (both orders), the first sequence of S that repeats no target trained on
+ * at old_S (the same token of the same file; past a file's last whole sequence, the
+ * next file's first); shuffled, the same fraction of p's epoch. SHARD_E_INVALID when
+ * the result would pass the counters' range. */
+shard_status data_position_at(const data_set *ds, uint64_t p, int old_S, int sequential, uint64_t *out);
 /* Inputs and targets (count x S each) of positions [first, first + count) of the
  * global order. Fails when a file changed under the run (shorter, or a token id
  * outside the vocabulary) and when out of memory (the permutation of a new epoch). */

@@ -47,9 +47,16 @@ shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a)
 static shard_status open_data(train_run *r)
 {
     const loop_args *a = r->a;
+    run_cfg *c = &r->c;
     shard_status s = data_open(&r->ds, a->data, r->S, r->m.d.vocab);
     if (s) return s;
-    data_set_order(&r->ds, r->c.shuffle, r->c.seed);
+    data_set_order(&r->ds, c->shuffle, c->seed);
+    /* resumed at another --seq: the position counts sequences of the saved length */
+    uint64_t p = (uint64_t)c->position;
+    r->position_saved = c->position;
+    if (r->resumed && (s = data_position_at(&r->ds, p, (int)c->saved.seq, !c->shuffle && !c->saved.shuffle, &p)))
+        return s;
+    c->position = (int64_t)p;
     if (a->loss_mask && (s = data_open_masks(&r->ds, a->loss_mask))) return s;
     if (a->val_data && (s = data_open(&r->vs, a->val_data, r->S, r->m.d.vocab))) return s;
     if (a->val_loss_mask && (s = data_open_masks(&r->vs, a->val_loss_mask))) return s;

@@ -67,6 +67,7 @@ typedef struct {
     const loop_args *a;
     run_cfg c;
     int resumed;                   /* the checkpoint had a training state */
+    int64_t position_saved;        /* its data position, before another --seq re-expressed it */
     int usage;                     /* 1: the failure returned is the command line's (a usage error) */
     /* what the run holds (loop_close releases it) */
     dev D;

@@ -7,6 +7,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "data.h"
+
 const state_range STATE_RANGE[R_COUNT] = {
     [R_STEPS] = {1, INT32_MAX},      [R_BATCH] = {1, 1 << 24},       [R_MICRO] = {1, 1 << 24},
     [R_SEQ] = {1, 1 << 24},          [R_WARMUP] = {0, INT32_MAX},    [R_MAX_BAD] = {1, 1 << 30},
@@ -18,9 +20,7 @@ const state_range STATE_RANGE[R_COUNT] = {
     [R_BETA2] = {0, 0.9999999},      [R_EPS] = {1e-30, 1},           [R_FP8_MARGIN] = {0, 64},
 };
 
-/* The data position and token count may grow past INT32 but not near 2^63, where the
- * arithmetic of a step (position + batch, tokens + batch * seq) would overflow. */
-#define COUNTER_MAX (1ll << 62)
+#define COUNTER_MAX DATA_COUNTER_MAX
 
 typedef struct {
     const char *dir;
@@ -138,6 +138,9 @@ shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cf
     read_optimizer(&r, json_object_get(t, "optimizer"), c);
     read_data(&r, json_object_get(t, "data"), json_object_get(t, "rng"), c);
     read_fp8(&r, json_object_get(t, "fp8"), c);
+    c->saved.seq = c->seq;
+    c->saved.shuffle = c->shuffle;
+    c->saved.seed = c->seed;
     if (json_object_get(t, "max_bad_steps")) get_range(&r, t, "max_bad_steps", R_MAX_BAD, &c->max_bad);
     c->lanes = 1; /* a state written before lanes: one, as it ran */
     if (json_object_get(t, "lanes")) get_range(&r, t, "lanes", R_LANES, &c->lanes);

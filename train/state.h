@@ -25,6 +25,13 @@ typedef struct {
     int64_t step, opt_step, position;
     uint64_t tokens;
     double elapsed_before;
+    /* the data order as the training state saved it (flags may change it on resume:
+     * the loop then re-expresses the position, docs/TRAINING.md "Checkpoints and resume") */
+    struct {
+        int64_t seq;
+        int shuffle;
+        uint64_t seed;
+    } saved;
 } run_cfg;
 
 typedef enum {

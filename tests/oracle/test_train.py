@@ -225,9 +225,14 @@ def test_gradients_match_autograd(tmp_path, case, micro):
     data = write_tokens(tmp_path / "d.bin", toks)
     run("smp-train", "--ckpt", ck, "--data", data, "--dump-grads", tmp_path / "g", "--steps", 1, "--batch", B,
         "--microbatches", micro, "--seq", SEQ, check=0)
-    got = load_file(str(tmp_path / "g" / "grads.safetensors"))
+    assert_grads_of(tmp_path / "g", hf, seqs_of(toks, SEQ, range(B)))
+
+
+def assert_grads_of(gdir, hf, rows):
+    """--dump-grads' gradients in gdir are autograd's of the model in hf on rows."""
+    got = load_file(str(gdir / "grads.safetensors"))
     model = torch_model(hf)
-    rows = seqs_of(toks, SEQ, range(B))
+    V = model.config.vocab_size
     loss = F.cross_entropy(model(torch.tensor(rows[:, :-1])).logits.reshape(-1, V), torch.tensor(rows[:, 1:]).reshape(-1))
     loss.backward()
     ref = {n: g.numpy() for n, g in models.named_parameters(model, lambda p: p.grad).items()}  # by the files' names
@@ -235,6 +240,56 @@ def test_gradients_match_autograd(tmp_path, case, micro):
     for n in ref:
         assert got[n].shape == ref[n].shape, n
         assert rel(got[n], ref[n]) < 1e-4, (n, rel(got[n], ref[n]))
+
+
+# ---------------------------------------------------------------- resumed at another --seq
+# Files a (5 sequences of 16 tokens, 2 of 32) and b; 2 steps of 2 sequences of 16 train
+# on a's targets up to token 64. Resumed at 32 tokens, a's two sequences of 32 hold only
+# targets trained on: b's first two come next; at 8, a's sequences from token 64 on. The
+# saved position (4) taken as sequences of the new length skipped b's first 64 tokens at
+# 32 and trained a's tokens 32-64 again at 8. Shuffled (a single file of 20 sequences of
+# 16, 10 of 32): the same fraction of the epoch, ceil(4 * 10 / 20) = 2.
+@pytest.mark.parametrize("seq,order_seed", [(32, None), (8, None), (32, 7)])
+def test_resume_at_another_seq_goes_on_where_the_run_was(tmp_path, seq, order_seed):
+    hf, ck = make_ckpt(tmp_path, "llama-gqa-f32")
+    V, B = vocab_of("llama-gqa-f32"), 2
+    rng = np.random.default_rng(5)
+    a, b = rng.integers(0, V, size=(20 if order_seed else 5) * 16 + 1), rng.integers(0, V, size=4 * 32 + 1)
+    files = [write_tokens(tmp_path / "a.bin", a)] + ([] if order_seed else [write_tokens(tmp_path / "b.bin", b)])
+    data = ",".join(map(str, files))
+    shuffle = ["--seed", order_seed] if order_seed else []
+    run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", 4, "--stop-at", 2,
+        "--batch", B, "--seq", 16, *shuffle, check=0)
+    p = run("smp-train", "--ckpt", tmp_path / "run", "--data", data, "--seq", seq, "--dump-grads", tmp_path / "g", check=0)
+    new_pos = {32: 2, 8: 8}[seq]
+    how = "the same fraction of its epoch" if order_seed else "the same point of the data: no target is trained on twice"
+    notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
+    assert notes == [f"smp-train: note: --seq {seq} is not the run's 16: its data position 4 becomes {new_pos} ({how})"]
+    if order_seed:
+        rows = seqs_of(a, seq, order(10, range(2, 2 + B), order_seed))
+    else:
+        rows = seqs_of(b, 32, range(B)) if seq == 32 else seqs_of(a, 8, range(8, 8 + B))
+    run("smp-merge", "--in", tmp_path / "run", "--out", tmp_path / "export", check=0)
+    assert_grads_of(tmp_path / "g", tmp_path / "export", rows)
+
+
+def test_resume_in_another_order_is_said(tmp_path):
+    """A resumed run given another --seed (or one where it had none) goes on at its
+    position in the new order, and says that the rest of the epoch may repeat sequences."""
+    _, ck = make_ckpt(tmp_path, "llama-gqa-f32", sharp=False)
+    data = write_tokens(tmp_path / "a.bin", np.random.default_rng(6).integers(0, vocab_of("llama-gqa-f32"), size=10 * 16 + 1))
+    run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", 8, "--stop-at", 2,
+        "--batch", 2, "--seq", 16, check=0)
+    for flags, now, was, at, stop in [(["--seed", 3], "shuffled by seed 3", "sequential", 4, 3),
+                                      (["--seed", 4], "shuffled by seed 4", "shuffled by seed 3", 6, 4)]:
+        p = run("smp-train", "--ckpt", tmp_path / "run", "--data", data, "--save-dir", tmp_path / "run", "--stop-at",
+                stop, *flags, check=0)
+        notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
+        assert notes == [f"smp-train: note: the data order is {now}, the run's was {was}: it changes at data position "
+                         f"{at} (epoch 0), so the rest of this epoch may repeat sequences already trained on and leave "
+                         "out others"], p.stderr
+    p = run("smp-train", "--ckpt", tmp_path / "run", "--data", data, "--save-dir", tmp_path / "run", "--stop-at", 5, check=0)
+    assert ": note: " not in p.stderr, p.stderr  # the order it saved: nothing to say
 
 
 # ---------------------------------------------------------------- AdamW vs torch

@@ -100,6 +100,38 @@ static void test_sequences_and_files(void **st)
     data_close(&ds);
 }
 
+/* a position of sequences of 4 tokens re-expressed at 2 and 6 (resumed at another --seq) */
+static void test_position_at_another_length(void **st)
+{
+    (void)st;
+    char spec[1000];
+    snprintf(spec, sizeof spec, "%s,%s,%s", write_file("a.bin", 13, 0, 1000, 0, 0, 0),
+             write_file("b.bin", 10, 100, 1000, 1, 0, 0), write_file("c.bin", 3, 500, 1000, 0, 0, 0));
+    data_set ds;
+    uint64_t p;
+    /* at 4: a 3 sequences, b 2, c 0; at 2: a 6, b 4, c 1 (11) */
+    assert_int_equal(data_open(&ds, spec, 2, 1000), SHARD_OK);
+    assert_int_equal(data_position_at(&ds, 5 * 2 + 1, 4, 1, &p), SHARD_OK); /* epoch 2, a's token 4 */
+    assert_int_equal(p, 11 * 2 + 2);
+    assert_int_equal(data_position_at(&ds, 3, 4, 1, &p), SHARD_OK); /* b's token 0 */
+    assert_int_equal(p, 6);
+    assert_int_equal(data_position_at(&ds, 3, 4, 0, &p), SHARD_OK); /* shuffled: 3/5 of an epoch, rounded up */
+    assert_int_equal(p, 7);
+    assert_int_equal(data_position_at(&ds, 3, 2, 1, &p), SHARD_OK); /* the same length: unchanged */
+    assert_int_equal(p, 3);
+    assert_int_equal(data_position_at(&ds, 3, 20, 1, &p), SHARD_OK); /* no sequence at 20: unchanged */
+    assert_int_equal(p, 3);
+    assert_int_equal(data_position_at(&ds, (uint64_t)DATA_COUNTER_MAX - 1, 4, 1, &p), SHARD_E_INVALID);
+    data_close(&ds);
+    /* at 6: a 2, b 1 (3): past a file's last whole sequence, the next file's first */
+    assert_int_equal(data_open(&ds, spec, 6, 1000), SHARD_OK);
+    assert_int_equal(data_position_at(&ds, 2, 4, 1, &p), SHARD_OK); /* a's token 8: b */
+    assert_int_equal(p, 2);
+    assert_int_equal(data_position_at(&ds, 5 + 4, 4, 1, &p), SHARD_OK); /* b's token 4: the next epoch */
+    assert_int_equal(p, 3 + 3);
+    data_close(&ds);
+}
+
 static void test_shuffle(void **st)
 {
     (void)st;
@@ -308,7 +340,8 @@ static void test_lanes_auto(void **st)
 int main(void)
 {
     const struct CMUnitTest tests[] = {
-        cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_position_at_another_length),
+        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
         cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault), cmocka_unit_test(test_lanes_auto),
     };
