@@ -11,6 +11,7 @@
 #include "launch.h"
 #include "opts.h"
 #include "progress.h"
+#include "agree.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -137,6 +138,15 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (s) OUT(cli_fail(s));
     if ((s = ckptio_open_model(ckpt, &ck, &m, &D))) OUT(cli_fail(s));
     if (par) {
+        /* every rank on the same checkpoint and settings (agree.h), before the first
+         * collective that depends on them */
+        const agree_item items[] = {
+            {AGREE_CKPT, ckpt, shard_ckpt_fingerprint(ck)}, AGREE_LAYOUT(&lay), {AGREE_INT, "--batch", (uint64_t)B},
+            {AGREE_INT, "--seq", (uint64_t)S}, {AGREE_INT, "--batches (-1: all)", (uint64_t)NB},
+            {AGREE_INT, "--documents", val[O_DOCS] != NULL},
+        };
+        if ((s = agree_check(P->world, items, (int)(sizeof items / sizeof items[0]))))
+            OUT(s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s));
         int stages[SHARD_MAX_PP];
         if ((s = shard_layout_check(&lay, &m.d))) OUT(cli_usage("--layout: %s", shard_errmsg()));
         if (shard_ckpt_layout(ck)->pp == lay.pp) memcpy(stages, shard_ckpt_stages(ck), (size_t)lay.pp * sizeof *stages);
@@ -146,6 +156,8 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     /* the inputs checked before the weights load */
     if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
     if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));
+    const agree_item tokens[] = {{AGREE_DATA, data, data_fingerprint(&ds)}};
+    if (par && (s = agree_check(P->world, tokens, 1))) OUT(cli_fail(s));
     if (val[O_DOCS] || val[O_DOC_SEP]) {
         int32_t sep;
         int64_t given = -1;

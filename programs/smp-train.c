@@ -313,6 +313,7 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
     if (t->a.documents && ((rc = cli_int("--doc-sep", t->v[O_DOC_SEP], 0, r->m.d.vocab - 1, &sep)) ||
                            (s = runcfg_doc_sep(&r->m.d, sep, &t->a.doc_sep))))
         return rc ? rc : cli_usage("%s", shard_errmsg());
+    if ((s = loop_agree(r))) return s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s);
     if ((s = runcfg_check(&r->c, &t->a.layout, &r->m.d))) return cli_usage("%s", shard_errmsg());
     if (r->resumed && r->c.step >= r->c.steps && !t->a.dump_grads) {
         if (P->rank == 0)

@@ -141,6 +141,7 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     for (uint64_t i = 0; i < f->ntokens && !s; i += block) {
         size_t n = f->ntokens - i < block ? (size_t)(f->ntokens - i) : block;
         if (!(s = read_at(f->fd, f->path, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size))) s = check_tokens(f, buf, i, n);
+        f->hash = shard_hash64(f->hash, buf, n * (size_t)f->token_size);
     }
     free(buf);
     f->nseq = seqs_in(f->ntokens, S);
@@ -251,8 +252,11 @@ static shard_status add_mask(void *ctx, const char *path)
     enum { BLOCK = 1 << 20 };
     uint8_t *buf = malloc(BLOCK);
     if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    for (uint64_t i = 0; i < f->ntokens && !s; i += BLOCK)
-        s = read_mask_at(f, buf, f->ntokens - i < BLOCK ? (size_t)(f->ntokens - i) : BLOCK, i);
+    for (uint64_t i = 0; i < f->ntokens && !s; i += BLOCK) {
+        const size_t n = f->ntokens - i < BLOCK ? (size_t)(f->ntokens - i) : BLOCK;
+        s = read_mask_at(f, buf, n, i);
+        f->hash = shard_hash64(f->hash, buf, n);
+    }
     free(buf);
     return s;
 }
@@ -266,6 +270,17 @@ shard_status data_open_masks(data_set *ds, const char *spec)
                        spec, w.next, ds->nfiles);
     ds->masked = !s;
     return s;
+}
+
+uint64_t data_fingerprint(const data_set *ds)
+{
+    uint64_t h = 0;
+    for (int i = 0; i < ds->nfiles; i++) {
+        const data_file *f = &ds->files[i];
+        const uint64_t rec[4] = {(uint64_t)f->token_size, f->ntokens, f->hash, f->mpath != NULL};
+        h = shard_hash64(h, rec, sizeof rec);
+    }
+    return h;
 }
 
 void data_set_documents(data_set *ds, int32_t sep)

@@ -53,6 +53,7 @@ typedef struct {
     uint64_t nseq, first_seq;
     char *mpath;          /* its loss mask file (NULL: none) */
     int mfd;
+    uint64_t hash;        /* shard_hash64 over its tokens' bytes, then its mask's, as checked */
 } data_file;
 
 typedef struct {
@@ -81,6 +82,9 @@ void data_close(data_set *ds);
  * with the token count of its token file and bytes 0 or 1 (SHARD_E_INVALID naming
  * both files, or the file and the position). */
 shard_status data_open_masks(data_set *ds, const char *spec);
+/* The files' fingerprint: their token sizes, counts and hashes (and the masks'), in
+ * order; the ranks of a run compare it (a host's other copy of a file). */
+uint64_t data_fingerprint(const data_set *ds);
 /* The stream is documents ended by token sep. */
 void data_set_documents(data_set *ds, int32_t sep);
 /* The order: sequential (shuffle 0) or shuffled by seed. */

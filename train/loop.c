@@ -8,6 +8,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "agree.h"
 #include "ckptio.h"
 #include "eval.h"
 #include "fp8.h"
@@ -68,6 +69,41 @@ static shard_status open_data(train_run *r)
     for (size_t i = 0; r->P->rank == 0 && i < shard_ckpt_extra_count(r->ck); i++)
         if ((s = shard_ckpt_check_extra(r->ck, i))) return s;
     return SHARD_OK;
+}
+
+shard_status loop_agree(train_run *r)
+{
+    const run_cfg *c = &r->c;
+    const loop_args *a = r->a;
+    const agree_item items[] = {
+        {AGREE_CKPT, a->ckpt, shard_ckpt_fingerprint(r->ck)},
+        AGREE_LAYOUT(&a->layout), {AGREE_INT, "--steps", (uint64_t)c->steps},
+        {AGREE_INT, "--batch", (uint64_t)c->batch}, {AGREE_INT, "--microbatches", (uint64_t)c->micro},
+        {AGREE_INT, "--seq", (uint64_t)c->seq}, {AGREE_INT, "--warmup", (uint64_t)c->warmup},
+        {AGREE_INT, "--schedule (1: cosine)", (uint64_t)c->cosine}, {AGREE_INT, "--seed (-1: none)", c->shuffle ? c->seed : UINT64_MAX},
+        {AGREE_INT, "--max-bad", (uint64_t)c->max_bad}, {AGREE_INT, "--fp8 (0 off, 1 delayed, 2 current)", (uint64_t)c->fp8},
+        {AGREE_INT, "--fp8-history", (uint64_t)c->fp8_hist}, {AGREE_INT, "--save-every", (uint64_t)c->save_every},
+        {AGREE_INT, "--keep", (uint64_t)c->keep}, {AGREE_INT, "--val-every", (uint64_t)c->val_every},
+        {AGREE_INT, "--val-batches", (uint64_t)c->val_batches}, {AGREE_INT, "--stop-at", (uint64_t)c->stop_at},
+        {AGREE_INT, "--documents", (uint64_t)a->documents}, {AGREE_INT, "--doc-sep", (uint64_t)a->doc_sep},
+        {AGREE_INT, "--sequence-parallel", (uint64_t)a->seqpar}, {AGREE_INT, "--recompute (0: none)", (uint64_t)a->recompute},
+        {AGREE_INT, "--dtype (1: bf16)", (uint64_t)(a->dtype == SHARD_DT_BF16)},
+        {AGREE_INT, "--dump-grads (1: given)", (uint64_t)(a->dump_grads != NULL)},
+        agree_float("--lr", c->lr), agree_float("--lr-min", c->lr_min), agree_float("--clip", c->clip),
+        agree_float("--weight-decay", c->wd), agree_float("--beta1", c->beta1), agree_float("--beta2", c->beta2),
+        agree_float("--eps", c->eps), agree_float("--fp8-margin", c->fp8_margin),
+    };
+    return agree_check(r->P->world, items, (int)(sizeof items / sizeof items[0]));
+}
+
+/* the token files against rank 0's (agree.h) */
+static shard_status agree_data(train_run *r)
+{
+    const agree_item items[] = {
+        {AGREE_DATA, r->a->data, data_fingerprint(&r->ds)},
+        {AGREE_DATA, r->a->val_data ? r->a->val_data : "--val-data", r->vs.nfiles ? data_fingerprint(&r->vs) : 0},
+    };
+    return agree_check(r->P->world, items, 2);
 }
 
 /* layers per stage: --stages, else the checkpoint's when it has as many stages, else auto */
@@ -179,6 +215,7 @@ shard_status loop_load(train_run *r)
     r->Bm = runcfg_rows(&r->c, &a->layout);
     r->S = (int)r->c.seq;
     shard_status s = open_data(r);
+    if (!s) s = agree_data(r);
     if (!s) s = choose_stages(r, stages);
     if (!s) s = par_setup(P, &a->layout, stages, (int)r->c.micro, m);
     if (!s) s = load_state(r);

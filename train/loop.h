@@ -92,6 +92,11 @@ typedef enum { LOOP_DONE, LOOP_STOPPED, LOOP_BAD } loop_end;
 
 /* r is zeroed first; a is kept (it must outlive r). */
 shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a);
+/* The checkpoint (its fingerprint) and the settings of every rank against rank 0's
+ * (agree.h), before anything that depends on them: a rank with another checkpoint
+ * could otherwise find its run over and end while the others wait for it. The token
+ * files are compared in loop_load, once read. SHARD_E_USAGE for a setting. */
+shard_status loop_agree(train_run *r);
 shard_status loop_load(train_run *r);
 void loop_close(train_run *r);
 

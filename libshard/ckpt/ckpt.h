@@ -88,6 +88,7 @@ typedef struct cache_slot cache_slot;
 struct shard_ckpt {
     char *dir;
     json_t *m;
+    uint64_t fingerprint; /* XXH64 of smp.json's bytes */
     shard_model_desc model;
     shard_layout layout;
     int stages[SHARD_MAX_PP];

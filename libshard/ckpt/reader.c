@@ -393,7 +393,11 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
         char *text;
         size_t len;
         s = shard_read_file_in(mp, MANIFEST_MAX, 1, &text, &len);
-        if (!s) { s = shard_json_parse(text, len, mp, &c->m); free(text); }
+        if (!s) {
+            c->fingerprint = shard_xxh64(text, len);
+            s = shard_json_parse(text, len, mp, &c->m);
+            free(text);
+        }
         if (!s) s = validate(c, mp);
     }
     free(mp);
@@ -459,6 +463,7 @@ size_t shard_ckpt_extra_count(const shard_ckpt *c) { return c->nextras; }
 const char *shard_ckpt_extra_at(const shard_ckpt *c, size_t i) { return c->extras[i]; }
 const void *shard_ckpt_manifest_json(const shard_ckpt *c) { return c->m; }
 const char *shard_ckpt_training_json(const shard_ckpt *c) { return c->training; }
+uint64_t shard_ckpt_fingerprint(const shard_ckpt *c) { return c->fingerprint; }
 
 long shard_ckpt_find(const shard_ckpt *c, const char *group, const char *name)
 {

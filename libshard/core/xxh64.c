@@ -155,6 +155,17 @@ static uint64_t one_shot(stripes_fn f, const void *data, size_t len)
 
 uint64_t shard_xxh64(const void *data, size_t len) { return one_shot(picked(), data, len); }
 
+uint64_t shard_hash64(uint64_t h, const void *data, size_t len)
+{
+    uint8_t le[8];
+    for (int i = 0; i < 8; i++) le[i] = (uint8_t)(h >> (8 * i));
+    shard_xxh64_state s;
+    shard_xxh64_reset(&s);
+    shard_xxh64_update(&s, le, sizeof le);
+    shard_xxh64_update(&s, data, len);
+    return shard_xxh64_digest(&s);
+}
+
 uint64_t shard_xxh64_form(int vector, const void *data, size_t len)
 {
 #if XXH64_VECTOR

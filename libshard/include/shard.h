@@ -144,6 +144,10 @@ size_t shard_dtype_size(shard_dtype dt);
 /* 1 for F8_E4M3, F8_E5M2, F16, BF16, F32, F64. */
 int shard_dtype_is_float(shard_dtype dt);
 
+/* XXH64 of the 8 bytes of h (little-endian) followed by len bytes of data: a stream's
+ * fingerprint, chained block by block (h = shard_hash64(h, block, n), from 0). */
+uint64_t shard_hash64(uint64_t h, const void *data, size_t len);
+
 /* Scalar conversions. float -> narrower: round to nearest, ties to even; NaN stays
  * NaN (sign kept); values too large become inf (F16, BF16, E5M2) or NaN (E4M3,
  * which has no inf), as ml_dtypes and torch do. Subnormals are kept. */
@@ -602,6 +606,9 @@ shard_status shard_ckpt_check_extra(const shard_ckpt *c, size_t i);
 const char *shard_ckpt_training_json(const shard_ckpt *c);
 /* Raw manifest (for smp-inspect --json). */
 const void *shard_ckpt_manifest_json(const shard_ckpt *c); /* a json_t* */
+/* XXH64 of smp.json's bytes as read: one value for one checkpoint (its manifest holds
+ * every file's checksum), which the ranks of a run compare (a host's stale copy). */
+uint64_t shard_ckpt_fingerprint(const shard_ckpt *c);
 
 /* Writing a checkpoint. begin: make <parent>/.tmp-<name>-<nonce>/ (the staging
  * folder, where shard files are written by any number of processes); commit: scan

@@ -456,6 +456,20 @@ static void test_xxh64_forms(void **st)
 
 /* config.json for weights of another dtype: the value edited in place, the rest byte
  * for byte; a text that does not allow that (the key twice) rewritten whole */
+/* shard_hash64: libxxhash's XXH64 of the 8 little-endian bytes of h, then the data */
+static void test_hash64_chain(void **st)
+{
+    (void)st;
+    uint8_t buf[8 + 100];
+    for (int i = 0; i < 100; i++) buf[8 + i] = (uint8_t)(i * 37 + 1);
+    const uint64_t hs[] = {0, 1, 0x0123456789abcdefull};
+    for (size_t k = 0; k < 3; k++)
+        for (size_t n = 0; n <= 100; n += 33) {
+            for (int i = 0; i < 8; i++) buf[i] = (uint8_t)(hs[k] >> (8 * i));
+            assert_true(shard_hash64(hs[k], buf + 8, n) == XXH64(buf, 8 + n, 0));
+        }
+}
+
 static void test_config_with_dtype(void **st)
 {
     (void)st;
@@ -493,7 +507,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
