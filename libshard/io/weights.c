@@ -125,6 +125,23 @@ out:
     return s;
 }
 
+/* model.safetensors and an index side by side: one model only when the index names
+ * model.safetensors alone (some hub repositories ship that). Otherwise one is a
+ * leftover: save_pretrained into a folder saved before deletes the other layout's
+ * numbered shards but neither of these, and transformers loads model.safetensors
+ * first, so a folder saved whole, then sharded, loads its stale weights there. */
+static shard_status open_both(shard_weights *w, const char *dir, const char *ipath)
+{
+    shard_status s = open_index(w, ipath);
+    if (!s && w->nfiles == 1 && !strcmp(w->file_names[0], "model.safetensors")) return SHARD_OK;
+    char why[600] = "the index names other files";
+    if (s) snprintf(why, sizeof why, "the index fails: %s", shard_errmsg());
+    return shard_fail(SHARD_E_INVALID,
+                      "%s: holds both model.safetensors and model.safetensors.index.json, and %s (one is a leftover "
+                      "of an earlier save; transformers would load model.safetensors): remove the one that is not "
+                      "the model", dir, why);
+}
+
 shard_status shard_weights_open(const char *dir, shard_weights **out)
 {
     *out = NULL;
@@ -134,6 +151,7 @@ shard_status shard_weights_open(const char *dir, shard_weights **out)
     char *spath = shard_path_join(dir, "model.safetensors");
     shard_status s;
     if (!ipath || !spath) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+    else if (file_exists(ipath) && file_exists(spath)) s = open_both(w, dir, ipath);
     else if (file_exists(ipath)) s = open_index(w, ipath);
     else if (file_exists(spath)) {
         size_t idx;

@@ -382,6 +382,36 @@ def test_tensor_in_two_files(sharded, tmp_path):
     expect_refused(d, k)
 
 
+def test_both_weight_layouts_from_two_saves(tmp_path):
+    """save_pretrained into a folder saved before deletes the other layout's numbered
+    shards but neither model.safetensors nor the index. Saved whole, then sharded, the
+    folder keeps a stale model.safetensors, which transformers loads before the index
+    (smp read the index: another model than transformers'); saved sharded, then whole,
+    it keeps an index of deleted shards. Both are refused, naming the two files; an
+    index that names model.safetensors alone (some hub repositories) is one model."""
+    model = models.make("llama-gqa-f32", tmp_path / "base")
+    whole_then_sharded, sharded_then_whole = tmp_path / "ws", tmp_path / "sw"
+    model.save_pretrained(str(whole_then_sharded))
+    model.save_pretrained(str(whole_then_sharded), max_shard_size="20KB")
+    model.save_pretrained(str(sharded_then_whole), max_shard_size="20KB")
+    model.save_pretrained(str(sharded_then_whole))
+    for d, why in [(whole_then_sharded, "the index names other files"), (sharded_then_whole, "the index fails: ")]:
+        assert (d / "model.safetensors").exists() and (d / "model.safetensors.index.json").exists()
+        line = expect_refused(d, f"{d}: holds both model.safetensors and model.safetensors.index.json, and {why}")
+        assert line.endswith("(one is a leftover of an earlier save; transformers would load model.safetensors): "
+                             "remove the one that is not the model"), line
+        p = run("smp-convert", "hf2smp", "--in", d, "--out", tmp_path / "out", "--layout", "tp=1")
+        assert p.returncode == 3 and not (tmp_path / "out").exists(), p.stderr
+    assert not list(sharded_then_whole.glob("model-0*.safetensors"))
+    one = tmp_path / "one"
+    shutil.copytree(tmp_path / "base", one)
+    from safetensors import safe_open
+    with safe_open(str(one / "model.safetensors"), "np") as f:
+        names = list(f.keys())
+    (one / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": {n: "model.safetensors" for n in names}}))
+    assert run("smp-inspect", one).returncode == 0
+
+
 def test_corpus_is_large_enough():
     n = len(ST_CASES) + len(CONFIG_CASES) + len(NEOX_CONFIG_CASES) + len(MOE_CONFIG_CASES) + len(INDEX_CASES) + 9
     assert n >= 30, n
