@@ -271,6 +271,8 @@ def main(argv=None):
     stream = Stream(len(tok))
     try:
         convert(tok, a.input, stream, sep)
+        if not stream.examples:  # an empty token file would fail later, in smp-train, farther from the cause
+            fail("%s: no example (the file is empty or holds blank lines only)" % a.input, 3)
         if stream.n > 2**31 - 1:
             fail("more than 2^31-1 tokens: split the input", 1)
         toks = np.concatenate(stream.toks) if stream.toks else np.zeros(0, stream.dtype)

@@ -58,7 +58,11 @@ def main(argv=None):
                 toks.append(EOT)
         if len(toks) > 2**31 - 1:
             fail("more than 2^31-1 tokens: split the input", 3)
+        if not toks:  # an empty token file would fail later, in smp-train, farther from the cause
+            fail("no token: the inputs are empty", 3)
         n_val = int(len(toks) * a.val_fraction)
+        if a.val_out and not n_val:
+            fail("--val-fraction %g of %d tokens leaves --val-out no token" % (a.val_fraction, len(toks)), 2)
         train = toks[: len(toks) - n_val]
         write_tokens(a.out, train)
         if a.val_out:

@@ -68,6 +68,8 @@ def main(argv=None):
                 ids.append(tok.eos_token_id)
         if len(ids) > 2**31 - 1:
             fail("more than 2^31-1 tokens: split the input", 3)
+        if not ids:  # an empty token file would fail later, in smp-train, farther from the cause
+            fail("no token: the inputs are empty", 3)
         write_tokens(a.out, ids, len(tok))
     except OSError as e:
         fail("%s: %s" % (e.filename, e.strerror or e), 1)

@@ -270,6 +270,14 @@ def test_bad_lines(tmp_path, toks, capsys, line, what):
     assert not (tmp_path / "out.bin").exists()
 
 
+@pytest.mark.parametrize("lines", [[], ["", "  "]])
+def test_no_example_is_refused(tmp_path, toks, capsys, lines):
+    rc, o, e, *_ = prepare(tmp_path, "qwen", toks, lines, capsys)
+    assert rc == 3 and e == "prepare_sft: error: %s: no example (the file is empty or holds blank lines only)\n" % (
+        tmp_path / "in.jsonl"), e
+    assert not (tmp_path / "out.bin").exists()
+
+
 def test_template_errors(tmp_path, toks, capsys):
     alt = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
     bad = [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}, {"role": "assistant", "content": "c"}]

@@ -737,7 +737,10 @@ def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
     good = out.read_bytes()
     bad = [([*t2t, str(out), str(tmp_path / "none.txt")], f"text2tokens: error: {tmp_path / 'none.txt'}: No such file or directory", 1),
            ([*t2t, str(out), str(tmp_path)], f"text2tokens: error: {tmp_path}: Is a directory", 1),
-           ([*t2t, str(tmp_path / "no" / "o.bin"), str(tmp_path / "a.txt")], f"text2tokens: error: {tmp_path / 'no' / 'o.bin'}: No such file or directory", 1)]
+           ([*t2t, str(tmp_path / "no" / "o.bin"), str(tmp_path / "a.txt")], f"text2tokens: error: {tmp_path / 'no' / 'o.bin'}: No such file or directory", 1),
+           ([*t2t, str(out), "/dev/null"], "text2tokens: error: no token: the inputs are empty", 3),
+           ([*t2t, str(out), str(tmp_path / "a.txt"), "--val-fraction", "0.1", "--val-out", str(tmp_path / "v.bin")],
+            "text2tokens: error: --val-fraction 0.1 of 6 tokens leaves --val-out no token", 2)]
     if os.path.exists("/dev/full"):
         bad.append(([*t2t, "/dev/full", str(tmp_path / "a.txt")], "text2tokens: error: /dev/full: No space left on device", 1))
     for cmd, line, code in bad:
@@ -767,6 +770,10 @@ def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
     p = subprocess.run([*hf, "--tokenizer", str(tmp_path / "tok"), str(tmp_path / "h.bin"), str(tmp_path / "latin1.txt")],
                        capture_output=True, text=True, timeout=120)
     assert p.returncode == 3 and p.stderr.strip().splitlines() == [f"tokenize_hf: error: {tmp_path / 'latin1.txt'}: not UTF-8 text (byte 3)"], p.stderr
+    assert not (tmp_path / "h.bin").exists()
+    p = subprocess.run([*hf, "--tokenizer", str(tmp_path / "tok"), str(tmp_path / "h.bin"), "/dev/null"],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3 and p.stderr.strip().splitlines() == ["tokenize_hf: error: no token: the inputs are empty"], p.stderr
     assert not (tmp_path / "h.bin").exists()
     plot = [str(pathlib.Path(os.sys.executable)), str(ROOT / "tools" / "plot_log.py"), "--builtin"]
     (tmp_path / "log.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.5}\n')
