@@ -124,6 +124,8 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     const int32_t magic = h[0], version = h[1], count = h[2];
     if (magic == DATA_MAGIC_U16 && version == 1) f->token_size = 2;
     else if (magic == DATA_MAGIC_U32 && version == 7) f->token_size = 4;
+    else if (magic == DATA_MAGIC_MASK) /* a glob such as sft*.bin takes sft.mask.bin too */
+        return shard_fail(SHARD_E_INVALID, "%s: a loss mask file, not a token file (masks go with --loss-mask)", path);
     else
         return shard_fail(SHARD_E_INVALID,
                           "%s: not an llm.c token file (magic %d version %d; expected 20240520 version 1 "
@@ -240,6 +242,8 @@ static shard_status add_mask(void *ctx, const char *path)
     int32_t h[3];
     if ((s = read_header(f->mfd, path, size, "a loss mask file", h))) return s;
     const int32_t magic = h[0], version = h[1], count = h[2];
+    if (magic == DATA_MAGIC_U16 || magic == DATA_MAGIC_U32)
+        return shard_fail(SHARD_E_INVALID, "%s: a token file, not a loss mask file (tokens go with --data)", path);
     if (magic != DATA_MAGIC_MASK || version != 1)
         return shard_fail(SHARD_E_INVALID, "%s: not a loss mask file (magic %d version %d; expected %d version 1)", path,
                           magic, version, DATA_MAGIC_MASK);

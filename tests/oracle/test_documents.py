@@ -325,6 +325,16 @@ def test_bad_masks_and_flags(tmp_path):
                              (["--documents", "--doc-sep", "x"], ["--doc-sep"])]:
             p = cmd(*flags)
             assert p.returncode == 2 and all(w in p.stderr for w in words), (flags, p.stderr)
+    # a glob that takes the mask with the tokens (sft*.bin: sft.bin, sft.mask.bin) names the mask as such, and a
+    # token file given as a mask is named as one
+    os.makedirs(tmp_path / "g")
+    write_tokens(tmp_path / "g" / "sft.bin", toks)
+    gm = write_mask(tmp_path / "g" / "sft.mask.bin", np.ones(200, np.uint8))
+    p = run("smp-eval", "--ckpt", ck, "--data", tmp_path / "g" / "sft*.bin", "--seq", S, "--batch", 2)
+    assert p.returncode == 3 and p.stderr.splitlines() == [
+        f"smp-eval: error: {gm}: a loss mask file, not a token file (masks go with --loss-mask)"], p.stderr
+    p = evalc("--loss-mask", magic)
+    assert p.stderr.splitlines() == [f"smp-eval: error: {magic}: a token file, not a loss mask file (tokens go with --data)"]
     # a model without an eos token needs --doc-sep
     _, ck2 = make_ckpt(tmp_path, "llama-no-eos", sharp=False)
     p = run("smp-eval", "--ckpt", ck2, "--data", data, "--seq", S, "--batch", 2, "--documents")
