@@ -353,6 +353,18 @@ static void note_new_data(const train_run *r)
             (long long)r->c.position);
 }
 
+/* A validation file that is also a training file: its loss is no validation, said once. */
+static void note_val_in_data(const train_run *r)
+{
+    for (int i = 0; i < r->vs.nfiles; i++)
+        for (int j = 0; j < r->ds.nfiles; j++)
+            if (same_file(r->vs.files[i].path, r->ds.files[j].path)) {
+                fprintf(stderr, "smp-train: note: --val-data %s is also in --data: val_loss is measured on training "
+                                "tokens\n", r->vs.files[i].path);
+                return;
+            }
+}
+
 /* "shuffled by seed N" or "sequential" */
 static const char *order_name(char *buf, size_t n, int shuffle, uint64_t seed)
 {
@@ -435,6 +447,7 @@ static int train(train_run *r)
     if (me0) {
         note_new_data(r); /* where it goes on in the data: the gradients dumped are that step's */
         note_data_order(r);
+        note_val_in_data(r);
     }
     if (r->a->dump_grads) return (s = loop_dump_grads(r)) ? cli_fail(s) : 0;
     if (me0) print_start(r);

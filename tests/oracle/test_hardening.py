@@ -471,6 +471,22 @@ def test_resume_on_other_data_is_said(tmp_path):
     assert p.returncode == 0 and ": note: " not in p.stderr, p.stderr
 
 
+def test_validation_on_training_tokens_is_said(tmp_path):
+    """--val-data naming a --data file (by any path) measures the training tokens: a
+    note says so; separate files say nothing."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    rng = np.random.default_rng(1)
+    a = write_tokens(tmp_path / "a.bin", rng.integers(0, vocab_of(CASE), size=2000))
+    b = write_tokens(tmp_path / "b.bin", rng.integers(0, vocab_of(CASE), size=2000))
+    os.symlink(a, tmp_path / "same.bin")
+    p = train(ck, f"{b},{a}", tmp_path / "r1", 1, "--val-data", tmp_path / "same.bin")
+    notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
+    assert p.returncode == 0 and notes == [f"smp-train: note: --val-data {tmp_path / 'same.bin'} is also in --data: "
+                                           "val_loss is measured on training tokens"], p.stderr
+    p = train(ck, a, tmp_path / "r2", 1, "--val-data", b)
+    assert p.returncode == 0 and ": note: " not in p.stderr, p.stderr
+
+
 def test_inputs_of_the_wrong_kind_are_named(tmp_path):
     """hf2smp given a file, nothing or a checkpoint says so (it said "FILE/config.json:
     missing"); a checkpoint reader given a Hugging Face model folder says that is what
