@@ -322,6 +322,13 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
         *done = 1;
         return 0;
     }
+    if (r->resumed && r->c.stop_at && r->c.step >= r->c.stop_at && !t->a.dump_grads) { /* before the load, too */
+        if (P->rank == 0)
+            printf("%s is at step %lld, --stop-at %lld: nothing to do\n", shard_ckpt_dir(r->ck), (long long)r->c.step,
+                   (long long)r->c.stop_at);
+        *done = 1;
+        return 0;
+    }
     if ((s = runcfg_check_sp(&r->c, &t->a.layout, t->a.seqpar))) return cli_usage("%s", shard_errmsg());
     return (s = loop_load(r)) ? set_up_failed(r, s) : 0;
 }

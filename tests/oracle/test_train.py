@@ -445,9 +445,14 @@ def test_resume_is_bit_exact(tmp_path, version):
     assert training_state(latest(a)) == training_state(latest(b))
     st = training_state(latest(a))
     assert st["step"] == 12 and st["data_position"] == 48 and st["tokens"] == 12 * 4 * 16 and st["optimizer_step"] == 12
-    # a finished run has nothing left to do
+    # a finished run has nothing left to do; nor has one past its --stop-at (it loaded the weights, said nothing
+    # and printed the checkpoint it had resumed from as if it had saved it)
     p = run("smp-train", "--ckpt", b, "--data", data, "--save-dir", b, check=0)
     assert "nothing to do" in p.stdout
+    before = sorted(os.listdir(b))
+    p = run("smp-train", "--ckpt", b, "--data", data, "--save-dir", b, "--steps", 20, "--stop-at", 12, check=0)
+    assert p.stdout == f"{latest(b)} is at step 12, --stop-at 12: nothing to do\n" and "loaded" not in p.stderr, p.stderr
+    assert sorted(os.listdir(b)) == before
 
 
 def test_signal_after_the_stop_agreement_still_saves(tmp_path):
