@@ -132,10 +132,28 @@ static const char *parent_of(char *d)
     return d;
 }
 
+/* An output inside a checkpoint's folder is lost with it: smp-train's --keep prunes
+ * whole step folders, and a checkpoint is replaced or copied as one folder. */
+static shard_status check_not_in_checkpoint(const char *path, const char *d)
+{
+    char *p = strdup(d), *m = NULL;
+    const char *parent = p ? parent_of(p) : NULL;
+    struct stat st;
+    shard_status s = parent && (m = shard_path_join(parent, "smp.json")) ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!s && lstat(m, &st) == 0)
+        s = shard_fail(SHARD_E_USAGE, "%s: inside the checkpoint %s (pruning or replacing that checkpoint "
+                                      "would delete it): put it beside the checkpoint", path, parent);
+    free(m);
+    free(p);
+    return s;
+}
+
 static shard_status check_output(const char *path, char *d, shard_out_kind kind)
 {
     const char *base = strrchr(d, '/') ? strrchr(d, '/') + 1 : d;
     struct stat st;
+    shard_status s = check_not_in_checkpoint(path, d);
+    if (s) return s;
     if (kind == SHARD_OUT_NEW_DIR && (!strcmp(base, ".") || !strcmp(base, "..") || !strcmp(d, "/")))
         return shard_fail(SHARD_E_USAGE, "%s: not the name of a new folder", path);
     if (lstat(d, &st) == 0) {

@@ -72,8 +72,11 @@ def test_output_paths_refused_before_any_work(tmp_path):
     }
     outs = {"": '--out "": an empty value', ".": ".", "..": "..", "/": "/", str(ck): str(ck), f"{ck}/": str(ck), str(dangling): str(dangling),
             str(tmp_path / "no" / "out"): str(tmp_path / "no"), str(tmp_path / "file" / "out"): str(tmp_path / "file"),
-            f"{tmp_path}/new/.": f"{tmp_path}/new/."}
-    before = sorted(os.listdir(tmp_path))
+            f"{tmp_path}/new/.": f"{tmp_path}/new/.",
+            # inside a checkpoint: lost when it is pruned (smp-train --keep) or replaced
+            str(ck / "inner"): f"{ck / 'inner'}: inside the checkpoint {ck} (pruning or replacing that checkpoint would "
+                               "delete it): put it beside the checkpoint"}
+    before, in_ck = sorted(os.listdir(tmp_path)), sorted(os.listdir(ck))
     for what, cmd in commands.items():
         for out, named in outs.items():
             p = run(*cmd, "--out", out, "--no-fsync")
@@ -81,6 +84,7 @@ def test_output_paths_refused_before_any_work(tmp_path):
             assert p.returncode == 2 and len(lines) == 1 and lines[0].startswith(f"{cmd[0]}: error: {named}"), \
                 (what, out, p.returncode, p.stderr)
     assert sorted(os.listdir(tmp_path)) == before and os.readlink(dangling) == str(tmp_path / "nowhere")
+    assert sorted(os.listdir(ck)) == in_ck
 
 
 def test_run_folders_and_logs_refused_before_loading(tmp_path):
@@ -97,8 +101,10 @@ def test_run_folders_and_logs_refused_before_loading(tmp_path):
     os.symlink(tmp_path / "nowhere", tmp_path / "dangling")
     os.mkfifo(tmp_path / "fifo")
     before = sorted(os.listdir(tmp_path))
-    runs = [("--save-dir", bad, ()) for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling", ck)]
-    runs += [("--log", bad, ("--log", bad)) for bad in ("", tmp_path, tmp_path / "file" / "log", tmp_path / "dangling")]
+    runs = [("--save-dir", bad, ()) for bad in ("", tmp_path / "file", tmp_path / "file" / "run", tmp_path / "dangling", ck,
+                                                 ck / "run")]
+    runs += [("--log", bad, ("--log", bad)) for bad in ("", tmp_path, tmp_path / "file" / "log", tmp_path / "dangling",
+                                                        ck / "log.jsonl")]
     for opt, bad, extra in runs:
         p = train(ck, data, bad if opt == "--save-dir" else tmp_path / "run", 1, *extra)
         lines = p.stderr.strip().splitlines()
