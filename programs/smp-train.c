@@ -210,7 +210,8 @@ static int read_args(train_cmd *t, par_ctx *P)
     if (!v[O_CKPT] || !v[O_DATA]) return cli_usage("--ckpt and --data are required");
     if (!v[O_SAVE_DIR] && !v[O_DUMP_GRADS]) return cli_usage("--save-dir is required");
     /* the outputs, before anything is loaded */
-    if ((rc = check_output("--save-dir", v[O_SAVE_DIR], SHARD_OUT_DIR)) || (rc = check_output("--log", v[O_LOG], SHARD_OUT_FILE)))
+    if ((rc = check_output("--save-dir", v[O_SAVE_DIR], SHARD_OUT_DIR)) || (rc = check_output("--log", v[O_LOG], SHARD_OUT_FILE)) ||
+        (rc = check_output("--dump-grads", v[O_DUMP_GRADS], SHARD_OUT_DIR)))
         return rc;
     /* a checkpoint as the run folder: the step folders and latest would go inside it, and
      * --ckpt DIR would still mean the checkpoint, not the run */

@@ -123,9 +123,33 @@ shard_status ckptio_read_fp8(shard_ckpt *c, fp8_state *f)
     return s;
 }
 
+/* mkdir -p: 0 when dir exists (as a folder) afterwards */
+static int mkdir_p(const char *dir)
+{
+    char *p = strdup(dir);
+    if (!p) return -1;
+    for (char *q = p + 1; *q; q++) {
+        if (*q != '/') continue;
+        *q = 0;
+        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
+            free(p);
+            return -1;
+        }
+        *q = '/';
+    }
+    int rc = mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
+    free(p);
+    struct stat st;
+    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))) {
+        errno = ENOTDIR;
+        rc = -1;
+    }
+    return rc;
+}
+
 shard_status ckptio_write_grads(const char *dir, const model *m, double loss)
 {
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dir, strerror(errno));
+    if (mkdir_p(dir) != 0) return shard_fail(SHARD_E_IO, "%s: cannot create: %s", dir, strerror(errno)); /* with its parents */
     char path[4096];
     snprintf(path, sizeof path, "%s/grads.safetensors", dir);
     shard_st_writer *w;
@@ -204,29 +228,6 @@ static shard_status write_fp8(shard_h5_writer *hw, const fp8_state *f)
     return s;
 }
 
-/* mkdir -p: 0 when dir exists (as a folder) afterwards */
-static int mkdir_p(const char *dir)
-{
-    char *p = strdup(dir);
-    if (!p) return -1;
-    for (char *q = p + 1; *q; q++) {
-        if (*q != '/') continue;
-        *q = 0;
-        if (mkdir(p, 0755) != 0 && errno != EEXIST) {
-            free(p);
-            return -1;
-        }
-        *q = '/';
-    }
-    int rc = mkdir(p, 0755) != 0 && errno != EEXIST ? -1 : 0;
-    free(p);
-    struct stat st;
-    if (!rc && (stat(dir, &st) != 0 || !S_ISDIR(st.st_mode))) {
-        errno = ENOTDIR;
-        rc = -1;
-    }
-    return rc;
-}
 
 /* The lock's holder, written into the lock file: "pid 123 on host h" */
 static void lock_holder(int fd, char *buf, size_t cap)

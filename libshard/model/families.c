@@ -103,6 +103,30 @@ static const shard_family *family(const shard_model_desc *d)
     return f ? f : &FAMILIES[0];
 }
 
+/* *same: a and b (of one shape) hold the same values, compared as F32 where their
+ * dtypes differ */
+static shard_status same_values(const shard_st_tensor *a, const shard_st_tensor *b, int *same)
+{
+    if (a->dtype == b->dtype) {
+        *same = a->nbytes == b->nbytes && memcmp(a->data, b->data, a->nbytes) == 0;
+        return SHARD_OK;
+    }
+    enum { BLOCK = 1 << 14 };
+    float *x = malloc(2 * BLOCK * sizeof *x);
+    if (!x) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    const size_t sa = shard_dtype_size(a->dtype), sb = shard_dtype_size(b->dtype);
+    shard_status s = SHARD_OK;
+    *same = 1;
+    for (uint64_t i = 0; i < a->numel && *same && !s; i += BLOCK) {
+        const size_t n = a->numel - i < BLOCK ? (size_t)(a->numel - i) : BLOCK;
+        s = shard_convert(x, SHARD_DT_F32, (const char *)a->data + i * sa, a->dtype, n);
+        if (!s) s = shard_convert(x + BLOCK, SHARD_DT_F32, (const char *)b->data + i * sb, b->dtype, n);
+        if (!s) *same = memcmp(x, x + BLOCK, n * sizeof *x) == 0;
+    }
+    free(x);
+    return s;
+}
+
 /* the family's tensors outside the layers that d has (a tied head is the embedding) */
 static size_t outer_count(const shard_model_desc *d)
 {
@@ -231,6 +255,16 @@ shard_status shard_model_check_weights(const shard_model_desc *d, const shard_we
             const shard_st_tensor *e = shard_weights_find(w, outer_name(d, SHARD_T_EMBED));
             if (st->ndim != 2 || st->shape[0] != e->shape[0] || st->shape[1] != e->shape[1])
                 return shard_fail(SHARD_E_INVALID, "%s: tied \"%s\" differs in shape from the embedding", dir, st->name);
+            if (!shard_dtype_is_float(st->dtype))
+                return shard_fail(SHARD_E_INVALID, "%s: tensor \"%s\" has dtype %s; weights must be floating point", dir,
+                                  st->name, shard_dtype_name(st->dtype));
+            int same = 0;
+            shard_status s = same_values(e, st, &same);
+            if (s) return s;
+            if (!same) /* transformers keeps both then (untied, with a warning): the head would be dropped */
+                return shard_fail(SHARD_E_INVALID, "%s: config.json ties the head to the embedding (tie_word_embeddings), "
+                                  "but \"%s\" differs from \"%s\" (transformers then keeps both, untied): set "
+                                  "tie_word_embeddings to false in config.json", dir, st->name, e->name);
             continue;
         }
         int known = 0;

@@ -105,6 +105,8 @@ def test_run_folders_and_logs_refused_before_loading(tmp_path):
                                                  ck / "run")]
     runs += [("--log", bad, ("--log", bad)) for bad in ("", tmp_path, tmp_path / "file" / "log", tmp_path / "dangling",
                                                         ck / "log.jsonl")]
+    # --dump-grads: refused after the load, exit 1 (a file, a path through one)
+    runs += [("--dump-grads", bad, ("--dump-grads", bad)) for bad in (tmp_path / "file", tmp_path / "file" / "g", ck / "g")]
     for opt, bad, extra in runs:
         p = train(ck, data, bad if opt == "--save-dir" else tmp_path / "run", 1, *extra)
         lines = p.stderr.strip().splitlines()

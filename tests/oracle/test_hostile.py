@@ -412,6 +412,31 @@ def test_both_weight_layouts_from_two_saves(tmp_path):
     assert run("smp-inspect", one).returncode == 0
 
 
+def test_tied_head_stored_with_other_values(tmp_path):
+    """tie_word_embeddings with lm_head.weight stored too: the same values (any dtype)
+    are one tensor; other values are refused, naming both. transformers keeps both then,
+    untied (shown here), so converting the embedding as the head (as smp did, dropping
+    the stored head) gave another model than transformers'."""
+    import torch
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+    d = tmp_path / "m"
+    models.make("llama-tied-bf16-llama3", d)
+    t = {k: v for k, v in load_file(str(d / "model.safetensors")).items()}
+    emb = t["model.embed_tokens.weight"]
+    assert "lm_head.weight" not in t
+    for head, ok in [(emb.clone(), True), (emb.float(), True), (emb.float() * 2, False)]:
+        save_file({**t, "lm_head.weight": head}, str(d / "model.safetensors"), metadata={"format": "pt"})
+        if ok:
+            assert run("smp-inspect", d).returncode == 0
+            continue
+        expect_refused(d, f"{d}: config.json ties the head to the embedding (tie_word_embeddings), but "
+                          "\"lm_head.weight\" differs from \"model.embed_tokens.weight\" (transformers then keeps both, "
+                          "untied): set tie_word_embeddings to false in config.json")
+        m = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32)
+        assert not torch.equal(m.lm_head.weight, m.model.embed_tokens.weight)
+
+
 def test_corpus_is_large_enough():
     n = len(ST_CASES) + len(CONFIG_CASES) + len(NEOX_CONFIG_CASES) + len(MOE_CONFIG_CASES) + len(INDEX_CASES) + 9
     assert n >= 30, n

@@ -362,12 +362,20 @@ def _(ctx, rdir, d):
     return [rdir / "latest", rdir / "step-000099"]
 
 
-@run_case("latest-names-dotdot")
-def _(ctx, rdir, d):
-    # the parent folder is a checkpoint too: only the rule may stop it
+@case("latest-names-dotdot", "run")
+def _(ctx, d):
+    # the parent folder is a checkpoint too: only the rule may stop it. The outputs go beside it: inside a
+    # checkpoint's folder they are refused first (exit 2), smp-train's run folder too
+    rdir = copy_run(ctx.run, d)
     shutil.copytree(rdir / STEP, d, dirs_exist_ok=True)
     write_latest(rdir, "..\n")
-    return [rdir / "latest"]
+    out = d.parent / f"{d.name}-out"
+    out.mkdir()
+    reads = [("smp-verify", rdir), ("smp-inspect", rdir), ("smp-merge", "--in", rdir, "--out", out / "merged"),
+             ("smp-convert", "reshard", "--in", rdir, "--out", out / "re", "--layout", "tp=1")]
+    train = ("smp-train", "--ckpt", rdir, "--data", ctx.data, "--save-dir", out / "run")
+    return Plan([train, eval_cmd(rdir, ctx.data), *reads], names=[rdir / "latest"],
+                outs=[("smp-merge", out / "merged"), ("smp-convert", out / "re"), ("smp-train", out / "run")])
 
 
 @run_case("latest-names-absolute-path")
