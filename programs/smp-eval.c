@@ -144,6 +144,8 @@ static int eval_main(int argc, char **argv, par_ctx *P)
             {AGREE_CKPT, ckpt, shard_ckpt_fingerprint(ck)}, AGREE_LAYOUT(&lay), {AGREE_INT, "--batch", (uint64_t)B},
             {AGREE_INT, "--seq", (uint64_t)S}, {AGREE_INT, "--batches (-1: all)", (uint64_t)NB},
             {AGREE_INT, "--documents", val[O_DOCS] != NULL},
+            {AGREE_INT, "--read-together (-1: auto)", (uint64_t)(int64_t)P->read_together},
+            {AGREE_INT, "--share-weights (1: yes)", (uint64_t)P->share_weights},
         };
         if ((s = agree_check(P->world, items, (int)(sizeof items / sizeof items[0]))))
             OUT(s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s));

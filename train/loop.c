@@ -89,6 +89,8 @@ shard_status loop_agree(train_run *r)
         {AGREE_INT, "--sequence-parallel", (uint64_t)a->seqpar}, {AGREE_INT, "--recompute (0: none)", (uint64_t)a->recompute},
         {AGREE_INT, "--dtype (1: bf16)", (uint64_t)(a->dtype == SHARD_DT_BF16)},
         {AGREE_INT, "--dump-grads (1: given)", (uint64_t)(a->dump_grads != NULL)},
+        {AGREE_INT, "--backend (1: cuda)", (uint64_t)!strcmp(a->backend, "cuda")},
+        {AGREE_INT, "--read-together (-1: auto)", (uint64_t)(int64_t)r->P->read_together},
         agree_float("--lr", c->lr), agree_float("--lr-min", c->lr_min), agree_float("--clip", c->clip),
         agree_float("--weight-decay", c->wd), agree_float("--beta1", c->beta1), agree_float("--beta2", c->beta2),
         agree_float("--eps", c->eps), agree_float("--fp8-margin", c->fp8_margin),

@@ -62,7 +62,7 @@ def refusal(cmd, what, a, ck, setting=None):
 TRAIN = ["--steps", 2, "--batch", 4, "--seq", 16, "--layout", "dp=2"]
 
 
-@pytest.mark.parametrize("what", ["data", "ckpt", "finished", "lr", "layout", "same"])
+@pytest.mark.parametrize("what", ["data", "ckpt", "finished", "lr", "layout", "together", "same"])
 def test_train_ranks_agree_on_their_inputs(inputs, tmp_path, what):
     tmp, ck, a, b, done = inputs
     out = tmp_path / "run"
@@ -72,6 +72,7 @@ def test_train_ranks_agree_on_their_inputs(inputs, tmp_path, what):
              "finished": ["--ckpt", done, "--data", a, "--save-dir", out, *TRAIN],
              "lr": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN, "--lr", 1e-3],
              "layout": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN[:-2], "--layout", "tp=2"],
+             "together": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN, "--read-together", "yes"],
              "same": ["--ckpt", tmp / "host2" / "ck", "--data", tmp / "host2" / "a.bin", "--save-dir", out, *TRAIN]}[what]
     p = mpmd("smp-train", rank0, rank1)
     if what == "same":
@@ -79,7 +80,8 @@ def test_train_ranks_agree_on_their_inputs(inputs, tmp_path, what):
         assert (out / "latest").read_text().strip() == "step-000002"
         return
     setting = {"lr": "rank 1 runs with --lr 0.001, rank 0 with 0.0003",
-               "layout": "rank 1 runs with --layout's tp 2, rank 0 with 1"}.get(what)
+               "layout": "rank 1 runs with --layout's tp 2, rank 0 with 1",
+               "together": "rank 1 runs with --read-together (-1: auto) 1, rank 0 with -1"}.get(what)
     code, line = refusal("smp-train", "ckpt" if what == "finished" else what, a, ck, setting)
     assert p.returncode == code and errors(p) == [line], p.stderr
     assert not out.exists()  # nothing written
@@ -88,12 +90,13 @@ def test_train_ranks_agree_on_their_inputs(inputs, tmp_path, what):
 EVAL = ["--batch", 4, "--seq", 16, "--layout", "dp=2"]
 
 
-@pytest.mark.parametrize("what", ["data", "ckpt", "batches", "same"])
+@pytest.mark.parametrize("what", ["data", "ckpt", "batches", "share", "same"])
 def test_eval_ranks_agree_on_their_inputs(inputs, what):
     tmp, ck, a, b, done = inputs
     rank0 = ["--ckpt", ck, "--data", a, *EVAL]
     rank1 = {"data": ["--ckpt", ck, "--data", b, *EVAL], "ckpt": ["--ckpt", done, "--data", a, *EVAL],
              "batches": ["--ckpt", ck, "--data", a, *EVAL, "--batches", 2],
+             "share": ["--ckpt", ck, "--data", a, *EVAL, "--share-weights", "no"],
              "same": ["--ckpt", tmp / "host2" / "ck", "--data", tmp / "host2" / "a.bin", *EVAL]}[what]
     p = mpmd("smp-eval", rank0, rank1)
     if what == "same":
@@ -101,5 +104,6 @@ def test_eval_ranks_agree_on_their_inputs(inputs, what):
         assert p.returncode == 0, p.stderr
         assert float(p.stdout.split()[1]) == pytest.approx(float(one.stdout.split()[1]), rel=1e-6)
         return
-    code, line = refusal("smp-eval", what, a, ck, "rank 1 runs with --batches (-1: all) 2, rank 0 with -1")
+    code, line = refusal("smp-eval", what, a, ck, {"batches": "rank 1 runs with --batches (-1: all) 2, rank 0 with -1",
+                                                   "share": "rank 1 runs with --share-weights (1: yes) 0, rank 0 with 1"}.get(what))
     assert p.returncode == code and errors(p) == [line], p.stderr
