@@ -346,14 +346,19 @@ static int same_file(const char *a, const char *b)
  * in the new ones: allowed (a new stage of training), but said, once. */
 static void note_new_data(const train_run *r)
 {
-    const json_t *was = json_object_get(json_object_get(json_object_get(shard_ckpt_manifest_json(r->ck), "training"), "data"),
-                                        "files");
+    const json_t *data = json_object_get(json_object_get(shard_ckpt_manifest_json(r->ck), "training"), "data");
+    const json_t *was = json_object_get(data, "files"), *fp = json_object_get(data, "fingerprint");
     if (!r->resumed || !json_is_array(was)) return;
     int same = (int)json_array_size(was) == r->ds.nfiles;
     for (int i = 0; same && i < r->ds.nfiles; i++) {
         const char *p = json_string_value(json_array_get(was, (size_t)i));
         same = p && same_file(p, r->ds.files[i].path);
     }
+    char now[32];
+    snprintf(now, sizeof now, "xxh64:%016llx", (unsigned long long)data_fingerprint(&r->ds));
+    if (same && json_is_string(fp) && strcmp(json_string_value(fp), now)) /* a state before fingerprints: none */
+        fprintf(stderr, "smp-train: note: --data holds other bytes than when the run trained on it (the same files, "
+                        "changed since); it goes on at data position %lld in them\n", (long long)r->c.position);
     if (same) return;
     const char *first = json_string_value(json_array_get(was, 0));
     fprintf(stderr, "smp-train: note: --data is not what the run trained on (%s%s); it goes on at data position %lld "

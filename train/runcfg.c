@@ -3,6 +3,7 @@
 
 #include <jansson.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 void runcfg_defaults(run_cfg *c, const shard_model_desc *d)
@@ -107,12 +108,20 @@ shard_status runcfg_doc_sep(const shard_model_desc *d, int64_t given, int32_t *s
     return SHARD_OK;
 }
 
+/* path appended to the array a, absolute (a resume from another folder compares them) */
+static void absolute_into(json_t *a, const char *path)
+{
+    char *abs = realpath(path, NULL);
+    json_array_append_new(a, json_string(abs ? abs : path));
+    free(abs);
+}
+
 char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
 {
     json_t *files = json_array(), *masks = ds->masked ? json_array() : json_null();
     for (int i = 0; i < ds->nfiles; i++) {
-        json_array_append_new(files, json_string(ds->files[i].path));
-        if (ds->masked) json_array_append_new(masks, json_string(ds->files[i].mpath));
+        absolute_into(files, ds->files[i].path);
+        if (ds->masked) absolute_into(masks, ds->files[i].mpath);
     }
     json_t *t = json_object();
     json_object_set_new(t, "step", json_integer(c->step));
@@ -130,7 +139,9 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f
                                                   "weight_decay", (double)c->wd, "clip", (double)c->clip,
                                                   "weight_decay_applies_to", "matrices"));
     /* what the run read its targets with (a record: the flags give them on resume, as --data) */
-    json_object_set_new(t, "data", json_pack("{s:o,s:I,s:o,s:s,s:o,s:o}", "files", files, "sequences",
+    char fp[32]; /* the files' bytes (data_fingerprint): a resume on changed files says so */
+    snprintf(fp, sizeof fp, "xxh64:%016llx", (unsigned long long)data_fingerprint(ds));
+    json_object_set_new(t, "data", json_pack("{s:o,s:s,s:I,s:o,s:s,s:o,s:o}", "files", files, "fingerprint", fp, "sequences",
                                              (json_int_t)ds->nseq, "seed",
                                              c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
                                              "order", c->shuffle ? "shuffled" : "sequential", "loss_masks", masks,

@@ -462,13 +462,13 @@ def test_eval_json_stays_json_when_the_perplexity_overflows(tmp_path):
 def test_resume_on_other_data_is_said(tmp_path):
     """A run resumed with other token files than it trained on goes on (a new stage of
     training) and says so once; the same file by another path (a relative one from
-    another folder) is not other data."""
+    another folder) is not other data; the same file with other bytes is said too."""
     _, ck = make_ckpt(tmp_path, CASE, sharp=False)
     rng = np.random.default_rng(0)
     a = write_tokens(tmp_path / "a.bin", rng.integers(0, vocab_of(CASE), size=4000))
     b = write_tokens(tmp_path / "b.bin", rng.integers(0, vocab_of(CASE), size=4000))
     r = tmp_path / "run"
-    assert train(ck, a, r, 6, "--stop-at", 2).returncode == 0
+    assert train(ck, a, r, 10, "--stop-at", 2).returncode == 0
     p = run("smp-train", "--ckpt", r, "--data", b, "--save-dir", r, "--stop-at", 4, check=0)
     notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
     assert notes == [f"smp-train: note: --data is not what the run trained on ({a}); it goes on at data position 4 "
@@ -477,6 +477,12 @@ def test_resume_on_other_data_is_said(tmp_path):
     p = subprocess.run([str(exe), "--ckpt", str(r), "--data", "b.bin", "--save-dir", str(r), "--stop-at", "6"],
                        cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0 and ": note: " not in p.stderr, p.stderr
+    # the same file with other bytes (regenerated, say): the state's fingerprint tells
+    write_tokens(tmp_path / "b.bin", rng.integers(0, vocab_of(CASE), size=4000))
+    p = run("smp-train", "--ckpt", r, "--data", b, "--save-dir", r, "--stop-at", 8, check=0)
+    notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
+    assert notes == ["smp-train: note: --data holds other bytes than when the run trained on it (the same files, "
+                     "changed since); it goes on at data position 12 in them"], p.stderr
 
 
 def test_validation_on_training_tokens_is_said(tmp_path):
