@@ -91,13 +91,13 @@ static shard_status read_header(int fd, const char *path, uint64_t size, const c
     return SHARD_OK;
 }
 
-/* Tokens [i0, i0 + n) decoded from raw, every one inside the vocabulary. */
 /* sequences of S + 1 tokens in a file of n (consecutive ones share a token) */
 static uint64_t seqs_in(uint64_t n, int S)
 {
     return n > 0 ? (n - 1) / (uint64_t)S : 0;
 }
 
+/* Tokens [i0, i0 + n) decoded from raw, every one inside the vocabulary. */
 static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_t i0, size_t n)
 {
     for (size_t k = 0; k < n; k++) {
