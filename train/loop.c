@@ -98,14 +98,18 @@ shard_status loop_agree(train_run *r)
     return agree_check(r->P->world, items, (int)(sizeof items / sizeof items[0]));
 }
 
-/* the token files against rank 0's (agree.h) */
-static shard_status agree_data(train_run *r)
+/* the token files and the layers of each pipeline stage against rank 0's (agree.h) */
+static shard_status agree_data_and_stages(train_run *r, const int *stages)
 {
-    const agree_item items[] = {
+    agree_item items[2 + SHARD_MAX_PP] = {
         {AGREE_DATA, r->a->data, data_fingerprint(&r->ds)},
         {AGREE_DATA, r->a->val_data ? r->a->val_data : "--val-data", r->vs.nfiles ? data_fingerprint(&r->vs) : 0},
     };
-    return agree_check(r->P->world, items, 2);
+    const int pp = r->a->layout.pp; /* agreed before (loop_agree) */
+    for (int k = 0; k < pp; k++) items[2 + k] = (agree_item){AGREE_INT, "--stages (a stage's layers)", (uint64_t)stages[k]};
+    shard_status s = agree_check(r->P->world, items, 2 + pp);
+    r->usage = s == SHARD_E_USAGE;
+    return s;
 }
 
 /* layers per stage: --stages, else the checkpoint's when it has as many stages, else auto */
@@ -217,8 +221,8 @@ shard_status loop_load(train_run *r)
     r->Bm = runcfg_rows(&r->c, &a->layout);
     r->S = (int)r->c.seq;
     shard_status s = open_data(r);
-    if (!s) s = agree_data(r);
     if (!s) s = choose_stages(r, stages);
+    if (!s) s = agree_data_and_stages(r, stages);
     if (!s) s = par_setup(P, &a->layout, stages, (int)r->c.micro, m);
     if (!s) s = load_state(r);
     if (s) return s;

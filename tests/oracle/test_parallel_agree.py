@@ -62,17 +62,22 @@ def refusal(cmd, what, a, ck, setting=None):
 TRAIN = ["--steps", 2, "--batch", 4, "--seq", 16, "--layout", "dp=2"]
 
 
-@pytest.mark.parametrize("what", ["data", "ckpt", "finished", "lr", "layout", "together", "same"])
+@pytest.mark.parametrize("what", ["data", "ckpt", "finished", "lr", "layout", "together", "stages", "same"])
 def test_train_ranks_agree_on_their_inputs(inputs, tmp_path, what):
     tmp, ck, a, b, done = inputs
     out = tmp_path / "run"
     rank0 = ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN]
+    if what == "stages":  # two pipeline stages over the model's 3 layers, split otherwise
+        rank0 = ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN[:-2], "--layout", "pp=2", "--microbatches", 2,
+                 "--stages", "2,1"]
     rank1 = {"data": ["--ckpt", ck, "--data", b, "--save-dir", out, *TRAIN],
              "ckpt": ["--ckpt", done, "--data", a, "--save-dir", out, *TRAIN[:-2], "--layout", "dp=2", "--steps", 3],
              "finished": ["--ckpt", done, "--data", a, "--save-dir", out, *TRAIN],
              "lr": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN, "--lr", 1e-3],
              "layout": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN[:-2], "--layout", "tp=2"],
              "together": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN, "--read-together", "yes"],
+             "stages": ["--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN[:-2], "--layout", "pp=2", "--microbatches", 2,
+                        "--stages", "1,2"],
              "same": ["--ckpt", tmp / "host2" / "ck", "--data", tmp / "host2" / "a.bin", "--save-dir", out, *TRAIN]}[what]
     p = mpmd("smp-train", rank0, rank1)
     if what == "same":
@@ -81,7 +86,8 @@ def test_train_ranks_agree_on_their_inputs(inputs, tmp_path, what):
         return
     setting = {"lr": "rank 1 runs with --lr 0.001, rank 0 with 0.0003",
                "layout": "rank 1 runs with --layout's tp 2, rank 0 with 1",
-               "together": "rank 1 runs with --read-together (-1: auto) 1, rank 0 with -1"}.get(what)
+               "together": "rank 1 runs with --read-together (-1: auto) 1, rank 0 with -1",
+               "stages": "rank 1 runs with --stages (a stage's layers) 1, rank 0 with 2"}.get(what)
     code, line = refusal("smp-train", "ckpt" if what == "finished" else what, a, ck, setting)
     assert p.returncode == code and errors(p) == [line], p.stderr
     assert not out.exists()  # nothing written
