@@ -213,13 +213,7 @@ static int read_args(train_cmd *t, par_ctx *P)
     if ((rc = check_output("--save-dir", v[O_SAVE_DIR], SHARD_OUT_DIR)) || (rc = check_output("--log", v[O_LOG], SHARD_OUT_FILE)) ||
         (rc = check_output("--dump-grads", v[O_DUMP_GRADS], SHARD_OUT_DIR)))
         return rc;
-    /* a checkpoint as the run folder: the step folders and latest would go inside it, and
-     * --ckpt DIR would still mean the checkpoint, not the run */
     struct stat st;
-    char manifest[4096];
-    if (v[O_SAVE_DIR] && snprintf(manifest, sizeof manifest, "%s/smp.json", v[O_SAVE_DIR]) < (int)sizeof manifest &&
-        lstat(manifest, &st) == 0)
-        return cli_usage("--save-dir %s: a checkpoint, not a run folder (give a folder of its own)", v[O_SAVE_DIR]);
     *a = (loop_args){.ckpt = v[O_CKPT], .data = v[O_DATA], .val_data = v[O_VAL_DATA], .save_dir = v[O_SAVE_DIR],
                      .log = v[O_LOG], .stages = v[O_STAGES], .dump_grads = v[O_DUMP_GRADS], .seqpar = !!v[O_SEQPAR],
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],
@@ -316,17 +310,15 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
         return rc ? rc : cli_usage("%s", shard_errmsg());
     if ((s = loop_agree(r))) return s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s);
     if ((s = runcfg_check(&r->c, &t->a.layout, &r->m.d))) return cli_usage("%s", shard_errmsg());
-    if (r->resumed && r->c.step >= r->c.steps && !t->a.dump_grads) {
-        if (P->rank == 0)
-            printf("%s is at step %lld of %lld: nothing to do\n", shard_ckpt_dir(r->ck), (long long)r->c.step,
-                   (long long)r->c.steps);
-        *done = 1;
-        return 0;
-    }
-    if (r->resumed && r->c.stop_at && r->c.step >= r->c.stop_at && !t->a.dump_grads) { /* before the load, too */
-        if (P->rank == 0)
-            printf("%s is at step %lld, --stop-at %lld: nothing to do\n", shard_ckpt_dir(r->ck), (long long)r->c.step,
-                   (long long)r->c.stop_at);
+    const run_cfg *c = &r->c;
+    const int over = c->step >= c->steps, stopped = c->stop_at && c->step >= c->stop_at;
+    if (r->resumed && (over || stopped) && !t->a.dump_grads) { /* before the load */
+        if (P->rank == 0 && over)
+            printf("%s is at step %lld of %lld: nothing to do\n", shard_ckpt_dir(r->ck), (long long)c->step,
+                   (long long)c->steps);
+        else if (P->rank == 0)
+            printf("%s is at step %lld, --stop-at %lld: nothing to do\n", shard_ckpt_dir(r->ck), (long long)c->step,
+                   (long long)c->stop_at);
         *done = 1;
         return 0;
     }
@@ -355,8 +347,7 @@ static void note_new_data(const train_run *r)
         same = p && same_file(p, r->ds.files[i].path);
     }
     char now[32];
-    snprintf(now, sizeof now, "xxh64:%016llx", (unsigned long long)data_fingerprint(&r->ds));
-    if (same && json_is_string(fp) && strcmp(json_string_value(fp), now)) /* a state before fingerprints: none */
+    if (same && json_is_string(fp) && strcmp(json_string_value(fp), data_fingerprint_text(&r->ds, now))) /* a state before fingerprints: none */
         fprintf(stderr, "smp-train: note: --data holds other bytes than when the run trained on it (the same files, "
                         "changed since); it goes on at data position %lld in them\n", (long long)r->c.position);
     if (same) return;

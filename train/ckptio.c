@@ -228,7 +228,6 @@ static shard_status write_fp8(shard_h5_writer *hw, const fp8_state *f)
     return s;
 }
 
-
 /* The lock's holder, written into the lock file: "pid 123 on host h" */
 static void lock_holder(int fd, char *buf, size_t cap)
 {

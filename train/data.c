@@ -287,6 +287,12 @@ uint64_t data_fingerprint(const data_set *ds)
     return h;
 }
 
+const char *data_fingerprint_text(const data_set *ds, char *buf)
+{
+    snprintf(buf, 32, "xxh64:%016llx", (unsigned long long)data_fingerprint(ds));
+    return buf;
+}
+
 void data_set_documents(data_set *ds, int32_t sep)
 {
     ds->documents = 1;

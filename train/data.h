@@ -85,6 +85,8 @@ shard_status data_open_masks(data_set *ds, const char *spec);
 /* The files' fingerprint: their token sizes, counts and hashes (and the masks'), in
  * order; the ranks of a run compare it (a host's other copy of a file). */
 uint64_t data_fingerprint(const data_set *ds);
+/* The same as the training state writes it, "xxh64:<16 hex digits>", into buf (32 bytes). */
+const char *data_fingerprint_text(const data_set *ds, char *buf);
 /* The stream is documents ended by token sep. */
 void data_set_documents(data_set *ds, int32_t sep);
 /* The order: sequential (shuffle 0) or shuffled by seed. */

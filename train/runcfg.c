@@ -139,9 +139,9 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f
                                                   "weight_decay", (double)c->wd, "clip", (double)c->clip,
                                                   "weight_decay_applies_to", "matrices"));
     /* what the run read its targets with (a record: the flags give them on resume, as --data) */
-    char fp[32]; /* the files' bytes (data_fingerprint): a resume on changed files says so */
-    snprintf(fp, sizeof fp, "xxh64:%016llx", (unsigned long long)data_fingerprint(ds));
-    json_object_set_new(t, "data", json_pack("{s:o,s:s,s:I,s:o,s:s,s:o,s:o}", "files", files, "fingerprint", fp, "sequences",
+    char fp[32]; /* the files' bytes: a resume on changed files says so */
+    json_object_set_new(t, "data", json_pack("{s:o,s:s,s:I,s:o,s:s,s:o,s:o}", "files", files, "fingerprint",
+                                             data_fingerprint_text(ds, fp), "sequences",
                                              (json_int_t)ds->nseq, "seed",
                                              c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
                                              "order", c->shuffle ? "shuffled" : "sequential", "loss_masks", masks,

@@ -20,8 +20,6 @@ const state_range STATE_RANGE[R_COUNT] = {
     [R_BETA2] = {0, 0.9999999},      [R_EPS] = {1e-30, 1},           [R_FP8_MARGIN] = {0, 64},
 };
 
-#define COUNTER_MAX DATA_COUNTER_MAX
-
 typedef struct {
     const char *dir;
     shard_status s;
@@ -112,7 +110,7 @@ static void read_data(reader *r, json_t *da, json_t *rng, run_cfg *c)
     json_t *rs = json_object_get(rng, "seed");
     if (!json_equal(rs, seed)) { bad(r, "rng.seed", "is not data.seed"); return; }
     int64_t nseq = 0, epoch = 0;
-    if (!get_int(r, da, "sequences", 0, (double)COUNTER_MAX, &nseq) || !get_int(r, rng, "epoch", 0, (double)COUNTER_MAX, &epoch)) return;
+    if (!get_int(r, da, "sequences", 0, (double)DATA_COUNTER_MAX, &nseq) || !get_int(r, rng, "epoch", 0, (double)DATA_COUNTER_MAX, &epoch)) return;
     if (nseq > 0 && epoch != c->position / nseq) bad(r, "rng.epoch", "is not data_position / data.sequences");
 }
 
@@ -128,8 +126,8 @@ shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cf
     int64_t tok = 0;
     get_int(&r, t, "step", 0, INT32_MAX, &c->step);
     get_int(&r, t, "optimizer_step", 0, INT32_MAX, &c->opt_step);
-    get_int(&r, t, "data_position", 0, (double)COUNTER_MAX, &c->position);
-    get_int(&r, t, "tokens", 0, (double)COUNTER_MAX, &tok);
+    get_int(&r, t, "data_position", 0, (double)DATA_COUNTER_MAX, &c->position);
+    get_int(&r, t, "tokens", 0, (double)DATA_COUNTER_MAX, &tok);
     get_range(&r, t, "batch", R_BATCH, &c->batch);
     get_range(&r, t, "microbatches", R_MICRO, &c->micro);
     get_range(&r, t, "seq", R_SEQ, &c->seq);

@@ -97,9 +97,10 @@ shard_status shard_fsync_dir_of(const char *path);
  * interrupted write leaves there is garbage (docs/FORMAT.md, "The commit protocol"). */
 char *shard_staging_path(const char *final_dir);
 /* Whether path can name a command's output, checked before any work: never empty nor
- * a link to nothing, never in a checkpoint's folder (one with smp.json); NEW_DIR (a checkpoint or export, renamed into place when whole):
- * not ".", ".." or "/", nothing there yet (not even a link), in an existing folder;
- * DIR (a run folder, made with its parents): a folder if there, no file on the way;
+ * a link to nothing, never in a checkpoint's folder (one with smp.json); NEW_DIR (a
+ * checkpoint or export, renamed into place when whole): not ".", ".." or "/", nothing
+ * there yet (not even a link), in an existing folder; DIR (a run folder, made with its
+ * parents): a folder if there and not a checkpoint, no file on the way;
  * FILE (a log, appended to; perhaps in the run folder, made later): not a folder if
  * there, no file on the way. SHARD_E_USAGE
  * naming path otherwise (SHARD_E_IO where it cannot be looked at). */

@@ -132,18 +132,27 @@ static const char *parent_of(char *d)
     return d;
 }
 
+/* 1 when folder dir holds a checkpoint's manifest (smp.json, a link too), -1 out of memory */
+static int holds_manifest(const char *dir)
+{
+    char *m = shard_path_join(dir, "smp.json");
+    struct stat st;
+    const int yes = m ? lstat(m, &st) == 0 : -1;
+    free(m);
+    return yes;
+}
+
 /* An output inside a checkpoint's folder is lost with it: smp-train's --keep prunes
  * whole step folders, and a checkpoint is replaced or copied as one folder. */
 static shard_status check_not_in_checkpoint(const char *path, const char *d)
 {
-    char *p = strdup(d), *m = NULL;
+    char *p = strdup(d);
     const char *parent = p ? parent_of(p) : NULL;
-    struct stat st;
-    shard_status s = parent && (m = shard_path_join(parent, "smp.json")) ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (!s && lstat(m, &st) == 0)
+    const int in = parent ? holds_manifest(parent) : -1;
+    shard_status s = in < 0 ? shard_fail(SHARD_E_NOMEM, "out of memory") : SHARD_OK;
+    if (in > 0)
         s = shard_fail(SHARD_E_USAGE, "%s: inside the checkpoint %s (pruning or replacing that checkpoint "
                                       "would delete it): put it beside the checkpoint", path, parent);
-    free(m);
     free(p);
     return s;
 }
@@ -161,6 +170,8 @@ static shard_status check_output(const char *path, char *d, shard_out_kind kind)
             return shard_fail(SHARD_E_USAGE, "%s: already exists (refusing to replace it)", path);
         if (stat(d, &st) != 0) return shard_fail(SHARD_E_USAGE, "%s: a link to nothing", path);
         if (kind == SHARD_OUT_DIR && !S_ISDIR(st.st_mode)) return shard_fail(SHARD_E_USAGE, "%s: not a folder", path);
+        if (kind == SHARD_OUT_DIR && holds_manifest(d) > 0) /* its files would go inside the checkpoint */
+            return shard_fail(SHARD_E_USAGE, "%s: a checkpoint, not a run folder (give a folder of its own)", path);
         if (kind == SHARD_OUT_FILE && S_ISDIR(st.st_mode)) return shard_fail(SHARD_E_USAGE, "%s: a folder, not a file", path);
         return SHARD_OK;
     }
