@@ -6,7 +6,6 @@
 
 #include "init.h"
 
-#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -49,7 +48,7 @@ shard_status convert_open_hf(const char *dir, convert_source *src)
     if (s) { convert_source_close(src); return s; }
     src->d = &src->model;
     src->config = src->text;
-    src->dir = dir;
+    src->dir = src->path = dir;
     return SHARD_OK;
 }
 
@@ -58,6 +57,7 @@ shard_status convert_open_ckpt(const char *dir, convert_source *src)
     memset(src, 0, sizeof *src);
     shard_status s = shard_ckpt_open_any(dir, &src->c);
     if (s) return s;
+    src->path = dir;
     src->d = shard_ckpt_model(src->c);
     src->config = shard_ckpt_config_json(src->c);
     src->config_len = strlen(src->config);
@@ -72,6 +72,7 @@ shard_status convert_open_init(const char *config_path, uint64_t seed, convert_s
     if (s) return s;
     src->d = &src->model;
     src->config = src->text;
+    src->path = config_path;
     src->init = 1;
     src->seed = seed;
     return SHARD_OK;
@@ -91,48 +92,41 @@ void convert_source_close(convert_source *src)
  * converting dtype where asked. */
 typedef struct {
     int fd;
+    const char *path;
     const shard_st_tensor *st;
     const int64_t *gshape;
     int ndim;
 } file_source;
-
-static shard_status read_at(int fd, void *dst, size_t n, uint64_t off)
-{
-    char *d = dst;
-    while (n) {
-        ssize_t r = pread(fd, d, n, (off_t)off);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) return shard_fail(SHARD_E_IO, "read failed: %s", r < 0 ? strerror(errno) : "file shrank");
-        d += r; n -= (size_t)r; off += (uint64_t)r;
-    }
-    return SHARD_OK;
-}
 
 /* The source files of hf2smp, each opened once for the whole conversion. */
 typedef struct {
     const char *dir;
     size_t n;
     const char *names[4096];
+    char *paths[4096]; /* for messages */
     int fds[4096];
 } file_cache;
 
-static shard_status cached_fd(file_cache *fc, const char *name, int *fd)
+static shard_status cached_fd(file_cache *fc, const char *name, int *fd, const char **path)
 {
     for (size_t i = 0; i < fc->n; i++)
-        if (!strcmp(fc->names[i], name)) { *fd = fc->fds[i]; return SHARD_OK; }
+        if (!strcmp(fc->names[i], name)) { *fd = fc->fds[i]; *path = fc->paths[i]; return SHARD_OK; }
     if (fc->n == sizeof fc->fds / sizeof fc->fds[0]) return shard_fail(SHARD_E_UNSUPPORTED, "%s: more than 4096 weight files", fc->dir);
     char *p = join(fc->dir, name);
     if (!p) return nomem();
     uint64_t size;
     shard_status s = shard_open_regular(p, 0, fd, &size);
-    free(p);
-    if (!s) { fc->names[fc->n] = name; fc->fds[fc->n++] = *fd; }
-    return s;
+    if (s) { free(p); return s; }
+    fc->names[fc->n] = name;
+    fc->paths[fc->n] = p;
+    fc->fds[fc->n++] = *fd;
+    *path = p;
+    return SHARD_OK;
 }
 
 static void close_cache(file_cache *fc)
 {
-    for (size_t i = 0; fc && i < fc->n; i++) close(fc->fds[i]);
+    for (size_t i = 0; fc && i < fc->n; i++) { close(fc->fds[i]); free(fc->paths[i]); }
     free(fc);
 }
 
@@ -163,12 +157,13 @@ static shard_status fill_from_file(void *ctx, const shard_box *sub, void *dst, s
         char *out = (char *)dst + (size_t)(r * (uint64_t)rowlen) * des;
         shard_status s;
         if (dt == fs->st->dtype) {
-            s = read_at(fs->fd, out, n * ses, off);
+            s = shard_pread_full(fs->fd, fs->path, out, n * ses, off);
         } else { /* through a small buffer, converting */
             s = SHARD_OK;
             for (size_t done = 0; done < n && !s;) {
                 size_t k = (n - done) * ses < sizeof tmp ? n - done : sizeof tmp / ses;
-                if (!(s = read_at(fs->fd, tmp, k * ses, off + done * ses))) s = shard_convert(out + done * des, dt, tmp, fs->st->dtype, k);
+                s = shard_pread_full(fs->fd, fs->path, tmp, k * ses, off + done * ses);
+                if (!s) s = shard_convert(out + done * des, dt, tmp, fs->st->dtype, k);
                 done += k;
             }
         }
@@ -362,6 +357,41 @@ static shard_status plan(run *r)
     return SHARD_OK;
 }
 
+/* What the source holds: a checkpoint's manifest; a model folder's config.json and
+ * weights (sampled: shard_weights_fingerprint); init's config.json. */
+static shard_status source_fingerprint(const convert_source *src, uint64_t *fp)
+{
+    if (src->c) { *fp = shard_ckpt_fingerprint(src->c); return SHARD_OK; }
+    *fp = shard_hash64(0, src->config, src->config_len);
+    uint64_t w = 0;
+    shard_status s = src->w ? shard_weights_fingerprint(src->w, &w) : SHARD_OK;
+    *fp = shard_hash64(*fp, &w, sizeof w);
+    return s;
+}
+
+/* Every process on the same source and settings as process 0 (shard_agree_check): each
+ * opens the source and parses its flags itself, so a host's other copy of the model
+ * folder or checkpoint, or an MPMD launch with other flags, would write a mix of them. */
+static shard_status agree_inputs(run *r)
+{
+    if (r->procs == 1) return SHARD_OK;
+    const convert_source *src = r->src;
+    uint64_t fp = 0;
+    shard_status s = agree(r, source_fingerprint(src, &fp));
+    if (s) return s;
+    shard_agree_item items[11 + SHARD_MAX_PP] = {
+        {src->c ? SHARD_AGREE_CKPT : SHARD_AGREE_MODEL, src->path, fp}, SHARD_AGREE_LAYOUT(&r->l),
+        {SHARD_AGREE_INT, "--seed", src->seed}, {SHARD_AGREE_DTYPE, "--dtype", (uint64_t)r->o->dtype},
+        {SHARD_AGREE_INT, "--compress (its zstd level)", (uint64_t)r->comp.zstd_level},
+        {SHARD_AGREE_INT, "--compress (1: zstd, 0: zstd:N or none)", (uint64_t)r->comp.planes},
+        {SHARD_AGREE_INT, "--no-fsync", (uint64_t)r->o->no_fsync},
+    };
+    int n = 11;
+    for (int k = 0; k < r->l.pp; k++)
+        items[n++] = (shard_agree_item){SHARD_AGREE_INT, "--stages (a stage's layers)", (uint64_t)r->stages[k]};
+    return shard_agree_check(r->o->world, items, n);
+}
+
 /* The bytes this process writes. */
 static shard_status count_bytes(const run *r, uint64_t *total)
 {
@@ -409,9 +439,9 @@ static shard_status set_source(run *r, const job *jb, shard_h5_piece *x, piece_s
         return SHARD_OK;
     }
     if (src->w) {
-        ps->f = (file_source){-1, shard_weights_find(src->w, t->name), t->shape, t->ndim};
+        ps->f = (file_source){-1, NULL, shard_weights_find(src->w, t->name), t->shape, t->ndim};
         x->fill = fill_from_file;
-        return cached_fd(r->files, jb->src_file, &ps->f.fd);
+        return cached_fd(r->files, jb->src_file, &ps->f.fd, &ps->f.path);
     }
     /* the planner assembles this piece chunk by chunk from the stored ones */
     ps->c = (ckpt_source){src->c, jb->src_index};
@@ -518,7 +548,8 @@ shard_status convert_run(const convert_opts *o, const convert_source *src, int *
         r.procs = shard_comm_size(o->world);
     }
     uint64_t total = 0;
-    shard_status s = plan(&r);
+    shard_status s = agree(&r, plan(&r));
+    if (!s) s = agree_inputs(&r);
     if (!s) s = count_bytes(&r, &total);
     s = begin(&r, s); /* agreed: every process goes on, or none */
     if (!s) {

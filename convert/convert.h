@@ -21,6 +21,7 @@ typedef struct {
  * (reshard), or a config.json and a seed (init). Opened by one of the convert_open_*
  * (not to be copied after: d may point into it), closed by convert_source_close. */
 typedef struct {
+    const char *path;         /* as given: the folder, checkpoint or config.json (messages) */
     const shard_model_desc *d;
     const char *config;       /* config.json's text, as the checkpoint stores it */
     size_t config_len;

@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 char *openblas_get_corename(void); /* OpenBLAS's; not declared in every cblas.h */
@@ -139,6 +140,33 @@ const char *cli_bytes(char buf[32], double b)
     if (k == 0) snprintf(buf, 32, "%.0f B", b);
     else snprintf(buf, 32, b < 10 ? "%.2f %s" : b < 100 ? "%.1f %s" : "%.0f %s", b, u[k]);
     return buf;
+}
+
+static int is_leftover(const char *name, void *base) { return shard_is_staging_name(name, base); }
+
+void cli_note_leftovers(const char *out)
+{
+    char *d = strdup(out);
+    if (!d) return;
+    size_t n = strlen(d);
+    while (n > 1 && d[n - 1] == '/') d[--n] = 0;
+    char *slash = strrchr(d, '/'), *base = slash ? slash + 1 : d;
+    const char *parent = !slash ? "." : slash == d ? "/" : d;
+    if (slash) *slash = 0;
+    char **names = NULL;
+    size_t k = 0;
+    if (*base && !shard_list_dir(parent, is_leftover, base, &names, &k))
+        for (size_t i = 0; i < k; i++) {
+            char p[4096], b[32];
+            struct stat st;
+            snprintf(p, sizeof p, "%s/%s", strcmp(parent, "/") ? parent : "", names[i]);
+            if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode))
+                fprintf(stderr, "%s: note: %s (%s) is left from an earlier write of %s that did not finish; delete it "
+                                "unless that write is still running\n", g_cmd, p, cli_bytes(b, (double)shard_tree_bytes(p)),
+                        out);
+        }
+    shard_free_names(names, k);
+    free(d);
 }
 
 const char *cli_count(char buf[32], unsigned long long n)

@@ -31,6 +31,12 @@ const char *cli_bytes(char buf[32], double bytes);
 /* Thousands separators: "1,234,567" (buf of 32 bytes). */
 const char *cli_count(char buf[32], unsigned long long n);
 
+/* For the commands that write an output folder, before they start: a note for each
+ * staging folder that an earlier write of out left beside it (killed before its commit:
+ * a second Ctrl-C, SIGKILL, a crash), hidden and often a whole checkpoint's size.
+ * Noted, not removed: it may be another process's write still running. */
+void cli_note_leftovers(const char *out);
+
 /* Worker threads by default: the cores, at most 16 (--threads: cli_int, 1..64). */
 int cli_default_threads(void);
 

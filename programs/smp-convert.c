@@ -95,13 +95,14 @@ static int run_command(const args *a, shard_comm *world, int *secondhand)
     shard_status s = a->cmd == INIT ? convert_open_init(a->in, a->seed, &src)
                      : a->cmd == HF2SMP ? convert_open_hf(a->in, &src) : convert_open_ckpt(a->in, &src);
     if (world) s = shard_comm_agree(world, s, "another process failed", secondhand); /* all go on, or none */
+    if (!s && me == 0) cli_note_leftovers(a->o.out);
     progress pg = {.label = "writing"};
     convert_opts o = a->o;
     o.world = world;
     o.progress = (convert_progress){progress_cb_start, progress_cb_add, progress_cb_end, &pg};
     if (!s) s = convert_run(&o, &src, secondhand);
     convert_source_close(&src);
-    if (s) return cli_fail(s);
+    if (s) return s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s); /* a process's other flags */
     if (me == 0)
         fprintf(stderr, "%s: %s written in %.2fs%s\n", cli_name(), o.out, now_seconds() - t0, world ? " (several processes)" : "");
     return 0;

@@ -11,7 +11,6 @@
 #include "launch.h"
 #include "opts.h"
 #include "progress.h"
-#include "agree.h"
 #include "ckptio.h"
 #include "data.h"
 #include "eval.h"
@@ -138,16 +137,17 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (s) OUT(cli_fail(s));
     if ((s = ckptio_open_model(ckpt, &ck, &m, &D))) OUT(cli_fail(s));
     if (par) {
-        /* every rank on the same checkpoint and settings (agree.h), before the first
-         * collective that depends on them */
-        const agree_item items[] = {
-            {AGREE_CKPT, ckpt, shard_ckpt_fingerprint(ck)}, AGREE_LAYOUT(&lay), {AGREE_INT, "--batch", (uint64_t)B},
-            {AGREE_INT, "--seq", (uint64_t)S}, {AGREE_INT, "--batches (-1: all)", (uint64_t)NB},
-            {AGREE_INT, "--documents", val[O_DOCS] != NULL},
-            {AGREE_INT, "--read-together (-1: auto)", (uint64_t)(int64_t)P->read_together},
-            {AGREE_INT, "--share-weights (1: yes)", (uint64_t)P->share_weights},
+        /* every rank on the same checkpoint and settings (shard_agree_check), before the
+         * first collective that depends on them */
+        const shard_agree_item items[] = {
+            {SHARD_AGREE_CKPT, ckpt, shard_ckpt_fingerprint(ck)}, SHARD_AGREE_LAYOUT(&lay),
+            {SHARD_AGREE_INT, "--batch", (uint64_t)B}, {SHARD_AGREE_INT, "--seq", (uint64_t)S},
+            {SHARD_AGREE_INT, "--batches (-1: all)", (uint64_t)NB},
+            {SHARD_AGREE_INT, "--documents", val[O_DOCS] != NULL},
+            {SHARD_AGREE_INT, "--read-together (-1: auto)", (uint64_t)(int64_t)P->read_together},
+            {SHARD_AGREE_INT, "--share-weights (1: yes)", (uint64_t)P->share_weights},
         };
-        if ((s = agree_check(P->world, items, (int)(sizeof items / sizeof items[0]))))
+        if ((s = shard_agree_check(P->world, items, (int)(sizeof items / sizeof items[0]))))
             OUT(s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s));
         int stages[SHARD_MAX_PP];
         if ((s = shard_layout_check(&lay, &m.d))) OUT(cli_usage("--layout: %s", shard_errmsg()));
@@ -158,8 +158,8 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     /* the inputs checked before the weights load */
     if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
     if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));
-    const agree_item tokens[] = {{AGREE_DATA, data, data_fingerprint(&ds)}};
-    if (par && (s = agree_check(P->world, tokens, 1))) OUT(cli_fail(s));
+    const shard_agree_item tokens[] = {{SHARD_AGREE_DATA, data, data_fingerprint(&ds)}};
+    if (par && (s = shard_agree_check(P->world, tokens, 1))) OUT(cli_fail(s));
     if (val[O_DOCS] || val[O_DOC_SEP]) {
         int32_t sep;
         int64_t given = -1;

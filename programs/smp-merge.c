@@ -84,6 +84,7 @@ int main(int argc, char **argv)
     double t0 = now_seconds();
     int nfiles = 0;
     cli_cancel_on_signals();
+    cli_note_leftovers(out);
     shard_status s = merge_run(in, out, &o, &nfiles);
     if (s) return cli_end(cli_fail(s));
     fprintf(stderr, "%s: %s written in %.2fs (%d file%s)\n", cli_name(), out, now_seconds() - t0, nfiles, nfiles == 1 ? "" : "s");

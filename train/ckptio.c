@@ -238,6 +238,34 @@ static void lock_holder(int fd, char *buf, size_t cap)
     if (!buf[0]) snprintf(buf, cap, "another process");
 }
 
+static int is_step_staging(const char *name, void *ctx)
+{
+    (void)ctx;
+    return !strncmp(name, ".tmp-step-", 10) && shard_is_staging_name(name, NULL);
+}
+
+/* The staging folders of saves that never committed (the run killed mid-save: SIGKILL,
+ * a lost node, a job's time limit), each often a whole checkpoint's size and hidden:
+ * only the lock's holder saves step folders here, so while this process holds the lock
+ * they are garbage. Removed, each with a note. */
+static void sweep_staging(const char *run_dir)
+{
+    char **names = NULL;
+    size_t n = 0;
+    if (shard_list_dir(run_dir, is_step_staging, NULL, &names, &n)) return; /* best effort */
+    for (size_t i = 0; i < n; i++) {
+        char *p = join(run_dir, names[i]);
+        struct stat st;
+        if (p && lstat(p, &st) == 0 && S_ISDIR(st.st_mode)) {
+            const double mib = (double)shard_remove_tree(p) / (1 << 20);
+            fprintf(stderr, "smp-train: note: %s: removed, the staging folder of a save that did not finish "
+                            "(%.1f MiB)\n", p, mib);
+        }
+        free(p);
+    }
+    shard_free_names(names, n);
+}
+
 shard_status ckptio_prepare(const char *run_dir, int *lock_fd)
 {
     *lock_fd = -1;
@@ -249,13 +277,14 @@ shard_status ckptio_prepare(const char *run_dir, int *lock_fd)
     int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK, 0644);
     struct stat st;
     shard_status s = SHARD_OK;
+    int locked = 0;
     if (fd < 0 && errno == ELOOP)
         s = shard_fail(SHARD_E_INVALID, "%s: the run folder's lock is a symbolic link (refused)", path);
     else if (fd < 0 || fstat(fd, &st) != 0)
         s = shard_fail(SHARD_E_IO, "%s: cannot open the run folder's lock: %s", path, strerror(errno));
     else if (!S_ISREG(st.st_mode))
         s = shard_fail(SHARD_E_INVALID, "%s: the run folder's lock is not a regular file", path);
-    else if (flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+    else if (!(locked = flock(fd, LOCK_EX | LOCK_NB) == 0) && errno == EWOULDBLOCK) {
         char who[128];
         lock_holder(fd, who, sizeof who);
         s = shard_fail(SHARD_E_USAGE, "%s: another smp-train is saving into this run folder (%s)", run_dir, who);
@@ -266,6 +295,7 @@ shard_status ckptio_prepare(const char *run_dir, int *lock_fd)
         if (ftruncate(fd, 0) == 0) (void)!pwrite(fd, who, (size_t)n, 0); /* a hint for the message above */
         *lock_fd = fd;
         fd = -1;
+        if (locked) sweep_staging(run_dir); /* without flock another run may be saving */
     }
     if (fd >= 0) close(fd);
     free(path);
@@ -351,6 +381,19 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
     s = agree(p, s);
     free(final_dir);
     return s;
+}
+
+void ckptio_follow(const char *run_dir, long long step, shard_ckpt **carry)
+{
+    char name[64];
+    snprintf(name, sizeof name, "step-%06lld", step);
+    char *dir = join(run_dir, name);
+    shard_ckpt *c = NULL;
+    if (dir && !shard_ckpt_open(dir, &c)) {
+        shard_ckpt_close(*carry);
+        *carry = c;
+    } /* else (it was just committed): the one before stays */
+    free(dir);
 }
 
 static int step_of(const char *name, long long *step)

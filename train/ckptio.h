@@ -60,7 +60,9 @@ typedef struct {
 /* Create the run folder (and its parents) if needed and hold its lock (run_dir/.lock,
  * flock: released when *lock_fd is closed or the process ends, however it ends): a
  * second smp-train saving into the same folder (a job started twice) is refused,
- * naming the process that holds it. A file system without flock: no lock. */
+ * naming the process that holds it. A file system without flock: no lock. Once it is
+ * held, the staging folders of saves that never committed (.tmp-step-*: the run was
+ * killed mid-save) are removed, each with a note. */
 shard_status ckptio_prepare(const char *run_dir, int *lock_fd);
 /* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it, from every rank
  * of p at once (collective over p->world; one rank: p->size 1): rank 0 creates the
@@ -70,6 +72,10 @@ shard_status ckptio_prepare(const char *run_dir, int *lock_fd);
  * extra/ files by rank 0); all agree; rank 0 commits and replaces latest. Every rank
  * returns the same status. */
 shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p);
+/* After a save (rank 0): *carry (closed, when not NULL) becomes the checkpoint of step
+ * just written in run_dir, whose extra/ files the next save carries: the checkpoint the
+ * run loaded may be gone by then (--keep prunes it; a user's clean-up script too). */
+void ckptio_follow(const char *run_dir, long long step, shard_ckpt **carry);
 /* Remove all but the newest `keep` step-NNNNNN folders of run_dir (keep 0: none
  * removed). Failures are reported as warnings only. */
 void ckptio_prune(const char *run_dir, int keep);

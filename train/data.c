@@ -1,7 +1,6 @@
 /* train/data.c: llm.c token files and the global order of sequences (data.h). */
 #include "data.h"
 
-#include <errno.h>
 #include <fcntl.h>
 #include <glob.h>
 #include <stdio.h>
@@ -64,20 +63,6 @@ static int32_t rd32(const uint8_t *p)
     return (int32_t)((uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24);
 }
 
-/* n bytes at off of fd (the file at path), all of them (a file that shrank since it
- * was opened: an error) */
-static shard_status read_at(int fd, const char *path, void *buf, size_t n, uint64_t off)
-{
-    for (size_t done = 0; done < n;) {
-        ssize_t r = pread(fd, (char *)buf + done, n - done, (off_t)(off + done));
-        if (r < 0 && errno == EINTR) continue;
-        if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno));
-        if (r == 0) return shard_fail(SHARD_E_IO, "%s: shorter than when it was opened (changed while in use)", path);
-        done += (size_t)r;
-    }
-    return SHARD_OK;
-}
-
 /* the header's magic, version and count of a file of size bytes (what: its kind) */
 static shard_status read_header(int fd, const char *path, uint64_t size, const char *what, int32_t h[3])
 {
@@ -85,7 +70,7 @@ static shard_status read_header(int fd, const char *path, uint64_t size, const c
         return shard_fail(SHARD_E_INVALID, "%s: %llu bytes: too short for the 1024-byte header of %s", path,
                           (unsigned long long)size, what);
     uint8_t b[12];
-    shard_status s = read_at(fd, path, b, sizeof b, 0);
+    shard_status s = shard_pread_full(fd, path, b, sizeof b, 0);
     if (s) return s;
     for (int k = 0; k < 3; k++) h[k] = rd32(b + 4 * k);
     return SHARD_OK;
@@ -142,7 +127,8 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
     for (uint64_t i = 0; i < f->ntokens && !s; i += block) {
         size_t n = f->ntokens - i < block ? (size_t)(f->ntokens - i) : block;
-        if (!(s = read_at(f->fd, f->path, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size))) s = check_tokens(f, buf, i, n);
+        s = shard_pread_full(f->fd, f->path, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size);
+        if (!s) s = check_tokens(f, buf, i, n);
         f->hash = shard_hash64(f->hash, buf, n * (size_t)f->token_size);
     }
     free(buf);
@@ -218,7 +204,7 @@ static shard_status check_mask(const data_file *f, const uint8_t *m, uint64_t i0
 
 static shard_status read_mask_at(const data_file *f, uint8_t *buf, size_t n, uint64_t i0)
 {
-    shard_status s = read_at(f->mfd, f->mpath, buf, n, 1024 + i0);
+    shard_status s = shard_pread_full(f->mfd, f->mpath, buf, n, 1024 + i0);
     return s ? s : check_mask(f, buf, i0, n);
 }
 
@@ -334,7 +320,7 @@ static shard_status fill_seq(data_set *ds, uint64_t seq, int32_t *in, int32_t *t
     const size_t n = (size_t)ds->S + 1, ts = (size_t)f->token_size;
     if (!ds->buf && !(ds->buf = malloc(n * 5))) return shard_fail(SHARD_E_NOMEM, "out of memory"); /* tokens, mask */
     uint8_t *mask = ds->buf + n * 4;
-    shard_status s = read_at(f->fd, f->path, ds->buf, n * ts, 1024 + start * ts);
+    shard_status s = shard_pread_full(f->fd, f->path, ds->buf, n * ts, 1024 + start * ts);
     if (!s) s = check_tokens(f, ds->buf, start, n); /* the file may have changed since it was opened */
     if (!s && f->mpath) s = read_mask_at(f, mask, n, start);
     for (int t = 0; t < ds->S && !s; t++) {

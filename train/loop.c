@@ -8,7 +8,6 @@
 #include <string.h>
 #include <unistd.h>
 
-#include "agree.h"
 #include "ckptio.h"
 #include "eval.h"
 #include "fp8.h"
@@ -75,39 +74,47 @@ shard_status loop_agree(train_run *r)
 {
     const run_cfg *c = &r->c;
     const loop_args *a = r->a;
-    const agree_item items[] = {
-        {AGREE_CKPT, a->ckpt, shard_ckpt_fingerprint(r->ck)},
-        AGREE_LAYOUT(&a->layout), {AGREE_INT, "--steps", (uint64_t)c->steps},
-        {AGREE_INT, "--batch", (uint64_t)c->batch}, {AGREE_INT, "--microbatches", (uint64_t)c->micro},
-        {AGREE_INT, "--seq", (uint64_t)c->seq}, {AGREE_INT, "--warmup", (uint64_t)c->warmup},
-        {AGREE_INT, "--schedule (1: cosine)", (uint64_t)c->cosine}, {AGREE_INT, "--seed (-1: none)", c->shuffle ? c->seed : UINT64_MAX},
-        {AGREE_INT, "--max-bad", (uint64_t)c->max_bad}, {AGREE_INT, "--fp8 (0 off, 1 delayed, 2 current)", (uint64_t)c->fp8},
-        {AGREE_INT, "--fp8-history", (uint64_t)c->fp8_hist}, {AGREE_INT, "--save-every", (uint64_t)c->save_every},
-        {AGREE_INT, "--keep", (uint64_t)c->keep}, {AGREE_INT, "--val-every", (uint64_t)c->val_every},
-        {AGREE_INT, "--val-batches", (uint64_t)c->val_batches}, {AGREE_INT, "--stop-at", (uint64_t)c->stop_at},
-        {AGREE_INT, "--documents", (uint64_t)a->documents}, {AGREE_INT, "--doc-sep", (uint64_t)a->doc_sep},
-        {AGREE_INT, "--sequence-parallel", (uint64_t)a->seqpar}, {AGREE_INT, "--recompute (0: none)", (uint64_t)a->recompute},
-        {AGREE_INT, "--dtype (1: bf16)", (uint64_t)(a->dtype == SHARD_DT_BF16)},
-        {AGREE_INT, "--dump-grads (1: given)", (uint64_t)(a->dump_grads != NULL)},
-        {AGREE_INT, "--backend (1: cuda)", (uint64_t)!strcmp(a->backend, "cuda")},
-        {AGREE_INT, "--read-together (-1: auto)", (uint64_t)(int64_t)r->P->read_together},
-        agree_float("--lr", c->lr), agree_float("--lr-min", c->lr_min), agree_float("--clip", c->clip),
-        agree_float("--weight-decay", c->wd), agree_float("--beta1", c->beta1), agree_float("--beta2", c->beta2),
-        agree_float("--eps", c->eps), agree_float("--fp8-margin", c->fp8_margin),
+    const shard_agree_item items[] = {
+        {SHARD_AGREE_CKPT, a->ckpt, shard_ckpt_fingerprint(r->ck)}, SHARD_AGREE_LAYOUT(&a->layout),
+        {SHARD_AGREE_INT, "--steps", (uint64_t)c->steps}, {SHARD_AGREE_INT, "--batch", (uint64_t)c->batch},
+        {SHARD_AGREE_INT, "--microbatches", (uint64_t)c->micro}, {SHARD_AGREE_INT, "--seq", (uint64_t)c->seq},
+        {SHARD_AGREE_INT, "--warmup", (uint64_t)c->warmup},
+        {SHARD_AGREE_INT, "--schedule (1: cosine)", (uint64_t)c->cosine},
+        {SHARD_AGREE_INT, "--seed (-1: none)", c->shuffle ? c->seed : UINT64_MAX},
+        {SHARD_AGREE_INT, "--max-bad", (uint64_t)c->max_bad},
+        {SHARD_AGREE_INT, "--fp8 (0 off, 1 delayed, 2 current)", (uint64_t)c->fp8},
+        {SHARD_AGREE_INT, "--fp8-history", (uint64_t)c->fp8_hist},
+        {SHARD_AGREE_INT, "--save-every", (uint64_t)c->save_every}, {SHARD_AGREE_INT, "--keep", (uint64_t)c->keep},
+        {SHARD_AGREE_INT, "--val-every", (uint64_t)c->val_every},
+        {SHARD_AGREE_INT, "--val-batches", (uint64_t)c->val_batches},
+        {SHARD_AGREE_INT, "--stop-at", (uint64_t)c->stop_at},
+        {SHARD_AGREE_INT, "--documents", (uint64_t)a->documents},
+        {SHARD_AGREE_INT, "--doc-sep", (uint64_t)a->doc_sep},
+        {SHARD_AGREE_INT, "--sequence-parallel", (uint64_t)a->seqpar},
+        {SHARD_AGREE_INT, "--recompute (0: none)", (uint64_t)a->recompute},
+        {SHARD_AGREE_DTYPE, "--dtype", (uint64_t)a->dtype},
+        {SHARD_AGREE_INT, "--dump-grads (1: given)", (uint64_t)(a->dump_grads != NULL)},
+        {SHARD_AGREE_INT, "--backend (1: cuda)", (uint64_t)!strcmp(a->backend, "cuda")},
+        {SHARD_AGREE_INT, "--read-together (-1: auto)", (uint64_t)(int64_t)r->P->read_together},
+        shard_agree_float("--lr", c->lr), shard_agree_float("--lr-min", c->lr_min),
+        shard_agree_float("--clip", c->clip), shard_agree_float("--weight-decay", c->wd),
+        shard_agree_float("--beta1", c->beta1), shard_agree_float("--beta2", c->beta2),
+        shard_agree_float("--eps", c->eps), shard_agree_float("--fp8-margin", c->fp8_margin),
     };
-    return agree_check(r->P->world, items, (int)(sizeof items / sizeof items[0]));
+    return shard_agree_check(r->P->world, items, (int)(sizeof items / sizeof items[0]));
 }
 
-/* the token files and the layers of each pipeline stage against rank 0's (agree.h) */
+/* the token files and the layers of each pipeline stage against rank 0's (shard_agree_check) */
 static shard_status agree_data_and_stages(train_run *r, const int *stages)
 {
-    agree_item items[2 + SHARD_MAX_PP] = {
-        {AGREE_DATA, r->a->data, data_fingerprint(&r->ds)},
-        {AGREE_DATA, r->a->val_data ? r->a->val_data : "--val-data", r->vs.nfiles ? data_fingerprint(&r->vs) : 0},
+    shard_agree_item items[2 + SHARD_MAX_PP] = {
+        {SHARD_AGREE_DATA, r->a->data, data_fingerprint(&r->ds)},
+        {SHARD_AGREE_DATA, r->a->val_data ? r->a->val_data : "--val-data", r->vs.nfiles ? data_fingerprint(&r->vs) : 0},
     };
     const int pp = r->a->layout.pp; /* agreed before (loop_agree) */
-    for (int k = 0; k < pp; k++) items[2 + k] = (agree_item){AGREE_INT, "--stages (a stage's layers)", (uint64_t)stages[k]};
-    shard_status s = agree_check(r->P->world, items, 2 + pp);
+    for (int k = 0; k < pp; k++)
+        items[2 + k] = (shard_agree_item){SHARD_AGREE_INT, "--stages (a stage's layers)", (uint64_t)stages[k]};
+    shard_status s = shard_agree_check(r->P->world, items, 2 + pp);
     r->usage = s == SHARD_E_USAGE;
     return s;
 }
@@ -257,6 +264,7 @@ void loop_close(train_run *r)
     par_release(r->P);
     dev_close(&r->D);
     shard_ckpt_close(r->ck);
+    shard_ckpt_close(r->carry);
 }
 
 /* ---------------------------------------------------------------- a step */
@@ -479,7 +487,8 @@ static shard_status save(train_run *r)
     char *tj = runcfg_state_json(c, &r->ds, r->m.fp8, c->elapsed_before + (r->a->now() - r->t_start));
     if (!tj) return shard_fail(SHARD_E_NOMEM, "out of memory");
     const char *cfg = shard_ckpt_config_json(r->ck);
-    const ckptio_save_args sa = {r->a->save_dir, c->step, cfg, strlen(cfg), r->ck, r->pdt, r->a->compress, tj};
+    const shard_ckpt *extras = r->carry ? r->carry : r->ck;
+    const ckptio_save_args sa = {r->a->save_dir, c->step, cfg, strlen(cfg), extras, r->pdt, r->a->compress, tj};
     model_params_download(&r->m); /* the host copies that the checkpoint writes (CUDA) */
     optim_download(&r->opt);
     shard_status s = dev_status(&r->D);
@@ -490,7 +499,10 @@ static shard_status save(train_run *r)
     free(tj);
     if (s) return s;
     r->saved_step = c->step;
-    if (r->P->rank == 0) ckptio_prune(r->a->save_dir, (int)c->keep);
+    if (r->P->rank == 0) {
+        ckptio_follow(r->a->save_dir, c->step, &r->carry);
+        ckptio_prune(r->a->save_dir, (int)c->keep);
+    }
     return SHARD_OK;
 }
 

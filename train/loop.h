@@ -72,6 +72,8 @@ typedef struct {
     /* what the run holds (loop_close releases it) */
     dev D;
     shard_ckpt *ck;
+    shard_ckpt *carry;             /* rank 0, once it has saved: the newest checkpoint saved
+                                    * (ckptio_follow), whose extra/ files the next save carries */
     model m;
     lanes ln;                      /* the microbatch's lanes (m and those over its parameters) */
     optim opt;
@@ -93,7 +95,7 @@ typedef enum { LOOP_DONE, LOOP_STOPPED, LOOP_BAD } loop_end;
 /* r is zeroed first; a is kept (it must outlive r). */
 shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a);
 /* The checkpoint (its fingerprint) and the settings of every rank against rank 0's
- * (agree.h), before anything that depends on them: a rank with another checkpoint
+ * (shard_agree_check), before anything that depends on them: a rank with another checkpoint
  * could otherwise find its run over and end while the others wait for it. The token
  * files are compared in loop_load, once read. SHARD_E_USAGE for a setting. */
 shard_status loop_agree(train_run *r);

@@ -478,8 +478,11 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     return s;
 }
 
-void shard_remove_tree(const char *p)
+/* The bytes of the files under p (links not followed); with remove, each removed (and
+ * the folders, emptied, after them). */
+static uint64_t walk_tree(const char *p, int remove)
 {
+    uint64_t bytes = 0;
     DIR *d = opendir(p);
     if (d) {
         struct dirent *e;
@@ -487,14 +490,21 @@ void shard_remove_tree(const char *p)
             if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
             char *c = shard_path_join(p, e->d_name);
             struct stat st;
-            if (lstat(c, &st) == 0 && S_ISDIR(st.st_mode)) shard_remove_tree(c);
-            else unlink(c);
+            if (c && lstat(c, &st) == 0) {
+                if (S_ISDIR(st.st_mode)) bytes += walk_tree(c, remove);
+                else bytes += S_ISREG(st.st_mode) ? (uint64_t)st.st_size : 0;
+                if (remove && !S_ISDIR(st.st_mode)) unlink(c);
+            }
             free(c);
         }
         closedir(d);
     }
-    rmdir(p);
+    if (remove) rmdir(p);
+    return bytes;
 }
+
+uint64_t shard_remove_tree(const char *p) { return walk_tree(p, 1); }
+uint64_t shard_tree_bytes(const char *p) { return walk_tree(p, 0); }
 
 void shard_ckpt_abort(shard_ckpt_writer *w)
 {

@@ -80,6 +80,9 @@ typedef struct {
  * so is a symbolic link (a file inside a checkpoint must not point outside it); a
  * missing file is SHARD_E_INVALID too. *size: its size. */
 shard_status shard_open_regular(const char *path, int nofollow, int *fd, uint64_t *size);
+/* n bytes at off of fd (the file at path), all of them: a file that has become shorter
+ * since it was opened (changed while in use) is SHARD_E_IO naming path, as is a read error. */
+shard_status shard_pread_full(int fd, const char *path, void *buf, size_t n, uint64_t off);
 /* Read a whole file (at most max_bytes) into a fresh NUL-terminated buffer; a regular
  * file only (shard_open_regular); _in: with nofollow (a file of a checkpoint or run
  * folder, which must not be a link). */
@@ -96,6 +99,9 @@ shard_status shard_fsync_dir_of(const char *path);
  * "<parent>/.tmp-<name>-<pid>-<time>" (malloc'd; NULL when out of memory). What an
  * interrupted write leaves there is garbage (docs/FORMAT.md, "The commit protocol"). */
 char *shard_staging_path(const char *final_dir);
+/* 1 when entry (a name in a folder) has the form of the staging folder of a write of
+ * name into that folder (".tmp-<name>-<pid>-<time>"); name NULL: of any name. */
+int shard_is_staging_name(const char *entry, const char *name);
 /* Whether path can name a command's output, checked before any work: never empty nor
  * a link to nothing, never in a checkpoint's folder (one with smp.json); NEW_DIR (a
  * checkpoint or export, renamed into place when whole): not ".", ".." or "/", nothing
@@ -106,8 +112,10 @@ char *shard_staging_path(const char *final_dir);
  * naming path otherwise (SHARD_E_IO where it cannot be looked at). */
 typedef enum { SHARD_OUT_NEW_DIR, SHARD_OUT_DIR, SHARD_OUT_FILE } shard_out_kind;
 shard_status shard_check_output(const char *path, shard_out_kind kind);
-/* Remove a folder and everything under it (best effort; for staging folders). */
-void shard_remove_tree(const char *path);
+/* Remove a folder and everything under it (best effort; for staging folders): the
+ * bytes of the files removed. tree_bytes: the same count, nothing removed. */
+uint64_t shard_remove_tree(const char *path);
+uint64_t shard_tree_bytes(const char *path);
 /* The names in folder dir that keep(name, ctx) accepts ("." and ".." never), sorted;
  * free them with shard_free_names. A folder that cannot be opened is SHARD_E_IO. */
 shard_status shard_list_dir(const char *dir, int (*keep)(const char *name, void *ctx), void *ctx, char ***names,
@@ -242,6 +250,11 @@ const char *shard_weights_file_of(const shard_weights *w, size_t i);
 size_t shard_weights_file_count(const shard_weights *w);
 const shard_st_file *shard_weights_file_at(const shard_weights *w, size_t i);
 int shard_weights_indexed(const shard_weights *w); /* 1 when an index was used */
+/* A fingerprint of the weights (for shard_agree_check): per tensor, by name, its name,
+ * dtype and shape and its first and last 4 KiB (a smaller one whole), read from the
+ * files. Copies of one model agree however they are split into files; another revision
+ * or a fine-tune of the same shapes differs in the bytes sampled. */
+shard_status shard_weights_fingerprint(const shard_weights *w, uint64_t *out);
 
 /* ---------------------------------------------------------------- HF config */
 #define SHARD_NAME_MAX 256
@@ -702,6 +715,38 @@ shard_status shard_comm_barrier(shard_comm *c);
  * and *theirs (may be NULL) set to 1; else SHARD_OK. A failing collective is this
  * rank's own failure (SHARD_E_IO). One rank: mine. */
 shard_status shard_comm_agree(shard_comm *c, shard_status mine, const char *others, int *theirs);
+/* What the processes of one run must hold alike, compared once before the work: each
+ * opens its inputs and parses its flags itself, so on a cluster a host's stale copy
+ * (of a checkpoint, a model folder, a token file) or an MPMD launch with other flags
+ * would otherwise produce, silently, a mix of them (or hang in the first collective of
+ * a layout the others do not share). */
+typedef enum {
+    SHARD_AGREE_CKPT,  /* a checkpoint's fingerprint (shard_ckpt_fingerprint) */
+    SHARD_AGREE_MODEL, /* a model folder's (shard_weights_fingerprint) */
+    SHARD_AGREE_DATA,  /* token files' */
+    SHARD_AGREE_INT,   /* a setting: an integer */
+    SHARD_AGREE_FLOAT, /* a setting: a float's bits */
+    SHARD_AGREE_DTYPE, /* a setting: a shard_dtype (SHARD_DT_INVALID: not given) */
+} shard_agree_kind;
+
+typedef struct {
+    shard_agree_kind kind;
+    const char *name; /* the path (checkpoint, folder, token files), the flag (--seq) */
+    uint64_t v;
+} shard_agree_item;
+
+shard_agree_item shard_agree_float(const char *name, float x);
+/* the items of a layout, inside an array's initializer */
+#define SHARD_AGREE_LAYOUT(l)                                                                                   \
+    {SHARD_AGREE_INT, "--layout's pp", (uint64_t)(l)->pp}, {SHARD_AGREE_INT, "--layout's tp", (uint64_t)(l)->tp}, \
+        {SHARD_AGREE_INT, "--layout's cp", (uint64_t)(l)->cp},                                                  \
+        {SHARD_AGREE_INT, "--layout's dp", (uint64_t)(l)->dp}, {SHARD_AGREE_INT, "--layout's ep", (uint64_t)(l)->ep}
+
+/* items[n] (the same names in the same order on every rank) against rank 0's, over c
+ * (collective; every rank reaches it, or the run has ended): the first item and rank
+ * that differ, as one failure every rank returns alike (SHARD_E_INVALID for an input,
+ * SHARD_E_USAGE for a setting), naming both ranks' values. One rank: SHARD_OK. */
+shard_status shard_agree_check(shard_comm *c, const shard_agree_item *items, int n);
 /* Bytes this rank has sent through c (reset with shard_comm_reset_bytes). */
 uint64_t shard_comm_bytes(const shard_comm *c);
 void shard_comm_reset_bytes(shard_comm *c);

@@ -72,6 +72,18 @@ shard_status shard_read_file_in(const char *path, size_t max_bytes, int nofollow
     return SHARD_OK;
 }
 
+shard_status shard_pread_full(int fd, const char *path, void *buf, size_t n, uint64_t off)
+{
+    for (size_t done = 0; done < n;) {
+        ssize_t r = pread(fd, (char *)buf + done, n - done, (off_t)(off + done));
+        if (r < 0 && errno == EINTR) continue;
+        if (r < 0) return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, strerror(errno));
+        if (r == 0) return shard_fail(SHARD_E_IO, "%s: shorter than when it was opened (changed while in use)", path);
+        done += (size_t)r;
+    }
+    return SHARD_OK;
+}
+
 shard_status shard_json_parse(const char *text, size_t len, const char *path, json_t **out)
 {
     json_error_t err;
@@ -211,6 +223,33 @@ char *shard_staging_path(const char *final_dir)
     }
     free(d);
     return out;
+}
+
+/* s: digits, a '-', digits, and nothing else */
+static int pid_and_time(const char *s)
+{
+    const char *d = s;
+    while (*d >= '0' && *d <= '9') d++;
+    if (d == s || *d++ != '-') return 0;
+    const char *t = d;
+    while (*d >= '0' && *d <= '9') d++;
+    return d > t && !*d;
+}
+
+int shard_is_staging_name(const char *entry, const char *name)
+{
+    if (strncmp(entry, ".tmp-", 5)) return 0;
+    entry += 5;
+    if (name) {
+        const size_t n = strlen(name);
+        return !strncmp(entry, name, n) && entry[n] == '-' && pid_and_time(entry + n + 1);
+    }
+    /* any name: the last two dash-separated fields are the pid and the time */
+    const char *last = strrchr(entry, '-');
+    if (!last) return 0;
+    const char *dash = last;
+    while (dash > entry && dash[-1] != '-') dash--;
+    return dash > entry + 1 && pid_and_time(dash);
 }
 
 shard_status shard_fsync_dir_of(const char *path)

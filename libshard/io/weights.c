@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #define INDEX_MAX_BYTES (64u << 20)
 
@@ -183,4 +184,46 @@ const shard_st_tensor *shard_weights_find(const shard_weights *w, const char *na
         if (c < 0) lo = mid + 1; else hi = mid;
     }
     return NULL;
+}
+
+#define FP_SAMPLE 4096u
+
+/* tensor t's first and last FP_SAMPLE bytes (t whole when smaller) into buf */
+static shard_status sample(int fd, const char *path, const shard_st_tensor *t, uint8_t *buf, size_t *n)
+{
+    const uint64_t head = t->nbytes < FP_SAMPLE ? t->nbytes : FP_SAMPLE;
+    const uint64_t tail = t->nbytes - head < FP_SAMPLE ? t->nbytes - head : FP_SAMPLE;
+    shard_status s = shard_pread_full(fd, path, buf, (size_t)head, t->file_offset);
+    if (!s) s = shard_pread_full(fd, path, buf + head, (size_t)tail, t->file_offset + t->nbytes - tail);
+    *n = (size_t)(head + tail);
+    return s;
+}
+
+shard_status shard_weights_fingerprint(const shard_weights *w, uint64_t *out)
+{
+    int *fds = malloc((w->nfiles ? w->nfiles : 1) * sizeof *fds);
+    uint8_t *buf = malloc(2 * FP_SAMPLE);
+    shard_status s = fds && buf ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; fds && i < w->nfiles; i++) fds[i] = -1;
+    uint64_t h = 0;
+    for (size_t i = 0; !s && i < w->n; i++) {
+        const shard_st_tensor *t = w->e[i].t;
+        const char *path = shard_st_path(w->files[w->e[i].file]);
+        int *fd = &fds[w->e[i].file];
+        const int32_t meta[2] = {(int32_t)t->dtype, t->ndim};
+        uint64_t size;
+        size_t n;
+        h = shard_hash64(h, t->name, strlen(t->name) + 1);
+        h = shard_hash64(h, meta, sizeof meta);
+        h = shard_hash64(h, t->shape, (size_t)t->ndim * sizeof *t->shape);
+        if (*fd < 0) s = shard_open_regular(path, 0, fd, &size);
+        if (!s) s = sample(*fd, path, t, buf, &n);
+        if (!s) h = shard_hash64(h, buf, n);
+    }
+    for (size_t i = 0; fds && i < w->nfiles; i++)
+        if (fds[i] >= 0) close(fds[i]);
+    free(fds);
+    free(buf);
+    *out = h;
+    return s;
 }

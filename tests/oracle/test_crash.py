@@ -155,11 +155,48 @@ def test_kill_at_random_instants(setup, what):
     stale = [e for e in os.listdir(work) if ".tmp-" in e and "stale" in e]
     assert stale and not os.path.lexists(out), os.listdir(work)
     # ... and it does not stand in the way of a new, uninterrupted run into that name
-    # (without compression, to save time: the pieces' xxh64 are of the raw data)
-    timed(cmd_line(what, root, out, compress="none"))
-    assert os.path.isdir(out)
+    # (without compression, to save time: the pieces' xxh64 are of the raw data), which
+    # names it (hidden, and as large as what was written before the kill)
+    p = subprocess.run(cmd_line(what, root, out, compress="none"), capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stderr
+    cmd = "smp-merge" if what.startswith("merge") else "smp-convert"
+    notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
+    assert len(notes) == 1 and notes[0].startswith(f"{cmd}: note: {work / stale[0]} (") and notes[0].endswith(
+        f") is left from an earlier write of {out} that did not finish; delete it unless that write is still "
+        "running"), p.stderr
+    assert os.path.isdir(out) and os.path.isdir(work / stale[0])  # noted, not removed
     assert not check_whole(what, out, expect, "the run after the trials")
     # and the checkpoint that the killed readers were reading is untouched
     if not what.startswith("hf2smp"):
         p = run("smp-verify", root / "ck-ref")
         assert p.returncode == 0, p.stderr
+
+
+def test_training_killed_mid_save_leaves_no_staging_after_resume(tmp_path):
+    """smp-train killed while saving (SIGKILL, a lost node, a job's time limit) leaves the
+    hidden staging folder of that save, a whole checkpoint's size; the resumed run, which
+    holds the run folder's lock, removes it with a note."""
+    from test_train import make_ckpt, vocab_of, write_tokens
+    _, ck = make_ckpt(tmp_path, "llama-gqa-f32", sharp=False)
+    data = write_tokens(tmp_path / "a.bin", np.random.default_rng(1).integers(0, vocab_of("llama-gqa-f32"), 4000))
+    out = tmp_path / "run"
+    argv = [str(BUILD / "bin" / "smp-train"), "--data", str(data), "--save-dir", str(out), "--steps", "400",
+            "--batch", "4", "--seq", "16", "--save-every", "1", "--keep", "2"]
+    p = subprocess.Popen([*argv, "--ckpt", str(ck)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    staging = lambda: [e for e in os.listdir(out) if e.startswith(".tmp-step-")] if out.is_dir() else []  # noqa: E731
+    t0 = time.monotonic()
+    while p.poll() is None and time.monotonic() - t0 < 120:
+        if (out / "latest").exists() and staging():  # a save after the first one, in flight
+            os.kill(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.0005)
+    p.wait(timeout=60)
+    assert p.returncode == -signal.SIGKILL, f"smp-train ended before a save was seen in flight ({p.returncode})"
+    left = staging()
+    assert len(left) == 1, os.listdir(out)
+    r = subprocess.run([*argv, "--ckpt", str(out)], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    notes = [ln for ln in r.stderr.splitlines() if "staging" in ln]
+    assert len(notes) == 1 and notes[0].startswith(f"smp-train: note: {out / left[0]}: removed, the staging folder of "
+                                                   "a save that did not finish ("), r.stderr
+    assert not staging() and (out / "latest").read_text().strip() == "step-000400"

@@ -6,6 +6,7 @@ the run was already over ended at once while the others waited for it forever. H
 MPMD launch (`mpirun -np 1 A : -np 1 B`) gives rank 1 other inputs than rank 0: the run
 is refused in one line, before anything is written, and identical copies by other paths
 are accepted."""
+import json
 import os
 import shutil
 import subprocess
@@ -113,3 +114,62 @@ def test_eval_ranks_agree_on_their_inputs(inputs, what):
     code, line = refusal("smp-eval", what, a, ck, {"batches": "rank 1 runs with --batches (-1: all) 2, rank 0 with -1",
                                                    "share": "rank 1 runs with --share-weights (1: yes) 0, rank 0 with 1"}.get(what))
     assert p.returncode == code and errors(p) == [line], p.stderr
+
+
+# smp-convert under mpirun: each process opens the source and parses its flags itself,
+# and the output ranks are split over the processes; a host with another copy of the
+# model folder (another revision, a fine-tune under the same name) or of the checkpoint
+# wrote, silently, a checkpoint whose pieces came from two models.
+CONV = "llama-sharded"
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    import torch
+    import models
+    tmp = tmp_path_factory.mktemp("agree-convert")
+    m = models.make(CONV, tmp / "hf")
+    m.save_pretrained(str(tmp / "resplit"), safe_serialization=True, max_shard_size="200KB")  # the same weights
+    with torch.no_grad():  # a fine-tune: every weight moved a little, the shapes and config the same
+        for p in m.parameters():
+            p.add_(torch.randn_like(p) * 1e-3)
+    m.save_pretrained(str(tmp / "tuned"), safe_serialization=True, max_shard_size="60KB")
+    for name, hf in (("ck", "hf"), ("ck-tuned", "tuned")):
+        run("smp-convert", "hf2smp", "--in", tmp / hf, "--out", tmp / name, "--layout", "tp=2")
+    shutil.copytree(tmp / "ck", tmp / "ck-copy")
+    return tmp
+
+
+CONVERT = ["--layout", "pp=2,tp=2", "--stages", "3,1"]
+
+
+@pytest.mark.parametrize("what", ["model", "layout", "stages", "compress", "dtype", "resplit", "ckpt", "ckpt-same"])
+def test_convert_processes_agree_on_their_inputs(sources, tmp_path, what):
+    tmp = sources
+    out = tmp_path / "out"
+    sub, src = ("reshard", tmp / "ck") if what.startswith("ckpt") else ("hf2smp", tmp / "hf")
+    rank0 = [sub, "--in", src, "--out", out, *CONVERT]
+    other = {"model": ["--in", tmp / "tuned"], "layout": ["--layout", "pp=2,tp=1"], "stages": ["--stages", "1,3"],
+             "compress": ["--compress", "none"], "dtype": ["--dtype", "bf16"], "resplit": ["--in", tmp / "resplit"],
+             "ckpt": ["--in", tmp / "ck-tuned"], "ckpt-same": ["--in", tmp / "ck-copy"]}[what]
+    p = mpmd("smp-convert", rank0, rank0[:1] + [*rank0[1:], *other], timeout=180)  # the last flag given wins
+    if what in ("resplit", "ckpt-same"):  # copies of the same source by other paths (and other files)
+        assert p.returncode == 0, p.stderr
+        run("smp-convert", sub, "--in", src, "--out", tmp_path / "one", *CONVERT)
+        a, b = (json.loads((d / "smp.json").read_text())["tensors"] for d in (out, tmp_path / "one"))
+        assert a == b  # the same pieces with the same checksums
+        return
+    if what in ("model", "ckpt"):
+        kind = ("read different model folders (their config.json or weights differ: another copy on a host); every "
+                "rank must read the same one") if what == "model" else (
+                "loaded different checkpoints (their smp.json differ: another copy on a host, or another `latest`); "
+                "every rank must load the same one")
+        code, line = 3, f"smp-convert: error: {src}: rank 1 and rank 0 {kind}"
+    else:
+        setting = {"layout": "--layout's tp 1, rank 0 with 2", "stages": "--stages (a stage's layers) 1, rank 0 with 3",
+                   "compress": "--compress (its zstd level) 0, rank 0 with 1",
+                   "dtype": "--dtype BF16, rank 0 with (not given)"}[what]
+        code, line = 2, (f"smp-convert: error: rank 1 runs with {setting}: every rank of a run takes the same settings "
+                         "(see smp-convert --help)")
+    assert p.returncode == code and errors(p) == [line], p.stderr
+    assert not out.exists() and not list(tmp_path.glob(".tmp-*"))  # nothing written, no staging left

@@ -512,6 +512,24 @@ def test_keep_and_latest(tmp_path):
     assert not list(r.glob(".tmp-*")) and not list(r.glob(".latest*"))
 
 
+def test_keep_on_a_resumed_run_prunes_the_checkpoint_it_loaded(tmp_path):
+    """A run resumed from its run folder with --keep prunes, after K saves, the checkpoint
+    it loaded; its later saves carry the extra/ files (generation_config.json here, a
+    tokenizer in general) from the newest checkpoint it saved. They were read from the
+    loaded one: the K+1st save failed ("extra/...: missing", exit 3), every step since
+    the last save lost."""
+    ck, data = _tiny(tmp_path)
+    r = tmp_path / "run"
+    run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", r, "--steps", 2, "--save-every", 1, *COMMON, check=0)
+    run("smp-train", "--ckpt", r, "--data", data, "--save-dir", r, "--steps", 6, "--save-every", 1, "--keep", 2,
+        *COMMON, check=0)
+    assert sorted(p.name for p in r.glob("step-*")) == ["step-000005", "step-000006"]
+    want = sorted(p.name for p in (ck / "extra").iterdir())
+    assert want and sorted(p.name for p in (r / "step-000006" / "extra").iterdir()) == want
+    assert all((ck / "extra" / n).read_bytes() == (r / "step-000006" / "extra" / n).read_bytes() for n in want)
+    run("smp-verify", r / "step-000006", check=0)
+
+
 # ---------------------------------------------------------------- lanes
 def run_threads(threads, cmd, *args, check=0):
     """run() with OMP_NUM_THREADS set: lanes run one after another where threads are fewer"""

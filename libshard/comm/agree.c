@@ -1,36 +1,43 @@
-/* train/agree.c: the ranks' inputs against rank 0's (agree.h). */
-#include "agree.h"
+/* The ranks' inputs and settings against rank 0's (shard.h, "What the processes of one
+ * run must hold alike"). */
+#include "../core/internal.h"
 
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
-agree_item agree_float(const char *name, float x)
+shard_agree_item shard_agree_float(const char *name, float x)
 {
     uint32_t b;
     memcpy(&b, &x, sizeof b);
-    return (agree_item){AGREE_FLOAT, name, b};
+    return (shard_agree_item){SHARD_AGREE_FLOAT, name, b};
 }
 
-static const char *value(char *buf, size_t cap, agree_kind k, uint64_t v)
+static const char *value(char *buf, size_t cap, shard_agree_kind k, uint64_t v)
 {
     float f;
     uint32_t b = (uint32_t)v;
     memcpy(&f, &b, sizeof f);
-    if (k == AGREE_FLOAT) snprintf(buf, cap, "%g", (double)f);
+    const char *dt = shard_dtype_name((shard_dtype)v);
+    if (k == SHARD_AGREE_FLOAT) snprintf(buf, cap, "%g", (double)f);
+    else if (k == SHARD_AGREE_DTYPE) snprintf(buf, cap, "%s", dt ? dt : "(not given)");
     else snprintf(buf, cap, "%lld", (long long)v);
     return buf;
 }
 
-static shard_status differ(const agree_item *it, int rank, uint64_t theirs)
+static shard_status differ(const shard_agree_item *it, int rank, uint64_t theirs)
 {
     char a[32], b[32];
     switch (it->kind) {
-    case AGREE_CKPT:
+    case SHARD_AGREE_CKPT:
         return shard_fail(SHARD_E_INVALID, "%s: rank %d and rank 0 loaded different checkpoints (their smp.json "
                           "differ: another copy on a host, or another `latest`); every rank must load the same one",
                           it->name, rank);
-    case AGREE_DATA:
+    case SHARD_AGREE_MODEL:
+        return shard_fail(SHARD_E_INVALID, "%s: rank %d and rank 0 read different model folders (their config.json "
+                          "or weights differ: another copy on a host); every rank must read the same one",
+                          it->name, rank);
+    case SHARD_AGREE_DATA:
         return shard_fail(SHARD_E_INVALID, "%s: rank %d and rank 0 read different token files (other files, or other "
                           "bytes in a host's copy); every rank must read the same ones", it->name, rank);
     default:
@@ -40,7 +47,7 @@ static shard_status differ(const agree_item *it, int rank, uint64_t theirs)
     }
 }
 
-shard_status agree_check(shard_comm *world, const agree_item *items, int n)
+shard_status shard_agree_check(shard_comm *world, const shard_agree_item *items, int n)
 {
     const int size = shard_comm_size(world);
     if (size == 1) return SHARD_OK;
@@ -53,7 +60,7 @@ shard_status agree_check(shard_comm *world, const agree_item *items, int n)
         for (int r = 1; !s && r < size; r++)
             if (all[(size_t)r * n + k] != all[k]) {
                 /* rank 0's item names the path it read; the values are rank r's and 0's */
-                agree_item it = items[k];
+                shard_agree_item it = items[k];
                 it.v = all[k];
                 s = differ(&it, r, all[(size_t)r * n + k]);
             }
