@@ -179,6 +179,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load, P->moved))) OUT(cli_fail(s));
+    shard_ckpt_unlock(ck); /* all read: a training run's --keep may prune it now */
     if (par) model_params_upload(&m);
     long long avail = (long long)(ds.nseq / (uint64_t)B);
     if (avail < 1)

@@ -422,16 +422,31 @@ static int by_commit(const void *a, const void *b)
 
 /* Remove an old checkpoint folder: its tree (libshard's), or the link itself when it is
  * a symbolic link (never what it points at); a warning if it is still there. */
-static void remove_step(const char *p)
+/* The step folder p removed, unless a reader has it open (shard_ckpt_open's shared flock
+ * on its smp.json): then 0, left for a later save. Under the exclusive lock it is first
+ * renamed out of the way (a reader finds it gone, not half removed) to a staging name,
+ * which the next run sweeps if this one is killed midway. */
+static int remove_step(const char *p)
 {
-    struct stat st;
-    if (lstat(p, &st) != 0) return;
+    char *mp = join(p, "smp.json");
+    int fd = mp ? open(mp, O_RDWR | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK) : -1; /* NFS locks want write access */
+    if (fd < 0 && mp) fd = open(mp, O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
+    free(mp);
+    if (fd >= 0 && flock(fd, LOCK_EX | LOCK_NB) != 0 && errno == EWOULDBLOCK) {
+        close(fd);
+        return 0;
+    }
+    char *trash = shard_staging_path(p);
+    const char *q = trash && rename(p, trash) == 0 ? trash : p;
     errno = 0;
-    if (S_ISDIR(st.st_mode)) shard_remove_tree(p);
-    else unlink(p);
+    shard_remove_tree(q);
     int e = errno;
-    if (lstat(p, &st) == 0)
-        fprintf(stderr, "smp-train: warning: %s: could not remove an old checkpoint: %s\n", p, strerror(e ? e : EEXIST));
+    struct stat st;
+    if (lstat(q, &st) == 0)
+        fprintf(stderr, "smp-train: warning: %s: could not remove an old checkpoint: %s\n", q, strerror(e ? e : EEXIST));
+    if (fd >= 0) close(fd);
+    free(trash);
+    return 1;
 }
 
 /* Keep the `keep` checkpoints committed last (a run resumed from an older step saves
@@ -473,7 +488,9 @@ void ckptio_prune(const char *run_dir, int keep)
             snprintf(name, sizeof name, "step-%06lld", steps[i].step);
             if (latest && !strcmp(name, latest)) continue; /* what a resume needs */
             char *p = join(run_dir, name);
-            if (p) remove_step(p);
+            if (p && !remove_step(p))
+                fprintf(stderr, "smp-train: note: %s: kept for now, another process is reading it; a later save "
+                                "prunes it (--keep)\n", p);
             free(p);
         }
     }

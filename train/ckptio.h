@@ -77,7 +77,8 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
  * run loaded may be gone by then (--keep prunes it; a user's clean-up script too). */
 void ckptio_follow(const char *run_dir, long long step, shard_ckpt **carry);
 /* Remove all but the newest `keep` step-NNNNNN folders of run_dir (keep 0: none
- * removed). Failures are reported as warnings only. */
+ * removed). One that another process reads (shard_ckpt_open's lock) is left for a later
+ * save, with a note. Failures are reported as warnings only. */
 void ckptio_prune(const char *run_dir, int keep);
 
 #endif

@@ -233,6 +233,8 @@ shard_status loop_load(train_run *r)
     if (!s) s = par_setup(P, &a->layout, stages, (int)r->c.micro, m);
     if (!s) s = load_state(r);
     if (s) return s;
+    /* read: --keep may prune it (rank 0 carries its extra/ files into the first save) */
+    if (!me0) shard_ckpt_unlock(r->ck);
     m->sp = a->seqpar;
     if (!strcmp(a->backend, "cuda") && (s = runcfg_check_fp8_cuda(&r->c, m))) {
         r->usage = 1;
@@ -501,6 +503,7 @@ static shard_status save(train_run *r)
     r->saved_step = c->step;
     if (r->P->rank == 0) {
         ckptio_follow(r->a->save_dir, c->step, &r->carry);
+        if (r->carry) shard_ckpt_unlock(r->ck); /* the extra/ files come from the newest save now */
         ckptio_prune(r->a->save_dir, (int)c->keep);
     }
     return SHARD_OK;

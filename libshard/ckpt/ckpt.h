@@ -89,6 +89,7 @@ struct shard_ckpt {
     char *dir;
     json_t *m;
     uint64_t fingerprint; /* XXH64 of smp.json's bytes */
+    int lock_fd;          /* smp.json, holding a shared flock while open (-1: released) */
     shard_model_desc model;
     shard_layout layout;
     int stages[SHARD_MAX_PP];

@@ -2,9 +2,11 @@
  * chunkread.c's, verifying verify.c's. */
 #include "ckpt.h"
 
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -339,6 +341,7 @@ static shard_status validate(shard_ckpt *c, const char *mpath)
 void shard_ckpt_close(shard_ckpt *c)
 {
     if (!c) return;
+    shard_ckpt_unlock(c);
     for (size_t i = 0; i < c->nfiles && c->h5; i++) if (c->h5[i] >= 0) H5Fclose(c->h5[i]);
     for (size_t i = 0; i < c->nfiles && c->fd; i++) if (c->fd[i] >= 0) close(c->fd[i]);
     for (size_t i = 0; i < c->n; i++) {
@@ -361,15 +364,52 @@ void shard_ckpt_close(shard_ckpt *c)
     free(c);
 }
 
+void shard_ckpt_unlock(shard_ckpt *c)
+{
+    if (c->lock_fd >= 0) close(c->lock_fd);
+    c->lock_fd = -1;
+}
+
+/* A run folder's `latest` that names another checkpoint than dir now: the one opened was
+ * pruned (--keep) while this process opened it, and the newer one is to be opened. */
+static int latest_moved(const char *path, const char *dir)
+{
+    char *now = NULL;
+    const int moved = strcmp(path, dir) && !shard_ckpt_resolve(path, &now) && strcmp(now, dir);
+    free(now);
+    return moved;
+}
+
 shard_status shard_ckpt_open_any(const char *path, shard_ckpt **out)
 {
-    char *dir;
     *out = NULL;
-    shard_status s = shard_ckpt_resolve(path, &dir);
+    shard_status s;
+    for (int tries = 0;; tries++) {
+        char *dir;
+        if ((s = shard_ckpt_resolve(path, &dir))) return s;
+        s = shard_ckpt_open(dir, out);
+        const int again = s && tries < 8 && latest_moved(path, dir);
+        free(dir);
+        if (!again) return s;
+    }
+}
+
+/* smp.json, read through a descriptor that keeps a shared flock while c is open: a
+ * training run's --keep removes no checkpoint that a reader holds (it takes the lock
+ * exclusively first, and leaves one it cannot take for a later save). One that is being
+ * removed, or was removed between the lookup and the lock, is refused as such. A file
+ * system without flock: no lock. */
+static shard_status read_manifest(shard_ckpt *c, const char *mp, char **text, size_t *len)
+{
+    uint64_t size;
+    shard_status s = shard_open_regular(mp, 1, &c->lock_fd, &size);
     if (s) return s;
-    s = shard_ckpt_open(dir, out);
-    free(dir);
-    return s;
+    struct stat st;
+    const int held = flock(c->lock_fd, LOCK_SH | LOCK_NB) != 0 && errno == EWOULDBLOCK;
+    if (held || (fstat(c->lock_fd, &st) == 0 && st.st_nlink == 0))
+        return shard_fail(SHARD_E_INVALID, "%s: removed while being opened (an older checkpoint of a run that keeps "
+                                           "only its newest: --keep)", c->dir);
+    return shard_read_fd(c->lock_fd, mp, size, MANIFEST_MAX, text, len);
 }
 
 shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
@@ -381,6 +421,7 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     pthread_mutex_init(&c->mu, NULL);
     pthread_mutex_init(&c->smu, NULL);
     c->threads = 1;
+    c->lock_fd = -1;
     c->dir = strdup(dir);
     if (!c->dir || ckpt_cache_init(c)) { shard_ckpt_close(c); return shard_fail(SHARD_E_NOMEM, "out of memory"); }
     char *mp = shard_path_join(dir, "smp.json");
@@ -392,7 +433,7 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out)
     else {
         char *text;
         size_t len;
-        s = shard_read_file_in(mp, MANIFEST_MAX, 1, &text, &len);
+        s = read_manifest(c, mp, &text, &len);
         if (!s) {
             c->fingerprint = shard_xxh64(text, len);
             s = shard_json_parse(text, len, mp, &c->m);

@@ -88,6 +88,8 @@ shard_status shard_pread_full(int fd, const char *path, void *buf, size_t n, uin
  * folder, which must not be a link). */
 shard_status shard_read_file(const char *path, size_t max_bytes, char **buf, size_t *len);
 shard_status shard_read_file_in(const char *path, size_t max_bytes, int nofollow, char **buf, size_t *len);
+/* The same from an open file of size bytes (read from its start; fd stays open). */
+shard_status shard_read_fd(int fd, const char *path, uint64_t size, size_t max_bytes, char **buf, size_t *len);
 /* Copy src to a new file dst (refused if it exists) and fsync it (o: NULL for the
  * default; no_fsync skips the fsync). */
 shard_status shard_copy_file(const char *src, const char *dst, const shard_write_opts *o);
@@ -623,6 +625,12 @@ const void *shard_ckpt_manifest_json(const shard_ckpt *c); /* a json_t* */
 /* XXH64 of smp.json's bytes as read: one value for one checkpoint (its manifest holds
  * every file's checksum), which the ranks of a run compare (a host's stale copy). */
 uint64_t shard_ckpt_fingerprint(const shard_ckpt *c);
+/* An open checkpoint holds a shared flock on its smp.json, so that a training run's
+ * --keep does not remove it while it is read (smp-train takes the lock exclusively
+ * before it prunes a step folder, and leaves one it cannot take for a later save).
+ * unlock: released early, by a reader that needs nothing more from the files (what
+ * is in memory stays valid). shard_ckpt_close releases it too. */
+void shard_ckpt_unlock(shard_ckpt *c);
 
 /* Writing a checkpoint. begin: make <parent>/.tmp-<name>-<nonce>/ (the staging
  * folder, where shard files are written by any number of processes); commit: scan

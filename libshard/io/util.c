@@ -48,27 +48,25 @@ shard_status shard_read_file_in(const char *path, size_t max_bytes, int nofollow
     uint64_t size;
     shard_status s = shard_open_regular(path, nofollow, &fd, &size);
     if (s) return s;
-    if (size > max_bytes) {
-        close(fd);
+    s = shard_read_fd(fd, path, size, max_bytes, buf, len);
+    close(fd);
+    return s;
+}
+
+shard_status shard_read_fd(int fd, const char *path, uint64_t size, size_t max_bytes, char **buf, size_t *len)
+{
+    *buf = NULL;
+    *len = 0;
+    if (size > max_bytes)
         return shard_fail(SHARD_E_INVALID, "%s: too large (%llu bytes; at most %zu accepted)", path,
                           (unsigned long long)size, max_bytes);
-    }
     char *b = malloc((size_t)size + 1);
-    if (!b) { close(fd); return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path); }
-    size_t got = 0;
-    while (got < (size_t)size) {
-        ssize_t r = read(fd, b + got, (size_t)size - got);
-        if (r < 0 && errno == EINTR) continue;
-        if (r <= 0) {
-            free(b); close(fd);
-            return shard_fail(SHARD_E_IO, "%s: read failed: %s", path, r < 0 ? strerror(errno) : "file shrank");
-        }
-        got += (size_t)r;
-    }
-    close(fd);
-    b[got] = 0;
+    if (!b) return shard_fail(SHARD_E_NOMEM, "%s: out of memory", path);
+    shard_status s = shard_pread_full(fd, path, b, (size_t)size, 0);
+    if (s) { free(b); return s; }
+    b[size] = 0;
     *buf = b;
-    *len = got;
+    *len = (size_t)size;
     return SHARD_OK;
 }
 

@@ -1,5 +1,5 @@
 """Hardening that the hostile corpora do not reach with one broken file: pruning by
-commit order, paths with trailing slashes, special files in a model folder, a token
+commit order, pruning beside readers, paths with trailing slashes, special files in a model folder, a token
 file truncated under a running trainer, and smp-inspect on a tensor of many huge
 dimensions."""
 import json
@@ -41,6 +41,66 @@ def test_keep_prunes_by_commit_order_and_keeps_latest(tmp_path):
     assert not (r / "step-000004").exists() and not (r / "step-000001").exists(), sorted(os.listdir(r))
     assert run("smp-verify", r / "step-000003").returncode == 0
     assert train(r, data, r, 4).returncode == 0                              # resumable
+
+
+
+def test_keep_leaves_a_checkpoint_that_a_reader_holds(tmp_path):
+    """A reader (smp-merge, smp-eval, ... of a run folder while it trains) holds a shared
+    flock on the checkpoint's smp.json: --keep leaves that step folder, with a note, and
+    prunes it at a save after the reader is done. One that a pruner holds (exclusively)
+    is refused as being removed."""
+    import fcntl
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    r = tmp_path / "run"
+    assert train(ck, data, r, 1).returncode == 0
+    with open(r / "step-000001" / "smp.json", "rb") as held:
+        fcntl.flock(held, fcntl.LOCK_SH)  # what shard_ckpt_open takes
+        p = train(r, data, r, 3, "--save-every", 1, "--keep", 1)
+        assert p.returncode == 0, p.stderr
+        assert sorted(x.name for x in r.glob("step-*")) == ["step-000001", "step-000003"]
+        notes = [ln for ln in p.stderr.splitlines() if "kept for now" in ln]
+        assert notes == [f"smp-train: note: {r}/step-000001: kept for now, another process is reading it; a later "
+                         "save prunes it (--keep)"] * 2, p.stderr
+    assert train(r, data, r, 4, "--keep", 1).returncode == 0
+    assert sorted(x.name for x in r.glob("step-*")) == ["step-000004"] and not list(r.glob(".tmp-*"))
+    with open(r / "step-000004" / "smp.json", "rb") as pruning:
+        fcntl.flock(pruning, fcntl.LOCK_EX)  # what the pruner takes before it removes the folder
+        p = run("smp-verify", r / "step-000004")
+        assert p.returncode == 3 and p.stderr.strip() == (
+            f"smp-verify: error: {r}/step-000004: removed while being opened (an older checkpoint of a run that keeps "
+            "only its newest: --keep)"), p.stderr
+
+
+def test_reading_a_run_folder_while_it_trains_with_keep(tmp_path):
+    """smp-merge, smp-eval and smp-verify of a run folder (its latest) while smp-train saves
+    every step with --keep 1: each reads a whole checkpoint. They used to fail (exit 3,
+    "extra/...: missing", "shard-00000.h5: missing", "no smp.json") on a checkpoint pruned
+    under them: 8 of 80 such reads here before."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    r = tmp_path / "run"
+    assert train(ck, data, r, 1).returncode == 0
+    trainer = subprocess.Popen([str(BUILD / "bin" / "smp-train"), "--ckpt", str(r), "--data", str(data), "--save-dir",
+                                str(r), "--steps", "100000", "--batch", "2", "--seq", "16", "--save-every", "1",
+                                "--keep", "1"], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    failures, reads = [], 0
+    try:
+        for i in range(20):
+            for argv in (["smp-merge", "--in", r, "--out", tmp_path / f"hf-{i}", "--no-fsync"],
+                         ["smp-eval", "--ckpt", r, "--data", data, "--batch", 2, "--seq", 16, "--batches", 1],
+                         ["smp-verify", r]):
+                p = run(*argv)
+                reads += 1
+                if p.returncode != 0:
+                    failures.append(p.stderr.strip())
+        assert trainer.poll() is None  # it trained (and pruned) all along
+    finally:
+        trainer.send_signal(signal.SIGTERM)  # saves, then ends
+        err = trainer.communicate(timeout=120)[1]
+    assert trainer.returncode == 0, err
+    assert not failures, f"{len(failures)} of {reads} reads failed: {failures[:3]}"
+    assert len(list(r.glob("step-*"))) >= 1 and not list(r.glob(".tmp-*"))
 
 
 def test_trailing_slashes(tmp_path):
