@@ -415,7 +415,13 @@ static shard_status begin(run *r, shard_status s)
         if (!s) snprintf(r->staging, sizeof r->staging, "%s", shard_ckpt_staging(r->cw));
     }
     if ((s = agree(r, s)) || r->procs == 1) return s;
-    return shard_comm_broadcast(r->o->world, r->staging, sizeof r->staging, SHARD_DT_U8, 0);
+    if ((s = shard_comm_broadcast(r->o->world, r->staging, sizeof r->staging, SHARD_DT_U8, 0))) return s;
+    /* each process writes its shard files into it: one on a host's own disk would not */
+    struct stat st;
+    if (r->me != 0 && (stat(r->staging, &st) != 0 || !S_ISDIR(st.st_mode)))
+        s = shard_fail(SHARD_E_USAGE, "%s: rank %d does not see the staging folder that rank 0 made (%s): --out "
+                       "must be on a file system every rank shares", r->o->out, r->me, r->staging);
+    return agree(r, s);
 }
 
 static uint64_t name_hash(const char *s)

@@ -302,6 +302,31 @@ shard_status ckptio_prepare(const char *run_dir, int *lock_fd)
     return s;
 }
 
+shard_status ckptio_check_shared(const char *run_dir, par_ctx *p)
+{
+    if (p->size == 1) return SHARD_OK;
+    char buf[4096 + 256] = {0}; /* rank 0's run folder, then its lock's text */
+    shard_status s = SHARD_OK;
+    char *lock = NULL, *text = NULL;
+    size_t len;
+    if (p->rank == 0) {
+        snprintf(buf, 4096, "%s", run_dir);
+        if (!(lock = join(run_dir, ".lock"))) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        if (!s && !shard_read_file_in(lock, 255, 1, &text, &len)) memcpy(buf + 4096, text, len);
+    }
+    if (!s) s = shard_comm_broadcast(p->world, buf, sizeof buf, SHARD_DT_U8, 0);
+    if (!s && p->rank != 0) {
+        if (!(lock = join(buf, ".lock"))) s = shard_fail(SHARD_E_NOMEM, "out of memory");
+        else if (shard_read_file_in(lock, 255, 1, &text, &len) || strcmp(text, buf + 4096))
+            s = shard_fail(SHARD_E_USAGE, "%s: rank %d does not see the run folder that rank 0 made (its .lock, "
+                           "written by rank 0, is %s there): --save-dir must be on a file system every rank shares "
+                           "(each save writes every rank's part into it)", buf, p->rank, text ? "another" : "missing");
+    }
+    free(lock);
+    free(text);
+    return shard_comm_agree(p->world, s, "another rank does not see the run folder", NULL);
+}
+
 static shard_status write_rank_file(const ckptio_save_args *a, const model *m, const optim *o, par_ctx *p,
                                     const char *staging)
 {

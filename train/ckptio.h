@@ -64,6 +64,11 @@ typedef struct {
  * held, the staging folders of saves that never committed (.tmp-step-*: the run was
  * killed mid-save) are removed, each with a note. */
 shard_status ckptio_prepare(const char *run_dir, int *lock_fd);
+/* Every rank sees the run folder that rank 0 prepared (the text of its .lock, compared;
+ * collective over p->world): each save writes every rank's part into it, so a folder on
+ * a host's own disk would fail the first save, after the steps before it were trained.
+ * SHARD_E_USAGE on the rank that does not (the others: another rank failed). */
+shard_status ckptio_check_shared(const char *run_dir, par_ctx *p);
 /* Write run_dir/step-NNNNNN/ (atomic commit), then point latest at it, from every rank
  * of p at once (collective over p->world; one rank: p->size 1): rank 0 creates the
  * run folder, begins the staging folder and broadcasts it; every rank writes

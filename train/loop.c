@@ -245,6 +245,10 @@ shard_status loop_load(train_run *r)
     if (m->fp8) r->D.ops->fp8_scales_changed(&r->D, m->fp8);
     if ((s = dev_status(&r->D))) return s;
     if (me0 && !a->dump_grads && (s = ckptio_prepare(a->save_dir, &r->lock_fd))) return s;
+    if (!a->dump_grads && (s = ckptio_check_shared(a->save_dir, P))) {
+        r->usage = s == SHARD_E_USAGE && !shard_err_secondhand(); /* the rank that does not see it says so */
+        return s;
+    }
     if ((s = steplog_open(&r->log, me0 ? a->log : NULL, a->log_fd, me0 && isatty(2), P))) return s; /* perhaps in it */
     r->in = malloc((size_t)r->Bm * r->S * sizeof *r->in);
     r->tg = malloc((size_t)r->Bm * r->S * sizeof *r->tg);

@@ -8,6 +8,7 @@ is refused in one line, before anything is written, and identical copies by othe
 are accepted."""
 import json
 import os
+import re
 import shutil
 import subprocess
 
@@ -173,3 +174,48 @@ def test_convert_processes_agree_on_their_inputs(sources, tmp_path, what):
                          "(see smp-convert --help)")
     assert p.returncode == code and errors(p) == [line], p.stderr
     assert not out.exists() and not list(tmp_path.glob(".tmp-*"))  # nothing written, no staging left
+
+
+def own_disk(tmp_path):
+    """A folder that rank 1 sees as an empty tmpfs of its own (a host's local disk): a
+    mount namespace (unshare -m). None where this machine does not allow one."""
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    p = subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs none {shared} && touch {shared}/x"],
+                       capture_output=True, text=True)
+    return shared if p.returncode == 0 and not (shared / "x").exists() else None
+
+
+def on_own_disk(shared, argv):
+    exe = str(BUILD / "bin" / argv[0])
+    return ["unshare", "-m", "sh", "-c", f'mount -t tmpfs none {shared} && exec "$0" "$@"', exe, *map(str, argv[1:])]
+
+
+@pytest.mark.parametrize("cmd", ["smp-train", "smp-convert"])
+def test_output_folder_not_shared_between_ranks(inputs, tmp_path, cmd):
+    """Every rank writes its part of a checkpoint into the folder that rank 0 made: where
+    --save-dir (--out) is on a host's own disk, smp-train trained to its first save and
+    failed there ("cannot create the HDF5 file", every step lost); smp-convert said the
+    same. Now each rank checks that it sees rank 0's folder first: one line, exit 2."""
+    tmp, ck, a, b, done = inputs
+    shared = own_disk(tmp_path)
+    if shared is None:
+        pytest.skip("no mount namespaces here (unshare -m): cannot give rank 1 a folder of its own")
+    out = shared / "out"
+    argv = (["smp-train", "--ckpt", ck, "--data", a, "--save-dir", out, *TRAIN] if cmd == "smp-train" else
+            ["smp-convert", "reshard", "--in", ck, "--out", out, "--layout", "tp=2"])
+    p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "1", str(BUILD / "bin" / cmd),
+                        *map(str, argv[1:]), ":", "-np", "1", *on_own_disk(shared, argv)],
+                       capture_output=True, text=True, env=ENV, timeout=120)
+    if cmd == "smp-train":
+        want = (f"smp-train: error: {out}: rank 1 does not see the run folder that rank 0 made (its .lock, written by "
+                "rank 0, is missing there): --save-dir must be on a file system every rank shares (each save writes "
+                "every rank's part into it) (see smp-train --help)")
+    else:
+        want = re.compile(re.escape(f"smp-convert: error: {out}: rank 1 does not see the staging folder that rank 0 "
+                                    f"made ({shared}/.tmp-out-") + r"\d+-\d+" + re.escape(
+            "): --out must be on a file system every rank shares (see smp-convert --help)"))
+    assert p.returncode == 2 and len(errors(p)) == 1, p.stderr
+    assert errors(p)[0] == want if isinstance(want, str) else want.fullmatch(errors(p)[0]), p.stderr
+    assert not any(x.name.startswith("step-") or x.name.startswith(".tmp-") for x in shared.iterdir())
+    assert not out.exists() if cmd == "smp-convert" else not list(out.glob("step-*"))
