@@ -397,6 +397,19 @@ static void note_data_order(const train_run *r)
             p % n ? ", so the rest of this epoch may repeat sequences already trained on and leave out others" : "");
 }
 
+/* A schedule that does not do what its flags suggest (two flags swapped, most often):
+ * said once, then run as given (as torch's schedulers would). */
+static void note_schedule(const run_cfg *c)
+{
+    if (c->warmup > c->steps) /* optim_lr of the last step, (steps - 1) + 1 of warmup */
+        fprintf(stderr, "smp-train: note: --warmup %lld is longer than the run's %lld steps: the learning rate rises "
+                        "all run long and ends at %g, below --lr %g\n", (long long)c->warmup, (long long)c->steps,
+                (double)(float)((double)c->lr * (double)c->steps / (double)c->warmup), (double)c->lr);
+    if (c->cosine && c->lr_min > c->lr)
+        fprintf(stderr, "smp-train: note: --lr-min %g is above --lr %g: after the warmup the cosine schedule rises "
+                        "to it\n", (double)c->lr_min, (double)c->lr);
+}
+
 /* rank 0's first lines: the run, the backend and the memory, sequence parallelism */
 static void print_start(train_run *r)
 {
@@ -452,6 +465,7 @@ static int train(train_run *r)
         note_new_data(r); /* where it goes on in the data: the gradients dumped are that step's */
         note_data_order(r);
         note_val_in_data(r);
+        note_schedule(&r->c);
     }
     if (r->a->dump_grads) return (s = loop_dump_grads(r)) ? cli_fail(s) : 0;
     if (me0) print_start(r);

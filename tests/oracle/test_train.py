@@ -530,6 +530,25 @@ def test_keep_on_a_resumed_run_prunes_the_checkpoint_it_loaded(tmp_path):
     run("smp-verify", r / "step-000006", check=0)
 
 
+def test_a_schedule_that_cannot_do_what_its_flags_say_is_noted(tmp_path):
+    """--warmup longer than the run, --lr-min above --lr (two flags swapped, most often):
+    run as given, as torch's schedulers would, with a note each; the last step's
+    learning rate that the note names is the one the log shows."""
+    ck, data = _tiny(tmp_path)
+    log = tmp_path / "log.jsonl"
+    p = run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", 4, "--batch", 4,
+            "--seq", 16, "--warmup", 10, "--lr", 3e-4, "--lr-min", 1e-3, "--log", log, check=0)
+    last = read_log(log)[-1]["lr"]
+    assert [ln for ln in p.stderr.splitlines() if ": note: " in ln] == [
+        f"smp-train: note: --warmup 10 is longer than the run's 4 steps: the learning rate rises all run long and "
+        f"ends at {float(np.float32(last)):g}, below --lr 0.0003",
+        "smp-train: note: --lr-min 0.001 is above --lr 0.0003: after the warmup the cosine schedule rises to it"]
+    assert last == pytest.approx(3e-4 * 4 / 10, rel=1e-6)
+    p = run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "ok", "--steps", 4, "--batch", 4,
+            "--seq", 16, "--warmup", 4, check=0)
+    assert ": note: " not in p.stderr  # a warmup as long as the run reaches --lr at its last step
+
+
 # ---------------------------------------------------------------- lanes
 def run_threads(threads, cmd, *args, check=0):
     """run() with OMP_NUM_THREADS set: lanes run one after another where threads are fewer"""
