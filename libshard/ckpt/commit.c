@@ -449,9 +449,15 @@ static shard_status put_in_place(const shard_ckpt_writer *w, int overwrite)
     struct stat st;
     char *old = NULL;
     if (overwrite && stat(w->final_dir, &st) == 0) {
-        old = malloc(strlen(w->final_dir) + 32);
+        /* aside under a staging name (".tmp-<name>.old-<pid>-<time>"): what a process
+         * killed before the removal below leaves is swept like a killed write's staging */
+        size_t n = strlen(w->final_dir);
+        while (n > 1 && w->final_dir[n - 1] == '/') n--;
+        char *was = malloc(n + 8);
+        if (was) sprintf(was, "%.*s.old", (int)n, w->final_dir);
+        old = was ? shard_staging_path(was) : NULL;
+        free(was);
         if (!old) return shard_fail(SHARD_E_NOMEM, "out of memory");
-        sprintf(old, "%s.old-%ld", w->final_dir, (long)getpid());
         if (rename(w->final_dir, old) != 0) s = shard_fail(SHARD_E_IO, "%s: cannot move aside: %s", w->final_dir, strerror(errno));
     }
     if (!s && rename(w->staging, w->final_dir) != 0) s = shard_fail(SHARD_E_IO, "%s: rename into place failed: %s", w->final_dir, strerror(errno));

@@ -39,6 +39,7 @@ def test_keep_prunes_by_commit_order_and_keeps_latest(tmp_path):
     assert (r / "latest").read_text().strip() == "step-000003"
     assert (r / "step-000003" / "smp.json").exists(), sorted(os.listdir(r))
     assert not (r / "step-000004").exists() and not (r / "step-000001").exists(), sorted(os.listdir(r))
+    assert sorted(os.listdir(r)) == [".lock", "latest", "step-000003"]  # the step-3 it replaced: gone, not aside
     assert run("smp-verify", r / "step-000003").returncode == 0
     assert train(r, data, r, 4).returncode == 0                              # resumable
 

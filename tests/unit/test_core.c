@@ -92,8 +92,20 @@ static void test_paths(void **st)
         p = shard_staging_path(outs[i][0]);
         assert_non_null(p);
         assert_memory_equal(p, want, strlen(want));
+        /* and its name is recognised as one (a later write notes it, smp-train sweeps it) */
+        const char *slash = strrchr(p, '/');
+        assert_true(shard_is_staging_name(slash + 1, NULL));
         free(p);
     }
+    assert_true(shard_is_staging_name(".tmp-ck-12-34", "ck"));
+    assert_true(shard_is_staging_name(".tmp-ck-2-12-34", "ck-2"));
+    assert_false(shard_is_staging_name(".tmp-ck-2-12-34", "ck")); /* ck-2's, not ck's */
+    assert_true(shard_is_staging_name(".tmp-step-000003.old-12-34", NULL)); /* an overwritten one, aside */
+    assert_false(shard_is_staging_name(".tmp-ck-12", NULL));
+    assert_false(shard_is_staging_name(".tmp--12-34", NULL));
+    assert_false(shard_is_staging_name(".tmp-ck-12-34x", "ck"));
+    assert_false(shard_is_staging_name("tmp-ck-12-34", NULL));
+    assert_false(shard_is_staging_name(".tmp-ck-1a-34", NULL));
 }
 
 /* The writer's contract, durable (o NULL) or not (no_fsync changes nothing but the
