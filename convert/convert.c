@@ -52,10 +52,10 @@ shard_status convert_open_hf(const char *dir, convert_source *src)
     return SHARD_OK;
 }
 
-shard_status convert_open_ckpt(const char *dir, convert_source *src)
+shard_status convert_open_ckpt(const char *dir, shard_comm *world, convert_source *src)
 {
     memset(src, 0, sizeof *src);
-    shard_status s = shard_ckpt_open_any(dir, &src->c);
+    shard_status s = shard_ckpt_open_any_on(world, dir, &src->c);
     if (s) return s;
     src->path = dir;
     src->d = shard_ckpt_model(src->c);

@@ -35,7 +35,8 @@ typedef struct {
 } convert_source;
 
 shard_status convert_open_hf(const char *dir, convert_source *src);
-shard_status convert_open_ckpt(const char *dir, convert_source *src);
+/* (world: the processes under mpirun, each opening the checkpoint; NULL: this one) */
+shard_status convert_open_ckpt(const char *dir, shard_comm *world, convert_source *src);
 shard_status convert_open_init(const char *config_path, uint64_t seed, convert_source *src);
 void convert_source_close(convert_source *src);
 

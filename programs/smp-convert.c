@@ -93,7 +93,7 @@ static int run_command(const args *a, shard_comm *world, int *secondhand)
     double t0 = now_seconds();
     convert_source src;
     shard_status s = a->cmd == INIT ? convert_open_init(a->in, a->seed, &src)
-                     : a->cmd == HF2SMP ? convert_open_hf(a->in, &src) : convert_open_ckpt(a->in, &src);
+                     : a->cmd == HF2SMP ? convert_open_hf(a->in, &src) : convert_open_ckpt(a->in, world, &src);
     if (world) s = shard_comm_agree(world, s, "another process failed", secondhand); /* all go on, or none */
     if (!s && me == 0) cli_note_leftovers(a->o.out);
     progress pg = {.label = "writing"};

@@ -135,7 +135,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
 #define OUT(code) do { rc = (code); goto done; } while (0)
     shard_status s = dev_open(&D, "cpu", SHARD_DT_F32, 0);
     if (s) OUT(cli_fail(s));
-    if ((s = ckptio_open_model(ckpt, &ck, &m, &D))) OUT(cli_fail(s));
+    if ((s = ckptio_open_model(P->world, ckpt, &ck, &m, &D))) OUT(cli_fail(s));
     if (par) {
         /* every rank on the same checkpoint and settings (shard_agree_check), before the
          * first collective that depends on them */

@@ -23,9 +23,9 @@ static char *join(const char *a, const char *b)
     return p;
 }
 
-shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev *d)
+shard_status ckptio_open_model(shard_comm *world, const char *path, shard_ckpt **out, model *m, dev *d)
 {
-    shard_status s = shard_ckpt_open_any(path, out);
+    shard_status s = shard_ckpt_open_any_on(world, path, out);
     if (s) return s;
     s = model_create(m, shard_ckpt_model(*out), d);
     if (s) {

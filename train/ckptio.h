@@ -18,9 +18,9 @@
 #include "par.h"
 #include "shard.h"
 
-/* Open the checkpoint at path (resolved as above) and create the model it describes
- * on backend d. */
-shard_status ckptio_open_model(const char *path, shard_ckpt **out, model *m, dev *d);
+/* Open the checkpoint at path on every rank of world (shard_ckpt_open_any_on: a run
+ * folder's latest as rank 0 read it) and create the model it describes on backend d. */
+shard_status ckptio_open_model(shard_comm *world, const char *path, shard_ckpt **out, model *m, dev *d);
 /* Read every tensor of `group` ("params", "optim/master", ...) into dst (laid out
  * like m->params), converting to fp32; SHARD_E_INVALID names a missing tensor or a
  * wrong shape. *present: 0 when the group holds none of the tensors (nothing read). */

@@ -33,7 +33,7 @@ shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a)
     r->lock_fd = -1;
     shard_status s = dev_open(&r->D, a->backend, a->dtype, !strcmp(a->backend, "cuda") ? shard_comm_local_rank() : 0);
     if (s) return s;
-    if ((s = ckptio_open_model(a->ckpt, &r->ck, &r->m, &r->D))) return s;
+    if ((s = ckptio_open_model(P->world, a->ckpt, &r->ck, &r->m, &r->D))) return s;
     r->m.recompute = a->recompute;
     if ((s = shard_layout_check(&a->layout, &r->m.d))) return usage_of(r, "--layout");
     runcfg_defaults(&r->c, &r->m.d);

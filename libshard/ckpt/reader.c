@@ -394,6 +394,29 @@ shard_status shard_ckpt_open_any(const char *path, shard_ckpt **out)
     }
 }
 
+shard_status shard_ckpt_open_any_on(shard_comm *world, const char *path, shard_ckpt **out)
+{
+    *out = NULL;
+    if (!world || shard_comm_size(world) == 1) return shard_ckpt_open_any(path, out);
+    char name[256] = {0}; /* the step folder rank 0 opened through `latest`, or "" */
+    shard_status mine = SHARD_OK;
+    if (shard_comm_rank(world) == 0) {
+        mine = shard_ckpt_open_any(path, out); /* held (its lock) while the others open it */
+        const char *dir = mine ? NULL : shard_ckpt_dir(*out), *base = dir ? strrchr(dir, '/') : NULL;
+        if (base && strcmp(dir, path) && strlen(base + 1) < sizeof name) strcpy(name, base + 1); /* through latest */
+    }
+    shard_status s = shard_comm_broadcast(world, name, sizeof name, SHARD_DT_U8, 0);
+    if (shard_comm_rank(world) == 0) return s ? s : mine;
+    if (s) return s;
+    char *dir = NULL;
+    if ((s = shard_ckpt_resolve(path, &dir))) return s;
+    char *there = name[0] && strcmp(dir, path) ? shard_path_join(path, name) : NULL; /* a run folder here too */
+    s = shard_ckpt_open(there ? there : dir, out);
+    free(there);
+    free(dir);
+    return s;
+}
+
 /* smp.json, read through a descriptor that keeps a shared flock while c is open: a
  * training run's --keep removes no checkpoint that a reader holds (it takes the lock
  * exclusively first, and leaves one it cannot take for a later save). One that is being

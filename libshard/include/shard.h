@@ -575,6 +575,13 @@ shard_status shard_ckpt_open(const char *dir, shard_ckpt **out);
  * every command that reads a checkpoint takes; shard_ckpt_dir names the one opened). */
 shard_status shard_ckpt_resolve(const char *path, char **ckpt_dir);
 shard_status shard_ckpt_open_any(const char *path, shard_ckpt **out);
+typedef struct shard_comm shard_comm; /* (the communicators, below) */
+/* The same on every rank of world (collective; NULL or one rank: open_any): a run
+ * folder's `latest` as rank 0 read it, whose checkpoint rank 0 holds open (its lock)
+ * while the others open it. A rank that looked itself could find `latest` moved to a
+ * newer step (a run training there) and load another checkpoint. Each rank opens under
+ * its own path (copies on each host are fine; shard_agree_check compares them). */
+shard_status shard_ckpt_open_any_on(shard_comm *world, const char *path, shard_ckpt **out);
 void shard_ckpt_close(shard_ckpt *c);
 const char *shard_ckpt_dir(const shard_ckpt *c);
 const shard_model_desc *shard_ckpt_model(const shard_ckpt *c);
@@ -670,7 +677,7 @@ void shard_ckpt_abort(shard_ckpt_writer *w); /* removes the staging folder, free
  * Every call counts the bytes it moves (what this rank sends), so a run can log
  * its communication volume per kind. Calls are collective over the communicator
  * unless they say otherwise; buffers are in host memory for self and MPI. */
-typedef struct shard_comm shard_comm;
+/* shard_comm: typedef above (shard_ckpt_open_any_on takes one) */
 typedef enum { SHARD_OP_SUM, SHARD_OP_MAX } shard_op;
 
 /* A communicator of one process. */

@@ -117,6 +117,33 @@ def test_eval_ranks_agree_on_their_inputs(inputs, what):
     assert p.returncode == code and errors(p) == [line], p.stderr
 
 
+
+@pytest.mark.parametrize("cmd", ["smp-eval", "smp-convert"])
+def test_ranks_take_latest_as_rank_0_read_it(inputs, tmp_path, cmd):
+    """A run folder's `latest` is read once, by rank 0, and every rank opens that step
+    under its own path: ranks that each read it could load two checkpoints when a run
+    training there saved between their looks (refused as different checkpoints, or
+    worse). Rank 1's copy of the run folder here has `latest` one step behind."""
+    tmp, ck, a, b, done = inputs
+    runs = tmp_path / "a", tmp_path / "b"
+    for r in runs:
+        shutil.copytree(done, r)
+    shutil.copytree(ck, runs[1] / "step-000001")
+    (runs[1] / "latest").write_text("step-000001\n")  # as rank 1 would have read it a save earlier
+    if cmd == "smp-eval":
+        p = mpmd(cmd, ["--ckpt", runs[0], "--data", a, *EVAL], ["--ckpt", runs[1], "--data", a, *EVAL])
+        one = run("smp-eval", "--ckpt", done, "--data", a, "--batch", 4, "--seq", 16, check=0)
+        assert p.returncode == 0, p.stderr
+        assert float(p.stdout.split()[1]) == pytest.approx(float(one.stdout.split()[1]), rel=1e-6)
+    else:
+        out = tmp_path / "out"
+        p = mpmd(cmd, ["reshard", "--in", runs[0], "--out", out, "--layout", "tp=2"],
+                 ["reshard", "--in", runs[1], "--out", out, "--layout", "tp=2"])
+        assert p.returncode == 0, p.stderr
+        run("smp-convert", "reshard", "--in", done, "--out", tmp_path / "one", "--layout", "tp=2")
+        got, want = (json.loads((d / "smp.json").read_text())["tensors"] for d in (out, tmp_path / "one"))
+        assert got == want
+
 # smp-convert under mpirun: each process opens the source and parses its flags itself,
 # and the output ranks are split over the processes; a host with another copy of the
 # model folder (another revision, a fine-tune under the same name) or of the checkpoint
