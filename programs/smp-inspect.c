@@ -256,6 +256,16 @@ static void ckpt_json(const ckpt_info *k)
     json_decref(o);
 }
 
+
+/* a tensor's name as listed: "group/name", params without their group */
+static const char *display_name(const json_t *t, char *buf, size_t cap)
+{
+    const char *g = json_string_value(json_object_get(t, "group"));
+    const int params = !strcmp(g, "params");
+    snprintf(buf, cap, "%s%s%s", params ? "" : g, params ? "" : "/", json_string_value(json_object_get(t, "name")));
+    return buf;
+}
+
 static void ckpt_text(const ckpt_info *k)
 {
     const shard_model_desc *d = shard_ckpt_model(k->c);
@@ -275,9 +285,15 @@ static void ckpt_text(const ckpt_info *k)
     printf("  size         %s of tensor data in %s of shard files (compression %.2fx), extra files %s\n", cli_bytes(b1, (double)k->raw_total),
            cli_bytes(b2, (double)k->file_total), ratio(k->raw_total, k->file_total), cli_bytes(b3, (double)k->extra_total));
     printf("  training     %s\n", tr ? tr : "none (weights only)");
-    printf("  tensors\n    %-52s %-8s %-16s %s\n", "name", "dtype", "shape", "pieces");
     size_t i;
     json_t *t, *f;
+    char name[300];
+    int w = 4; /* the name column: as wide as the longest name (the optimizer's are long) */
+    json_array_foreach(k->tensors, i, t) {
+        const int n = (int)strlen(display_name(t, name, sizeof name));
+        if (n > w) w = n;
+    }
+    printf("  tensors\n    %-*s %-8s %-16s %s\n", w, "name", "dtype", "shape", "pieces");
     json_array_foreach(k->tensors, i, t) {
         char shape[256] = "["; /* SHARD_MAX_DIMS numbers of up to 20 digits fit */
         size_t q;
@@ -285,10 +301,8 @@ static void ckpt_text(const ckpt_info *k)
         json_array_foreach(json_object_get(t, "shape"), q, v)
             snprintf(shape + strlen(shape), sizeof shape - strlen(shape), q ? ", %lld" : "%lld", (long long)json_integer_value(v));
         snprintf(shape + strlen(shape), sizeof shape - strlen(shape), "]");
-        const char *g = json_string_value(json_object_get(t, "group"));
-        char name[300];
-        snprintf(name, sizeof name, "%s%s%s", strcmp(g, "params") ? g : "", strcmp(g, "params") ? "/" : "", json_string_value(json_object_get(t, "name")));
-        printf("    %-52s %-8s %-16s %zu\n", name, json_string_value(json_object_get(t, "dtype")), shape, json_array_size(json_object_get(t, "pieces")));
+        printf("    %-*s %-8s %-16s %zu\n", w, display_name(t, name, sizeof name),
+               json_string_value(json_object_get(t, "dtype")), shape, json_array_size(json_object_get(t, "pieces")));
     }
     printf("  files\n");
     json_array_foreach(k->files, i, f) {

@@ -73,6 +73,21 @@ def test_keep_leaves_a_checkpoint_that_a_reader_holds(tmp_path):
             "only its newest: --keep)"), p.stderr
 
 
+def test_inspect_table_columns_line_up(tmp_path):
+    """smp-inspect's tensor table: the name column is as wide as the longest name (the
+    optimizer's, "optim/exp_avg/...post_attention_layernorm.weight", overran a fixed
+    52 characters and pushed its row's dtype, shape and pieces out of line)."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    assert train(ck, data, tmp_path / "run", 1).returncode == 0
+    lines = run("smp-inspect", tmp_path / "run", check=0).stdout.splitlines()
+    rows = lines[lines.index("  tensors") + 1:lines.index("  files")]
+    assert len(rows) > 30 and max(len(r.split()[0]) for r in rows[1:]) > 52
+    header = rows[0]
+    for r in rows[1:]:
+        name, dtype = r.split()[:2]
+        assert r.index(dtype, 4 + len(name)) == header.index("dtype"), r
+
 def test_reading_a_run_folder_while_it_trains_with_keep(tmp_path):
     """smp-merge, smp-eval and smp-verify of a run folder (its latest) while smp-train saves
     every step with --keep 1: each reads a whole checkpoint. They used to fail (exit 3,
