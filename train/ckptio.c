@@ -445,12 +445,11 @@ static int by_commit(const void *a, const void *b)
     return x->step < y->step ? -1 : x->step > y->step;
 }
 
-/* Remove an old checkpoint folder: its tree (libshard's), or the link itself when it is
- * a symbolic link (never what it points at); a warning if it is still there. */
-/* The step folder p removed, unless a reader has it open (shard_ckpt_open's shared flock
- * on its smp.json): then 0, left for a later save. Under the exclusive lock it is first
- * renamed out of the way (a reader finds it gone, not half removed) to a staging name,
- * which the next run sweeps if this one is killed midway. */
+/* The old step folder p removed (its tree, or the link itself when it is a symbolic link,
+ * never what it points at; a warning if it is still there), unless a reader has it open
+ * (shard_ckpt_open's shared flock on its smp.json): then 0, left for a later save. Under
+ * the exclusive lock it is first renamed out of the way (a reader finds it gone, not half
+ * removed) to a staging name, which the next run sweeps if this one is killed midway. */
 static int remove_step(const char *p)
 {
     char *mp = join(p, "smp.json");

@@ -484,11 +484,16 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
     return s;
 }
 
-/* The bytes of the files under p (links not followed); with remove, each removed (and
- * the folders, emptied, after them). */
+/* The bytes of the files under p (links not followed, p itself included); with remove,
+ * each removed (and the folders, emptied, after them). */
 static uint64_t walk_tree(const char *p, int remove)
 {
     uint64_t bytes = 0;
+    struct stat top;
+    if (lstat(p, &top) == 0 && !S_ISDIR(top.st_mode)) { /* a link: itself, never what it points at */
+        if (remove) unlink(p);
+        return S_ISREG(top.st_mode) ? (uint64_t)top.st_size : 0;
+    }
     DIR *d = opendir(p);
     if (d) {
         struct dirent *e;

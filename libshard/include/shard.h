@@ -115,7 +115,8 @@ int shard_is_staging_name(const char *entry, const char *name);
 typedef enum { SHARD_OUT_NEW_DIR, SHARD_OUT_DIR, SHARD_OUT_FILE } shard_out_kind;
 shard_status shard_check_output(const char *path, shard_out_kind kind);
 /* Remove a folder and everything under it (best effort; for staging folders): the
- * bytes of the files removed. tree_bytes: the same count, nothing removed. */
+ * bytes of the files removed. A link (path itself too) is removed, never followed.
+ * tree_bytes: the same count, nothing removed. */
 uint64_t shard_remove_tree(const char *path);
 uint64_t shard_tree_bytes(const char *path);
 /* The names in folder dir that keep(name, ctx) accepts ("." and ".." never), sorted;

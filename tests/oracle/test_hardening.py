@@ -73,6 +73,22 @@ def test_keep_leaves_a_checkpoint_that_a_reader_holds(tmp_path):
             "only its newest: --keep)"), p.stderr
 
 
+def test_keep_removes_a_linked_step_folder_not_what_it_points_at(tmp_path):
+    """A step folder of the run that is a symbolic link to a checkpoint kept elsewhere:
+    --keep removes the link, never the checkpoint it points at."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    kept = tmp_path / "kept"
+    shutil.copytree(ck, kept)
+    r = tmp_path / "run"
+    r.mkdir()
+    os.symlink(kept, r / "step-000000")
+    before = sorted((p.name, p.stat().st_size) for p in kept.rglob("*"))
+    assert train(ck, data, r, 3, "--save-every", 1, "--keep", 1).returncode == 0
+    assert sorted(os.listdir(r)) == [".lock", "latest", "step-000003"]
+    assert sorted((p.name, p.stat().st_size) for p in kept.rglob("*")) == before
+    assert run("smp-verify", kept).returncode == 0
+
 def test_inspect_table_columns_line_up(tmp_path):
     """smp-inspect's tensor table: the name column is as wide as the longest name (the
     optimizer's, "optim/exp_avg/...post_attention_layernorm.weight", overran a fixed
