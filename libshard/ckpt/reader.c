@@ -411,7 +411,12 @@ shard_status shard_ckpt_open_any_on(shard_comm *world, const char *path, shard_c
     char *dir = NULL;
     if ((s = shard_ckpt_resolve(path, &dir))) return s;
     char *there = name[0] && strcmp(dir, path) ? shard_path_join(path, name) : NULL; /* a run folder here too */
-    s = shard_ckpt_open(there ? there : dir, out);
+    struct stat st;
+    if (there && (lstat(there, &st) != 0 || !S_ISDIR(st.st_mode))) /* as resolve checks latest's name */
+        s = shard_fail(SHARD_E_INVALID, "%s: has no folder %s, the step that rank 0 loaded through its latest (every "
+                       "rank loads the same checkpoint)", path, name);
+    else
+        s = shard_ckpt_open(there ? there : dir, out);
     free(there);
     free(dir);
     return s;

@@ -143,6 +143,12 @@ def test_ranks_take_latest_as_rank_0_read_it(inputs, tmp_path, cmd):
         run("smp-convert", "reshard", "--in", done, "--out", tmp_path / "one", "--layout", "tp=2")
         got, want = (json.loads((d / "smp.json").read_text())["tensors"] for d in (out, tmp_path / "one"))
         assert got == want
+    # a copy that lacks the step rank 0 loaded: said as such (not another checkpoint loaded)
+    shutil.rmtree(runs[1] / "step-000002")
+    p = mpmd("smp-eval", ["--ckpt", runs[0], "--data", a, *EVAL], ["--ckpt", runs[1], "--data", a, *EVAL])
+    assert p.returncode == 3 and errors(p) == [
+        f"smp-eval: error: {runs[1]}: has no folder step-000002, the step that rank 0 loaded through its latest (every "
+        "rank loads the same checkpoint)"], p.stderr
 
 # smp-convert under mpirun: each process opens the source and parses its flags itself,
 # and the output ranks are split over the processes; a host with another copy of the
