@@ -6,7 +6,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include <unistd.h>
 
 char *openblas_get_corename(void); /* OpenBLAS's; not declared in every cblas.h */
@@ -142,31 +141,15 @@ const char *cli_bytes(char buf[32], double b)
     return buf;
 }
 
-static int is_leftover(const char *name, void *base) { return shard_is_staging_name(name, base); }
-
 void cli_note_leftovers(const char *out)
 {
-    char *d = strdup(out);
-    if (!d) return;
-    size_t n = strlen(d);
-    while (n > 1 && d[n - 1] == '/') d[--n] = 0;
-    char *slash = strrchr(d, '/'), *base = slash ? slash + 1 : d;
-    const char *parent = !slash ? "." : slash == d ? "/" : d;
-    if (slash) *slash = 0;
-    char **names = NULL;
-    size_t k = 0;
-    if (*base && !shard_list_dir(parent, is_leftover, base, &names, &k))
-        for (size_t i = 0; i < k; i++) {
-            char p[4096], b[32];
-            struct stat st;
-            snprintf(p, sizeof p, "%s/%s", strcmp(parent, "/") ? parent : "", names[i]);
-            if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode))
-                fprintf(stderr, "%s: note: %s (%s) is left from an earlier write of %s that did not finish; delete it "
-                                "unless that write is still running\n", g_cmd, p, cli_bytes(b, (double)shard_tree_bytes(p)),
-                        out);
-        }
-    shard_free_names(names, k);
-    free(d);
+    char **paths, b[32];
+    size_t n;
+    if (shard_staging_leftovers(out, &paths, &n)) return; /* a note only */
+    for (size_t i = 0; i < n; i++)
+        fprintf(stderr, "%s: note: %s (%s) is left from an earlier write of %s that did not finish; delete it unless "
+                        "that write is still running\n", g_cmd, paths[i], cli_bytes(b, (double)shard_tree_bytes(paths[i])), out);
+    shard_free_names(paths, n);
 }
 
 const char *cli_count(char buf[32], unsigned long long n)

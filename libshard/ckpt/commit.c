@@ -488,28 +488,21 @@ shard_status shard_ckpt_commit(shard_ckpt_writer *w, const char *config_json, si
  * each removed (and the folders, emptied, after them). */
 static uint64_t walk_tree(const char *p, int remove)
 {
-    uint64_t bytes = 0;
-    struct stat top;
-    if (lstat(p, &top) == 0 && !S_ISDIR(top.st_mode)) { /* a link: itself, never what it points at */
+    struct stat st;
+    if (lstat(p, &st) != 0) return 0;
+    if (!S_ISDIR(st.st_mode)) { /* a link: itself, never what it points at */
         if (remove) unlink(p);
-        return S_ISREG(top.st_mode) ? (uint64_t)top.st_size : 0;
+        return S_ISREG(st.st_mode) ? (uint64_t)st.st_size : 0;
     }
+    uint64_t bytes = 0;
     DIR *d = opendir(p);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d))) {
-            if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
-            char *c = shard_path_join(p, e->d_name);
-            struct stat st;
-            if (c && lstat(c, &st) == 0) {
-                if (S_ISDIR(st.st_mode)) bytes += walk_tree(c, remove);
-                else bytes += S_ISREG(st.st_mode) ? (uint64_t)st.st_size : 0;
-                if (remove && !S_ISDIR(st.st_mode)) unlink(c);
-            }
-            free(c);
-        }
-        closedir(d);
+    for (struct dirent *e; d && (e = readdir(d));) {
+        if (!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..")) continue;
+        char *c = shard_path_join(p, e->d_name);
+        if (c) bytes += walk_tree(c, remove);
+        free(c);
     }
+    if (d) closedir(d);
     if (remove) rmdir(p);
     return bytes;
 }

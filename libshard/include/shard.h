@@ -104,6 +104,9 @@ char *shard_staging_path(const char *final_dir);
 /* 1 when entry (a name in a folder) has the form of the staging folder of a write of
  * name into that folder (".tmp-<name>-<pid>-<time>"); name NULL: of any name. */
 int shard_is_staging_name(const char *entry, const char *name);
+/* The staging folders that earlier writes of final_dir left beside it (folders, not
+ * links): their paths, sorted; free them with shard_free_names. */
+shard_status shard_staging_leftovers(const char *final_dir, char ***paths, size_t *n);
 /* Whether path can name a command's output, checked before any work: never empty nor
  * a link to nothing, never in a checkpoint's folder (one with smp.json); NEW_DIR (a
  * checkpoint or export, renamed into place when whole): not ".", ".." or "/", nothing

@@ -206,21 +206,65 @@ shard_status shard_check_output(const char *path, shard_out_kind kind)
     return s;
 }
 
-char *shard_staging_path(const char *final_dir)
+/* The folder that holds output folder final_dir (trailing slashes aside) and its name:
+ * both malloc'd; 0 when out of memory. */
+static int split_output(const char *final_dir, char **parent, char **base)
 {
     size_t n = strlen(final_dir);
     while (n > 1 && final_dir[n - 1] == '/') n--;
-    char *d = strndup(final_dir, n), *out = d ? malloc(2 * n + 64) : NULL;
-    if (out) {
-        const char *slash = strrchr(d, '/'), *base = slash ? slash + 1 : d;
-        char *parent = strdup(d);
-        const char *in = parent ? parent_of(parent) : NULL;
-        if (in) sprintf(out, "%s%s.tmp-%s-%ld-%ld", in, strcmp(in, "/") ? "/" : "", base, (long)getpid(), (long)time(NULL));
-        else { free(out); out = NULL; }
-        free(parent);
-    }
+    char *d = strndup(final_dir, n);
+    const char *slash = d ? strrchr(d, '/') : NULL;
+    *base = d ? strdup(slash ? slash + 1 : d) : NULL;
+    *parent = d && *base ? strdup(parent_of(d)) : NULL;
     free(d);
+    if (*parent) return 1;
+    free(*base);
+    *base = NULL;
+    return 0;
+}
+
+/* parent/name ("/name" in "/") */
+static char *in_folder(const char *parent, const char *name)
+{
+    char *out = malloc(strlen(parent) + strlen(name) + 2);
+    if (out) sprintf(out, "%s%s%s", parent, strcmp(parent, "/") ? "/" : "", name);
     return out;
+}
+
+char *shard_staging_path(const char *final_dir)
+{
+    char *parent, *base, name[4200];
+    if (!split_output(final_dir, &parent, &base)) return NULL;
+    snprintf(name, sizeof name, ".tmp-%.4096s-%ld-%ld", base, (long)getpid(), (long)time(NULL));
+    char *out = in_folder(parent, name);
+    free(parent);
+    free(base);
+    return out;
+}
+
+static int is_staging_of(const char *name, void *base) { return shard_is_staging_name(name, base); }
+
+shard_status shard_staging_leftovers(const char *final_dir, char ***paths, size_t *n)
+{
+    *paths = NULL;
+    *n = 0;
+    char *parent, *base, **names = NULL;
+    size_t k = 0;
+    if (!split_output(final_dir, &parent, &base)) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_status s = *base ? shard_list_dir(parent, is_staging_of, base, &names, &k) : SHARD_OK;
+    for (size_t i = 0; i < k && !s; i++) {
+        char *p = in_folder(parent, names[i]);
+        struct stat st;
+        char **grown = p ? realloc(*paths, (*n + 1) * sizeof **paths) : NULL;
+        if (!grown) { free(p); s = shard_fail(SHARD_E_NOMEM, "out of memory"); break; }
+        *paths = grown;
+        if (lstat(p, &st) == 0 && S_ISDIR(st.st_mode)) (*paths)[(*n)++] = p;
+        else free(p);
+    }
+    shard_free_names(names, k);
+    free(parent);
+    free(base);
+    return s;
 }
 
 /* s: digits, a '-', digits, and nothing else */
