@@ -82,10 +82,38 @@ static uint64_t seqs_in(uint64_t n, int S)
     return n > 0 ? (n - 1) / (uint64_t)S : 0;
 }
 
+/* The largest of n little-endian tokens, kept in 64 lanes whose fixed count lets the
+   compiler vectorize the loop at -O2 (a token at a time, the check ran at 1 GB/s). */
+#define MAX_TOKEN_OF(T)                                                                                                \
+    static uint32_t max_token_##T(const uint8_t *raw, size_t n)                                                        \
+    {                                                                                                                  \
+        T m[64] = {0}, t;                                                                                              \
+        size_t k = 0;                                                                                                  \
+        for (; k + 64 <= n; k += 64)                                                                                   \
+            for (int j = 0; j < 64; j++) {                                                                             \
+                memcpy(&t, raw + (k + (size_t)j) * sizeof t, sizeof t);                                                \
+                m[j] = t > m[j] ? t : m[j];                                                                            \
+            }                                                                                                          \
+        for (; k < n; k++) {                                                                                           \
+            memcpy(&t, raw + k * sizeof t, sizeof t);                                                                  \
+            m[0] = t > m[0] ? t : m[0];                                                                                \
+        }                                                                                                              \
+        T top = 0;                                                                                                     \
+        for (int j = 0; j < 64; j++) top = m[j] > top ? m[j] : top;                                                    \
+        return top;                                                                                                    \
+    }
+MAX_TOKEN_OF(uint16_t)
+MAX_TOKEN_OF(uint32_t)
+#if defined(__BYTE_ORDER__)
+_Static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "max_token_* read tokens in the host's order: little-endian only");
+#endif
+
 /* Tokens [i0, i0 + n) decoded from raw, every one inside the vocabulary. */
 static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_t i0, size_t n)
 {
-    for (size_t k = 0; k < n; k++) {
+    const uint32_t top = f->token_size == 2 ? max_token_uint16_t(raw, n) : max_token_uint32_t(raw, n);
+    if ((int64_t)top < f->vocab) return SHARD_OK;
+    for (size_t k = 0; k < n; k++) { /* which one: the first outside */
         uint32_t t = token_at(f, raw + k * (size_t)f->token_size);
         if ((int64_t)t >= f->vocab)
             return shard_fail(SHARD_E_INVALID, "%s: token %u at position %llu is outside the model's vocabulary (vocab_size %lld)",

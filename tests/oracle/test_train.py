@@ -639,13 +639,19 @@ def test_lanes_refusals(tmp_path):
 def test_refuses_token_ids_outside_the_vocabulary(tmp_path):
     ck, _ = _tiny(tmp_path)
     V = vocab_of("llama-tied-bf16-llama3")
-    toks = np.arange(200) % V
-    toks[150] = V
-    bad = write_tokens(tmp_path / "bad.bin", toks)
-    for cmd in (["smp-train", "--save-dir", tmp_path / "r", "--steps", 2, "--batch", 2, "--seq", 8],
-                ["smp-eval", "--batch", 2, "--seq", 8]):
-        p = run(cmd[0], "--ckpt", ck, "--data", bad, *cmd[1:], check=3)
-        assert str(bad) in p.stderr and f"token {V} at position 150" in p.stderr and "vocab" in p.stderr, p.stderr
+    # the check takes 64 tokens at a time, then the rest one by one: a bad token in a group
+    # (uint16), in the rest (uint32), the largest uint32, and two where the first is named
+    for u32, bad_at in ((False, {150: V}), (True, {197: V}), (True, {64: 2**32 - 1}), (False, {70: V + 5, 3: V})):
+        toks = np.arange(200) % V
+        for at, t in bad_at.items():
+            toks[at] = t
+        bad = write_tokens(tmp_path / "bad.bin", toks, u32=u32)
+        first = min(bad_at)
+        for cmd in (["smp-train", "--save-dir", tmp_path / "r", "--steps", 2, "--batch", 2, "--seq", 8],
+                    ["smp-eval", "--batch", 2, "--seq", 8]):
+            p = run(cmd[0], "--ckpt", ck, "--data", bad, *cmd[1:], check=3)
+            assert str(bad) in p.stderr and f"token {bad_at[first]} at position {first} " in p.stderr, p.stderr
+            assert "vocab" in p.stderr, p.stderr
     assert not (tmp_path / "r").exists()
     (tmp_path / "junk.bin").write_bytes(b"\x00" * 2048)
     p = run("smp-eval", "--ckpt", ck, "--data", tmp_path / "junk.bin", "--batch", 2, "--seq", 8, check=3)
