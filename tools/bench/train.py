@@ -1,7 +1,8 @@
 #!/usr/bin/env python3
 """bench/train.py: smp-train against a plain PyTorch eager training loop of the same
-model, batch and optimizer, on this machine's cores, in one run. Prints tokens/s and
-peak memory (max RSS) of each.
+model, batch and optimizer, on this machine's cores, in one run. Prints tokens/s,
+the first step's time (a fresh optimizer's moments are first touched there) and peak
+memory (max RSS) of each.
 
     python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
                                  --batch 8 --seq 256 --steps 20 --threads N --sdpa --repeat N]
@@ -48,6 +49,7 @@ for step in range(a["steps"]):
     opt.step()
     times.append(time.perf_counter() - t0)
 print(json.dumps({"tokens_per_s": B * S * (len(times) - 2) / sum(times[2:]), "loss": loss.item(),
+                  "first_step_s": times[0],
                   "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
@@ -115,28 +117,32 @@ def main():
             last = tmp / "run" / (tmp / "run" / "latest").read_text().strip()
             lanes = json.loads((last / "smp.json").read_text())["training"]["lanes"]  # auto's pick (--lanes)
             smp_runs.append((a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"]
-                                                                     for r in rows[2:]), int(p.stdout.split()[-1])))
+                                                                     for r in rows[2:]), int(p.stdout.split()[-1]),
+                             rows[0]["elapsed_s"]))
             for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
                 p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
                     hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
                     threads=a.threads, attn=attn))], check=True, capture_output=True, text=True, env=env)
                 torch_all.setdefault(attn, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
         # each side's median round (tokens/s) and its largest peak
-        smp_tps = statistics.median(t for t, _ in smp_runs)
-        smp_rss = max(r for _, r in smp_runs)
+        smp_tps = statistics.median(t for t, _, _ in smp_runs)
+        smp_rss = max(r for _, r, _ in smp_runs)
+        smp_first = statistics.median(f for _, _, f in smp_runs)
         torch_runs = {attn: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                              "max_rss_kib": max(r["max_rss_kib"] for r in runs),
+                             "first_step_s": statistics.median(r["first_step_s"] for r in runs),
                              "all": [r["tokens_per_s"] for r in runs]} for attn, runs in torch_all.items()}
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
           f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
           f"{a.threads} threads; fp32, AdamW; smp-train: {blas}, {lanes} lane{'s' if lanes > 1 else ''}"
           + (f" (OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} from the environment)" if "OPENBLAS_CORETYPE" in env else ""))
-    print(f"{'':12s} {'tokens/s':>10s} {'peak RSS':>10s}" + ("   (median of %d rounds; each round)" % a.repeat
+    print(f"{'':12s} {'tokens/s':>10s} {'first step':>10s} {'peak RSS':>10s}" + ("   (median of %d rounds; each round)" % a.repeat
                                                               if a.repeat > 1 else ""))
     each = lambda xs: "   " + " ".join(f"{x:.0f}" for x in xs) if a.repeat > 1 else ""
-    print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_rss / 1024:9.0f}M" + each(t for t, _ in smp_runs))
+    print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_first:9.2f}s {smp_rss / 1024:9.0f}M" + each(t for t, _, _ in smp_runs))
     for attn, t in torch_runs.items():
-        print(f"{'torch ' + attn:12s} {t['tokens_per_s']:10.0f} {t['max_rss_kib'] / 1024:9.0f}M" + each(t["all"]))
+        print(f"{'torch ' + attn:12s} {t['tokens_per_s']:10.0f} {t['first_step_s']:9.2f}s "
+              f"{t['max_rss_kib'] / 1024:9.0f}M" + each(t["all"]))
     for attn, t in torch_runs.items():
         print(f"speed ratio smp/torch {attn}: {smp_tps / t['tokens_per_s']:.2f}x; "
               f"memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
