@@ -475,7 +475,16 @@ static int remove_step(const char *p)
 
 /* Keep the `keep` checkpoints committed last (a run resumed from an older step saves
  * lower step numbers than the ones it abandoned), and always the one latest names. */
-void ckptio_prune(const char *run_dir, int keep)
+/* whether held already names step; else it does now (when there is room) */
+static int said_held(ckptio_held *held, long long step)
+{
+    for (int i = 0; i < held->n; i++)
+        if (held->step[i] == step) return 1;
+    if (held->n < (int)(sizeof held->step / sizeof held->step[0])) held->step[held->n++] = step;
+    return 0;
+}
+
+void ckptio_prune(const char *run_dir, int keep, ckptio_held *held)
 {
     if (keep <= 0) return;
     char *lat = join(run_dir, "latest"), *latest = NULL;
@@ -512,7 +521,7 @@ void ckptio_prune(const char *run_dir, int keep)
             snprintf(name, sizeof name, "step-%06lld", steps[i].step);
             if (latest && !strcmp(name, latest)) continue; /* what a resume needs */
             char *p = join(run_dir, name);
-            if (p && !remove_step(p))
+            if (p && !remove_step(p) && !said_held(held, steps[i].step))
                 fprintf(stderr, "smp-train: note: %s: kept for now, another process is reading it; a later save "
                                 "prunes it (--keep)\n", p);
             free(p);

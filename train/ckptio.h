@@ -81,9 +81,16 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
  * just written in run_dir, whose extra/ files the next save carries: the checkpoint the
  * run loaded may be gone by then (--keep prunes it; a user's clean-up script too). */
 void ckptio_follow(const char *run_dir, long long step, shard_ckpt **carry);
+/* The steps whose "kept for now" note a run has printed (each is said once). */
+typedef struct {
+    long long step[16];
+    int n;
+} ckptio_held;
+
 /* Remove all but the newest `keep` step-NNNNNN folders of run_dir (keep 0: none
  * removed). One that another process reads (shard_ckpt_open's lock) is left for a later
- * save, with a note. Failures are reported as warnings only. */
-void ckptio_prune(const char *run_dir, int keep);
+ * save, with a note the first time (held: what was said). Failures are reported as
+ * warnings only. */
+void ckptio_prune(const char *run_dir, int keep, ckptio_held *held);
 
 #endif

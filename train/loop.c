@@ -517,7 +517,7 @@ static shard_status save(train_run *r)
     if (r->P->rank == 0) {
         ckptio_follow(r->a->save_dir, c->step, &r->carry);
         if (r->carry) shard_ckpt_unlock(r->ck); /* the extra/ files come from the newest save now */
-        ckptio_prune(r->a->save_dir, (int)c->keep);
+        ckptio_prune(r->a->save_dir, (int)c->keep, &r->held);
     }
     return SHARD_OK;
 }

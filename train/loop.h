@@ -26,6 +26,7 @@
 #include <signal.h>
 #include <stdint.h>
 
+#include "ckptio.h"
 #include "data.h"
 #include "dev.h"
 #include "lanes.h"
@@ -74,6 +75,7 @@ typedef struct {
     shard_ckpt *ck;
     shard_ckpt *carry;             /* rank 0, once it has saved: the newest checkpoint saved
                                     * (ckptio_follow), whose extra/ files the next save carries */
+    ckptio_held held;              /* rank 0: the old steps a reader held at a save, said once */
     model m;
     lanes ln;                      /* the microbatch's lanes (m and those over its parameters) */
     optim opt;
