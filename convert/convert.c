@@ -379,14 +379,16 @@ static shard_status agree_inputs(run *r)
     uint64_t fp = 0;
     shard_status s = agree(r, source_fingerprint(src, &fp));
     if (s) return s;
-    shard_agree_item items[11 + SHARD_MAX_PP] = {
+    const shard_agree_item fixed[] = {
         {src->c ? SHARD_AGREE_CKPT : SHARD_AGREE_MODEL, src->path, fp}, SHARD_AGREE_LAYOUT(&r->l),
         {SHARD_AGREE_INT, "--seed", src->seed}, {SHARD_AGREE_DTYPE, "--dtype", (uint64_t)r->o->dtype},
         {SHARD_AGREE_INT, "--compress (its zstd level)", (uint64_t)r->comp.zstd_level},
         {SHARD_AGREE_INT, "--compress (1: zstd, 0: zstd:N or none)", (uint64_t)r->comp.planes},
         {SHARD_AGREE_INT, "--no-fsync", (uint64_t)r->o->no_fsync},
     };
-    int n = 11;
+    shard_agree_item items[sizeof fixed / sizeof fixed[0] + SHARD_MAX_PP];
+    memcpy(items, fixed, sizeof fixed);
+    int n = (int)(sizeof fixed / sizeof fixed[0]);
     for (int k = 0; k < r->l.pp; k++)
         items[n++] = (shard_agree_item){SHARD_AGREE_INT, "--stages (a stage's layers)", (uint64_t)r->stages[k]};
     return shard_agree_check(r->o->world, items, n);
