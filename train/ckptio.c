@@ -97,6 +97,17 @@ shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_c
     return SHARD_OK;
 }
 
+void ckptio_print_save(const char *run_dir, long long step, double seconds)
+{
+    char name[64];
+    snprintf(name, sizeof name, "step-%06lld", step);
+    char *dir = join(run_dir, name);
+    const uint64_t bytes = dir ? shard_tree_bytes(dir) : 0;
+    fprintf(stderr, "smp-train: saved %s: %llu bytes in %.3f s (%.2f GB/s)\n", dir ? dir : name,
+            (unsigned long long)bytes, seconds, seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0);
+    free(dir);
+}
+
 void ckptio_param_dtypes(shard_ckpt *c, const model *m, shard_dtype *dts)
 {
     for (size_t i = 0; i < m->ntensors; i++) {

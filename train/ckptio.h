@@ -81,6 +81,11 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
  * just written in run_dir, whose extra/ files the next save carries: the checkpoint the
  * run loaded may be gone by then (--keep prunes it; a user's clean-up script too). */
 void ckptio_follow(const char *run_dir, long long step, shard_ckpt **carry);
+/* Rank 0, after a save: "smp-train: saved RUN/step-N: B bytes in T s (R GB/s)" (the
+ * checkpoint's bytes, every rank's files; T from the download of the state to the commit
+ * of `latest`). */
+void ckptio_print_save(const char *run_dir, long long step, double seconds);
+
 /* The steps whose "kept for now" note a run has printed (each is said once). */
 typedef struct {
     long long step[16];

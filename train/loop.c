@@ -504,6 +504,7 @@ static shard_status save(train_run *r)
     const char *cfg = shard_ckpt_config_json(r->ck);
     const shard_ckpt *extras = r->carry ? r->carry : r->ck;
     const ckptio_save_args sa = {r->a->save_dir, c->step, cfg, strlen(cfg), extras, r->pdt, r->a->compress, tj};
+    const double t0 = r->a->now();
     model_params_download(&r->m); /* the host copies that the checkpoint writes (CUDA) */
     optim_download(&r->opt);
     shard_status s = dev_status(&r->D);
@@ -515,6 +516,8 @@ static shard_status save(train_run *r)
     if (s) return s;
     r->saved_step = c->step;
     if (r->P->rank == 0) {
+        steplog_end_line(&r->log); /* on a terminal the step line stays, the saved line below it */
+        ckptio_print_save(r->a->save_dir, c->step, r->a->now() - t0);
         ckptio_follow(r->a->save_dir, c->step, &r->carry);
         if (r->carry) shard_ckpt_unlock(r->ck); /* the extra/ files come from the newest save now */
         ckptio_prune(r->a->save_dir, (int)c->keep, &r->held);

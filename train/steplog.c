@@ -130,11 +130,13 @@ void steplog_step(steplog *l, const step_result *r, int64_t steps)
     fprintf(stderr, "\r\033[Kstep %lld/%lld  loss %s  lr %.3g  %.0f tok/s  ETA %s", (long long)r->step,
             (long long)steps, loss, r->lr, r->tokens_per_s, eta);
     if (!isnan(r->val_loss)) fprintf(stderr, "  val %.4f", r->val_loss);
+    l->drawn = 1;
 }
 
-void steplog_end_line(const steplog *l)
+void steplog_end_line(steplog *l)
 {
-    if (l->tty) fputc('\n', stderr);
+    if (l->tty && l->drawn) fputc('\n', stderr);
+    l->drawn = 0;
 }
 
 const char *steplog_clear(const steplog *l)

@@ -55,6 +55,7 @@ typedef struct {
     int lost_errno;        /* a step's line was not written: why (0: none was lost) */
     int64_t lost;          /* the first such step */
     int tty;               /* the progress line is drawn */
+    int drawn;             /* and not ended yet */
     int bytes;             /* more than one rank: the bytes by kind are logged */
     double ema_dt;         /* the ETA's smoothed step time */
     step_comms comms;
@@ -73,9 +74,9 @@ void steplog_reset_bytes(const steplog *l);
 step_bytes steplog_bytes(const steplog *l);
 /* The step's log line and progress line (`steps`: of the run, for the ETA). */
 void steplog_step(steplog *l, const step_result *r, int64_t steps);
-/* Before a message of its own: what ends the progress line ("\n" on a terminal,
- * else nothing). steplog_clear: what a warning starts with to print over it. */
-void steplog_end_line(const steplog *l);
+/* Before a message of its own: what ends the progress line ("\n" on a terminal while
+ * one is drawn, else nothing). steplog_clear: what a warning starts with to print over it. */
+void steplog_end_line(steplog *l);
 const char *steplog_clear(const steplog *l);
 
 #endif

@@ -4,6 +4,7 @@ file truncated under a running trainer, and smp-inspect on a tensor of many huge
 dimensions."""
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -507,6 +508,30 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
         assert rc == 0 and f"\x1b[K{args[0]}: loaded " in text, text  # the "loading" line erased first
     p = run("smp-eval", "--ckpt", ck, "--data", data, "--batch", 1, "--seq", 16, "--batches", 1, check=0)
     assert "loading" not in p.stderr and "\r" not in p.stderr and "\x1b" not in p.stderr, p.stderr
+
+
+def test_each_save_is_said_with_its_bytes_and_time(tmp_path):
+    """smp-train says each save ("saved RUN/step-N: B bytes in T s (R GB/s)", B the bytes
+    of the step folder's files; new: saves were silent, the last one named by the final
+    line only); on a terminal below the step line, which it ends, with no blank line."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    r = tmp_path / "run"
+    p = train(ck, data, r, 3, "--save-every", 2)
+    assert p.returncode == 0, p.stderr
+    saved = [ln for ln in p.stderr.splitlines() if ": saved " in ln]
+    assert len(saved) == 2, p.stderr
+    for ln, step in zip(saved, (2, 3)):
+        folder = r / f"step-{step:06d}"
+        size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+        m = re.fullmatch(rf"smp-train: saved {re.escape(str(folder))}: (\d+) bytes in ([0-9.]+) s \(([0-9.]+) GB/s\)", ln)
+        assert m and int(m[1]) == size and float(m[2]) > 0, (ln, size)
+    rc, text = on_a_terminal(("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "tty", "--steps", 2,
+                              "--save-every", 1, "--batch", 2, "--seq", 16))
+    text = text.replace("\r\n", "\n")
+    assert rc == 0 and re.search(r"step 1/2 [^\r\n]*\nsmp-train: saved [^\n]*step-000001: \d+ bytes", text), text
+    assert re.search(r"step 2/2 [^\r\n]*\nsmp-train: saved [^\n]*step-000002: [^\n]*\nsmp-train: step 2 of 2", text), text
+    assert "\n\n" not in text, text
 
 
 def test_empty_arguments_are_usage_errors(tmp_path):
