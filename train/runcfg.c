@@ -61,10 +61,14 @@ shard_status runcfg_check(const run_cfg *c, const shard_layout *l, const shard_m
                           "x cp chunks of equal length", (long long)c->seq, 2 * l->cp);
     if ((int64_t)c->batch / c->micro * c->seq > INT32_MAX / 4)
         return shard_fail(SHARD_E_USAGE, "--batch / --microbatches * --seq is too large");
-    if (d->max_positions > 0 && c->seq > d->max_positions)
-        fprintf(stderr, "smp-train: warning: --seq %lld exceeds max_position_embeddings %lld\n", (long long)c->seq,
-                (long long)d->max_positions);
     return SHARD_OK;
+}
+
+void runcfg_note_positions(const char *cmd, int64_t seq, const shard_model_desc *d)
+{
+    if (d->max_positions > 0 && seq > d->max_positions)
+        fprintf(stderr, "%s: warning: --seq %lld exceeds max_position_embeddings %lld (positions the model was not "
+                        "trained at)\n", cmd, (long long)seq, (long long)d->max_positions);
 }
 
 int runcfg_rows(const run_cfg *c, const shard_layout *l)

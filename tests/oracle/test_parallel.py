@@ -148,6 +148,23 @@ def test_refusals(setup):
     assert not (tmp / "y" / "latest").exists()
 
 
+def test_a_sequence_past_the_models_positions_is_warned_once(setup):
+    """--seq above max_position_embeddings: one warning under mpirun (each rank printed
+    its own before), and smp-eval's too (it said nothing)."""
+    tmp, ck, data, _ = setup
+    top = json.loads(json.loads((ck / "smp.json").read_text())["config_json"])["max_position_embeddings"]
+    seq = top + 16  # two such sequences in the 6000 tokens
+    want = f"warning: --seq {seq} exceeds max_position_embeddings {top} (positions the model was not trained at)"
+    p = mpirun(2, "--ckpt", ck, "--data", data, "--save-dir", tmp / "long", "--steps", 1, "--batch", 2, "--seq", seq,
+               "--layout", "dp=2")
+    assert p.stderr.count(want) == 1 and f"smp-train: {want}" in p.stderr, p.stderr
+    p = mpirun(2, "--ckpt", ck, "--data", data, "--batch", 2, "--seq", seq, "--layout", "dp=2", exe="smp-eval")
+    assert p.stderr.count(want) == 1 and f"smp-eval: {want}" in p.stderr, p.stderr
+    p = mpirun(2, "--ckpt", ck, "--data", data, "--batch", 2, "--seq", top, "--batches", 1, "--layout", "dp=2",
+               exe="smp-eval")
+    assert "warning" not in p.stderr, p.stderr
+
+
 def test_error_on_one_rank_ends_all(setup):
     """Rank 1 cannot write its shard file (its part of the checkpoint): every rank
     ends non-zero, promptly, and no step folder of that save exists."""
