@@ -309,7 +309,7 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
                            (s = runcfg_doc_sep(&r->m.d, sep, &t->a.doc_sep))))
         return rc ? rc : cli_usage("%s", shard_errmsg());
     if ((s = loop_agree(r))) return s == SHARD_E_USAGE ? cli_usage("%s", shard_errmsg()) : cli_fail(s);
-    if ((s = runcfg_check(&r->c, &t->a.layout, &r->m.d))) return cli_usage("%s", shard_errmsg());
+    if ((s = runcfg_check(&r->c, &t->a.layout))) return cli_usage("%s", shard_errmsg());
     const run_cfg *c = &r->c;
     const int over = c->step >= c->steps, stopped = c->stop_at && c->step >= c->stop_at;
     if (r->resumed && (over || stopped) && !t->a.dump_grads) { /* before the load */

@@ -484,8 +484,6 @@ static int remove_step(const char *p)
     return 1;
 }
 
-/* Keep the `keep` checkpoints committed last (a run resumed from an older step saves
- * lower step numbers than the ones it abandoned), and always the one latest names. */
 /* whether held already names step; else it does now (when there is room) */
 static int said_held(ckptio_held *held, long long step)
 {
@@ -495,6 +493,8 @@ static int said_held(ckptio_held *held, long long step)
     return 0;
 }
 
+/* Keep the `keep` checkpoints committed last (a run resumed from an older step saves
+ * lower step numbers than the ones it abandoned), and always the one latest names. */
 void ckptio_prune(const char *run_dir, int keep, ckptio_held *held)
 {
     if (keep <= 0) return;

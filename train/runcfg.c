@@ -44,7 +44,7 @@ void runcfg_merge(run_cfg *c, const runcfg_flags *f)
     }
 }
 
-shard_status runcfg_check(const run_cfg *c, const shard_layout *l, const shard_model_desc *d)
+shard_status runcfg_check(const run_cfg *c, const shard_layout *l)
 {
     if (c->steps < 1) return shard_fail(SHARD_E_USAGE, "--steps is required for a new run");
     if (c->fp8 == FP8_CURRENT && l->tp > 1)
