@@ -290,6 +290,28 @@ static int apply_flags(const train_cmd *t, run_cfg *c)
     return 0;
 }
 
+/* A resumed run whose flags change its learning-rate schedule (a longer run, another
+ * --lr): allowed, as any flag given again, but said once with the rate it goes on at. */
+static void note_schedule_change(const run_cfg *was, const run_cfg *now)
+{
+    char what[256] = "";
+    size_t n = 0;
+#define CHANGED(cond, ...) \
+    if ((cond) && n < sizeof what) n += (size_t)snprintf(what + n, sizeof what - n, __VA_ARGS__)
+    CHANGED(was->steps != now->steps, ", --steps %lld (was %lld)", (long long)now->steps, (long long)was->steps);
+    CHANGED(was->lr != now->lr, ", --lr %g (was %g)", (double)now->lr, (double)was->lr);
+    CHANGED(was->lr_min != now->lr_min, ", --lr-min %g (was %g)", (double)now->lr_min, (double)was->lr_min);
+    CHANGED(was->warmup != now->warmup, ", --warmup %lld (was %lld)", (long long)now->warmup, (long long)was->warmup);
+    CHANGED(was->cosine != now->cosine, ", --schedule %s (was %s)", now->cosine ? "cosine" : "constant",
+            was->cosine ? "cosine" : "constant");
+#undef CHANGED
+    if (!n) return;
+    const optim_hparams a = runcfg_hparams(was), b = runcfg_hparams(now);
+    fprintf(stderr, "smp-train: note: the run's learning-rate schedule changes at step %lld%s: its rate there "
+                    "%g, was %g\n", (long long)now->step, what, (double)optim_lr(&b, now->step),
+            (double)optim_lr(&a, now->step));
+}
+
 /* a failure of the run's set-up: the command line's (with the usage hint) or not */
 static int set_up_failed(const train_run *r, shard_status s)
 {
@@ -302,6 +324,7 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
 {
     shard_status s = loop_open(r, P, &t->a);
     if (s) return set_up_failed(r, s);
+    const run_cfg was = r->c; /* the resumed run's, before the flags */
     int rc = apply_flags(t, &r->c);
     if (rc) return rc;
     int64_t sep = -1;
@@ -323,6 +346,7 @@ static int set_up(train_run *r, train_cmd *t, par_ctx *P, int *done)
         return 0;
     }
     if ((s = runcfg_check_sp(&r->c, &t->a.layout, t->a.seqpar))) return cli_usage("%s", shard_errmsg());
+    if (r->resumed && P->rank == 0) note_schedule_change(&was, &r->c);
     return (s = loop_load(r)) ? set_up_failed(r, s) : 0;
 }
 

@@ -141,7 +141,7 @@ static shard_status load_optim(train_run *r, int *moments)
     const run_cfg *c = &r->c;
     optim *opt = &r->opt;
     int have_m = 0, have_v = 0;
-    const optim_hparams h = {c->lr, c->lr_min, c->warmup, c->steps, c->cosine, c->beta1, c->beta2, c->eps, c->wd, c->clip};
+    const optim_hparams h = runcfg_hparams(c);
     shard_status s;
     /* without saved moments the backend's zeroed buffers stand: no host copies of zeros
      * to upload (8 bytes a parameter, 8 GB for a 1B model on the CUDA backend) */

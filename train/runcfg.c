@@ -64,6 +64,11 @@ shard_status runcfg_check(const run_cfg *c, const shard_layout *l)
     return SHARD_OK;
 }
 
+optim_hparams runcfg_hparams(const run_cfg *c)
+{
+    return (optim_hparams){c->lr, c->lr_min, c->warmup, c->steps, c->cosine, c->beta1, c->beta2, c->eps, c->wd, c->clip};
+}
+
 void runcfg_note_positions(const char *cmd, int64_t seq, const shard_model_desc *d)
 {
     if (d->max_positions > 0 && seq > d->max_positions)

@@ -13,6 +13,7 @@
 #include "data.h"
 #include "fp8.h"
 #include "model.h"
+#include "optim.h"
 #include "shard.h"
 #include "state.h"
 
@@ -42,6 +43,8 @@ void runcfg_merge(run_cfg *c, const runcfg_flags *f);
  * current with tp 1, the batch divisible by dp x microbatches, the sequence by 2 x
  * cp, a microbatch's tokens in range. */
 shard_status runcfg_check(const run_cfg *c, const shard_layout *l);
+/* The optimizer's settings of c. */
+optim_hparams runcfg_hparams(const run_cfg *c);
 /* cmd's warning (stderr; rank 0 calls it) when seq exceeds max_position_embeddings of d. */
 void runcfg_note_positions(const char *cmd, int64_t seq, const shard_model_desc *d);
 /* --sequence-parallel with tp > 1: a microbatch's tokens of one rank divide by tp. */

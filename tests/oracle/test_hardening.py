@@ -534,6 +534,34 @@ def test_each_save_is_said_with_its_bytes_and_time(tmp_path):
     assert "\n\n" not in text, text
 
 
+def test_a_resumed_run_whose_schedule_changes_says_so(tmp_path):
+    """Flags given again override the run's (a longer run, another --lr): allowed, now
+    said once, with the learning rate the run goes on at and the one it had, each the rate
+    a run straight through logs at that step."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(0).integers(0, vocab_of(CASE), size=4000))
+    sched = ("--lr", "1e-3", "--warmup", 1)
+    logs = {}
+    for name, steps in (("four", 4), ("eight", 8)):  # straight through: the rates of each schedule
+        assert train(ck, data, tmp_path / name, steps, *sched, "--log", tmp_path / f"{name}.jsonl").returncode == 0
+        logs[name] = [json.loads(x)["lr"] for x in (tmp_path / f"{name}.jsonl").read_text().splitlines()]
+    r = tmp_path / "run"
+    assert train(ck, data, r, 4, *sched, "--stop-at", 2).returncode == 0
+    p = train(r, data, r, 8)
+    assert p.returncode == 0, p.stderr
+    notes = [ln for ln in p.stderr.splitlines() if "schedule changes" in ln]
+    m = re.fullmatch(r"smp-train: note: the run's learning-rate schedule changes at step 2, --steps 8 \(was 4\): "
+                     r"its rate there (\S+), was (\S+)", notes[0] if len(notes) == 1 else "")
+    assert m, p.stderr
+    assert abs(float(m[1]) / logs["eight"][2] - 1) < 1e-5 and abs(float(m[2]) / logs["four"][2] - 1) < 1e-5, (m[0], logs)
+    p = train(r, data, r, 8, "--lr", "1e-3")  # resumed again, nothing changed: nothing said (finished: nothing to do)
+    assert "schedule" not in p.stderr, p.stderr
+    r2 = tmp_path / "run2"
+    assert train(ck, data, r2, 4, *sched, "--stop-at", 2).returncode == 0
+    p = train(r2, data, r2, 4, "--lr", "1e-3", "--warmup", 1)
+    assert p.returncode == 0 and "schedule" not in p.stderr, p.stderr
+
+
 def test_empty_arguments_are_usage_errors(tmp_path):
     """An empty path ("", as an unset shell variable gives) is exit 2 and one line in
     every command: it used to be read as a path ("/config.json": the root folder's,
