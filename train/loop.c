@@ -148,7 +148,7 @@ static shard_status load_optim(train_run *r, int *moments)
     const int saved = ckptio_group_count(r->ck, &r->m, "optim/exp_avg") > 0 ||
                       ckptio_group_count(r->ck, &r->m, "optim/exp_avg_sq") > 0;
     if ((s = optim_create(opt, &h, P->zsum, &r->D)) || (s = optim_host(opt, saved))) return s;
-    if (!saved && !r->D.cuda) {
+    if (!saved && !r->D.cuda && !r->a->dump_grads) { /* --dump-grads takes no step: left untouched */
         /* fresh host moments, faulted in writable now: the first step reads them before
          * it writes them, and a page of calloc's read first maps the zero page, whose
          * write then copies it and flushes the TLB of every core the run's threads use
