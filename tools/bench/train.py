@@ -2,7 +2,9 @@
 """bench/train.py: smp-train against a plain PyTorch eager training loop of the same
 model, batch and optimizer, on this machine's cores, in one run. Prints tokens/s,
 the first step's time (a fresh optimizer's moments are first touched there) and peak
-memory (max RSS) of each.
+memory (max RSS) of each, and the save at the end of the run: smp-train's (its "saved"
+line) against torch.save of the model's and the optimizer's state dicts, fsynced, and
+against `cp -r` + sync of smp-train's step folder (the physical anchor).
 
     python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
                                  --batch 8 --seq 256 --steps 20 --threads N --sdpa --repeat N]
@@ -16,19 +18,22 @@ figures move by up to 20% between runs). Needs the oracle venv (torch, transform
 """
 import argparse
 import json
+import math
 import os
 import pathlib
+import re
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 BIN = pathlib.Path(os.environ.get("SMP_BUILD", ROOT / "build")) / "bin"
 
 TORCH_LOOP = r"""
-import json, sys, time, resource
+import json, os, sys, time, resource
 import numpy as np, torch, torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 a = json.loads(sys.argv[1])
@@ -48,8 +53,14 @@ for step in range(a["steps"]):
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
     opt.step()
     times.append(time.perf_counter() - t0)
+t0 = time.perf_counter()  # the state a resume needs, durable as smp-train's save is
+with open(a["save"], "wb") as f:
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, f)
+    f.flush()
+    os.fsync(f.fileno())
+save_s = time.perf_counter() - t0
 print(json.dumps({"tokens_per_s": B * S * (len(times) - 2) / sum(times[2:]), "loss": loss.item(),
-                  "first_step_s": times[0],
+                  "first_step_s": times[0], "save_s": save_s, "save_bytes": os.path.getsize(a["save"]),
                   "max_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 """
 
@@ -102,9 +113,10 @@ def main():
         ver = subprocess.run([str(BIN / "smp-train"), "--version"], env=env, capture_output=True, text=True).stdout
         blas = next((ln.split("(", 1)[1].split(")")[0] for ln in ver.splitlines() if "OpenBLAS" in ln), "?")
         # a wrapper process, so that the peak is smp-train's alone
-        wrap = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, capture_output=True); "
-                "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-        smp_runs, torch_all = [], {}
+        # (and its stderr, for the "saved" line)
+        wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], check=True, capture_output=True, "
+                "text=True); sys.stdout.write(r.stderr); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+        smp_runs, torch_all, saves = [], {}, {}
         for _ in range(a.repeat):  # rounds of every side, so that a busy moment hits them all
             shutil.rmtree(tmp / "run", ignore_errors=True)
             (tmp / "log.jsonl").unlink(missing_ok=True)
@@ -119,11 +131,23 @@ def main():
             smp_runs.append((a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"]
                                                                      for r in rows[2:]), int(p.stdout.split()[-1]),
                              rows[0]["elapsed_s"]))
+            saved = re.search(r"saved \S+: (\d+) bytes in ([0-9.]+) s", p.stdout)
+            shutil.rmtree(tmp / "copy", ignore_errors=True)
+            t0 = time.perf_counter()
+            subprocess.run(["cp", "-r", str(last), str(tmp / "copy")], check=True)
+            os.sync()
+            saves.setdefault("smp", []).append((float(saved[2]), int(saved[1])) if saved else (math.nan, 0))
+            saves.setdefault("cp", []).append((time.perf_counter() - t0, int(saved[1]) if saved else 0))
+            shutil.rmtree(tmp / "copy", ignore_errors=True)
             for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
                 p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
                     hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
-                    threads=a.threads, attn=attn))], check=True, capture_output=True, text=True, env=env)
+                    threads=a.threads, attn=attn, save=str(tmp / "torch.pt")))], check=True, capture_output=True,
+                    text=True, env=env)
                 torch_all.setdefault(attn, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
+                r = torch_all[attn][-1]
+                saves.setdefault("torch " + attn, []).append((r["save_s"], r["save_bytes"]))
+                (tmp / "torch.pt").unlink(missing_ok=True)
         # each side's median round (tokens/s) and its largest peak
         smp_tps = statistics.median(t for t, _, _ in smp_runs)
         smp_rss = max(r for _, r, _ in smp_runs)
@@ -146,6 +170,13 @@ def main():
     for attn, t in torch_runs.items():
         print(f"speed ratio smp/torch {attn}: {smp_tps / t['tokens_per_s']:.2f}x; "
               f"memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
+    # the saves: each side's median round, seconds and GB/s of what it wrote
+    med = {k: (statistics.median(t for t, _ in v), statistics.median(b for _, b in v)) for k, v in saves.items()}
+    print("save at the end of the run, durable (median of %d): " % a.repeat + "; ".join(
+        f"{k} {t:.2f} s ({b / 1e9:.2f} GB, {b / t / 1e9 if t > 0 else 0:.2f} GB/s)" for k, (t, b) in med.items()))
+    if "smp" in med and med["cp"][0] > 0:
+        print(f"save ratio smp / (cp -r && sync of its step folder): {med['smp'][0] / med['cp'][0]:.2f}x" + "".join(
+            f"; smp / {k}: {med['smp'][0] / t:.2f}x" for k, (t, _) in med.items() if k.startswith("torch") and t > 0))
 
 
 if __name__ == "__main__":
