@@ -155,7 +155,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
         else if ((s = shard_stages_auto(&m.d, lay.pp, stages))) OUT(cli_fail(s));
         if ((s = par_setup(P, &lay, stages, 1, &m))) OUT(cli_fail(s));
     }
-    if (me0) runcfg_note_positions(cli_name(), S, &m.d);
+    if (me0) runcfg_warn_positions(cli_name(), S, &m.d);
     /* the inputs checked before the weights load */
     if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
     if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));

@@ -256,7 +256,6 @@ static void ckpt_json(const ckpt_info *k)
     json_decref(o);
 }
 
-
 /* a tensor's name as listed: "group/name", params without their group */
 static const char *display_name(const json_t *t, char *buf, size_t cap)
 {

@@ -490,7 +490,7 @@ static int train(train_run *r)
         note_data_order(r);
         note_val_in_data(r);
         note_schedule(&r->c);
-        runcfg_note_positions("smp-train", r->c.seq, &r->m.d);
+        runcfg_warn_positions("smp-train", r->c.seq, &r->m.d);
     }
     if (r->a->dump_grads) return (s = loop_dump_grads(r)) ? cli_fail(s) : 0;
     if (me0) print_start(r);

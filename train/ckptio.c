@@ -97,14 +97,21 @@ shard_status ckptio_print_load(const char *cmd, shard_comm *world, const shard_c
     return SHARD_OK;
 }
 
-void ckptio_print_save(const char *run_dir, long long step, double seconds)
+/* run_dir/step-NNNNNN (malloc'd; NULL when out of memory) */
+static char *step_path(const char *run_dir, long long step)
 {
     char name[64];
     snprintf(name, sizeof name, "step-%06lld", step);
-    char *dir = join(run_dir, name);
-    const uint64_t bytes = dir ? shard_tree_bytes(dir) : 0;
-    fprintf(stderr, "smp-train: saved %s: %llu bytes in %.3f s (%.2f GB/s)\n", dir ? dir : name,
-            (unsigned long long)bytes, seconds, seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0);
+    return join(run_dir, name);
+}
+
+void ckptio_print_save(const char *run_dir, long long step, double seconds)
+{
+    char *dir = step_path(run_dir, step);
+    if (!dir) return; /* a report only */
+    const uint64_t bytes = shard_tree_bytes(dir);
+    fprintf(stderr, "smp-train: saved %s: %llu bytes in %.3f s (%.2f GB/s)\n", dir, (unsigned long long)bytes, seconds,
+            seconds > 0 ? (double)bytes / seconds / 1e9 : 0.0);
     free(dir);
 }
 
@@ -421,9 +428,7 @@ shard_status ckptio_save(const ckptio_save_args *a, const model *m, const optim 
 
 void ckptio_follow(const char *run_dir, long long step, shard_ckpt **carry)
 {
-    char name[64];
-    snprintf(name, sizeof name, "step-%06lld", step);
-    char *dir = join(run_dir, name);
+    char *dir = step_path(run_dir, step);
     shard_ckpt *c = NULL;
     if (dir && !shard_ckpt_open(dir, &c)) {
         shard_ckpt_close(*carry);

@@ -69,7 +69,7 @@ optim_hparams runcfg_hparams(const run_cfg *c)
     return (optim_hparams){c->lr, c->lr_min, c->warmup, c->steps, c->cosine, c->beta1, c->beta2, c->eps, c->wd, c->clip};
 }
 
-void runcfg_note_positions(const char *cmd, int64_t seq, const shard_model_desc *d)
+void runcfg_warn_positions(const char *cmd, int64_t seq, const shard_model_desc *d)
 {
     if (d->max_positions > 0 && seq > d->max_positions)
         fprintf(stderr, "%s: warning: --seq %lld exceeds max_position_embeddings %lld (positions the model was not "

@@ -46,7 +46,7 @@ shard_status runcfg_check(const run_cfg *c, const shard_layout *l);
 /* The optimizer's settings of c. */
 optim_hparams runcfg_hparams(const run_cfg *c);
 /* cmd's warning (stderr; rank 0 calls it) when seq exceeds max_position_embeddings of d. */
-void runcfg_note_positions(const char *cmd, int64_t seq, const shard_model_desc *d);
+void runcfg_warn_positions(const char *cmd, int64_t seq, const shard_model_desc *d);
 /* --sequence-parallel with tp > 1: a microbatch's tokens of one rank divide by tp. */
 shard_status runcfg_check_sp(const run_cfg *c, const shard_layout *l, int seqpar);
 /* --fp8 on CUDA: the GEMMs' widths of this rank's model m (after par_setup)

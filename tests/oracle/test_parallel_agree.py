@@ -117,7 +117,6 @@ def test_eval_ranks_agree_on_their_inputs(inputs, what):
     assert p.returncode == code and errors(p) == [line], p.stderr
 
 
-
 @pytest.mark.parametrize("cmd", ["smp-eval", "smp-convert"])
 def test_ranks_take_latest_as_rank_0_read_it(inputs, tmp_path, cmd):
     """A run folder's `latest` is read once, by rank 0, and every rank opens that step
@@ -149,6 +148,7 @@ def test_ranks_take_latest_as_rank_0_read_it(inputs, tmp_path, cmd):
     assert p.returncode == 3 and errors(p) == [
         f"smp-eval: error: {runs[1]}: has no folder step-000002, the step that rank 0 loaded through its latest (every "
         "rank loads the same checkpoint)"], p.stderr
+
 
 # smp-convert under mpirun: each process opens the source and parses its flags itself,
 # and the output ranks are split over the processes; a host with another copy of the
