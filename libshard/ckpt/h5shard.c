@@ -328,6 +328,7 @@ static shard_status create_dataset(piece_run *r)
     shard_chunking_dims(&r->g, chunk);
     H5Pset_chunk(dcpl, pc->ndim, chunk);
     H5Pset_fill_time(dcpl, H5D_FILL_TIME_NEVER);
+    H5Pset_obj_track_times(dcpl, 0);
     if (r->direct) H5Pset_alloc_time(dcpl, H5D_ALLOC_TIME_EARLY); /* every chunk's place fixed now, nothing written */
     if (pc->w->c.zstd_level > 0) {
         unsigned lvl = (unsigned)pc->w->c.zstd_level;

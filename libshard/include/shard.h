@@ -251,6 +251,7 @@ void shard_weights_close(shard_weights *w);
 size_t shard_weights_count(const shard_weights *w);            /* tensors, sorted by name */
 const shard_st_tensor *shard_weights_at(const shard_weights *w, size_t i);
 const shard_st_tensor *shard_weights_find(const shard_weights *w, const char *name);
+size_t shard_weights_index(const shard_weights *w, const char *name); /* its i; count when absent */
 /* The file that holds tensor i, and the list of files (in the folder). */
 const char *shard_weights_file_of(const shard_weights *w, size_t i);
 size_t shard_weights_file_count(const shard_weights *w);

@@ -174,16 +174,21 @@ size_t shard_weights_file_count(const shard_weights *w) { return w->nfiles; }
 const shard_st_file *shard_weights_file_at(const shard_weights *w, size_t i) { return w->files[i]; }
 int shard_weights_indexed(const shard_weights *w) { return w->indexed; }
 
-const shard_st_tensor *shard_weights_find(const shard_weights *w, const char *name)
+size_t shard_weights_index(const shard_weights *w, const char *name)
 {
     size_t lo = 0, hi = w->n;
     while (lo < hi) {
         size_t mid = (lo + hi) / 2;
         int c = strcmp(w->e[mid].t->name, name);
-        if (c == 0) return w->e[mid].t;
+        if (c == 0) return mid;
         if (c < 0) lo = mid + 1; else hi = mid;
     }
-    return NULL;
+    return w->n;
+}
+
+const shard_st_tensor *shard_weights_find(const shard_weights *w, const char *name)
+{
+    return shard_weights_at(w, shard_weights_index(w, name));
 }
 
 #define FP_SAMPLE 4096u

@@ -73,6 +73,9 @@ def main():
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--intermediate", type=int, default=0, help="default: 8/3 hidden rounded to 64")
     ap.add_argument("--vocab", type=int, default=4096)
+    ap.add_argument("--experts", type=int, default=0, help="a Mixtral-shaped model of this many experts a layer "
+                    "(--intermediate: an expert's; default 0, a dense Llama)")
+    ap.add_argument("--top-k", type=int, default=2, help="experts per token (with --experts)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--seq", type=int, default=256)
     ap.add_argument("--steps", type=int, default=20)
@@ -84,7 +87,7 @@ def main():
     a = ap.parse_args()
     import numpy as np
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
     inter = a.intermediate or (a.hidden * 8 // 3 + 63) // 64 * 64
     with tempfile.TemporaryDirectory() as scratch:
         tmp = pathlib.Path(a.keep or scratch)
@@ -92,10 +95,14 @@ def main():
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
         torch.manual_seed(0)
-        cfg = LlamaConfig(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=inter,
-                          num_hidden_layers=a.layers, num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
-                          max_position_embeddings=max(a.seq, 128))
-        model = LlamaForCausalLM(cfg)
+        shape = dict(vocab_size=a.vocab, hidden_size=a.hidden, intermediate_size=inter, num_hidden_layers=a.layers,
+                     num_attention_heads=a.heads, num_key_value_heads=a.kv_heads,
+                     max_position_embeddings=max(a.seq, 128))
+        if a.experts:
+            model = MixtralForCausalLM(MixtralConfig(num_local_experts=a.experts, num_experts_per_tok=a.top_k,
+                                                     **shape))
+        else:
+            model = LlamaForCausalLM(LlamaConfig(**shape))
         nparams = sum(p.numel() for p in model.parameters())
         model.save_pretrained(str(tmp / "hf"), safe_serialization=True)
         del model
@@ -156,8 +163,9 @@ def main():
                              "max_rss_kib": max(r["max_rss_kib"] for r in runs),
                              "first_step_s": statistics.median(r["first_step_s"] for r in runs),
                              "all": [r["tokens_per_s"] for r in runs]} for attn, runs in torch_all.items()}
+    moe = f", {a.experts} experts a layer, {a.top_k} a token" if a.experts else ""
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
-          f"{a.kv_heads} kv heads, intermediate {inter}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
+          f"{a.kv_heads} kv heads, intermediate {inter}{moe}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
           f"{a.threads} threads; fp32, AdamW; smp-train: {blas}, {lanes} lane{'s' if lanes > 1 else ''}"
           + (f" (OPENBLAS_CORETYPE={env['OPENBLAS_CORETYPE']} from the environment)" if "OPENBLAS_CORETYPE" in env else ""))
     print(f"{'':12s} {'tokens/s':>10s} {'first step':>10s} {'peak RSS':>10s}" + ("   (median of %d rounds; each round)" % a.repeat
