@@ -96,8 +96,12 @@ static shard_status open_file(shard_ckpt *c, size_t fi)
     if (size != c->file_bytes[fi])
         s = shard_fail(SHARD_E_CORRUPT, "%s: %llu bytes, the manifest says %llu (truncated or replaced)", path, (unsigned long long)size,
                        (unsigned long long)c->file_bytes[fi]);
-    else if ((c->h5[fi] = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT)) < 0)
-        s = shard_fail(SHARD_E_CORRUPT, "%s: not a readable HDF5 file", path);
+    else {
+        hid_t fapl = shard_h5_fapl(0);
+        if ((c->h5[fi] = H5Fopen(path, H5F_ACC_RDONLY, fapl)) < 0)
+            s = shard_fail(SHARD_E_CORRUPT, "%s: not a readable HDF5 file", path);
+        if (fapl >= 0) H5Pclose(fapl);
+    }
     if (s) { close(fd); return s; }
     c->fd[fi] = fd;
     return SHARD_OK;
@@ -241,7 +245,7 @@ static shard_status open_own_dataset(hid_t file, const char *dpath, const char *
         memcpy(prefix, dpath, i);
         prefix[i] = 0;
         H5L_info_t li;
-        if (H5Lexists(file, prefix, H5P_DEFAULT) <= 0 || H5Lget_info(file, prefix, &li, H5P_DEFAULT) < 0)
+        if (H5Lget_info(file, prefix, &li, H5P_DEFAULT) < 0) /* missing (its errors are silenced) */
             return shard_fail(SHARD_E_CORRUPT, "%s: dataset %s is missing", path, dpath);
         if (li.type != H5L_TYPE_HARD)
             return shard_fail(SHARD_E_CORRUPT, "%s: %s is a %s link, not an object of this file", path, prefix,

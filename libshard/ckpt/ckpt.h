@@ -11,6 +11,7 @@
 void shard_h5_init(void);
 void shard_h5_quiet(void); /* shard_h5_init, and no HDF5 error prints from this thread */
 hid_t shard_h5_type(shard_dtype dt);
+hid_t shard_h5_fapl(int create); /* a shard file's access properties (to H5Pclose) */
 /* Attributes of an HDF5 object (h5shard.c). A string: into buf (cap bytes, with its
  * terminating 0); 0, or -1 when missing, not a fixed-length string or too long. An
  * array: 1-D of min_n..max_n elements, read as memory type mt into v (room for

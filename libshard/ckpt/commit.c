@@ -180,30 +180,12 @@ typedef struct {
     shard_status s;
 } scan_ctx;
 
-static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
+/* A piece of tensor tname (group, dtype dtn, global shape gsh) at off, of dims, in the
+ * dataset dpath of c's file, into c->tensors; -1 (c->s set) when it disagrees with the
+ * tensor's other pieces. */
+static int add_piece(scan_ctx *c, const char *group, const char *tname, const char *dtn, int nd, const int64_t *gsh,
+                     const int64_t *off, const int64_t *dims, const char *hex, const char *dpath)
 {
-    (void)info;
-    scan_ctx *c = p;
-    H5O_info_t oi;
-    if (H5Oget_info_by_name(g, name, &oi, H5P_DEFAULT) < 0 || oi.type != H5O_TYPE_DATASET) return 0;
-    hid_t ds = H5Dopen2(g, name, H5P_DEFAULT);
-    char tname[1024], dtn[32], hex[32];
-    int64_t off[SHARD_MAX_DIMS], gsh[SHARD_MAX_DIMS];
-    hsize_t dims[SHARD_MAX_DIMS];
-    hid_t sp = H5Dget_space(ds);
-    int nd = H5Sget_simple_extent_ndims(sp);
-    if (nd >= 1 && nd <= SHARD_MAX_DIMS) H5Sget_simple_extent_dims(sp, dims, NULL);
-    H5Sclose(sp);
-    int n1 = shard_h5_attr_ints(ds, "offset", H5T_NATIVE_INT64, off, 1, SHARD_MAX_DIMS);
-    int n2 = shard_h5_attr_ints(ds, "global_shape", H5T_NATIVE_INT64, gsh, 1, SHARD_MAX_DIMS);
-    int bad = ds < 0 || shard_h5_attr_str(ds, "tensor", tname, sizeof tname) || shard_h5_attr_str(ds, "dtype", dtn, sizeof dtn) ||
-              shard_h5_attr_str(ds, "xxh64", hex, sizeof hex) || n1 != nd || n2 != nd || nd < 1;
-    if (ds >= 0) H5Dclose(ds);
-    if (bad) { c->s = shard_fail(SHARD_E_INVALID, "%s: dataset /%s lacks the piece attributes", c->path, name); return -1; }
-    /* group = the dataset path without its last component */
-    const char *last = strrchr(name, '/');
-    char group[256];
-    snprintf(group, sizeof group, "%.*s", last ? (int)(last - name) : 0, name);
     char key[1400];
     snprintf(key, sizeof key, "%s\n%s", group, tname);
     json_t *t = json_object_get(c->tensors, key);
@@ -221,14 +203,104 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
         json_decref(jshape);
     }
     json_t *jo = json_array(), *jl = json_array();
-    for (int k = 0; k < nd; k++) { json_array_append_new(jo, json_integer(off[k])); json_array_append_new(jl, json_integer((json_int_t)dims[k])); }
-    char dpath[1100];
-    snprintf(dpath, sizeof dpath, "/%s", name);
+    for (int k = 0; k < nd; k++) { json_array_append_new(jo, json_integer(off[k])); json_array_append_new(jl, json_integer(dims[k])); }
     json_array_append_new(json_object_get(t, "pieces"),
                           json_pack("{s:s,s:s,s:o,s:o,s:s}", "file", c->file_name, "dataset", dpath, "offset", jo, "shape", jl, "xxh64", hex));
     return 0;
 }
 
+static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
+{
+    (void)info;
+    scan_ctx *c = p;
+    hid_t ds = H5Oopen(g, name, H5P_DEFAULT); /* one lookup by name: a group is passed over */
+    if (ds >= 0 && H5Iget_type(ds) != H5I_DATASET) { H5Oclose(ds); return 0; }
+    char tname[1024], dtn[32], hex[32];
+    int64_t off[SHARD_MAX_DIMS], gsh[SHARD_MAX_DIMS], dims[SHARD_MAX_DIMS];
+    hsize_t hd[SHARD_MAX_DIMS];
+    hid_t sp = ds < 0 ? -1 : H5Dget_space(ds);
+    int nd = sp < 0 ? -1 : H5Sget_simple_extent_ndims(sp);
+    if (nd >= 1 && nd <= SHARD_MAX_DIMS) H5Sget_simple_extent_dims(sp, hd, NULL);
+    for (int k = 0; k < nd && k < SHARD_MAX_DIMS; k++) dims[k] = (int64_t)hd[k];
+    if (sp >= 0) H5Sclose(sp);
+    int n1 = shard_h5_attr_ints(ds, "offset", H5T_NATIVE_INT64, off, 1, SHARD_MAX_DIMS);
+    int n2 = shard_h5_attr_ints(ds, "global_shape", H5T_NATIVE_INT64, gsh, 1, SHARD_MAX_DIMS);
+    int bad = ds < 0 || shard_h5_attr_str(ds, "tensor", tname, sizeof tname) || shard_h5_attr_str(ds, "dtype", dtn, sizeof dtn) ||
+              shard_h5_attr_str(ds, "xxh64", hex, sizeof hex) || n1 != nd || n2 != nd || nd < 1;
+    if (ds >= 0) H5Oclose(ds);
+    if (bad) { c->s = shard_fail(SHARD_E_INVALID, "%s: dataset /%s lacks the piece attributes", c->path, name); return -1; }
+    /* group = the dataset path without its last component */
+    const char *last = strrchr(name, '/');
+    char group[256], dpath[1100];
+    snprintf(group, sizeof group, "%.*s", last ? (int)(last - name) : 0, name);
+    snprintf(dpath, sizeof dpath, "/%s", name);
+    return add_piece(c, group, tname, dtn, nd, gsh, off, dims, hex, dpath);
+}
+
+/* "a,b,c" (1..SHARD_MAX_DIMS non-negative ints, ending at the field's end) into v; their count, or -1 */
+static int note_ints(char *field, int64_t *v)
+{
+    int n = 0;
+    for (char *q = field, *end; n < SHARD_MAX_DIMS; q = end + 1) {
+        if (*q < '0' || *q > '9') return -1;
+        errno = 0;
+        long long x = strtoll(q, &end, 10);
+        if (errno || x < 0) return -1;
+        v[n++] = x;
+        if (*end == 0) return n;
+        if (*end != ',') return -1;
+    }
+    return -1;
+}
+
+/* One line of a writer's note (pieces_line in h5shard.c: group, tensor, dtype, offset,
+ * shape, global shape, xxh64, tab-separated), into c->tensors when add; -1 when it is
+ * not one (or, with add, the piece disagrees: c->s). */
+static int note_line(scan_ctx *c, char *line, int add)
+{
+    char *f[7];
+    int nf = 0;
+    for (char *q = line; nf < 7; nf++) {
+        f[nf] = q;
+        char *tab = strchr(q, '\t');
+        if (!tab) { nf++; break; }
+        *tab = 0;
+        q = tab + 1;
+    }
+    int64_t off[SHARD_MAX_DIMS], dims[SHARD_MAX_DIMS], gsh[SHARD_MAX_DIMS];
+    int nd;
+    if (nf != 7 || !f[0][0] || !f[1][0] || strlen(f[0]) >= 256 || strlen(f[1]) >= 1024 || strchr(f[1], '/') ||
+        strlen(f[2]) >= 32 || strlen(f[6]) != 16 || (nd = note_ints(f[3], off)) < 1 || note_ints(f[4], dims) != nd ||
+        note_ints(f[5], gsh) != nd)
+        return -1;
+    if (!add) return 0;
+    char dpath[1400];
+    snprintf(dpath, sizeof dpath, "/%s/%s", f[0], f[1]);
+    return add_piece(c, f[0], f[1], f[2], nd, gsh, off, dims, f[6], dpath);
+}
+
+/* The file's pieces from its writer's note, when the note still describes the file and
+ * every line reads (checked before any is added); 0 when they were taken, -1 when the
+ * file must be scanned instead, 1 on a failure (c->s). */
+static int take_noted(scan_ctx *c)
+{
+    size_t n;
+    char *text = shard_file_note_pieces(c->path, &n);
+    if (!text) return -1;
+    int rc = 0;
+    for (int add = 0; add < 2 && !rc; add++) {
+        char *copy = add ? text : strdup(text); /* note_line cuts its line at the tabs */
+        if (!copy) { free(text); return -1; }
+        for (char *line = copy, *nl; *line && !rc; line = nl + 1) {
+            if (!(nl = strchr(line, '\n'))) { rc = -1; break; } /* a last line cut short */
+            *nl = 0;
+            if (note_line(c, line, add)) rc = add ? 1 : -1;
+        }
+        if (!add) free(copy);
+    }
+    free(text);
+    return rc;
+}
 static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* The staging folder's shard files (shard-*.h5), sorted by name. */
@@ -246,7 +318,15 @@ static shard_status scan_shard_files(const char *staging, char **names, size_t n
         char *p = shard_path_join(staging, names[i]);
         if (!p) return shard_fail(SHARD_E_NOMEM, "out of memory");
         scan_ctx c = {names[i], p, -1, tensors, SHARD_OK};
-        c.file = H5Fopen(p, H5F_ACC_RDONLY, H5P_DEFAULT);
+        const int noted = take_noted(&c); /* the writer's own lines: no HDF5 call for the file */
+        if (noted >= 0) {
+            s = c.s;
+            free(p);
+            continue;
+        }
+        hid_t fapl = shard_h5_fapl(0);
+        c.file = H5Fopen(p, H5F_ACC_RDONLY, fapl);
+        if (fapl >= 0) H5Pclose(fapl);
         if (c.file < 0) s = shard_fail(SHARD_E_INVALID, "%s: not a readable HDF5 file", p);
         else {
             if (H5Lvisit(c.file, H5_INDEX_NAME, H5_ITER_INC, visit, &c) < 0) s = c.s ? c.s : shard_fail(SHARD_E_INVALID, "%s: cannot list its datasets", p);

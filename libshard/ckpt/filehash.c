@@ -147,7 +147,7 @@ static char *note_path(const char *path)
     return n;
 }
 
-shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes)
+shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes, const char *pieces, size_t n)
 {
     struct stat st;
     char *np = note_path(path);
@@ -156,7 +156,8 @@ shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint6
     FILE *f = NULL;
     if (fstat(fd, &st) != 0 || !(f = fopen(np, "w")) ||
         fprintf(f, "%016" PRIx64 " %" PRIu64 " %" PRIu64 " %lld %ld\n", hash, bytes, (uint64_t)st.st_ino,
-                (long long)st.st_mtim.tv_sec, (long)st.st_mtim.tv_nsec) < 0)
+                (long long)st.st_mtim.tv_sec, (long)st.st_mtim.tv_nsec) < 0 ||
+        (n && fwrite(pieces, 1, n, f) != n))
         s = shard_fail(SHARD_E_IO, "%s: cannot write: %s", np, strerror(errno));
     if (f && fclose(f) != 0 && !s) s = shard_fail(SHARD_E_IO, "%s: cannot write: %s", np, strerror(errno));
     if (s) unlink(np);
@@ -164,21 +165,59 @@ shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint6
     return s;
 }
 
-int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes)
+/* path's note, open past its first line, when it still describes the file (else NULL) */
+static FILE *open_note(const char *path, uint64_t *hash, uint64_t *bytes)
 {
     char *np = note_path(path);
-    if (!np) return 0;
-    FILE *f = fopen(np, "r");
+    FILE *f = np ? fopen(np, "r") : NULL;
+    free(np);
     uint64_t h, n, ino;
     long long sec;
     long nsec;
     struct stat st;
     int ok = f && fscanf(f, "%16" SCNx64 " %" SCNu64 " %" SCNu64 " %lld %ld", &h, &n, &ino, &sec, &nsec) == 5 &&
-             stat(path, &st) == 0 && (uint64_t)st.st_size == n && (uint64_t)st.st_ino == ino &&
+             fgetc(f) == '\n' && stat(path, &st) == 0 && (uint64_t)st.st_size == n && (uint64_t)st.st_ino == ino &&
              (long long)st.st_mtim.tv_sec == sec && (long)st.st_mtim.tv_nsec == nsec;
+    if (!ok) {
+        if (f) fclose(f);
+        return NULL;
+    }
+    *hash = h;
+    *bytes = n;
+    return f;
+}
+
+int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes)
+{
+    FILE *f = open_note(path, hash, bytes);
     if (f) fclose(f);
-    unlink(np);
+    char *np = note_path(path);
+    if (np) unlink(np);
     free(np);
-    if (ok) { *hash = h; *bytes = n; }
-    return ok;
+    return f != NULL;
+}
+
+char *shard_file_note_pieces(const char *path, size_t *n)
+{
+    uint64_t hash, bytes;
+    FILE *f = open_note(path, &hash, &bytes);
+    if (!f) return NULL;
+    size_t cap = 1 << 16, len = 0, got = 1;
+    char *buf = malloc(cap);
+    while (buf && got) {
+        if (cap - len < 2) {
+            char *grown = realloc(buf, cap * 2);
+            if (!grown) { free(buf); buf = NULL; break; }
+            buf = grown;
+            cap *= 2;
+        }
+        got = fread(buf + len, 1, cap - len - 1, f);
+        len += got;
+    }
+    if (buf && ferror(f)) { free(buf); buf = NULL; }
+    fclose(f);
+    if (!buf || !len) { free(buf); return NULL; }
+    buf[len] = 0;
+    *n = len;
+    return buf;
 }

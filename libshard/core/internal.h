@@ -45,8 +45,12 @@ shard_status shard_blockmap_finish(shard_blockmap *m, int fd, const char *path, 
  * mtime) so that the commit need not read the file again. note: write it (fd: the
  * file, open); noted: 1 and the checksum when a note exists and still describes the
  * file, else 0; the note is removed either way. */
-shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes);
+shard_status shard_file_hash_note(const char *path, int fd, uint64_t hash, uint64_t bytes, const char *pieces, size_t n);
 int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes);
+/* The note's lines after the checksum's, the file's pieces as its writer made them (n
+ * bytes, NUL-terminated, to free), when the note still describes the file; else NULL.
+ * The note stays (shard_file_hash_noted removes it). */
+char *shard_file_note_pieces(const char *path, size_t *n);
 /* A durable writer's background flushes (io/flusher.c): a thread that fdatasyncs the
  * file (a duplicate of fd) once after each kick, while the writer goes on. start: NULL
  * where fd < 0 or no thread can be made (the writer's fsync at close then does it all);

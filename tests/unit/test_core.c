@@ -292,18 +292,26 @@ static void test_file_hash_and_note(void **st)
     assert_int_equal(shard_file_hash("/nonexistent/x", SHARD_FHASH_XXH3_BLOCKS, &h, &bytes), SHARD_E_INVALID); /* missing: exit 3 */
 
     int fd = open(path, O_RDONLY);
-    assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n), SHARD_OK);
+    const char lines[] = "params\tw\tBF16\t0,0\t2,3\t4,3\t0123456789abcdef\n";
+    assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n, lines, strlen(lines)), SHARD_OK);
     close(fd);
     char note[300];
     snprintf(note, sizeof note, "%s.fhash", path);
+    assert_int_equal(access(note, F_OK), 0);
+    size_t nl = 0;
+    char *got = shard_file_note_pieces(path, &nl); /* the writer's lines, as written; the note stays */
+    assert_non_null(got);
+    assert_true(nl == strlen(lines) && !strcmp(got, lines));
+    free(got);
     assert_int_equal(access(note, F_OK), 0);
     assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 1); /* the note is trusted as written */
     assert_true(h == 0x1234 && bytes == n);
     assert_int_equal(access(note, F_OK), -1); /* and used once */
     assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 0);
     /* a file changed after its note: the note no longer describes it */
+    assert_null(shard_file_note_pieces(path, &nl)); /* no note */
     fd = open(path, O_RDONLY);
-    assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n), SHARD_OK);
+    assert_int_equal(shard_file_hash_note(path, fd, 0x1234, n, lines, strlen(lines)), SHARD_OK);
     close(fd);
     fp = fopen(path, "r+b");
     fseek(fp, 5, SEEK_SET);
@@ -311,6 +319,7 @@ static void test_file_hash_and_note(void **st)
     fclose(fp);
     struct timespec later[2] = {{0, UTIME_OMIT}, {1, 0}}; /* a new mtime, whatever the clock's grain */
     utimensat(AT_FDCWD, path, later, 0);
+    assert_null(shard_file_note_pieces(path, &nl)); /* nor its lines */
     assert_int_equal(shard_file_hash_noted(path, &h, &bytes), 0);
     assert_int_equal(access(note, F_OK), -1);
     unlink(path);
@@ -482,6 +491,78 @@ static void test_hash64_chain(void **st)
         }
 }
 
+/* A checkpoint of two pieces (a 2-D one in params, a 1-D one in optim/exp_avg) committed
+ * into dir; drop_note: its writer's note removed first, so that the commit scans the
+ * file's datasets. Its manifest's tensors and files. */
+static json_t *commit_two_pieces(const char *dir, int drop_note)
+{
+    static const char cfg[] = "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, "
+                              "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_key_value_heads\": 1, "
+                              "\"vocab_size\": 12, \"rms_norm_eps\": 1e-5, \"max_position_embeddings\": 32}";
+    shard_model_desc d;
+    shard_layout l;
+    int stages[1];
+    assert_int_equal(shard_config_parse(cfg, sizeof cfg - 1, "config.json", &d), SHARD_OK);
+    assert_int_equal(shard_layout_parse("pp=1", &l), SHARD_OK);
+    assert_int_equal(shard_stages_auto(&d, 1, stages), SHARD_OK);
+    shard_ckpt_writer *cw;
+    assert_int_equal(shard_ckpt_begin(dir, &cw), SHARD_OK);
+    char path[512];
+    snprintf(path, sizeof path, "%s/shard-00000.h5", shard_ckpt_staging(cw));
+    shard_compress c;
+    assert_int_equal(shard_compress_parse("none", &c), SHARD_OK);
+    c.no_fsync = 1;
+    shard_h5_writer *w;
+    assert_int_equal(shard_h5_create(path, c, &w), SHARD_OK);
+    float v[24];
+    for (int i = 0; i < 24; i++) v[i] = (float)i * 0.5f;
+    const int64_t g2[2] = {12, 8}, g1[1] = {8};
+    const shard_box b2 = {2, {4, 0}, {3, 8}}, b1 = {1, {2}, {5}};
+    assert_int_equal(shard_h5_write_local(w, "params", "model.embed_tokens.weight", SHARD_DT_BF16, 2, g2, &b2, v, SHARD_DT_F32), SHARD_OK);
+    assert_int_equal(shard_h5_write_local(w, "optim/exp_avg", "model.norm.weight", SHARD_DT_F32, 1, g1, &b1, v, SHARD_DT_F32), SHARD_OK);
+    assert_int_equal(shard_h5_close(w), SHARD_OK);
+    char note[600];
+    snprintf(note, sizeof note, "%s.fhash", path);
+    assert_int_equal(access(note, F_OK), 0);
+    if (drop_note) unlink(note);
+    assert_int_equal(shard_ckpt_commit(cw, cfg, sizeof cfg - 1, &d, &l, stages, NULL, 0), SHARD_OK);
+    snprintf(path, sizeof path, "%s/smp.json", dir);
+    json_t *m = json_load_file(path, 0, NULL);
+    assert_non_null(m);
+    json_t *out = json_pack("{s:O,s:O}", "tensors", json_object_get(m, "tensors"), "files", json_object_get(m, "files"));
+    json_decref(m);
+    snprintf(path, sizeof path, "%s/shard-00000.h5.fhash", dir);
+    assert_int_equal(access(path, F_OK), -1); /* a committed checkpoint holds no note */
+    return out;
+}
+
+/* The commit takes a file's pieces from its writer's note, or scans the file's datasets
+ * where the note is gone: the same manifest either way. */
+static void test_commit_note_or_scan(void **st)
+{
+    (void)st;
+    char root[] = "/tmp/smp-unit-XXXXXX";
+    assert_non_null(mkdtemp(root));
+    char a[300], b[300];
+    snprintf(a, sizeof a, "%s/noted", root);
+    snprintf(b, sizeof b, "%s/scanned", root);
+    json_t *x = commit_two_pieces(a, 0), *y = commit_two_pieces(b, 1);
+    assert_int_equal(json_array_size(json_object_get(x, "tensors")), 2);
+    json_t *t = json_array_get(json_object_get(x, "tensors"), 1); /* by group: optim/exp_avg, then params */
+    assert_string_equal(json_string_value(json_object_get(t, "group")), "params");
+    json_t *pc = json_array_get(json_object_get(t, "pieces"), 0);
+    assert_string_equal(json_string_value(json_object_get(pc, "dataset")), "/params/model.embed_tokens.weight");
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(pc, "offset"), 0)), 4);
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(pc, "shape"), 0)), 3);
+    assert_int_equal(json_integer_value(json_array_get(json_object_get(t, "shape"), 0)), 12);
+    assert_true(json_equal(x, y));
+    json_decref(x);
+    json_decref(y);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
+    assert_int_equal(system(cmd), 0);
+}
+
 static void test_config_with_dtype(void **st)
 {
     (void)st;
@@ -519,7 +600,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
