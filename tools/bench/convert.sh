@@ -21,7 +21,9 @@
 #   (f) zstd on these bf16 weights: checkpoint bytes / model bytes, and MB/s of (c)
 # Environment: SMP_BENCH_REPEAT=N runs every command N times, in N rounds of all the
 # commands one after another (so that a busy moment of a shared machine hits all of
-# them), and keeps each command's fastest run (default 3),
+# them), and keeps each command's fastest run (default 3), SMP_BENCH_MOE=1 (make_model.py's
+# moe size instead, in CACHE_DIR/hf-moe: a Qwen3-MoE with Qwen3-30B-A3B's 18867 tensors,
+# each small, 634 MB in all: what the per-tensor costs come to),
 # SMP_PY (python with torch, transformers, safetensors, h5py; default the oracle venv
 # under ~/.cache/smp), SMP_BIN (default build/bin; built if missing).
 set -euo pipefail
@@ -30,8 +32,8 @@ cd "$(dirname "$0")/../.."
 . tools/bench/common.sh "$@"
 if [ ! -x "$BIN/smp-convert" ]; then scons -Q -j"$(nproc)" >/dev/null; fi
 mkdir -p "$CACHE"
-HF=$CACHE/hf
-OUT=$CACHE/out
+SIZE=1.5g HF=$CACHE/hf OUT=$CACHE/out
+if [ "${SMP_BENCH_MOE:-0}" = 1 ]; then SIZE=moe HF=$CACHE/hf-moe OUT=$CACHE/out-moe; fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 
@@ -39,7 +41,7 @@ mkdir -p "$OUT"
 if [ ! -f "$HF/.complete" ]; then
     echo "making the model in $HF (once) ..."
     rm -rf "$HF"
-    "$PY" tools/bench/make_model.py "$HF" 1.5g
+    "$PY" tools/bench/make_model.py "$HF" "$SIZE"
     touch "$HF/.complete"
 fi
 "$BIN/smp-inspect" "$HF" >/dev/null  # smp accepts the folder as a model

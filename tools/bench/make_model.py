@@ -2,9 +2,12 @@
 
 SIZE: small (hidden 512, 4 layers, vocab 8000: ~21 M parameters, 42 MB), 1.5g (hidden
 2048, intermediate 5632, 14 layers, vocab 32000, 16 heads, 4 kv heads: 762 M
-parameters, 1.52 GB) or 8b (Llama-3-8B's shapes: hidden 4096, intermediate 14336, 32
-layers, vocab 128256, 32 heads, 8 kv heads: 8.03 G parameters, 16.1 GB). config.json
-comes from transformers' LlamaConfig; model.safetensors holds random normal weights
+parameters, 1.52 GB), 8b (Llama-3-8B's shapes: hidden 4096, intermediate 14336, 32
+layers, vocab 128256, 32 heads, 8 kv heads: 8.03 G parameters, 16.1 GB) or moe (a
+Qwen3-MoE with Qwen3-30B-A3B's tensor count, small tensors: 48 layers of 128 experts,
+8 a token, hidden 256, an expert's intermediate 64, 8 heads of 32, 4 kv heads, vocab
+8000: 18867 tensors, 317 M parameters, 634 MB). config.json comes from transformers'
+LlamaConfig (Qwen3MoeConfig); model.safetensors holds random normal weights
 (std 0.02, as transformers initializes; norms one) in bf16 under transformers' names.
 The safetensors file is written here, tensor by tensor and block of rows by block (the
 format is a JSON header and the raw bytes), so that making the 8B model needs little
@@ -16,7 +19,7 @@ import sys
 import time
 
 import numpy as np
-from transformers import LlamaConfig
+from transformers import LlamaConfig, Qwen3MoeConfig
 
 SIZES = {  # hidden, intermediate, vocab, layers, heads, kv heads
     "small": (512, 1408, 8000, 4, 8, 4),
@@ -40,6 +43,27 @@ def shapes(H, F, V, L, nq, nkv):
     return out
 
 
+# the moe size: layers, experts, experts a token, hidden, an expert's intermediate, heads, kv heads, head dim, vocab
+MOE = (48, 128, 8, 256, 64, 8, 4, 32, 8000)
+
+
+def moe_shapes(L, E, k, H, F, nq, nkv, hd, V):
+    out = {"model.embed_tokens.weight": (V, H)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (nq * hd, H), p + "self_attn.k_proj.weight": (nkv * hd, H),
+                    p + "self_attn.v_proj.weight": (nkv * hd, H), p + "self_attn.o_proj.weight": (H, nq * hd),
+                    p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,),
+                    p + "mlp.gate.weight": (E, H), p + "input_layernorm.weight": (H,),
+                    p + "post_attention_layernorm.weight": (H,)})
+        for e in range(E):
+            q = f"{p}mlp.experts.{e}."
+            out.update({q + "gate_proj.weight": (F, H), q + "up_proj.weight": (F, H), q + "down_proj.weight": (H, F)})
+    out["model.norm.weight"] = (H,)
+    out["lm_head.weight"] = (V, H)
+    return out
+
+
 def bf16_bits(x):
     """float32 -> bf16 bit patterns, rounded to nearest even (as torch and ml_dtypes do)."""
     u = x.view("<u4")
@@ -48,12 +72,21 @@ def bf16_bits(x):
 
 def main():
     out, size = sys.argv[1], sys.argv[2]
-    H, F, V, L, nq, nkv = SIZES[size]
     os.makedirs(out)
-    LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=nq,
-                num_key_value_heads=nkv, max_position_embeddings=4096, dtype="bfloat16",
-                architectures=["LlamaForCausalLM"]).to_json_file(os.path.join(out, "config.json"))
-    sh = shapes(H, F, V, L, nq, nkv)
+    if size == "moe":
+        L, E, k, H, F, nq, nkv, hd, V = MOE
+        Qwen3MoeConfig(vocab_size=V, hidden_size=H, intermediate_size=4 * H, moe_intermediate_size=F,
+                       num_hidden_layers=L, num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
+                       num_experts=E, num_experts_per_tok=k, norm_topk_prob=True, max_position_embeddings=4096,
+                       tie_word_embeddings=False, dtype="bfloat16",
+                       architectures=["Qwen3MoeForCausalLM"]).to_json_file(os.path.join(out, "config.json"))
+        sh = moe_shapes(*MOE)
+    else:
+        H, F, V, L, nq, nkv = SIZES[size]
+        LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=nq,
+                    num_key_value_heads=nkv, max_position_embeddings=4096, dtype="bfloat16",
+                    architectures=["LlamaForCausalLM"]).to_json_file(os.path.join(out, "config.json"))
+        sh = shapes(H, F, V, L, nq, nkv)
     header, off = {"__metadata__": {"format": "pt"}}, 0
     for k, s in sh.items():
         n = 2 * int(np.prod(s))

@@ -74,7 +74,9 @@
 # Llama-3-8B's shapes, hidden 4096, intermediate 14336, 32 layers, vocab 128256, 32
 # heads, 8 kv heads: 8.0 G parameters, 16 GB of bf16, in CACHE_DIR/hf-8b; (e), (f) and
 # (h) are skipped there: they would hold the model in fp32, or whole, in memory; it needs
-# ~62 GB of disk, checked at start),
+# ~62 GB of disk, checked at start), SMP_BENCH_MOE=1 (make_model.py's moe size instead: a
+# Qwen3-MoE with Qwen3-30B-A3B's 18867 tensors, each small, 634 MB in all, in
+# CACHE_DIR/hf-moe: what a checkpoint's per-tensor and per-piece costs come to),
 # SMP_BENCH_EVAL_LAYOUT (the layout of (f), 8 ranks; default tp=4,dp=2), SMP_PY (python with torch, transformers,
 # safetensors, h5py, hdf5plugin; default the oracle venv under ~/.cache/smp), SMP_BIN
 # (default build/bin; not built here: build it first).
@@ -84,6 +86,7 @@ cd "$(dirname "$0")/../.."
 . tools/bench/common.sh "$@"
 SMALL=${SMP_BENCH_SMALL:-0}
 BIG=${SMP_BENCH_8B:-0}
+MOE=${SMP_BENCH_MOE:-0}
 EVAL_LAYOUT=${SMP_BENCH_EVAL_LAYOUT:-tp=4,dp=2}
 REPEAT=${SMP_BENCH_REPEAT:-3}
 # the ranks that split one replica of the weights in (f): tp x pp of its layout (8, all
@@ -93,6 +96,7 @@ mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
 if [ "$SMALL" = 1 ]; then HF=$CACHE/hf-small; OUT=$CACHE/out-read-small
 elif [ "$BIG" = 1 ]; then HF=$CACHE/hf-8b; OUT=$CACHE/out-read-8b
+elif [ "$MOE" = 1 ]; then HF=$CACHE/hf-moe; OUT=$CACHE/out-read-moe
 else HF=$CACHE/hf; OUT=$CACHE/out-read; fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -127,7 +131,8 @@ BIN=$SNAP/bin
 if [ ! -f "$HF/.complete" ]; then
     echo "making the model in $HF (once) ..."
     rm -rf "$HF"
-    "$PY" tools/bench/make_model.py "$HF" "$(if [ "$SMALL" = 1 ]; then echo small; elif [ "$BIG" = 1 ]; then echo 8b; else echo 1.5g; fi)"
+    "$PY" tools/bench/make_model.py "$HF" "$(if [ "$SMALL" = 1 ]; then echo small; elif [ "$BIG" = 1 ]; then echo 8b;
+                                             elif [ "$MOE" = 1 ]; then echo moe; else echo 1.5g; fi)"
     touch "$HF/.complete"
 fi
 "$BIN/smp-inspect" "$HF" >/dev/null  # smp accepts the folder as a model
