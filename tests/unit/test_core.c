@@ -492,9 +492,10 @@ static void test_hash64_chain(void **st)
 }
 
 /* A checkpoint of two pieces (a 2-D one in params, a 1-D one in optim/exp_avg) committed
- * into dir; drop_note: its writer's note removed first, so that the commit scans the
- * file's datasets. Its manifest's tensors and files. */
-static json_t *commit_two_pieces(const char *dir, int drop_note)
+ * into dir; note 0: with its writer's note, 1: the note removed first, 2: a line that
+ * does not parse added to the note (both: the commit scans the file's datasets). Its
+ * manifest's tensors and files. */
+static json_t *commit_two_pieces(const char *dir, int note)
 {
     static const char cfg[] = "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, "
                               "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_key_value_heads\": 1, "
@@ -521,10 +522,16 @@ static json_t *commit_two_pieces(const char *dir, int drop_note)
     assert_int_equal(shard_h5_write_local(w, "params", "model.embed_tokens.weight", SHARD_DT_BF16, 2, g2, &b2, v, SHARD_DT_F32), SHARD_OK);
     assert_int_equal(shard_h5_write_local(w, "optim/exp_avg", "model.norm.weight", SHARD_DT_F32, 1, g1, &b1, v, SHARD_DT_F32), SHARD_OK);
     assert_int_equal(shard_h5_close(w), SHARD_OK);
-    char note[600];
-    snprintf(note, sizeof note, "%s.fhash", path);
-    assert_int_equal(access(note, F_OK), 0);
-    if (drop_note) unlink(note);
+    char notep[600];
+    snprintf(notep, sizeof notep, "%s.fhash", path);
+    assert_int_equal(access(notep, F_OK), 0);
+    if (note == 1) unlink(notep);
+    if (note == 2) {
+        FILE *f = fopen(notep, "a");
+        assert_non_null(f);
+        fputs("params\tmodel.norm.weight\tF32\t0\n", f); /* four fields of seven */
+        fclose(f);
+    }
     assert_int_equal(shard_ckpt_commit(cw, cfg, sizeof cfg - 1, &d, &l, stages, NULL, 0), SHARD_OK);
     snprintf(path, sizeof path, "%s/smp.json", dir);
     json_t *m = json_load_file(path, 0, NULL);
@@ -543,10 +550,11 @@ static void test_commit_note_or_scan(void **st)
     (void)st;
     char root[] = "/tmp/smp-unit-XXXXXX";
     assert_non_null(mkdtemp(root));
-    char a[300], b[300];
+    char a[300], b[300], c[300];
     snprintf(a, sizeof a, "%s/noted", root);
     snprintf(b, sizeof b, "%s/scanned", root);
-    json_t *x = commit_two_pieces(a, 0), *y = commit_two_pieces(b, 1);
+    snprintf(c, sizeof c, "%s/bad-note", root);
+    json_t *x = commit_two_pieces(a, 0), *y = commit_two_pieces(b, 1), *z = commit_two_pieces(c, 2);
     assert_int_equal(json_array_size(json_object_get(x, "tensors")), 2);
     json_t *t = json_array_get(json_object_get(x, "tensors"), 1); /* by group: optim/exp_avg, then params */
     assert_string_equal(json_string_value(json_object_get(t, "group")), "params");
@@ -556,8 +564,10 @@ static void test_commit_note_or_scan(void **st)
     assert_int_equal(json_integer_value(json_array_get(json_object_get(pc, "shape"), 0)), 3);
     assert_int_equal(json_integer_value(json_array_get(json_object_get(t, "shape"), 0)), 12);
     assert_true(json_equal(x, y));
+    assert_true(json_equal(x, z)); /* the bad line's piece is not taken: the file was scanned */
     json_decref(x);
     json_decref(y);
+    json_decref(z);
     char cmd[400];
     snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
     assert_int_equal(system(cmd), 0);

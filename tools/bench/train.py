@@ -7,14 +7,17 @@ line) against torch.save of the model's and the optimizer's state dicts, fsynced
 against `cp -r` + sync of smp-train's step folder (the physical anchor).
 
     python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
-                                 --batch 8 --seq 256 --steps 20 --threads N --sdpa --repeat N]
+                                 --batch 8 --seq 256 --steps 20 --threads N --sdpa --repeat N
+                                 --experts E --top-k K]
 
 Both sides: fp32, AdamW, gradient clipping 1.0, the same random tokens; tokens/s is
 measured over the steps after the first two (warm-up). torch runs in its own process
 so its peak memory is its own. --sdpa adds a second torch run with
 attn_implementation="sdpa" (torch's fused attention) beside the eager one; --repeat N runs
 every side N times, in rounds, and reports the median round of each (this machine's
-figures move by up to 20% between runs). Needs the oracle venv (torch, transformers).
+figures move by up to 20% between runs). --experts E makes the model a Mixtral of E
+experts a layer (--intermediate: an expert's), --top-k of them a token. Needs the
+oracle venv (torch, transformers).
 """
 import argparse
 import json
