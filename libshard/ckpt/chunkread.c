@@ -232,15 +232,20 @@ static shard_status locate_chunks(hid_t ds, const piece *p, uint64_t file_bytes,
     return SHARD_OK;
 }
 
-/* The dataset at dpath, reached through hard links only: an external or soft link
- * (to another file, anywhere on the machine) is refused before HDF5 follows it. */
-static shard_status open_own_dataset(hid_t file, const char *dpath, const char *path, hid_t *out)
+/* The dataset at dpath of file fi, reached through hard links only: an external or soft
+ * link (to another file, anywhere on the machine) is refused before HDF5 follows it.
+ * The groups above it are checked once while the pieces come from one group of one
+ * file (c->ok_file, c->ok_group: the last ones checked; c->mu held). */
+static shard_status open_own_dataset(shard_ckpt *c, size_t fi, const char *dpath, const char *path, hid_t *out)
 {
+    const hid_t file = c->h5[fi];
     char prefix[1024];
     size_t n = strlen(dpath);
     if (n == 0 || n >= sizeof prefix || dpath[0] != '/')
         return shard_fail(SHARD_E_INVALID, "%s: dataset name \"%.64s\" is not an absolute HDF5 path", path, dpath);
-    for (size_t i = 1; i <= n; i++) {
+    const size_t parent = (size_t)(strrchr(dpath, '/') - dpath);
+    const int known = c->ok_file == fi && strlen(c->ok_group) == parent && !memcmp(c->ok_group, dpath, parent);
+    for (size_t i = known ? parent + 1 : 1; i <= n; i++) {
         if (dpath[i] != '/' && dpath[i] != 0) continue;
         memcpy(prefix, dpath, i);
         prefix[i] = 0;
@@ -250,6 +255,11 @@ static shard_status open_own_dataset(hid_t file, const char *dpath, const char *
         if (li.type != H5L_TYPE_HARD)
             return shard_fail(SHARD_E_CORRUPT, "%s: %s is a %s link, not an object of this file", path, prefix,
                               li.type == H5L_TYPE_SOFT ? "soft" : "external");
+    }
+    if (parent < sizeof c->ok_group) {
+        memcpy(c->ok_group, dpath, parent);
+        c->ok_group[parent] = 0;
+        c->ok_file = fi;
     }
     *out = H5Dopen2(file, dpath, H5P_DEFAULT);
     return *out < 0 ? shard_fail(SHARD_E_CORRUPT, "%s: %s does not open as a dataset (another kind of object, or "
@@ -263,7 +273,7 @@ static shard_status load_index(shard_ckpt *c, const tensor *t, piece *p)
     if (s) return s;
     ckpt_file_path(c, p->file_index, path, sizeof path);
     hid_t ds = -1;
-    if ((s = open_own_dataset(c->h5[p->file_index], p->dataset, path, &ds))) return s;
+    if ((s = open_own_dataset(c, p->file_index, p->dataset, path, &ds))) return s;
     piece_index *ix = calloc(1, sizeof *ix);
     if (!ix) s = shard_fail(SHARD_E_NOMEM, "out of memory");
     if (!s) s = check_layout(ds, t, p, path, ix);
@@ -769,7 +779,11 @@ shard_status shard_ckpt_read(shard_ckpt *c, size_t i, const shard_box *want, voi
         if (!(s = ckpt_prepare(c, t, p, 0))) s = add_tasks(&j, p, &x, &cap);
     }
     if (!s && j.ntasks) {
+        /* a thread per task, and per MiB wanted: a small tensor's few chunks are read
+         * sooner than threads start (an 18867-tensor load spent a sixth in them) */
+        const uint64_t mib = shard_box_numel(want) * shard_dtype_size(dst_dt) >> 20;
         int th = c->threads < (int)j.ntasks ? c->threads : (int)j.ntasks;
+        if ((uint64_t)th > mib + 1) th = (int)mib + 1;
         s = ckpt_parallel(th, read_worker, &j);
     }
     free(j.tasks);

@@ -118,6 +118,8 @@ struct shard_ckpt {
     uint64_t ctick;
     pthread_cond_t ccv;
     uint64_t bytes_read;               /* stored bytes read (atomic) */
+    size_t ok_file;                    /* the group of a file whose links were last checked */
+    char ok_group[256];                /* (chunkread.c, open_own_dataset; under mu) */
 };
 
 /* Look a piece's chunks up (once); legacy pieces (no chunk checksums) are also
