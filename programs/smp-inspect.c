@@ -323,13 +323,16 @@ static int inspect_ckpt(const char *dir, int as_json)
     k.dir = shard_ckpt_dir(k.c); /* a run folder's: the checkpoint its latest names */
     k.m = (json_t *)shard_ckpt_manifest_json(k.c);
     k.files = json_object_get(k.m, "files");
-    k.tensors = json_object_get(k.m, "tensors");
-    if (!(s = ckpt_sizes(&k))) {
+    void *ts = NULL;
+    s = shard_ckpt_manifest_tensors(k.c, &ts); /* the reader keeps no JSON of them */
+    k.tensors = ts;
+    if (!s && !(s = ckpt_sizes(&k))) {
         if (as_json) ckpt_json(&k);
         else ckpt_text(&k);
     }
     free(k.raw);
     free(k.npieces);
+    json_decref(k.tensors);
     shard_ckpt_close(k.c);
     return s ? cli_fail(s) : 0;
 }

@@ -120,6 +120,7 @@ struct shard_ckpt {
     uint64_t bytes_read;               /* stored bytes read (atomic) */
     size_t ok_file;                    /* the group of a file whose links were last checked */
     char ok_group[256];                /* (chunkread.c, open_own_dataset; under mu) */
+    char *strings;                     /* the tensors' names and datasets (compact_manifest) */
 };
 
 /* Look a piece's chunks up (once); legacy pieces (no chunk checksums) are also

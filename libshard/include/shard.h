@@ -632,8 +632,12 @@ shard_status shard_ckpt_copy_extra(const shard_ckpt *c, size_t i, const char *ds
 shard_status shard_ckpt_check_extra(const shard_ckpt *c, size_t i);
 /* The "training" object as JSON text (NUL-terminated, owned by c), or NULL. */
 const char *shard_ckpt_training_json(const shard_ckpt *c);
-/* Raw manifest (for smp-inspect --json). */
+/* Raw manifest (for smp-inspect --json), without "tensors": what the reader keeps of
+ * them is c's tensors and pieces (shard_ckpt_tensor_at). */
 const void *shard_ckpt_manifest_json(const shard_ckpt *c); /* a json_t* */
+/* The manifest's "tensors" array, read again from smp.json (*out: a json_t*, to
+ * json_decref); SHARD_E_INVALID when smp.json no longer holds the bytes c was opened from. */
+shard_status shard_ckpt_manifest_tensors(const shard_ckpt *c, void **out);
 /* XXH64 of smp.json's bytes as read: one value for one checkpoint (its manifest holds
  * every file's checksum), which the ranks of a run compare (a host's stale copy). */
 uint64_t shard_ckpt_fingerprint(const shard_ckpt *c);

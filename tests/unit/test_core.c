@@ -491,30 +491,48 @@ static void test_hash64_chain(void **st)
         }
 }
 
+/* A checkpoint of a one-layer Llama (hidden 8, vocab 12) begun in dir: its model, layout
+ * and stages, its writer and the writer of its one shard file (path: that file's). */
+static const char TINY_CFG[] = "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 8, "
+                               "\"intermediate_size\": 16, \"num_hidden_layers\": 1, \"num_attention_heads\": 2, "
+                               "\"num_key_value_heads\": 1, \"vocab_size\": 12, \"rms_norm_eps\": 1e-5, \"max_position_embeddings\": 32}";
+typedef struct {
+    shard_model_desc d;
+    shard_layout l;
+    int stages[1];
+    shard_ckpt_writer *cw;
+    shard_h5_writer *w;
+    char path[512];
+} tiny_ckpt;
+
+static void tiny_begin(tiny_ckpt *k, const char *dir)
+{
+    assert_int_equal(shard_config_parse(TINY_CFG, sizeof TINY_CFG - 1, "config.json", &k->d), SHARD_OK);
+    assert_int_equal(shard_layout_parse("pp=1", &k->l), SHARD_OK);
+    assert_int_equal(shard_stages_auto(&k->d, 1, k->stages), SHARD_OK);
+    assert_int_equal(shard_ckpt_begin(dir, &k->cw), SHARD_OK);
+    snprintf(k->path, sizeof k->path, "%s/shard-00000.h5", shard_ckpt_staging(k->cw));
+    shard_compress c;
+    assert_int_equal(shard_compress_parse("none", &c), SHARD_OK);
+    c.no_fsync = 1;
+    assert_int_equal(shard_h5_create(k->path, c, &k->w), SHARD_OK);
+}
+
+static void tiny_commit(tiny_ckpt *k)
+{
+    assert_int_equal(shard_ckpt_commit(k->cw, TINY_CFG, sizeof TINY_CFG - 1, &k->d, &k->l, k->stages, NULL, 0), SHARD_OK);
+}
+
 /* A checkpoint of two pieces (a 2-D one in params, a 1-D one in optim/exp_avg) committed
  * into dir; note 0: with its writer's note, 1: the note removed first, 2: a line that
  * does not parse added to the note (both: the commit scans the file's datasets). Its
  * manifest's tensors and files. */
 static json_t *commit_two_pieces(const char *dir, int note)
 {
-    static const char cfg[] = "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 8, \"intermediate_size\": 16, "
-                              "\"num_hidden_layers\": 1, \"num_attention_heads\": 2, \"num_key_value_heads\": 1, "
-                              "\"vocab_size\": 12, \"rms_norm_eps\": 1e-5, \"max_position_embeddings\": 32}";
-    shard_model_desc d;
-    shard_layout l;
-    int stages[1];
-    assert_int_equal(shard_config_parse(cfg, sizeof cfg - 1, "config.json", &d), SHARD_OK);
-    assert_int_equal(shard_layout_parse("pp=1", &l), SHARD_OK);
-    assert_int_equal(shard_stages_auto(&d, 1, stages), SHARD_OK);
-    shard_ckpt_writer *cw;
-    assert_int_equal(shard_ckpt_begin(dir, &cw), SHARD_OK);
-    char path[512];
-    snprintf(path, sizeof path, "%s/shard-00000.h5", shard_ckpt_staging(cw));
-    shard_compress c;
-    assert_int_equal(shard_compress_parse("none", &c), SHARD_OK);
-    c.no_fsync = 1;
-    shard_h5_writer *w;
-    assert_int_equal(shard_h5_create(path, c, &w), SHARD_OK);
+    tiny_ckpt k;
+    tiny_begin(&k, dir);
+    shard_h5_writer *w = k.w;
+    char *path = k.path;
     float v[24];
     for (int i = 0; i < 24; i++) v[i] = (float)i * 0.5f;
     const int64_t g2[2] = {12, 8}, g1[1] = {8};
@@ -532,15 +550,61 @@ static json_t *commit_two_pieces(const char *dir, int note)
         fputs("params\tmodel.norm.weight\tF32\t0\n", f); /* four fields of seven */
         fclose(f);
     }
-    assert_int_equal(shard_ckpt_commit(cw, cfg, sizeof cfg - 1, &d, &l, stages, NULL, 0), SHARD_OK);
-    snprintf(path, sizeof path, "%s/smp.json", dir);
-    json_t *m = json_load_file(path, 0, NULL);
+    tiny_commit(&k);
+    char mpath[512];
+    snprintf(mpath, sizeof mpath, "%s/smp.json", dir);
+    json_t *m = json_load_file(mpath, 0, NULL);
     assert_non_null(m);
     json_t *out = json_pack("{s:O,s:O}", "tensors", json_object_get(m, "tensors"), "files", json_object_get(m, "files"));
     json_decref(m);
-    snprintf(path, sizeof path, "%s/shard-00000.h5.fhash", dir);
-    assert_int_equal(access(path, F_OK), -1); /* a committed checkpoint holds no note */
+    snprintf(mpath, sizeof mpath, "%s/shard-00000.h5.fhash", dir);
+    assert_int_equal(access(mpath, F_OK), -1); /* a committed checkpoint holds no note */
     return out;
+}
+
+/* An open checkpoint keeps no JSON of its tensors (a Qwen3-30B-A3B's is ~60 MB parsed);
+ * asked for, they are read again from smp.json, and refused once it is not the one
+ * opened. */
+static void test_manifest_tensors_read_again(void **st)
+{
+    (void)st;
+    char dir[] = "/tmp/smp-unit-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char ck_dir[300], path[600];
+    snprintf(ck_dir, sizeof ck_dir, "%s/ck", dir);
+    tiny_ckpt k;
+    tiny_begin(&k, ck_dir);
+    static float v[12 * 16];
+    const size_t n = shard_model_tensor_count(&k.d);
+    for (size_t i = 0; i < n; i++) { /* every tensor of the model, whole */
+        shard_tensor_spec t;
+        shard_model_tensor(&k.d, i, &t);
+        shard_box b = {t.ndim, {0, 0}, {t.shape[0], t.ndim > 1 ? t.shape[1] : 0}};
+        assert_int_equal(shard_h5_write_local(k.w, "params", t.name, SHARD_DT_F32, t.ndim, t.shape, &b, v, SHARD_DT_F32), SHARD_OK);
+    }
+    assert_int_equal(shard_h5_close(k.w), SHARD_OK);
+    tiny_commit(&k);
+    shard_ckpt *ck;
+    assert_int_equal(shard_ckpt_open(ck_dir, &ck), SHARD_OK);
+    assert_null(json_object_get((const json_t *)shard_ckpt_manifest_json(ck), "tensors"));
+    assert_int_equal(shard_ckpt_tensor_count(ck), n);
+    void *ts = NULL;
+    assert_int_equal(shard_ckpt_manifest_tensors(ck, &ts), SHARD_OK);
+    assert_int_equal(json_array_size(ts), n);
+    for (size_t i = 0; i < n; i++) /* the reader's tensors, in the manifest's order */
+        assert_string_equal(json_string_value(json_object_get(json_array_get(ts, i), "name")), shard_ckpt_tensor_at(ck, i)->name);
+    json_decref(ts);
+    snprintf(path, sizeof path, "%s/smp.json", ck_dir);
+    FILE *f = fopen(path, "a");
+    assert_non_null(f);
+    fputc('\n', f);
+    fclose(f);
+    assert_int_equal(shard_ckpt_manifest_tensors(ck, &ts), SHARD_E_INVALID);
+    assert_null(ts);
+    shard_ckpt_close(ck);
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
 }
 
 /* The commit takes a file's pieces from its writer's note, or scans the file's datasets
@@ -610,7 +674,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
