@@ -301,6 +301,7 @@ static int take_noted(scan_ctx *c)
     free(text);
     return rc;
 }
+
 static int cmp_cstr(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
 /* The staging folder's shard files (shard-*.h5), sorted by name. */
