@@ -237,46 +237,16 @@ static herr_t visit(hid_t g, const char *name, const H5L_info_t *info, void *p)
     return add_piece(c, group, tname, dtn, nd, gsh, off, dims, hex, dpath);
 }
 
-/* "a,b,c" (1..SHARD_MAX_DIMS non-negative ints, ending at the field's end) into v; their count, or -1 */
-static int note_ints(char *field, int64_t *v)
-{
-    int n = 0;
-    for (char *q = field, *end; n < SHARD_MAX_DIMS; q = end + 1) {
-        if (*q < '0' || *q > '9') return -1;
-        errno = 0;
-        long long x = strtoll(q, &end, 10);
-        if (errno || x < 0) return -1;
-        v[n++] = x;
-        if (*end == 0) return n;
-        if (*end != ',') return -1;
-    }
-    return -1;
-}
-
-/* One line of a writer's note (pieces_line in h5shard.c: group, tensor, dtype, offset,
- * shape, global shape, xxh64, tab-separated), into c->tensors when add; -1 when it is
- * not one (or, with add, the piece disagrees: c->s). */
+/* One line of a writer's note into c->tensors when add; -1 when it is not one (or, with
+ * add, the piece disagrees: c->s). */
 static int note_line(scan_ctx *c, char *line, int add)
 {
-    char *f[7];
-    int nf = 0;
-    for (char *q = line; nf < 7; nf++) {
-        f[nf] = q;
-        char *tab = strchr(q, '\t');
-        if (!tab) { nf++; break; }
-        *tab = 0;
-        q = tab + 1;
-    }
-    int64_t off[SHARD_MAX_DIMS], dims[SHARD_MAX_DIMS], gsh[SHARD_MAX_DIMS];
-    int nd;
-    if (nf != 7 || !f[0][0] || !f[1][0] || strlen(f[0]) >= 256 || strlen(f[1]) >= 1024 || strchr(f[1], '/') ||
-        strlen(f[2]) >= 32 || strlen(f[6]) != 16 || (nd = note_ints(f[3], off)) < 1 || note_ints(f[4], dims) != nd ||
-        note_ints(f[5], gsh) != nd)
-        return -1;
+    shard_note_piece q;
+    if (shard_note_piece_parse(line, &q)) return -1;
     if (!add) return 0;
     char dpath[1400];
-    snprintf(dpath, sizeof dpath, "/%s/%s", f[0], f[1]);
-    return add_piece(c, f[0], f[1], f[2], nd, gsh, off, dims, f[6], dpath);
+    snprintf(dpath, sizeof dpath, "/%s/%s", q.group, q.name);
+    return add_piece(c, q.group, q.name, q.dtype, q.ndim, q.gshape, q.off, q.len, q.hex, dpath);
 }
 
 /* The file's pieces from its writer's note, when the note still describes the file and

@@ -221,3 +221,40 @@ char *shard_file_note_pieces(const char *path, size_t *n)
     *n = len;
     return buf;
 }
+
+/* "a,b,c" (1..SHARD_MAX_DIMS non-negative ints, ending at the field's end) into v; their count, or -1 */
+static int note_ints(const char *field, int64_t *v)
+{
+    int n = 0;
+    for (const char *q = field; n < SHARD_MAX_DIMS;) {
+        if (*q < '0' || *q > '9') return -1;
+        char *end;
+        errno = 0;
+        long long x = strtoll(q, &end, 10);
+        if (errno || x < 0) return -1;
+        v[n++] = x;
+        if (*end == 0) return n;
+        if (*end != ',') return -1;
+        q = end + 1;
+    }
+    return -1;
+}
+
+int shard_note_piece_parse(char *line, shard_note_piece *out)
+{
+    char *f[7];
+    int nf = 0;
+    for (char *q = line; nf < 7; nf++) {
+        f[nf] = q;
+        char *tab = strchr(q, '\t');
+        if (!tab) { nf++; break; }
+        *tab = 0;
+        q = tab + 1;
+    }
+    if (nf != 7 || !f[0][0] || !f[1][0] || strlen(f[0]) >= 256 || strlen(f[1]) >= 1024 || strchr(f[1], '/') ||
+        strchr(f[6], '\n') || strlen(f[2]) >= 32 || strlen(f[6]) != 16)
+        return -1;
+    out->group = f[0], out->name = f[1], out->dtype = f[2], out->hex = f[6];
+    out->ndim = note_ints(f[3], out->off);
+    return out->ndim >= 1 && note_ints(f[4], out->len) == out->ndim && note_ints(f[5], out->gshape) == out->ndim ? 0 : -1;
+}

@@ -51,6 +51,16 @@ int shard_file_hash_noted(const char *path, uint64_t *hash, uint64_t *bytes);
  * bytes, NUL-terminated, to free), when the note still describes the file; else NULL.
  * The note stays (shard_file_hash_noted removes it). */
 char *shard_file_note_pieces(const char *path, size_t *n);
+/* One of those lines (without its line end), written by the shard writer (h5shard.c,
+ * pieces_line): group, tensor, dtype, offset, shape, global shape, xxh64, tab-separated;
+ * the ints comma-separated. 0 and *out (pointing into line, cut at its tabs), or -1 when
+ * it is not one. */
+typedef struct {
+    const char *group, *name, *dtype, *hex;
+    int ndim;
+    int64_t off[SHARD_MAX_DIMS], len[SHARD_MAX_DIMS], gshape[SHARD_MAX_DIMS];
+} shard_note_piece;
+int shard_note_piece_parse(char *line, shard_note_piece *out);
 /* A durable writer's background flushes (io/flusher.c): a thread that fdatasyncs the
  * file (a duplicate of fd) once after each kick, while the writer goes on. start: NULL
  * where fd < 0 or no thread can be made (the writer's fsync at close then does it all);
