@@ -428,9 +428,10 @@ static int put_ints(char *b, size_t cap, size_t *k, int ndim, const int64_t *v, 
     return 1;
 }
 
-/* The piece's line for the commit (docs/DESIGN.md, "the note"): group, tensor, dtype,
- * offset, shape, global shape, xxh64, tab-separated: what the commit would read back
- * from its attributes. A name the line cannot hold leaves the file to be scanned. */
+/* The piece's line for the commit (docs/DESIGN.md, "Checkpoints of many tensors"):
+ * group, tensor, dtype, offset, shape, global shape, xxh64, tab-separated: what the
+ * commit would read back from its attributes (shard_note_piece_parse reads it). A name
+ * the line cannot hold leaves the file to be scanned. */
 static void pieces_line(shard_h5_writer *w, const shard_h5_piece *pc, const char *hex)
 {
     char line[4096];
