@@ -491,6 +491,13 @@ static void test_hash64_chain(void **st)
         }
 }
 
+static void remove_tree(const char *dir)
+{
+    char cmd[400];
+    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
+    assert_int_equal(system(cmd), 0);
+}
+
 /* A checkpoint of a one-layer Llama (hidden 8, vocab 12) begun in dir: its model, layout
  * and stages, its writer and the writer of its one shard file (path: that file's). */
 static const char TINY_CFG[] = "{\"architectures\": [\"LlamaForCausalLM\"], \"model_type\": \"llama\", \"hidden_size\": 8, "
@@ -525,7 +532,8 @@ static void tiny_commit(tiny_ckpt *k)
 
 /* A checkpoint of two pieces (a 2-D one in params, a 1-D one in optim/exp_avg) committed
  * into dir; note 0: with its writer's note, 1: the note removed first, 2: a line that
- * does not parse added to the note (both: the commit scans the file's datasets). Its
+ * does not parse added to the note (both: the commit scans the file's datasets), 3: the
+ * note's last line's checksum changed to ffff... (what the commit took shows). Its
  * manifest's tensors and files. */
 static json_t *commit_two_pieces(const char *dir, int note)
 {
@@ -548,6 +556,13 @@ static json_t *commit_two_pieces(const char *dir, int note)
         FILE *f = fopen(notep, "a");
         assert_non_null(f);
         fputs("params\tmodel.norm.weight\tF32\t0\n", f); /* four fields of seven */
+        fclose(f);
+    }
+    if (note == 3) {
+        FILE *f = fopen(notep, "r+");
+        assert_non_null(f);
+        assert_int_equal(fseek(f, -17, SEEK_END), 0); /* the last line's 16 hex digits, then its line end */
+        fputs("ffffffffffffffff", f);
         fclose(f);
     }
     tiny_commit(&k);
@@ -602,9 +617,7 @@ static void test_manifest_tensors_read_again(void **st)
     assert_int_equal(shard_ckpt_manifest_tensors(ck, &ts), SHARD_E_INVALID);
     assert_null(ts);
     shard_ckpt_close(ck);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", dir);
-    assert_int_equal(system(cmd), 0);
+    remove_tree(dir);
 }
 
 /* The commit takes a file's pieces from its writer's note, or scans the file's datasets
@@ -629,12 +642,18 @@ static void test_commit_note_or_scan(void **st)
     assert_int_equal(json_integer_value(json_array_get(json_object_get(t, "shape"), 0)), 12);
     assert_true(json_equal(x, y));
     assert_true(json_equal(x, z)); /* the bad line's piece is not taken: the file was scanned */
+    /* and with a note, its lines are what the manifest holds (the file is not read) */
+    char d[300];
+    snprintf(d, sizeof d, "%s/noted-other", root);
+    json_t *o = commit_two_pieces(d, 3);
+    const char *hex = json_string_value(json_object_get(
+        json_array_get(json_object_get(json_array_get(json_object_get(o, "tensors"), 0), "pieces"), 0), "xxh64"));
+    assert_string_equal(hex, "ffffffffffffffff");
+    json_decref(o);
     json_decref(x);
     json_decref(y);
     json_decref(z);
-    char cmd[400];
-    snprintf(cmd, sizeof cmd, "rm -rf '%s'", root);
-    assert_int_equal(system(cmd), 0);
+    remove_tree(root);
 }
 
 static void test_config_with_dtype(void **st)
