@@ -584,7 +584,9 @@ shard_status ckpt_prepare(shard_ckpt *c, tensor *t, piece *p, int skip_legacy)
         return SHARD_OK;
     pthread_mutex_lock(&c->mu);
     shard_h5_quiet(); /* any thread may be the first to touch a piece */
+    shard_h5_lock();
     shard_status s = p->ix ? SHARD_OK : load_index(c, t, p);
+    shard_h5_unlock();
     if (!s && !p->ix->xxh3 && !skip_legacy && !p->verified) s = ckpt_verify_piece(c, p);
     pthread_mutex_unlock(&c->mu);
     return s;

@@ -10,6 +10,9 @@
 
 void shard_h5_init(void);
 void shard_h5_quiet(void); /* shard_h5_init, and no HDF5 error prints from this thread */
+/* libshard's HDF5 calls, a sequence at a time (h5shard.c: why); nothing else is taken while held */
+void shard_h5_lock(void);
+void shard_h5_unlock(void);
 hid_t shard_h5_type(shard_dtype dt);
 hid_t shard_h5_fapl(int create); /* a shard file's access properties (to H5Pclose) */
 /* Attributes of an HDF5 object (h5shard.c). A string: into buf (cap bytes, with its

@@ -70,6 +70,16 @@ void shard_h5_quiet(void)
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL);
 }
 
+/* A thread-safe HDF5 takes its global lock in every API call and, when another thread
+ * waits for it, wakes that thread at every release (a mutex and a condition variable,
+ * HDF5 1.10's H5TS): two threads taking turns call by call spend their time in futex
+ * wake-ups. Each sequence of calls (a batch of pieces' datasets made and described, a
+ * piece's index read) takes this lock first, so that HDF5's own is never contended and
+ * a thread waits once per sequence, not once per call. */
+static pthread_mutex_t h5_mu = PTHREAD_MUTEX_INITIALIZER;
+void shard_h5_lock(void) { pthread_mutex_lock(&h5_mu); }
+void shard_h5_unlock(void) { pthread_mutex_unlock(&h5_mu); }
+
 /* The metadata cache of each shard file capped at 512 KiB (HDF5's default grows to 32 MiB):
  * each piece's object header is read or written once, and its decoded form in the cache
  * takes ~10x its size in the file; with 8 files open a reshard of a model of 18867
@@ -262,22 +272,24 @@ static shard_status fill_from_memory(void *ctx, const shard_box *sub, void *dst,
 /* A piece is cut into chunks of whole rows (chunk shape [1, ..., 1, rows, rowlen]).
  * The chunks of a list of pieces (of one file or several) form one stream, each file's
  * pieces one after the other (plan_stream says the order). Worker threads each take
- * the next chunk, fill it, byte-shuffle and compress it; then, in its piece's order,
- * fold it into the piece's checksum (each piece has its own turn: the stream's next
- * chunk, of another piece, does not wait), and, in stream order, hand it to HDF5 with
+ * the next batch of chunks (one chunk of 1 MiB, or up to 64 small ones: take_batch),
+ * fill them, byte-shuffle and compress them; then, in each piece's order, fold them
+ * into the pieces' checksums (each piece has its own turn: the stream's next chunk, of
+ * another piece, does not wait), and, in stream order, hand them to HDF5 with
  * H5Dwrite_chunk, which bypasses HDF5's filter pipeline (and its global lock for the
  * compression work). The holder of the write turn also creates a piece's dataset
  * before its first chunk and gives it its attributes after its last, so each file's
  * operations come in the same order as piece by piece, and the workers never wait for
  * one piece to drain before filling the next. The turns are held by one thread at a
- * time and not under the pipeline's lock: while one thread writes chunk c, another
- * hashes chunk c+1 and the others fill. Uncompressed pieces ("direct") are made with
+ * time and not under the pipeline's lock: while one thread writes batch b, another
+ * hashes batch b+1 and the others fill. Uncompressed pieces ("direct") are made with
  * every chunk's place allocated (H5D_ALLOC_TIME_EARLY, nothing written) and looked up
  * then: their middle chunks take no write turn, only wait for the dataset, and every
  * chunk's bytes go to its place by pwrite outside any turn, from every worker at once
  * and SHARD_WRITE_MAX at a time (HDF5 would hand the kernel the whole chunk in one
  * write, in the turn: a reshard without compression took 1.4-2.3 s that way against
- * 0.73-0.87 s, docs/DESIGN.md). Memory: threads x (chunk + compressed chunk). */
+ * 0.73-0.87 s, docs/DESIGN.md). Memory: threads x (batch + compressed batch), a batch
+ * 1 MiB or one larger chunk. */
 typedef struct {
     const shard_h5_piece *pc;
     hid_t ds;
@@ -491,19 +503,16 @@ static void fail_locked(pipeline *p, shard_status s)
     if (s) pthread_cond_broadcast(&p->cv);
 }
 
-/* Wait (p->mu held) until *turn reaches c; 0 when it did, 1 when the stream failed. */
-static int wait_turn(pipeline *p, const uint64_t *turn, uint64_t c)
+/* Wait (p->mu held) until *turn reaches c; 0 when it did, 1 when the stream failed.
+ * *woke: this thread moved turns on without waking the others; it does before it sleeps. */
+static int wait_turn(pipeline *p, const uint64_t *turn, uint64_t c, int *woke)
 {
+    if (*turn != c && !*woke) {
+        pthread_cond_broadcast(&p->cv);
+        *woke = 1;
+    }
     while (*turn != c && !p->s) pthread_cond_wait(&p->cv, &p->mu);
     return p->s != SHARD_OK;
-}
-
-/* End a turn (p->mu held): record a failure, pass the turn on, wake the others. */
-static void end_turn(pipeline *p, uint64_t *turn, shard_status s)
-{
-    fail_locked(p, s);
-    (*turn)++;
-    pthread_cond_broadcast(&p->cv);
 }
 
 /* One chunk's zstd frame. The default ("zstd": c->planes) is level 1's fast strategy
@@ -520,99 +529,236 @@ static size_t zstd_chunk(ZSTD_CCtx *z, const shard_compress *c, void *dst, size_
     return ZSTD_isError(e) ? e : ZSTD_compress2(z, dst, cap, src, n);
 }
 
+/* A worker's batch: consecutive slots of the stream, up to BATCH_BYTES of chunks (or
+ * one larger chunk), BATCH_MAX of them. A model of many small tensors has a chunk of a
+ * few KB per piece; taken one at a time, the workers passed the turns to each other
+ * at every chunk and the futex wake-ups cost more than the second thread gave (a
+ * reshard of 18867 tensors: 14.9 s on 2 threads, 8.7 s on one). */
+#define BATCH_BYTES SHARD_CHUNK_TARGET
+#define BATCH_MAX 64
+
+typedef struct {
+    uint64_t c0, n;              /* slots c0 .. c0 + n - 1 */
+    uint8_t *raw, *shuf, *z;     /* the chunks as filled, one shuffled, the compressed ones */
+    size_t rawcap, zcap;
+    ZSTD_CCtx *cctx;
+    uint8_t *filled[BATCH_MAX];  /* each chunk as filled (valid bytes of it count) */
+    const void *out[BATCH_MAX];  /* each chunk as stored, outn bytes */
+    size_t outn[BATCH_MAX], valid[BATCH_MAX];
+    haddr_t at[BATCH_MAX];       /* where it goes in its file */
+} batch;
+
+static shard_status batch_init(pipeline *p, batch *b)
+{
+    int zstd = 0;
+    for (size_t i = 0; i < p->nruns; i++) zstd |= p->runs[i].pc->w->c.zstd_level > 0;
+    b->rawcap = p->max_full > BATCH_BYTES ? p->max_full : BATCH_BYTES;
+    b->zcap = zstd ? ZSTD_compressBound(b->rawcap) : 0;
+    b->raw = malloc(b->rawcap);
+    b->shuf = zstd ? malloc(p->max_full) : NULL;
+    b->z = zstd ? malloc(b->zcap) : NULL;
+    b->cctx = zstd ? ZSTD_createCCtx() : NULL;
+    if (b->raw && (!zstd || (b->shuf && b->z && b->cctx))) return SHARD_OK;
+    return shard_fail(SHARD_E_NOMEM, "%s: out of memory", p->runs[0].pc->w->path);
+}
+
+static void batch_free(batch *b)
+{
+    free(b->raw); free(b->shuf); free(b->z);
+    ZSTD_freeCCtx(b->cctx);
+}
+
+/* The next batch of the stream (p->mu held); 0 when none is left or the stream failed. */
+static int take_batch(pipeline *p, batch *b)
+{
+    b->c0 = p->next_take;
+    b->n = 0;
+    if (p->s) return 0;
+    for (size_t raw = 0, z = 0; b->c0 + b->n < p->nchunks && b->n < BATCH_MAX; b->n++) {
+        const size_t full = p->runs[p->slot[b->c0 + b->n].run].g.full, zb = b->zcap ? ZSTD_compressBound(full) : 0;
+        if (b->n && (raw + full > b->rawcap || z + zb > b->zcap)) break;
+        raw += full;
+        z += zb;
+    }
+    p->next_take += b->n;
+    return b->n > 0;
+}
+
+/* Each chunk filled, checksummed alone, shuffled and compressed (no lock held). */
+static shard_status fill_batch(pipeline *p, batch *b)
+{
+    size_t roff = 0, zoff = 0;
+    for (uint64_t i = 0; i < b->n; i++) {
+        const stream_slot *sl = &p->slot[b->c0 + i];
+        piece_run *run = &p->runs[sl->run];
+        const shard_h5_piece *pc = run->pc;
+        const size_t es = run->g.es, full = run->g.full;
+        uint8_t *raw = b->raw + roff;
+        shard_box sub;
+        hsize_t hoff[SHARD_MAX_DIMS];
+        chunk_box(run, sl->k, &sub, hoff);
+        const size_t valid = (size_t)shard_box_numel(&sub) * es;
+        if (valid < full) memset(raw + valid, 0, full - valid);
+        shard_status s = pc->fill(pc->ctx, &sub, raw, pc->dt);
+        if (s) return s;
+        run->chunk_xxh3[sl->k] = shard_xxh3(raw, valid); /* a chunk's own: readers of a slice check it alone */
+        b->filled[i] = raw;
+        b->out[i] = raw;
+        b->outn[i] = full;
+        b->valid[i] = valid;
+        if (pc->w->c.zstd_level) {
+            shard_shuffle(b->shuf, raw, full / es, es);
+            size_t r = zstd_chunk(b->cctx, &pc->w->c, b->z + zoff, b->zcap - zoff, es > 1 ? b->shuf : raw, full);
+            if (ZSTD_isError(r)) return shard_fail(SHARD_E_INTERNAL, "%s: zstd: %s", pc->w->path, ZSTD_getErrorName(r));
+            b->out[i] = b->z + zoff;
+            b->outn[i] = r;
+            zoff += r;
+        }
+        roff += full;
+        if (shard_cancelled()) return shard_fail_cancelled(); /* a batch at a time: the signal stops it soon */
+    }
+    return SHARD_OK;
+}
+
+/* Each chunk folded into its piece's checksum, in the piece's order (the holder of a
+ * piece's turn alone touches its hash; the others are woken once, at the end or before
+ * this thread sleeps). 1 when the stream failed. */
+static int hash_batch(pipeline *p, batch *b)
+{
+    int woke = 1, failed = 0;
+    pthread_mutex_lock(&p->mu);
+    for (uint64_t i = 0; i < b->n && !failed; i++) {
+        const stream_slot *sl = &p->slot[b->c0 + i];
+        piece_run *run = &p->runs[sl->run];
+        if ((failed = wait_turn(p, &run->hashed, sl->k, &woke))) break;
+        pthread_mutex_unlock(&p->mu);
+        if (sl->k == 0) shard_xxh64_reset(&run->hash);
+        shard_xxh64_update(&run->hash, b->filled[i], b->valid[i]);
+        if (sl->k + 1 == run->g.nchunks)
+            snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)shard_xxh64_digest(&run->hash));
+        pthread_mutex_lock(&p->mu);
+        run->hashed++;
+        woke = 0;
+    }
+    if (!woke) pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+    return failed;
+}
+
+/* 1 when slot i's piece has its first chunk earlier in the batch (made here, not waited for) */
+static int made_in_batch(const pipeline *p, const batch *b, uint64_t i)
+{
+    for (uint64_t j = 0; j < i; j++)
+        if (p->slot[b->c0 + j].run == p->slot[b->c0 + i].run && p->slot[b->c0 + j].k == 0) return 1;
+    return 0;
+}
+
+/* Wait (p->mu held) for HDF5's part of the batch: the datasets its middle chunks need
+ * made, then the write turn of its first chunk that takes one (the batch's turns are
+ * consecutive: it then holds them all). *last: one past its last turn (0: none). */
+static int wait_write(pipeline *p, const batch *b, uint64_t *last)
+{
+    int woke = 1;
+    uint64_t first = NO_TURN;
+    *last = 0;
+    for (uint64_t i = 0; i < b->n; i++) {
+        const stream_slot *sl = &p->slot[b->c0 + i];
+        if (sl->turn != NO_TURN) {
+            if (first == NO_TURN) first = sl->turn;
+            *last = sl->turn + 1;
+        } else if (!made_in_batch(p, b, i) && wait_turn(p, &p->runs[sl->run].created, 1, &woke)) {
+            return 1;
+        }
+    }
+    return first != NO_TURN && wait_turn(p, &p->next_write, first, &woke);
+}
+
+/* HDF5's part, in stream order (the chunks' places in the file follow it), under the
+ * HDF5 lock: a piece's dataset made before its first chunk, a compressed chunk written
+ * through H5Dwrite_chunk, a piece's attributes after its last chunk. any 0: none of
+ * the batch's chunks takes a turn (a direct piece's middle chunks), no HDF5 call. */
+static shard_status h5_batch(pipeline *p, batch *b, int any)
+{
+    shard_status s = SHARD_OK;
+    if (any) shard_h5_lock();
+    for (uint64_t i = 0; i < b->n && !s; i++) {
+        const stream_slot *sl = &p->slot[b->c0 + i];
+        piece_run *run = &p->runs[sl->run];
+        shard_box sub;
+        hsize_t hoff[SHARD_MAX_DIMS];
+        chunk_box(run, sl->k, &sub, hoff);
+        if (sl->k == 0) s = create_dataset(run);
+        if (!s && sl->k == 0 && run->direct) s = place_chunks(run);
+        b->at[i] = HADDR_UNDEF;
+        if (!s && run->direct) b->at[i] = run->at[sl->k];
+        else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, b->outn[i], b->out[i]) < 0)
+            s = write_failed(run->pc, 0);
+        else if (!s)
+            b->at[i] = written_at(run, hoff, b->outn[i]);
+        if (!s && sl->k + 1 == run->g.nchunks) s = finish_dataset(run);
+    }
+    if (any) shard_h5_unlock();
+    return s;
+}
+
+/* After HDF5's part (when the batch took turns, or failed): the turns passed on, the
+ * datasets made announced. */
+static void end_write(pipeline *p, const batch *b, uint64_t last, shard_status s)
+{
+    pthread_mutex_lock(&p->mu);
+    fail_locked(p, s);
+    for (uint64_t i = 0; i < b->n && !s; i++)
+        if (p->slot[b->c0 + i].k == 0) p->runs[p->slot[b->c0 + i].run].created = 1;
+    if (last && !s) p->next_write = last;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+}
+
+/* The bytes of uncompressed chunks to their places, by pwrite from every worker at once
+ * (HDF5 wrote the compressed ones); each written block into its file's checksum. */
+static shard_status put_batch(pipeline *p, const batch *b)
+{
+    for (uint64_t i = 0; i < b->n; i++) {
+        const piece_run *run = &p->runs[p->slot[b->c0 + i].run];
+        const shard_h5_piece *pc = run->pc;
+        const int err = run->direct ? shard_pwrite_all(pc->w->fd, b->out[i], b->outn[i], (uint64_t)b->at[i]) : 0;
+        if (err) return write_failed(pc, err);
+        if (b->at[i] != HADDR_UNDEF) shard_blockmap_record(&pc->w->blocks, (uint64_t)b->at[i], b->out[i], b->outn[i]);
+    }
+    pthread_mutex_lock(&p->mu);
+    for (uint64_t i = 0; i < b->n; i++) {
+        const shard_h5_piece *pc = p->runs[p->slot[b->c0 + i].run].pc;
+        shard_start_writeback(pc->w->fd, &pc->w->flusher, &pc->w->unsynced, b->outn[i], pc->w->c.no_fsync); /* the disk works while we convert */
+        if (p->done) p->done(p->done_arg, b->valid[i]);
+    }
+    pthread_mutex_unlock(&p->mu);
+    return SHARD_OK;
+}
+
 static void *pipeline_worker(void *arg)
 {
     pipeline *p = arg;
     H5Eset_auto2(H5E_DEFAULT, NULL, NULL); /* per thread in a thread-safe HDF5: no prints */
-    const size_t cap = p->max_full;
-    int zstd = 0;
-    for (size_t i = 0; i < p->nruns; i++) zstd |= p->runs[i].pc->w->c.zstd_level > 0;
-    uint8_t *raw = calloc(1, cap), *shuf = zstd ? malloc(cap) : NULL;
-    size_t zcap = zstd ? ZSTD_compressBound(cap) : 0;
-    uint8_t *z = zstd ? malloc(zcap) : NULL;
-    ZSTD_CCtx *cctx = zstd ? ZSTD_createCCtx() : NULL;
-    if (!raw || (zstd && (!shuf || !z || !cctx))) {
-        shard_status s = shard_fail(SHARD_E_NOMEM, "%s: out of memory", p->runs[0].pc->w->path);
-        pthread_mutex_lock(&p->mu);
-        fail_locked(p, s);
-        pthread_mutex_unlock(&p->mu);
-        goto out;
-    }
+    batch b = {0};
+    shard_status s = batch_init(p, &b);
     for (;;) {
         pthread_mutex_lock(&p->mu);
-        uint64_t c = p->next_take++;
-        int stop = c >= p->nchunks || p->s;
-        pthread_mutex_unlock(&p->mu);
-        if (stop) break;
-        piece_run *run = &p->runs[p->slot[c].run];
-        const shard_h5_piece *pc = run->pc;
-        const uint64_t k = p->slot[c].k; /* the chunk within its piece */
-        const size_t es = run->g.es, full = run->g.full;
-        const int level = pc->w->c.zstd_level;
-        shard_box sub;
-        hsize_t hoff[SHARD_MAX_DIMS];
-        chunk_box(run, k, &sub, hoff);
-        size_t valid = (size_t)shard_box_numel(&sub) * es;
-        if (valid < full) memset(raw + valid, 0, full - valid);
-        shard_status s = pc->fill(pc->ctx, &sub, raw, pc->dt);
-        if (!s) run->chunk_xxh3[k] = shard_xxh3(raw, valid); /* a chunk's own: readers of a slice check it alone */
-        const void *out = raw;
-        size_t outn = full;
-        if (!s && level) {
-            shard_shuffle(shuf, raw, full / es, es);
-            size_t r = zstd_chunk(cctx, &pc->w->c, z, zcap, es > 1 ? shuf : raw, full);
-            if (ZSTD_isError(r)) s = shard_fail(SHARD_E_INTERNAL, "%s: zstd: %s", pc->w->path, ZSTD_getErrorName(r));
-            out = z;
-            outn = r;
-        }
-        if (!s && shard_cancelled()) s = shard_fail_cancelled(); /* a chunk at a time: the signal stops it soon */
-        /* the checksum, in the piece's order (the holder of the piece's turn alone touches it) */
-        pthread_mutex_lock(&p->mu);
         fail_locked(p, s);
-        int failed = wait_turn(p, &run->hashed, k);
+        const int more = !s && take_batch(p, &b);
+        pthread_mutex_unlock(&p->mu);
+        if (!more) break;
+        if ((s = fill_batch(p, &b))) continue;
+        if (hash_batch(p, &b)) break;
+        uint64_t last;
+        pthread_mutex_lock(&p->mu);
+        const int failed = wait_write(p, &b, &last);
         pthread_mutex_unlock(&p->mu);
         if (failed) break;
-        if (k == 0) shard_xxh64_reset(&run->hash);
-        shard_xxh64_update(&run->hash, raw, valid);
-        if (k + 1 == run->g.nchunks) snprintf(run->hex, sizeof run->hex, "%016llx", (unsigned long long)shard_xxh64_digest(&run->hash));
-        /* HDF5's part, in stream order (the chunks' places in the file follow it); a
-         * direct piece's middle chunk waits only for its dataset */
-        const uint64_t turn = p->slot[c].turn;
-        pthread_mutex_lock(&p->mu);
-        end_turn(p, &run->hashed, SHARD_OK);
-        failed = turn == NO_TURN ? wait_turn(p, &run->created, 1) : wait_turn(p, &p->next_write, turn);
-        pthread_mutex_unlock(&p->mu);
-        if (failed) break;
-        if (k == 0) s = create_dataset(run); /* a piece's first and last chunks always take the turn */
-        if (!s && k == 0 && run->direct) s = place_chunks(run);
-        haddr_t at = HADDR_UNDEF;
-        if (!s && run->direct) at = run->at[k];
-        else if (!s && H5Dwrite_chunk(run->ds, H5P_DEFAULT, 0, hoff, outn, out) < 0)
-            s = write_failed(pc, 0);
-        else if (!s)
-            at = written_at(run, hoff, outn);
-        if (!s && k + 1 == run->g.nchunks) s = finish_dataset(run);
-        if (run->direct) { /* the turn held only for HDF5's part: the bytes go in parallel */
-            pthread_mutex_lock(&p->mu);
-            if (turn != NO_TURN) end_turn(p, &p->next_write, s);
-            if (k == 0) end_turn(p, &run->created, s);
-            pthread_mutex_unlock(&p->mu);
-            int err = s ? 0 : shard_pwrite_all(pc->w->fd, out, outn, (uint64_t)at);
-            if (err) s = write_failed(pc, err);
-            else if (!s) shard_blockmap_record(&pc->w->blocks, (uint64_t)at, out, outn);
-        }
-        pthread_mutex_lock(&p->mu);
-        if (!s) shard_start_writeback(pc->w->fd, &pc->w->flusher, &pc->w->unsynced, outn, pc->w->c.no_fsync); /* the disk works while we convert */
-        if (!s && p->done) p->done(p->done_arg, valid);
-        if (run->direct) fail_locked(p, s);
-        else end_turn(p, &p->next_write, s);
-        pthread_mutex_unlock(&p->mu);
-        if (!s && !run->direct && at != HADDR_UNDEF) /* the hashing outside the turn */
-            shard_blockmap_record(&pc->w->blocks, (uint64_t)at, out, outn);
+        s = h5_batch(p, &b, last != 0);
+        if (last || s) end_write(p, &b, last, s);
+        if (!s) s = put_batch(p, &b);
     }
-out:
-    free(raw); free(shuf); free(z);
-    ZSTD_freeCCtx(cctx);
+    batch_free(&b);
     H5Eclear2(H5E_DEFAULT); /* this thread's error stack, before the thread ends */
     return NULL;
 }
