@@ -151,6 +151,7 @@ struct shard_h5_writer {
     char *pieces;          /* what the commit's scan would read back (pieces_line), for the note */
     size_t plen, pcap;
     int unnoted;           /* a piece's lines could not be kept: the commit scans the file */
+    char group[256];       /* the group the last piece went to, known to exist (ensure_group) */
 };
 
 shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer **out)
@@ -166,9 +167,11 @@ shard_status shard_h5_create(const char *path, shard_compress c, shard_h5_writer
      * damaged header is refused instead of parsed (HDF5 1.10.8 reads past its buffers
      * on some malformed attribute messages of the older, unchecked format:
      * tests/fuzz/fuzz_shard.c). h5py reads both. */
-    hid_t fapl = shard_h5_fapl(1);
-    w->file = fapl >= 0 ? H5Fcreate(path, H5F_ACC_EXCL, H5P_DEFAULT, fapl) : -1;
+    hid_t fapl = shard_h5_fapl(1), fcpl = H5Pcreate(H5P_FILE_CREATE);
+    if (fcpl >= 0) H5Pset_obj_track_times(fcpl, 0); /* the root group: no times (ensure_group says why) */
+    w->file = fapl >= 0 && fcpl >= 0 ? H5Fcreate(path, H5F_ACC_EXCL, fcpl, fapl) : -1;
     if (fapl >= 0) H5Pclose(fapl);
+    if (fcpl >= 0) H5Pclose(fcpl);
     if (w->file < 0) { free(w->path); free(w); return shard_fail(SHARD_E_IO, "%s: cannot create the HDF5 file", path); }
     void *handle = NULL;
     w->fd = H5Fget_vfd_handle(w->file, H5P_DEFAULT, &handle) >= 0 && handle ? *(int *)handle : -1;
@@ -355,9 +358,39 @@ static shard_status plan_run(piece_run *r, const shard_h5_piece *pc)
     return r->chunk_xxh3 && (r->at || !r->direct) ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
 }
 
+/* The piece's group and the groups above it, made without times: HDF5 stamps the
+ * groups it makes (its default), so that two writes of the same pieces in different
+ * seconds gave files that differ in those bytes alone. Files are the same bytes for the
+ * same pieces, whatever the time or the threads (tests/unit/test_core.c,
+ * test_write_batches); the datasets are made without times likewise. */
+static shard_status ensure_group(shard_h5_writer *w, const char *group)
+{
+    if (!strcmp(w->group, group)) return SHARD_OK;
+    const size_t n = strlen(group);
+    if (n >= sizeof w->group) return SHARD_OK; /* left to the dataset's intermediate groups */
+    char prefix[sizeof w->group];
+    hid_t gcpl = H5Pcreate(H5P_GROUP_CREATE);
+    int ok = gcpl >= 0 && H5Pset_obj_track_times(gcpl, 0) >= 0;
+    for (size_t i = 1; ok && i <= n; i++) {
+        if (group[i] != '/' && group[i] != 0) continue;
+        memcpy(prefix, group, i);
+        prefix[i] = 0;
+        if (H5Lexists(w->file, prefix, H5P_DEFAULT) > 0) continue;
+        hid_t g = H5Gcreate2(w->file, prefix, H5P_DEFAULT, gcpl, H5P_DEFAULT);
+        ok = g >= 0;
+        if (ok) H5Gclose(g);
+    }
+    if (gcpl >= 0) H5Pclose(gcpl);
+    if (!ok) return shard_fail(SHARD_E_IO, "%s: cannot create group %s", w->path, group);
+    memcpy(w->group, group, n + 1);
+    return SHARD_OK;
+}
+
 static shard_status create_dataset(piece_run *r)
 {
     const shard_h5_piece *pc = r->pc;
+    shard_status s = ensure_group(pc->w, pc->group);
+    if (s) return s;
     char dpath[1024];
     snprintf(dpath, sizeof dpath, "/%s/%s", pc->group, pc->name);
     hsize_t dims[SHARD_MAX_DIMS];

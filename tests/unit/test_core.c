@@ -14,6 +14,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include <xxhash.h>
+#include <hdf5.h>
 
 #include "../../libshard/core/internal.h"
 
@@ -656,6 +657,155 @@ static void test_commit_note_or_scan(void **st)
     remove_tree(root);
 }
 
+/* ------------------------------------------------ the writer's batches of chunks */
+/* Element e (C order) of tensor j: its own value, so that a chunk put in another place,
+ * of another piece or file, shows. */
+static float stream_value(int j, int64_t e) { return (float)(j * 1000003 + e % 1000003) * 0.25f; }
+
+typedef struct {
+    int j, ndim;
+    int64_t gshape[2];
+} stream_src;
+
+static shard_status stream_fill(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
+{
+    const stream_src *t = ctx;
+    float *o = dst;
+    assert_int_equal(dt, SHARD_DT_F32);
+    const int64_t cols = t->ndim == 2 ? t->gshape[1] : 1, r0 = t->ndim == 2 ? sub->off[0] : 0;
+    const int64_t nr = t->ndim == 2 ? sub->len[0] : 1, c0 = t->ndim == 2 ? sub->off[1] : sub->off[0];
+    const int64_t nc = t->ndim == 2 ? sub->len[1] : sub->len[0];
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t c = 0; c < nc; c++) *o++ = stream_value(t->j, (r0 + r) * cols + c0 + c);
+    return SHARD_OK;
+}
+
+enum { STREAM_FILES = 3, STREAM_TENSORS = 40 };
+
+/* Tensor j: mostly small 1-D ones (a chunk of a few hundred bytes each: many to a batch),
+ * every 13th of 7 rows of 300 KB (chunks of 3 rows, 900 KB: one to a batch, with small
+ * ones before it; a last chunk of 1 row, batched with the next pieces' chunks). File f
+ * holds column block f of the 2-D ones, the 1-D ones whole. */
+static void stream_tensor(int j, stream_src *t)
+{
+    *t = (stream_src){j, j % 13 == 5 ? 2 : 1, {j % 13 == 5 ? 7 : 40 + j, 75000 * STREAM_FILES}};
+}
+
+static void stream_write(const char *dir, const char *comp, int threads, stream_src *src, char names[][32])
+{
+    shard_compress c;
+    assert_int_equal(shard_compress_parse(comp, &c), SHARD_OK);
+    c.threads = threads;
+    c.no_fsync = 1;
+    shard_h5_writer *w[STREAM_FILES];
+    for (int f = 0; f < STREAM_FILES; f++) {
+        char path[400];
+        snprintf(path, sizeof path, "%s/shard-%05d.h5", dir, f);
+        assert_int_equal(shard_h5_create(path, c, &w[f]), SHARD_OK);
+    }
+    static shard_h5_piece pcs[STREAM_TENSORS * STREAM_FILES];
+    size_t n = 0;
+    for (int j = 0; j < STREAM_TENSORS; j++) /* piece j of each file, then piece j + 1: as hf2smp lists them */
+        for (int f = 0; f < STREAM_FILES; f++) {
+            stream_src *t = &src[j];
+            shard_box b = t->ndim == 2 ? (shard_box){2, {0, 75000 * f}, {7, 75000}} : (shard_box){1, {0}, {t->gshape[0]}};
+            pcs[n++] = (shard_h5_piece){w[f], "params", names[j], SHARD_DT_F32, t->ndim, t->gshape, b, stream_fill, t};
+        }
+    assert_int_equal(shard_h5_write_pieces(pcs, n, NULL, NULL), SHARD_OK);
+    for (int f = 0; f < STREAM_FILES; f++) assert_int_equal(shard_h5_close(w[f]), SHARD_OK);
+}
+
+static char *slurp(const char *path, size_t *n)
+{
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    assert_int_equal(fseek(f, 0, SEEK_END), 0);
+    *n = (size_t)ftell(f);
+    rewind(f);
+    char *b = malloc(*n + 1); /* room for a 0 after it */
+    assert_non_null(b);
+    assert_int_equal(fread(b, 1, *n, f), *n);
+    fclose(f);
+    return b;
+}
+
+/* Every piece as HDF5 itself reads it (the zstd filter through HDF5's pipeline): its values. */
+static void stream_check_values(const char *dir, const stream_src *src, char names[][32])
+{
+    static float got[7 * 75000];
+    for (int f = 0; f < STREAM_FILES; f++) {
+        char path[400], ds[64];
+        snprintf(path, sizeof path, "%s/shard-%05d.h5", dir, f);
+        hid_t h = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
+        assert_true(h >= 0);
+        for (int j = 0; j < STREAM_TENSORS; j++) {
+            const stream_src *t = &src[j];
+            snprintf(ds, sizeof ds, "/params/%s", names[j]);
+            hid_t d = H5Dopen2(h, ds, H5P_DEFAULT);
+            assert_true(d >= 0);
+            assert_true(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, got) >= 0);
+            H5Dclose(d);
+            const int64_t rows = t->ndim == 2 ? 7 : 1, cols = t->ndim == 2 ? 75000 : t->gshape[0];
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t c = 0; c < cols; c++) {
+                    const int64_t e = t->ndim == 2 ? r * t->gshape[1] + 75000 * f + c : c;
+                    if (got[r * cols + c] != stream_value(j, e)) fail_msg("%s %s [%lld,%lld]", path, ds, (long long)r, (long long)c);
+                }
+        }
+        H5Fclose(h);
+    }
+}
+
+/* Batches of chunks (small pieces many to a batch, 900 KB chunks alone, a multi-chunk
+ * piece's middle chunk and the first chunk that made its dataset in other batches),
+ * written by 1 to 4 threads into 3 files, compressed or not: HDF5 reads every value in
+ * its place, and the files and their notes are the same bytes whatever the threads and
+ * the second they were written in. */
+static void test_write_batches(void **st)
+{
+    (void)st;
+    char root[] = "/tmp/smp-unit-XXXXXX";
+    assert_non_null(mkdtemp(root));
+    static stream_src src[STREAM_TENSORS];
+    static char names[STREAM_TENSORS][32];
+    for (int j = 0; j < STREAM_TENSORS; j++) {
+        stream_tensor(j, &src[j]);
+        snprintf(names[j], sizeof names[j], "t%02d.weight", j);
+    }
+    const char *comps[] = {"none", "zstd"};
+    for (int ci = 0; ci < 2; ci++) {
+        char *first[STREAM_FILES * 2] = {0};
+        size_t firstn[STREAM_FILES * 2] = {0};
+        for (int threads = 1; threads <= 4; threads++) {
+            char dir[400];
+            snprintf(dir, sizeof dir, "%s/%s-%d", root, comps[ci], threads);
+            assert_int_equal(mkdir(dir, 0755), 0);
+            if (threads == 2 && ci == 0) sleep(1); /* another second: HDF5 would stamp its groups with it */
+            stream_write(dir, comps[ci], threads, src, names);
+            stream_check_values(dir, src, names);
+            for (int f = 0; f < STREAM_FILES * 2; f++) { /* each file, then its note */
+                char path[500];
+                snprintf(path, sizeof path, "%s/shard-%05d.h5%s", dir, f / 2, f % 2 ? ".fhash" : "");
+                size_t n;
+                char *b = slurp(path, &n), *from = b;
+                if (f % 2) { /* the note's first line names the file it describes (inode, time): its pieces' lines */
+                    b[n] = 0;
+                    from = strchr(b, '\n');
+                    assert_non_null(from);
+                    n -= (size_t)(from - b);
+                }
+                if (threads == 1) { first[f] = b; firstn[f] = n; continue; }
+                const char *want = f % 2 ? strchr(first[f], '\n') : first[f];
+                if (n != firstn[f] || memcmp(from, want, n)) fail_msg("%s differs from the one written by 1 thread", path);
+                free(b);
+            }
+            if (threads > 1) remove_tree(dir);
+        }
+        for (int f = 0; f < STREAM_FILES * 2; f++) free(first[f]);
+    }
+    remove_tree(root);
+}
+
 static void test_config_with_dtype(void **st)
 {
     (void)st;
@@ -693,7 +843,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
