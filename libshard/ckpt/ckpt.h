@@ -89,6 +89,13 @@ typedef struct {
 typedef struct scratch scratch;
 typedef struct cache_slot cache_slot;
 
+/* A shard file's group whose links were checked (chunkread.c, open_own_dataset). */
+typedef struct {
+    char group[256]; /* its path */
+    int checked;     /* group is set */
+    int all_hard;    /* every link in it is a hard link: its datasets' own links need no check */
+} ckpt_links;
+
 struct shard_ckpt {
     char *dir;
     json_t *m;
@@ -121,14 +128,16 @@ struct shard_ckpt {
     uint64_t ctick;
     pthread_cond_t ccv;
     uint64_t bytes_read;               /* stored bytes read (atomic) */
-    size_t ok_file;                    /* the group of a file whose links were last checked */
-    char ok_group[256];                /* (chunkread.c, open_own_dataset; under mu) */
+    ckpt_links *links;                 /* per file: the group whose links were checked last (under mu) */
     char *strings;                     /* the tensors' names and datasets (compact_manifest) */
 };
 
 /* Look a piece's chunks up (once); legacy pieces (no chunk checksums) are also
  * verified whole here unless skip_legacy. Takes c->mu. */
 shard_status ckpt_prepare(shard_ckpt *c, tensor *t, piece *p, int skip_legacy);
+/* The same with c->mu held: many pieces in one hold (verify.c: a thread per file, whose
+ * pieces taken one lock at a time made the threads wake each other at every piece). */
+shard_status ckpt_prepare_locked(shard_ckpt *c, tensor *t, piece *p, int skip_legacy);
 /* Per-thread buffers, pooled in the checkpoint. */
 scratch *ckpt_scratch_get(shard_ckpt *c);
 void ckpt_scratch_put(shard_ckpt *c, scratch *s);

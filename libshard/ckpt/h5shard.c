@@ -320,7 +320,8 @@ typedef struct {
     size_t nruns;
     stream_slot *slot;                 /* nchunks: the stream's order */
     uint64_t nchunks, next_take, next_write;
-    size_t max_full;
+    size_t max_full;                   /* the largest chunk */
+    uint64_t all_full;                 /* all chunks' bytes */
     void (*done)(void *arg, uint64_t bytes);
     void *done_arg;
     pthread_mutex_t mu;
@@ -585,7 +586,8 @@ static shard_status batch_init(pipeline *p, batch *b)
 {
     int zstd = 0;
     for (size_t i = 0; i < p->nruns; i++) zstd |= p->runs[i].pc->w->c.zstd_level > 0;
-    b->rawcap = p->max_full > BATCH_BYTES ? p->max_full : BATCH_BYTES;
+    const uint64_t most = p->all_full < BATCH_BYTES ? p->all_full : BATCH_BYTES; /* a stream of one small piece: its bytes */
+    b->rawcap = p->max_full > most ? p->max_full : (size_t)most;
     b->zcap = zstd ? ZSTD_compressBound(b->rawcap) : 0;
     b->raw = malloc(b->rawcap);
     b->shuf = zstd ? malloc(p->max_full) : NULL;
@@ -843,6 +845,7 @@ shard_status shard_h5_write_pieces(const shard_h5_piece *pieces, size_t n, void 
         if (!p.s) p.s = plan_run(r, &pieces[i]);
         p.nchunks += r->g.nchunks;
         if (r->g.full > p.max_full) p.max_full = r->g.full;
+        p.all_full += r->g.full * r->g.nchunks;
     }
     if (p.nchunks && !p.s) p.s = plan_stream(&p);
     if (p.nchunks && !p.s) {

@@ -226,7 +226,9 @@ static shard_status read_files(shard_ckpt *c, const char *mpath)
     c->extras = calloc(n + 1, sizeof *c->extras);
     c->extra_file = calloc(n + 1, sizeof *c->extra_file);
     c->file_order = malloc((n + 1) * sizeof *c->file_order);
-    if (!c->files || !c->file_bytes || !c->file_hash || !c->h5 || !c->fd || !c->extras || !c->extra_file || !c->file_order)
+    c->links = calloc(n + 1, sizeof *c->links);
+    if (!c->files || !c->file_bytes || !c->file_hash || !c->h5 || !c->fd || !c->extras || !c->extra_file || !c->file_order ||
+        !c->links)
         return shard_fail(SHARD_E_NOMEM, "out of memory"); /* nfiles 0: close frees what there is */
     c->nfiles = n;
     const char *hash_key = c->file_hash_kind == SHARD_FHASH_XXH64 ? "xxh64" : "xxh3_blocks"; /* by the version */
@@ -352,6 +354,7 @@ void shard_ckpt_close(shard_ckpt *c)
         free(c->t[i].p);
     }
     free(c->t); free(c->files); free(c->file_bytes); free(c->file_hash); free(c->h5); free(c->fd); free(c->extras); free(c->extra_file);
+    free(c->links);
     json_decref(c->m);
     free(c->strings);
     ckpt_scratch_free_all(c);

@@ -10,6 +10,9 @@
 #include <unistd.h>
 
 #define GAP_BLOCK (4u << 20)
+/* pieces looked up per hold of the checkpoint's lock: a file of 9000 small pieces,
+ * each locked alone, cost 2 threads more than one (HDF5's work is serial either way) */
+#define PREPARE_RUN 256
 
 typedef struct {
     uint64_t addr, size, k;
@@ -41,11 +44,14 @@ static int by_addr(const void *a, const void *b)
 static shard_status locate_all(shard_ckpt *c, piece_ref *refs, size_t nref, located **out, size_t *nout)
 {
     size_t n = 0;
-    for (size_t r = 0; r < nref; r++) {
-        shard_status s = ckpt_prepare(c, refs[r].t, refs[r].p, 1);
+    for (size_t r0 = 0; r0 < nref; r0 += PREPARE_RUN) { /* the lock taken once per run of pieces */
+        shard_status s = SHARD_OK;
+        pthread_mutex_lock(&c->mu);
+        for (size_t r = r0; r < nref && r < r0 + PREPARE_RUN && !s; r++) s = ckpt_prepare_locked(c, refs[r].t, refs[r].p, 1);
+        pthread_mutex_unlock(&c->mu);
         if (s) return s;
-        n += refs[r].p->ix->g.nchunks;
     }
+    for (size_t r = 0; r < nref; r++) n += refs[r].p->ix->g.nchunks;
     located *l = malloc((n + 1) * sizeof *l);
     if (!l) return shard_fail(SHARD_E_NOMEM, "out of memory");
     size_t i = 0;
