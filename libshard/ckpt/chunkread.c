@@ -232,7 +232,7 @@ static shard_status locate_chunks(hid_t ds, const piece *p, uint64_t file_bytes,
     return SHARD_OK;
 }
 
-/* link_kind for H5Literate: stops at the first link that is not a hard link */
+/* H5Literate's callback: stops the walk at the first link that is not a hard link */
 static herr_t not_hard(hid_t g, const char *name, const H5L_info_t *li, void *arg)
 {
     (void)g; (void)name; (void)arg;
@@ -252,7 +252,8 @@ static int all_hard(hid_t file, const char *group)
     return r == 0;
 }
 
-/* Each link from the root to dpath[0, upto) is a hard link. */
+/* The links named by dpath's prefixes that end in [from, upto] (at a '/' or at upto)
+ * are hard links: [1, parent] the groups above a dataset, [parent + 1, n] its own. */
 static shard_status check_links(hid_t file, const char *dpath, size_t from, size_t upto, const char *path)
 {
     char prefix[1024];

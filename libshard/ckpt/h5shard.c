@@ -538,7 +538,8 @@ static void fail_locked(pipeline *p, shard_status s)
 }
 
 /* Wait (p->mu held) until *turn reaches c; 0 when it did, 1 when the stream failed.
- * *woke: this thread moved turns on without waking the others; it does before it sleeps. */
+ * *woke 0: this thread has moved turns on without waking the others; it wakes them
+ * before it sleeps (and sets *woke). */
 static int wait_turn(pipeline *p, const uint64_t *turn, uint64_t c, int *woke)
 {
     if (*turn != c && !*woke) {
