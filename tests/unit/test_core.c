@@ -665,6 +665,7 @@ static float stream_value(int j, int64_t e) { return (float)(j * 1000003 + e % 1
 typedef struct {
     int j, ndim;
     int64_t gshape[2];
+    int64_t fail_row; /* > 0: a fill of this row fails (of a 1-D tensor: any fill) */
 } stream_src;
 
 static shard_status stream_fill(void *ctx, const shard_box *sub, void *dst, shard_dtype dt)
@@ -672,6 +673,8 @@ static shard_status stream_fill(void *ctx, const shard_box *sub, void *dst, shar
     const stream_src *t = ctx;
     float *o = dst;
     assert_int_equal(dt, SHARD_DT_F32);
+    if (t->fail_row > 0 && (t->ndim == 1 || (sub->off[0] <= t->fail_row && t->fail_row < sub->off[0] + sub->len[0])))
+        return shard_fail(SHARD_E_IO, "t%02d: boom at row %lld", t->j, (long long)sub->off[0]);
     const int64_t cols = t->ndim == 2 ? t->gshape[1] : 1, r0 = t->ndim == 2 ? sub->off[0] : 0;
     const int64_t nr = t->ndim == 2 ? sub->len[0] : 1, c0 = t->ndim == 2 ? sub->off[1] : sub->off[0];
     const int64_t nc = t->ndim == 2 ? sub->len[1] : sub->len[0];
@@ -691,7 +694,9 @@ static void stream_tensor(int j, stream_src *t)
     *t = (stream_src){j, j % 13 == 5 ? 2 : 1, {j % 13 == 5 ? 7 : 40 + j, 75000 * STREAM_FILES}};
 }
 
-static void stream_write(const char *dir, const char *comp, int threads, stream_src *src, char names[][32])
+/* The stream of every tensor's pieces into STREAM_FILES files in dir: its status (the
+ * files closed, or on failure abandoned and removed). */
+static shard_status stream_write(const char *dir, const char *comp, int threads, stream_src *src, char names[][32])
 {
     shard_compress c;
     assert_int_equal(shard_compress_parse(comp, &c), SHARD_OK);
@@ -711,8 +716,12 @@ static void stream_write(const char *dir, const char *comp, int threads, stream_
             shard_box b = t->ndim == 2 ? (shard_box){2, {0, 75000 * f}, {7, 75000}} : (shard_box){1, {0}, {t->gshape[0]}};
             pcs[n++] = (shard_h5_piece){w[f], "params", names[j], SHARD_DT_F32, t->ndim, t->gshape, b, stream_fill, t};
         }
-    assert_int_equal(shard_h5_write_pieces(pcs, n, NULL, NULL), SHARD_OK);
-    for (int f = 0; f < STREAM_FILES; f++) assert_int_equal(shard_h5_close(w[f]), SHARD_OK);
+    const shard_status s = shard_h5_write_pieces(pcs, n, NULL, NULL);
+    for (int f = 0; f < STREAM_FILES; f++) {
+        if (s) shard_h5_abort(w[f]);
+        else assert_int_equal(shard_h5_close(w[f]), SHARD_OK);
+    }
+    return s;
 }
 
 static char *slurp(const char *path, size_t *n)
@@ -781,7 +790,7 @@ static void test_write_batches(void **st)
             snprintf(dir, sizeof dir, "%s/%s-%d", root, comps[ci], threads);
             assert_int_equal(mkdir(dir, 0755), 0);
             if (threads == 2 && ci == 0) sleep(1); /* another second: HDF5 would stamp its groups with it */
-            stream_write(dir, comps[ci], threads, src, names);
+            assert_int_equal(stream_write(dir, comps[ci], threads, src, names), SHARD_OK);
             stream_check_values(dir, src, names);
             for (int f = 0; f < STREAM_FILES * 2; f++) { /* each file, then its note */
                 char path[500];
@@ -803,6 +812,39 @@ static void test_write_batches(void **st)
         }
         for (int f = 0; f < STREAM_FILES * 2; f++) free(first[f]);
     }
+    remove_tree(root);
+}
+
+/* A fill that fails in the middle of the stream (a small piece's, many to a batch; a
+ * 900 KB middle chunk, whose piece's dataset another batch made), with 1 to 4 threads,
+ * compressed or not: the stream stops with that failure and its message (no worker left
+ * waiting for a turn), and the abandoned files are gone. */
+static void test_write_batches_fail(void **st)
+{
+    (void)st;
+    char root[] = "/tmp/smp-unit-XXXXXX";
+    assert_non_null(mkdtemp(root));
+    static stream_src src[STREAM_TENSORS];
+    static char names[STREAM_TENSORS][32];
+    for (int j = 0; j < STREAM_TENSORS; j++) {
+        stream_tensor(j, &src[j]);
+        snprintf(names[j], sizeof names[j], "t%02d.weight", j);
+    }
+    const char *comps[] = {"none", "zstd"};
+    const int bad[2] = {17, 18}; /* 1-D; 2-D (18 % 13 == 5), failing in its middle chunk (rows 3-5) */
+    for (int ci = 0; ci < 2; ci++)
+        for (int b = 0; b < 2; b++)
+            for (int threads = 1; threads <= 4; threads++) {
+                src[bad[b]].fail_row = b ? 4 : 1;
+                char dir[400], want[64];
+                snprintf(dir, sizeof dir, "%s/%s-%d-%d", root, comps[ci], b, threads);
+                assert_int_equal(mkdir(dir, 0755), 0);
+                assert_int_equal(stream_write(dir, comps[ci], threads, src, names), SHARD_E_IO);
+                snprintf(want, sizeof want, "t%02d: boom at row %d", bad[b], b ? 3 : 0);
+                if (!strstr(shard_errmsg(), want)) fail_msg("%s: \"%s\", not \"%s\"", dir, shard_errmsg(), want);
+                src[bad[b]].fail_row = 0;
+                assert_int_equal(rmdir(dir), 0); /* empty: every file removed */
+            }
     remove_tree(root);
 }
 
@@ -843,7 +885,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches), cmocka_unit_test(test_write_batches_fail),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
