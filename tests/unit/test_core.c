@@ -689,10 +689,15 @@ enum { STREAM_FILES = 3, STREAM_TENSORS = 40 };
  * every 13th of 7 rows of 300 KB (chunks of 3 rows, 900 KB: one to a batch, with small
  * ones before it; a last chunk of 1 row, batched with the next pieces' chunks). File f
  * holds column block f of the 2-D ones, the 1-D ones whole. */
-static void stream_tensor(int j, stream_src *t)
+static void stream_tensors(stream_src *src, char names[][32])
 {
-    *t = (stream_src){j, j % 13 == 5 ? 2 : 1, {j % 13 == 5 ? 7 : 40 + j, 75000 * STREAM_FILES}};
+    for (int j = 0; j < STREAM_TENSORS; j++) {
+        src[j] = (stream_src){j, j % 13 == 5 ? 2 : 1, {j % 13 == 5 ? 7 : 40 + j, 75000 * STREAM_FILES}, 0};
+        snprintf(names[j], 32, "t%02d.weight", j);
+    }
 }
+
+static const char *const STREAM_COMPS[2] = {"none", "zstd"};
 
 /* The stream of every tensor's pieces into STREAM_FILES files in dir: its status (the
  * files closed, or on failure abandoned and removed). */
@@ -777,20 +782,16 @@ static void test_write_batches(void **st)
     assert_non_null(mkdtemp(root));
     static stream_src src[STREAM_TENSORS];
     static char names[STREAM_TENSORS][32];
-    for (int j = 0; j < STREAM_TENSORS; j++) {
-        stream_tensor(j, &src[j]);
-        snprintf(names[j], sizeof names[j], "t%02d.weight", j);
-    }
-    const char *comps[] = {"none", "zstd"};
+    stream_tensors(src, names);
     for (int ci = 0; ci < 2; ci++) {
         char *first[STREAM_FILES * 2] = {0};
         size_t firstn[STREAM_FILES * 2] = {0};
         for (int threads = 1; threads <= 4; threads++) {
             char dir[400];
-            snprintf(dir, sizeof dir, "%s/%s-%d", root, comps[ci], threads);
+            snprintf(dir, sizeof dir, "%s/%s-%d", root, STREAM_COMPS[ci], threads);
             assert_int_equal(mkdir(dir, 0755), 0);
             if (threads == 2 && ci == 0) sleep(1); /* another second: HDF5 would stamp its groups with it */
-            assert_int_equal(stream_write(dir, comps[ci], threads, src, names), SHARD_OK);
+            assert_int_equal(stream_write(dir, STREAM_COMPS[ci], threads, src, names), SHARD_OK);
             stream_check_values(dir, src, names);
             for (int f = 0; f < STREAM_FILES * 2; f++) { /* each file, then its note */
                 char path[500];
@@ -826,20 +827,16 @@ static void test_write_batches_fail(void **st)
     assert_non_null(mkdtemp(root));
     static stream_src src[STREAM_TENSORS];
     static char names[STREAM_TENSORS][32];
-    for (int j = 0; j < STREAM_TENSORS; j++) {
-        stream_tensor(j, &src[j]);
-        snprintf(names[j], sizeof names[j], "t%02d.weight", j);
-    }
-    const char *comps[] = {"none", "zstd"};
+    stream_tensors(src, names);
     const int bad[2] = {17, 18}; /* 1-D; 2-D (18 % 13 == 5), failing in its middle chunk (rows 3-5) */
     for (int ci = 0; ci < 2; ci++)
         for (int b = 0; b < 2; b++)
             for (int threads = 1; threads <= 4; threads++) {
                 src[bad[b]].fail_row = b ? 4 : 1;
                 char dir[400], want[64];
-                snprintf(dir, sizeof dir, "%s/%s-%d-%d", root, comps[ci], b, threads);
+                snprintf(dir, sizeof dir, "%s/%s-%d-%d", root, STREAM_COMPS[ci], b, threads);
                 assert_int_equal(mkdir(dir, 0755), 0);
-                assert_int_equal(stream_write(dir, comps[ci], threads, src, names), SHARD_E_IO);
+                assert_int_equal(stream_write(dir, STREAM_COMPS[ci], threads, src, names), SHARD_E_IO);
                 snprintf(want, sizeof want, "t%02d: boom at row %d", bad[b], b ? 3 : 0);
                 if (!strstr(shard_errmsg(), want)) fail_msg("%s: \"%s\", not \"%s\"", dir, shard_errmsg(), want);
                 src[bad[b]].fail_row = 0;
