@@ -685,23 +685,34 @@ static shard_status stream_fill(void *ctx, const shard_box *sub, void *dst, shar
 
 enum { STREAM_FILES = 3, STREAM_TENSORS = 40 };
 
-/* Tensor j: mostly small 1-D ones (a chunk of a few hundred bytes each: many to a batch),
- * every 13th of 7 rows of 300 KB (chunks of 3 rows, 900 KB: one to a batch, with small
- * ones before it; a last chunk of 1 row, batched with the next pieces' chunks). File f
- * holds column block f of the 2-D ones, the 1-D ones whole. */
-static void stream_tensors(stream_src *src, char names[][32])
+/* The stream tests' case: their folder and tensors. Tensor j: mostly small 1-D ones (a
+ * chunk of a few hundred bytes each: many to a batch), every 13th of 7 rows of 300 KB
+ * (chunks of 3 rows, 900 KB: one to a batch, with small ones before it; a last chunk of
+ * 1 row, batched with the next pieces' chunks). File f holds column block f of the 2-D
+ * ones, the 1-D ones whole. */
+typedef struct {
+    char root[32];
+    stream_src src[STREAM_TENSORS];
+    char names[STREAM_TENSORS][32];
+} stream_case;
+
+static stream_case *stream_begin(void)
 {
+    static stream_case k;
+    snprintf(k.root, sizeof k.root, "/tmp/smp-unit-XXXXXX");
+    assert_non_null(mkdtemp(k.root));
     for (int j = 0; j < STREAM_TENSORS; j++) {
-        src[j] = (stream_src){j, j % 13 == 5 ? 2 : 1, {j % 13 == 5 ? 7 : 40 + j, 75000 * STREAM_FILES}, 0};
-        snprintf(names[j], 32, "t%02d.weight", j);
+        k.src[j] = (stream_src){j, j % 13 == 5 ? 2 : 1, {j % 13 == 5 ? 7 : 40 + j, 75000 * STREAM_FILES}, 0};
+        snprintf(k.names[j], sizeof k.names[j], "t%02d.weight", j);
     }
+    return &k;
 }
 
 static const char *const STREAM_COMPS[2] = {"none", "zstd"};
 
 /* The stream of every tensor's pieces into STREAM_FILES files in dir: its status (the
  * files closed, or on failure abandoned and removed). */
-static shard_status stream_write(const char *dir, const char *comp, int threads, stream_src *src, char names[][32])
+static shard_status stream_write(stream_case *k, const char *dir, const char *comp, int threads)
 {
     shard_compress c;
     assert_int_equal(shard_compress_parse(comp, &c), SHARD_OK);
@@ -709,17 +720,17 @@ static shard_status stream_write(const char *dir, const char *comp, int threads,
     c.no_fsync = 1;
     shard_h5_writer *w[STREAM_FILES];
     for (int f = 0; f < STREAM_FILES; f++) {
-        char path[400];
-        snprintf(path, sizeof path, "%s/shard-%05d.h5", dir, f);
+        char path[512];
+        snprintf(path, sizeof path, "%.400s/shard-%05d.h5", dir, f);
         assert_int_equal(shard_h5_create(path, c, &w[f]), SHARD_OK);
     }
     static shard_h5_piece pcs[STREAM_TENSORS * STREAM_FILES];
     size_t n = 0;
     for (int j = 0; j < STREAM_TENSORS; j++) /* piece j of each file, then piece j + 1: as hf2smp lists them */
         for (int f = 0; f < STREAM_FILES; f++) {
-            stream_src *t = &src[j];
+            stream_src *t = &k->src[j];
             shard_box b = t->ndim == 2 ? (shard_box){2, {0, 75000 * f}, {7, 75000}} : (shard_box){1, {0}, {t->gshape[0]}};
-            pcs[n++] = (shard_h5_piece){w[f], "params", names[j], SHARD_DT_F32, t->ndim, t->gshape, b, stream_fill, t};
+            pcs[n++] = (shard_h5_piece){w[f], "params", k->names[j], SHARD_DT_F32, t->ndim, t->gshape, b, stream_fill, t};
         }
     const shard_status s = shard_h5_write_pieces(pcs, n, NULL, NULL);
     for (int f = 0; f < STREAM_FILES; f++) {
@@ -743,8 +754,26 @@ static char *slurp(const char *path, size_t *n)
     return b;
 }
 
+/* What must not change with the threads or the time: shard file f / 2 of dir (f even),
+ * or its note's piece lines (f odd: its first line names the file it describes, by
+ * inode and time). Its *n bytes, to free. */
+static char *stream_bytes(const char *dir, int f, size_t *n)
+{
+    char path[512];
+    snprintf(path, sizeof path, "%.400s/shard-%05d.h5%s", dir, f / 2, f % 2 ? ".fhash" : "");
+    char *b = slurp(path, n);
+    if (f % 2) {
+        b[*n] = 0;
+        const char *lines = strchr(b, '\n');
+        assert_non_null(lines);
+        *n -= (size_t)(lines - b);
+        memmove(b, lines, *n);
+    }
+    return b;
+}
+
 /* Every piece as HDF5 itself reads it (the zstd filter through HDF5's pipeline): its values. */
-static void stream_check_values(const char *dir, const stream_src *src, char names[][32])
+static void stream_check_values(const stream_case *k, const char *dir)
 {
     static float got[7 * 75000];
     for (int f = 0; f < STREAM_FILES; f++) {
@@ -753,8 +782,8 @@ static void stream_check_values(const char *dir, const stream_src *src, char nam
         hid_t h = H5Fopen(path, H5F_ACC_RDONLY, H5P_DEFAULT);
         assert_true(h >= 0);
         for (int j = 0; j < STREAM_TENSORS; j++) {
-            const stream_src *t = &src[j];
-            snprintf(ds, sizeof ds, "/params/%.31s", names[j]);
+            const stream_src *t = &k->src[j];
+            snprintf(ds, sizeof ds, "/params/%.31s", k->names[j]);
             hid_t d = H5Dopen2(h, ds, H5P_DEFAULT);
             assert_true(d >= 0);
             assert_true(H5Dread(d, H5T_NATIVE_FLOAT, H5S_ALL, H5S_ALL, H5P_DEFAULT, got) >= 0);
@@ -778,42 +807,29 @@ static void stream_check_values(const char *dir, const stream_src *src, char nam
 static void test_write_batches(void **st)
 {
     (void)st;
-    char root[] = "/tmp/smp-unit-XXXXXX";
-    assert_non_null(mkdtemp(root));
-    static stream_src src[STREAM_TENSORS];
-    static char names[STREAM_TENSORS][32];
-    stream_tensors(src, names);
+    stream_case *k = stream_begin();
     for (int ci = 0; ci < 2; ci++) {
-        char *first[STREAM_FILES * 2] = {0};
-        size_t firstn[STREAM_FILES * 2] = {0};
+        char *first[STREAM_FILES * 2];
+        size_t firstn[STREAM_FILES * 2];
         for (int threads = 1; threads <= 4; threads++) {
             char dir[400];
-            snprintf(dir, sizeof dir, "%s/%s-%d", root, STREAM_COMPS[ci], threads);
+            snprintf(dir, sizeof dir, "%s/%s-%d", k->root, STREAM_COMPS[ci], threads);
             assert_int_equal(mkdir(dir, 0755), 0);
             if (threads == 2 && ci == 0) sleep(1); /* another second: HDF5 would stamp its groups with it */
-            assert_int_equal(stream_write(dir, STREAM_COMPS[ci], threads, src, names), SHARD_OK);
-            stream_check_values(dir, src, names);
-            for (int f = 0; f < STREAM_FILES * 2; f++) { /* each file, then its note */
-                char path[500];
-                snprintf(path, sizeof path, "%s/shard-%05d.h5%s", dir, f / 2, f % 2 ? ".fhash" : "");
+            assert_int_equal(stream_write(k, dir, STREAM_COMPS[ci], threads), SHARD_OK);
+            stream_check_values(k, dir);
+            for (int f = 0; f < STREAM_FILES * 2 && threads > 1; f++) {
                 size_t n;
-                char *b = slurp(path, &n), *from = b;
-                if (f % 2) { /* the note's first line names the file it describes (inode, time): its pieces' lines */
-                    b[n] = 0;
-                    from = strchr(b, '\n');
-                    assert_non_null(from);
-                    n -= (size_t)(from - b);
-                }
-                if (threads == 1) { first[f] = b; firstn[f] = n; continue; }
-                const char *want = f % 2 ? strchr(first[f], '\n') : first[f];
-                if (n != firstn[f] || memcmp(from, want, n)) fail_msg("%s differs from the one written by 1 thread", path);
+                char *b = stream_bytes(dir, f, &n);
+                if (n != firstn[f] || memcmp(b, first[f], n)) fail_msg("%s: file %d differs from 1 thread's", dir, f);
                 free(b);
             }
+            for (int f = 0; f < STREAM_FILES * 2 && threads == 1; f++) first[f] = stream_bytes(dir, f, &firstn[f]);
             if (threads > 1) remove_tree(dir);
         }
         for (int f = 0; f < STREAM_FILES * 2; f++) free(first[f]);
     }
-    remove_tree(root);
+    remove_tree(k->root);
 }
 
 /* A fill that fails in the middle of the stream (a small piece's, many to a batch; a
@@ -823,26 +839,22 @@ static void test_write_batches(void **st)
 static void test_write_batches_fail(void **st)
 {
     (void)st;
-    char root[] = "/tmp/smp-unit-XXXXXX";
-    assert_non_null(mkdtemp(root));
-    static stream_src src[STREAM_TENSORS];
-    static char names[STREAM_TENSORS][32];
-    stream_tensors(src, names);
+    stream_case *k = stream_begin();
     const int bad[2] = {17, 18}; /* 1-D; 2-D (18 % 13 == 5), failing in its middle chunk (rows 3-5) */
     for (int ci = 0; ci < 2; ci++)
         for (int b = 0; b < 2; b++)
             for (int threads = 1; threads <= 4; threads++) {
-                src[bad[b]].fail_row = b ? 4 : 1;
+                k->src[bad[b]].fail_row = b ? 4 : 1;
                 char dir[400], want[64];
-                snprintf(dir, sizeof dir, "%s/%s-%d-%d", root, STREAM_COMPS[ci], b, threads);
+                snprintf(dir, sizeof dir, "%s/%s-%d-%d", k->root, STREAM_COMPS[ci], b, threads);
                 assert_int_equal(mkdir(dir, 0755), 0);
-                assert_int_equal(stream_write(dir, STREAM_COMPS[ci], threads, src, names), SHARD_E_IO);
+                assert_int_equal(stream_write(k, dir, STREAM_COMPS[ci], threads), SHARD_E_IO);
                 snprintf(want, sizeof want, "t%02d: boom at row %d", bad[b], b ? 3 : 0);
                 if (!strstr(shard_errmsg(), want)) fail_msg("%s: \"%s\", not \"%s\"", dir, shard_errmsg(), want);
-                src[bad[b]].fail_row = 0;
+                k->src[bad[b]].fail_row = 0;
                 assert_int_equal(rmdir(dir), 0); /* empty: every file removed */
             }
-    remove_tree(root);
+    remove_tree(k->root);
 }
 
 static void test_config_with_dtype(void **st)
