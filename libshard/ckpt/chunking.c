@@ -31,7 +31,12 @@ int64_t shard_chunking_rows_for(int ndim, const int64_t *len, size_t es)
         int64_t blocks = SHARD_CHUNKS_MAX / g.planes, least = (g.rows + blocks - 1) / blocks;
         if (r < least) r = least;
     }
-    return r < g.rows ? r : g.rows;
+    if (r >= g.rows) return g.rows;
+    /* the rows spread evenly over those chunks: HDF5 stores a last, partial chunk
+     * whole (uncompressed: its padding on disk, read back with it), so a piece of
+     * 2048 rows in chunks of 1365 took 2730 rows' bytes; in 2 of 1024 it takes 2048 */
+    const int64_t n = (g.rows + r - 1) / r;
+    return (g.rows + n - 1) / n;
 }
 
 void shard_chunking_dims(const shard_chunking *g, hsize_t *dims)

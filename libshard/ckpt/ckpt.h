@@ -40,8 +40,9 @@ typedef struct {
     size_t es, full; /* element size; bytes of a whole chunk (HDF5 stores whole chunks) */
 } shard_chunking;
 
-/* The rows per chunk the writer picks: ~SHARD_CHUNK_TARGET bytes, at most
- * SHARD_CHUNKS_MAX chunks where the planes allow it. */
+/* The rows per chunk the writer picks: at most ~SHARD_CHUNK_TARGET bytes, at most
+ * SHARD_CHUNKS_MAX chunks where the planes allow it, the rows spread evenly over the
+ * chunks (a last, partial chunk pads fewer rows than there are chunks). */
 int64_t shard_chunking_rows_for(int ndim, const int64_t *len, size_t es);
 void shard_chunking_init(shard_chunking *g, int ndim, const int64_t *len, size_t es, int64_t chunk_rows);
 /* The HDF5 chunk dims of that chunking (ndim entries). */

@@ -200,6 +200,7 @@ class Oracle:
                     self.pieces.setdefault(key, []).append(dict(
                         file=f.name, dataset="/" + path, off=off, shape=list(data.shape),
                         chunks=list(ds.chunks) if ds.chunks else None, data=data,
+                        stored=ds.id.get_storage_size(), filters=filter_ids(ds),
                         chunk_xxh3=np.array(a["chunk_xxh3"]) if "chunk_xxh3" in a else None,
                         xxh64=a["xxh64"].decode() if isinstance(a["xxh64"], bytes) else str(a["xxh64"])))
         for key, s in seen.items():
@@ -325,13 +326,13 @@ def make_hf(path, cfg, np_dtype, seed):
     return path
 
 
-# f32: embedding/head [5000,128] = 2048 rows a chunk, tp pieces of 2500 rows (2048 + 452);
-# gate/up [4608,128] -> pieces [2304,128] (2048 + 256); down [128,4608] -> pieces
-# [128,2304] split along dim 1 (113 rows a chunk: 113 + 15).
-# bf16: embedding/head [9000,128] -> pieces of 4500 rows (4096 + 404); gate/up pieces
-# [4352,128] (4096 + 256); down pieces [128,4352] (120 + 8).
-MODELS = {"f32": (llama_config(5000, 128, 4608, 2, 4, 2, "float32"), np.float32),
-          "bf16": (llama_config(9000, 128, 8704, 2, 4, 2, "bfloat16"), ml_dtypes.bfloat16)}
+# The writer's chunks: at most 1 MiB of whole rows, the rows spread evenly over them.
+# f32: embedding/head [5002,128] -> tp pieces of 2501 rows (1251 + 1250); gate/up
+# [4610,128] -> pieces [2305,128] (1153 + 1152); down [128,4610] -> pieces [128,2305]
+# split along dim 1 (64 + 64). bf16: embedding/head [9002,128] -> pieces of 4501 rows
+# (2251 + 2250); gate/up pieces [4353,128] (2177 + 2176); down pieces [128,4353] (64 + 64).
+MODELS = {"f32": (llama_config(5002, 128, 4610, 2, 4, 2, "float32"), np.float32),
+          "bf16": (llama_config(9002, 128, 8706, 2, 4, 2, "bfloat16"), ml_dtypes.bfloat16)}
 CKPTS = {"f32-tp2-none": ("f32", "tp=2", "none"), "f32-pp2tp2-zstd": ("f32", "pp=2,tp=2", "zstd"),
          "bf16-tp2-zstd": ("bf16", "tp=2", "zstd"), "bf16-pp2tp2-none": ("bf16", "pp=2,tp=2", "none")}
 
@@ -365,16 +366,19 @@ def multi_chunk(p):
 
 def test_pieces_span_several_chunks(ckpts):
     """The fixtures do what the tests below rely on: multi-chunk pieces with a partial
-    last chunk, split along dim 0 and dim 1, compressed and not."""
+    last chunk (split along dim 0), multi-chunk pieces split along dim 1 (the API
+    checkpoint's have partial chunks too), compressed and not."""
     for name, ck in ckpts.items():
         o = oracle(ck)
         emb = o.pieces[("params", "model.embed_tokens.weight")]
+        gate = o.pieces[("params", "model.layers.0.mlp.gate_proj.weight")]
         down = o.pieces[("params", "model.layers.0.mlp.down_proj.weight")]
         assert len(emb) == 2 and {p["off"][1] for p in emb} == {0}, name
         assert len(down) == 2 and {p["off"][0] for p in down} == {0} and {p["off"][1] for p in down} != {0}, name
-        for p in emb + down:
+        for p in emb + gate + down:
             r = p["chunks"][0]
-            assert p["chunks"][1] == p["shape"][1] and p["shape"][0] > r and p["shape"][0] % r, (name, p["dataset"])
+            assert p["chunks"][1] == p["shape"][1] and p["shape"][0] > r, (name, p["dataset"])
+            assert p["shape"][0] % r or p in down, (name, p["dataset"])
         with h5py.File(ck / emb[0]["file"], "r") as f:
             filters = filter_ids(f[emb[0]["dataset"]])
         assert filters == ([2, 32015] if name.endswith("zstd") else []), (name, filters)
@@ -486,18 +490,18 @@ def test_reads_touch_only_their_chunks(lib, ckpts):
 # ------------------------------------------------------------------ 2. 1-D, 3-D, 4-D (C writer)
 # name: (dtype, global shape, split dim, cut points, files of the pieces)
 API_TENSORS = {
-    "vec": ("F32", (700001,), 0, (300000, 310000), (0, 1, 2)),    # 262144 a chunk: 2+1+2 chunks
+    "vec": ("F32", (700003,), 0, (300001, 310000), (0, 1, 2)),    # 150001 + 150000; 9999; 195002 + 195001
     "vec_exact": ("F32", (786432,), 0, (524288,), (1, 0)),         # whole chunks only, no partial one
     "vec_bf16": ("BF16", (1200001,), 0, (600000,), (2, 1)),
-    "cube_d0": ("F32", (3, 700, 500), 0, (1,), (0, 1)),           # 524 rows a chunk: 524 + 176 a plane
-    "cube_d1": ("F32", (3, 1100, 256), 1, (50,), (1, 0)),          # 1024 + 26 a plane
-    "cube_d2": ("BF16", (2, 5000, 160), 2, (40,), (0, 2)),         # 4369 + 631 a plane; one chunk a plane
-    "cube_e4m3": ("F8_E4M3", (2, 2000, 700), 1, (1700,), (2, 0)),  # 1-byte elements: 1497 + 203
+    "cube_d0": ("F32", (3, 701, 500), 0, (1,), (0, 1)),           # at most 524 rows a chunk: 351 + 350 a plane
+    "cube_d1": ("F32", (3, 1101, 256), 1, (50,), (1, 0)),          # 526 + 525 a plane
+    "cube_d2": ("BF16", (2, 5001, 160), 2, (40,), (0, 2)),         # 2501 + 2500 a plane; one chunk a plane
+    "cube_e4m3": ("F8_E4M3", (2, 2001, 700), 1, (1701,), (2, 0)),  # 1-byte elements: 851 + 850
     "hyper": ("F32", (2, 3, 40, 300), 1, (1,), (0, 1)),            # two plane dims
     "hyper_e5m2": ("F8_E5M2", (3, 2, 5, 7), 0, (2,), (1, 2)),
     # chunks whose element count is not a multiple of 16 (the unshuffle's tail)
-    "odd_f32": ("F32", (1000, 333), 0, (1,), (0, 2)),              # 787 + 212 rows
-    "odd_bf16": ("BF16", (1500, 777), 1, (5,), (2, 0)),            # [1500,5] one chunk; 679 + 679 + 142
+    "odd_f32": ("F32", (1000, 333), 0, (1,), (0, 2)),              # 500 + 499 rows
+    "odd_bf16": ("BF16", (1501, 777), 1, (5,), (2, 0)),            # [1501,5] one chunk; 501 + 501 + 499
     "odd_small": ("F32", (3, 7, 13), 2, (6,), (0, 2)),
 }
 API_FILES = (("shard-00000.h5", 3), ("shard-00001.h5", 0), ("shard-00002.h5", 1))  # zstd:3, none, zstd:1
@@ -595,7 +599,7 @@ def test_empty_and_refused_boxes(lib, api_ckpt):
     with Ckpt(lib, api_ckpt) as c:
         st, _, a = c.read(("fp8", "cube_d1"), (1, 40, 0), (1, 0, 256))
         assert st == 0 and a.size == 0
-        for off, ln in [((0, 0, 0), (4, 1, 1)), ((0, 1100, 0), (1, 1, 1)), ((0, -1, 0), (1, 1, 1)),
+        for off, ln in [((0, 0, 0), (4, 1, 1)), ((0, 1101, 0), (1, 1, 1)), ((0, -1, 0), (1, 1, 1)),
                         ((0, 0, 200), (1, 1, 57))]:
             st, msg, _ = c.read(("fp8", "cube_d1"), off, ln)
             assert st == 3, (off, ln, st, msg)
@@ -679,7 +683,7 @@ def test_mixed_compression_in_one_handle(api_ckpt):
     specs = ["params:model.norm.weight:0:32",          # shard-00000.h5, zstd, a 128-byte chunk
              "fp8:vec_exact:0:10",                      # shard-00001.h5, unfiltered, a 1 MiB chunk
              "fp8:vec:0:300000",                        # shard-00000.h5, zstd, 1 MiB chunks
-             "fp8:cube_d1:0,0,0:3,1100,256"]            # zstd and unfiltered pieces, 1 MiB chunks
+             "fp8:cube_d1:0,0,0:3,1101,256"]            # zstd and unfiltered pieces, 1 MiB chunks
     want = []
     for s in specs:
         group, name, off, ln = s.split(":")
@@ -707,14 +711,21 @@ def check_chunk_xxh3(ck):
             shape, chunks, data = p["shape"], p["chunks"], p["data"]
             what = f"{ck.name} {p['file']}:{p['dataset']}"
             assert p["xxh64"] == xxh64(np.ascontiguousarray(data).tobytes()), what
-            # whole rows of about 1 MiB: [1, ..., 1, r, last] ([r] for 1-D)
+            # whole rows, at most 1 MiB: [1, ..., 1, r, last] ([r] for 1-D); as few chunks
+            # as that allows, the rows spread evenly over them (a partial last chunk pads
+            # fewer rows than there are chunks)
             nd = len(shape)
             rdim = 0 if nd == 1 else nd - 2
-            row = (1 if nd == 1 else shape[-1]) * data.dtype.itemsize
-            r = chunks[rdim]
+            rows, row = shape[rdim], (1 if nd == 1 else shape[-1]) * data.dtype.itemsize
+            r, least = chunks[rdim], math.ceil(rows / max(1, CHUNK_TARGET // row))
+            nch = math.ceil(rows / r)
             assert all(c == 1 for c in chunks[:rdim]) and (nd == 1 or chunks[-1] == shape[-1]), (what, chunks)
-            assert 1 <= r <= shape[rdim] and (r == 1 or r * row <= CHUNK_TARGET) and \
-                (r == shape[rdim] or (r + 1) * row > CHUNK_TARGET), (what, chunks, shape)
+            assert 1 <= r <= rows and (r == 1 or r * row <= CHUNK_TARGET), (what, chunks, shape)
+            assert nch == least and nch * r - rows < nch, (what, chunks, shape)
+            # what HDF5 says the dataset takes on disk: the data and that padding alone
+            if not p["filters"]:
+                planes = math.prod(shape[:rdim])
+                assert p["stored"] == planes * nch * r * row, (what, p["stored"], planes, nch, r, row)
             want = [xxh3(np.ascontiguousarray(data[sl]).tobytes()) for sl in chunk_grid(shape, chunks)]
             got = p["chunk_xxh3"]
             assert got is not None and got.dtype == np.uint64 and got.ndim == 1, (what, got)
@@ -740,8 +751,8 @@ def test_chunk_xxh3_after_reshard(lib, ckpts, tmp_path):
     o, src = oracle(out), oracle(ckpts["f32-tp2-none"])
     for key in src.full:
         assert_same(o.full[key], src.full[key], f"reshard {key}")
-    # whole tensors now: the embedding is 2048 + 2048 + 904 rows
-    assert [p["chunks"][0] for p in o.pieces[("params", "model.embed_tokens.weight")]] == [2048]
+    # whole tensors now: the embedding is 1668 + 1667 + 1667 rows
+    assert [p["chunks"][0] for p in o.pieces[("params", "model.embed_tokens.weight")]] == [1668]
     compare_boxes(lib, out, [("params", "model.embed_tokens.weight"), ("params", "lm_head.weight")], 2, n_random=10)
 
 
@@ -939,7 +950,7 @@ def test_corrupt_chunk_in_3d_piece(lib, api_ckpt, tmp_path):
     shutil.copytree(api_ckpt, ck)
     o = oracle(api_ckpt)
     key = ("fp8", "cube_d1")
-    p = next(p for p in o.pieces[key] if p["off"][1] == 50)  # [3, 1050, 256] in shard-00000.h5 (zstd)
+    p = next(p for p in o.pieces[key] if p["off"][1] == 50)  # [3, 1051, 256] in shard-00000.h5 (zstd)
     r = p["chunks"][1]
     with h5py.File(ck / p["file"], "r") as f:
         info = f[p["dataset"]].id.get_chunk_info_by_coord((1, r, 0))  # plane 1, its second chunk
@@ -951,10 +962,10 @@ def test_corrupt_chunk_in_3d_piece(lib, api_ckpt, tmp_path):
     refresh_files(ck)
     check_refusal(run("smp-verify", ck), "smp-verify", p["file"])
     with Ckpt(lib, ck, 2) as c:
-        for off, ln in [((0, 0, 0), (1, 1100, 256)), ((2, 0, 0), (1, 1100, 256)), ((1, 0, 0), (1, 50 + r, 256)),
-                        ((0, 50 + r, 0), (1, 1050 - r, 256)), ((0, 0, 7), (3, 50, 1))]:
+        for off, ln in [((0, 0, 0), (1, 1101, 256)), ((2, 0, 0), (1, 1101, 256)), ((1, 0, 0), (1, 50 + r, 256)),
+                        ((0, 50 + r, 0), (1, 1051 - r, 256)), ((0, 0, 7), (3, 50, 1))]:
             assert_same(c.read_ok(key, off, ln), o.box(key, off, ln), f"3-D undamaged box {off}+{ln}")
-        for off, ln in [((1, 50 + r, 0), (1, 1, 1)), ((0, 0, 0), (3, 1100, 256)), ((1, 1099, 255), (1, 1, 1))]:
+        for off, ln in [((1, 50 + r, 0), (1, 1, 1)), ((0, 0, 0), (3, 1101, 256)), ((1, 1100, 255), (1, 1, 1))]:
             st, msg, _ = c.read(key, off, ln)
             assert st == E_CORRUPT and p["file"] in msg, (off, ln, st, msg)
 

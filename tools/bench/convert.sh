@@ -23,7 +23,8 @@
 # commands one after another (so that a busy moment of a shared machine hits all of
 # them), and keeps each command's fastest run (default 3), SMP_BENCH_MOE=1 (make_model.py's
 # moe size instead, in CACHE_DIR/hf-moe: a Qwen3-MoE with Qwen3-30B-A3B's 18867 tensors,
-# each small, 634 MB in all: what the per-tensor costs come to),
+# each small, 634 MB in all: what the per-tensor costs come to; SMP_BENCH_MOE=real: the
+# moe-real size, in CACHE_DIR/hf-moe-real: 4 layers of Qwen3-30B-A3B at its real shapes, 6.2 GB),
 # SMP_PY (python with torch, transformers, safetensors, h5py; default the oracle venv
 # under ~/.cache/smp), SMP_BIN (default build/bin; built if missing).
 set -euo pipefail
@@ -34,6 +35,7 @@ if [ ! -x "$BIN/smp-convert" ]; then scons -Q -j"$(nproc)" >/dev/null; fi
 mkdir -p "$CACHE"
 SIZE=1.5g HF=$CACHE/hf OUT=$CACHE/out
 if [ "${SMP_BENCH_MOE:-0}" = 1 ]; then SIZE=moe HF=$CACHE/hf-moe OUT=$CACHE/out-moe; fi
+if [ "${SMP_BENCH_MOE:-0}" = real ]; then SIZE=moe-real HF=$CACHE/hf-moe-real OUT=$CACHE/out-moe-real; fi
 rm -rf "$OUT"
 mkdir -p "$OUT"
 

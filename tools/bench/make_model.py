@@ -6,7 +6,10 @@ parameters, 1.52 GB), 8b (Llama-3-8B's shapes: hidden 4096, intermediate 14336, 
 layers, vocab 128256, 32 heads, 8 kv heads: 8.03 G parameters, 16.1 GB) or moe (a
 Qwen3-MoE with Qwen3-30B-A3B's tensor count, small tensors: 48 layers of 128 experts,
 8 a token, hidden 256, an expert's intermediate 64, 8 heads of 32, 4 kv heads, vocab
-8000: 18867 tensors, 317 M parameters, 634 MB). config.json comes from transformers'
+8000: 18867 tensors, 317 M parameters, 634 MB) or moe-real (4 of Qwen3-30B-A3B's 48 layers at
+its real shapes: hidden 2048, 128 experts of intermediate 768, 32 heads of 128, 4 kv heads,
+vocab 151936: 1575 tensors, 3.11 G parameters, 6.23 GB; what a real MoE's pieces cost).
+config.json comes from transformers'
 LlamaConfig (Qwen3MoeConfig); model.safetensors holds random normal weights
 (std 0.02, as transformers initializes; norms one) in bf16 under transformers' names.
 The safetensors file is written here, tensor by tensor and block of rows by block (the
@@ -45,6 +48,7 @@ def shapes(H, F, V, L, nq, nkv):
 
 # the moe size: layers, experts, experts a token, hidden, an expert's intermediate, heads, kv heads, head dim, vocab
 MOE = (48, 128, 8, 256, 64, 8, 4, 32, 8000)
+MOE_REAL = (4, 128, 8, 2048, 768, 32, 4, 128, 151936)
 
 
 def moe_shapes(L, E, k, H, F, nq, nkv, hd, V):
@@ -73,14 +77,14 @@ def bf16_bits(x):
 def main():
     out, size = sys.argv[1], sys.argv[2]
     os.makedirs(out)
-    if size == "moe":
-        L, E, k, H, F, nq, nkv, hd, V = MOE
+    if size in ("moe", "moe-real"):
+        L, E, k, H, F, nq, nkv, hd, V = MOE if size == "moe" else MOE_REAL
         Qwen3MoeConfig(vocab_size=V, hidden_size=H, intermediate_size=4 * H, moe_intermediate_size=F,
                        num_hidden_layers=L, num_attention_heads=nq, num_key_value_heads=nkv, head_dim=hd,
                        num_experts=E, num_experts_per_tok=k, norm_topk_prob=True, max_position_embeddings=4096,
                        tie_word_embeddings=False, dtype="bfloat16",
                        architectures=["Qwen3MoeForCausalLM"]).to_json_file(os.path.join(out, "config.json"))
-        sh = moe_shapes(*MOE)
+        sh = moe_shapes(L, E, k, H, F, nq, nkv, hd, V)
     else:
         H, F, V, L, nq, nkv = SIZES[size]
         LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=F, num_hidden_layers=L, num_attention_heads=nq,

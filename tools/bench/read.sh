@@ -77,6 +77,9 @@
 # ~62 GB of disk, checked at start), SMP_BENCH_MOE=1 (make_model.py's moe size instead: a
 # Qwen3-MoE with Qwen3-30B-A3B's 18867 tensors, each small, 634 MB in all, in
 # CACHE_DIR/hf-moe: what a checkpoint's per-tensor and per-piece costs come to),
+# SMP_BENCH_MOE=real (make_model.py's moe-real size: 4 of Qwen3-30B-A3B's layers at its real
+# shapes, 6.2 GB, in CACHE_DIR/hf-moe-real; (e), (f) and (h) skipped as for the 8B shape;
+# ~28 GB of disk),
 # SMP_BENCH_EVAL_LAYOUT (the layout of (f), 8 ranks; default tp=4,dp=2), SMP_PY (python with torch, transformers,
 # safetensors, h5py, hdf5plugin; default the oracle venv under ~/.cache/smp), SMP_BIN
 # (default build/bin; not built here: build it first).
@@ -87,6 +90,8 @@ cd "$(dirname "$0")/../.."
 SMALL=${SMP_BENCH_SMALL:-0}
 BIG=${SMP_BENCH_8B:-0}
 MOE=${SMP_BENCH_MOE:-0}
+# BIG: a model whose fp32 weights (e, f) or whole tensors (h) would not fit in memory
+if [ "$MOE" = real ]; then BIG=1; fi
 EVAL_LAYOUT=${SMP_BENCH_EVAL_LAYOUT:-tp=4,dp=2}
 REPEAT=${SMP_BENCH_REPEAT:-3}
 # the ranks that split one replica of the weights in (f): tp x pp of its layout (8, all
@@ -94,16 +99,19 @@ REPEAT=${SMP_BENCH_REPEAT:-3}
 EVAL_SPLIT=$(tr ',' '\n' <<<"$EVAL_LAYOUT" | awk -F= '$1 == "tp" || $1 == "pp" { n *= $2 } BEGIN { n = 1 } END { print n }')
 mkdir -p "$CACHE"
 CACHE=$(cd "$CACHE" && pwd)
-if [ "$SMALL" = 1 ]; then HF=$CACHE/hf-small; OUT=$CACHE/out-read-small
-elif [ "$BIG" = 1 ]; then HF=$CACHE/hf-8b; OUT=$CACHE/out-read-8b
-elif [ "$MOE" = 1 ]; then HF=$CACHE/hf-moe; OUT=$CACHE/out-read-moe
-else HF=$CACHE/hf; OUT=$CACHE/out-read; fi
+if [ "$SMALL" = 1 ]; then SIZE=small
+elif [ "$MOE" = real ]; then SIZE=moe-real
+elif [ "$BIG" = 1 ]; then SIZE=8b
+elif [ "$MOE" = 1 ]; then SIZE=moe
+else SIZE=1.5g; fi
+HF=$CACHE/hf-$SIZE; OUT=$CACHE/out-read-$SIZE
+case $SIZE in 1.5g) HF=$CACHE/hf; OUT=$CACHE/out-read ;; esac
 rm -rf "$OUT"
 mkdir -p "$OUT"
 # the disk the run needs, the model's folder included: 4 copies of the model's bytes
 # (model, CK_NONE, CK_ZSTD ~0.7, an output), checked before anything is written (an 8B
 # run once filled a disk after its first rows, when round 1's merge was kept whole)
-NEED=$(if [ "$SMALL" = 1 ]; then echo 1; elif [ "$BIG" = 1 ]; then echo 62; else echo 7; fi)
+NEED=$(case $SIZE in small) echo 1 ;; 8b) echo 62 ;; moe-real) echo 28 ;; *) echo 7 ;; esac)
 HAVE=$(( ($(df -B1 --output=avail "$CACHE" | tail -1) + $(du -sb "$HF" 2>/dev/null | cut -f1 || echo 0)) >> 30 ))
 if [ "$HAVE" -lt "$NEED" ]; then
     echo "read.sh: $CACHE has ${HAVE} GB for the run (its model folder included), it needs ~$NEED GB"; exit 1
@@ -131,8 +139,7 @@ BIN=$SNAP/bin
 if [ ! -f "$HF/.complete" ]; then
     echo "making the model in $HF (once) ..."
     rm -rf "$HF"
-    "$PY" tools/bench/make_model.py "$HF" "$(if [ "$SMALL" = 1 ]; then echo small; elif [ "$BIG" = 1 ]; then echo 8b;
-                                             elif [ "$MOE" = 1 ]; then echo moe; else echo 1.5g; fi)"
+    "$PY" tools/bench/make_model.py "$HF" "$SIZE"
     touch "$HF/.complete"
 fi
 "$BIN/smp-inspect" "$HF" >/dev/null  # smp accepts the folder as a model
@@ -429,7 +436,7 @@ tgt "(c)  smp-merge --no-fsync / (a)" "$(calc "${T[mg]} / ${T[cp]}")" 1.5 "$(str
 tgt "(c') smp-merge durable / (a')" "$(calc "${T[mg-d]} / ${T[cps]}")" 1.2
 tgt "(d)  smp-verify / (a)" "$(calc "${T[vf]} / ${T[cp]}")" 1.0 "$(strict "${T[vf]}")"
 if [ "$BIG" = 1 ]; then
-    echo "  (e), (f), (h): skipped for the 8B-shaped model (fp32 weights, or the whole model, in memory)"
+    echo "  (e), (f), (h): skipped for the $SIZE model (fp32 weights, or the whole model, in memory)"
 else
     tgt "(e)  smp-eval load / (a)" "$(calc "$(load ev) / ${T[cp]}")" 1.5 \
         "$(loadnote ev)$(strict "$(load ev)")   (its anchor (e'), fresh memory's first touch, alone: $(printf "%.2f" "$(calc "$(load mem) / ${T[cp]}")") x (a))"
