@@ -756,6 +756,45 @@ def test_chunk_xxh3_after_reshard(lib, ckpts, tmp_path):
     compare_boxes(lib, out, [("params", "model.embed_tokens.weight"), ("params", "lm_head.weight")], 2, n_random=10)
 
 
+def test_earlier_chunking_is_read(lib, ckpts, tmp_path):
+    """Checkpoints written before 2026-12-07 chunk a piece in 1 MiB of whole rows with a
+    longer padded last chunk (r0 = 1 MiB / a row's bytes, not spread evenly): pieces
+    rewritten that way by h5py (their chunk_xxh3 recomputed) read the same boxes,
+    smp-verify passes, and a reshard of them is bit for bit and chunked the new way."""
+    ck = tmp_path / "ck"
+    shutil.copytree(ckpts["f32-tp2-none"], ck)
+    keys = [("params", n) for n in ("model.embed_tokens.weight", "model.layers.0.mlp.gate_proj.weight",
+                                     "model.layers.1.mlp.down_proj.weight")]
+    src = oracle(ckpts["f32-tp2-none"])
+    for key in keys:
+        for p in src.pieces[key]:
+            shape, data = p["shape"], p["data"]
+            r0 = min(shape[0], max(1, CHUNK_TARGET // (shape[1] * data.itemsize)))
+            assert r0 != p["chunks"][0] and shape[0] % r0, (p["dataset"], r0, p["chunks"])
+            with h5py.File(ck / p["file"], "r+") as f:
+                attrs = dict(f[p["dataset"]].attrs)
+                del f[p["dataset"]]
+                nd = f.create_dataset(p["dataset"], data=data, chunks=(r0, shape[1]))
+                attrs["chunk_xxh3"] = np.array([xxh3(np.ascontiguousarray(data[sl]).tobytes())
+                                                for sl in chunk_grid(shape, (r0, shape[1]))], np.uint64)
+                for k, v in attrs.items():
+                    nd.attrs[k] = v
+    refresh_files(ck)
+    o = oracle(ck)
+    for key in keys:  # the old padding is what HDF5 stores: the rewrite is of the old kind
+        for p in o.pieces[key]:
+            r0 = p["chunks"][0]
+            assert p["stored"] == math.ceil(p["shape"][0] / r0) * r0 * p["shape"][1] * 4 > p["data"].nbytes
+    run("smp-verify", "--threads", 2, ck, check=0)
+    for threads in (1, 3):
+        compare_boxes(lib, ck, keys, threads, n_random=12, seed=13)
+    out = tmp_path / "re"
+    run("smp-convert", "reshard", "--in", ck, "--out", out, "--layout", "pp=2", "--threads", 2, "--no-fsync", check=0)
+    check_chunk_xxh3(out)
+    for key in src.full:
+        assert_same(oracle(out).full[key], src.full[key], f"reshard {key}")
+
+
 # ------------------------------------------------------------------ 4. a corrupt chunk
 def flip_byte(ck, p, k_row):
     """Flip one byte inside the stored bytes of the chunk of piece p that holds row k_row
