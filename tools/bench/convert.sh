@@ -19,6 +19,8 @@
 #       whole model, slices for tp=2 as smp cuts them, h5py writes one file per rank
 #   (e) peak RSS (/usr/bin/time -v) of every command             target: <= 256 MiB for smp
 #   (f) zstd on these bf16 weights: checkpoint bytes / model bytes, and MB/s of (c)
+#   (g) (b)'s checkpoint bytes / model bytes: what the format adds (HDF5's metadata, a
+#       partial last chunk's padding)                             target: <= 1.01
 # Environment: SMP_BENCH_REPEAT=N runs every command N times, in N rounds of all the
 # commands one after another (so that a busy moment of a shared machine hits all of
 # them), and keeps each command's fastest run (default 3), SMP_BENCH_MOE=1 (make_model.py's
@@ -164,6 +166,8 @@ big=$(calc "($(mib none) > $(mib durable) ? $(mib none) : $(mib durable))")
 big=$(calc "($big > $(mib zstd) ? $big : $(mib zstd))")
 printf "  (e)  smp-convert peak RSS <= 256 MiB:  none %.0f MiB, durable %.0f MiB, zstd %.0f MiB   %s\n" \
     "$(mib none)" "$(mib durable)" "$(mib zstd)" "$(verdict "$big" 256)"
+printf "  (g)  --compress none checkpoint/model bytes <= 1.01:          %.3f     %s\n" \
+    "$(calc "${BYTES[none]} / $IN_BYTES")" "$(verdict "$(calc "${BYTES[none]} / $IN_BYTES")" 1.01)"
 printf "  (d)  python converter: %.2f s (%.2f x smp --compress none --no-fsync), peak RSS %.0f MiB\n" "${T[python]}" \
     "$(calc "${T[python]} / ${T[none]}")" "$(mib python)"
 printf "  (f)  zstd on bf16 weights: checkpoint/model = %.3f (%s of %s), %.0f MB/s of model converted\n" \
