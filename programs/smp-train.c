@@ -371,7 +371,10 @@ static void note_new_data(const train_run *r)
         same = p && same_file(p, r->ds.files[i].path);
     }
     char now[32];
-    if (same && json_is_string(fp) && strcmp(json_string_value(fp), data_fingerprint_text(&r->ds, now))) /* a state before fingerprints: none */
+    /* a state before fingerprints has none; one before 2026-12-07 another kind: not compared */
+    const size_t kind = strlen(DATA_FINGERPRINT_KIND ":");
+    if (same && json_is_string(fp) && !strncmp(json_string_value(fp), DATA_FINGERPRINT_KIND ":", kind) &&
+        strcmp(json_string_value(fp), data_fingerprint_text(&r->ds, now)))
         fprintf(stderr, "smp-train: note: --data holds other bytes than when the run trained on it (the same files, "
                         "changed since); it goes on at data position %lld in them\n", (long long)r->c.position);
     if (same) return;

@@ -3,6 +3,7 @@
 
 #include <fcntl.h>
 #include <glob.h>
+#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -122,6 +123,61 @@ static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_
     return SHARD_OK;
 }
 
+/* ------------------------------------------------------- checking a whole file */
+typedef shard_status (*scan_check)(const data_file *f, const uint8_t *buf, uint64_t i0, size_t n);
+static shard_status check_mask(const data_file *f, const uint8_t *m, uint64_t i0, size_t n);
+
+enum { SCAN_BLOCK = 1 << 20 };
+
+/* One block of a scan: read, checked, hashed (*h); a failure's status and message kept
+ * when it is the earliest block yet (*bad, under the critical section). */
+static void scan_block(const data_file *f, int fd, const char *path, uint64_t count, size_t es, scan_check check,
+                       uint8_t *buf, uint64_t b, uint64_t *h, uint64_t *bad, shard_status *bad_s, char *msg, size_t msgsz)
+{
+    const uint64_t per = SCAN_BLOCK / es, i0 = b * per;
+    const size_t n = count - i0 < per ? (size_t)(count - i0) : (size_t)per;
+    shard_status s = buf ? shard_pread_full(fd, path, buf, n * es, 1024 + i0 * es) : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!s) s = check(f, buf, i0, n);
+    if (!s) {
+        *h = shard_hash64(0, buf, n * es);
+        return;
+    }
+    #pragma omp critical(data_scan_fail)
+    if (b < *bad) {
+        __atomic_store_n(bad, b, __ATOMIC_RELAXED);
+        *bad_s = s;
+        snprintf(msg, msgsz, "%s", shard_errmsg());
+    }
+}
+
+/* The count elements of es bytes after fd's 1024-byte header, checked by check and
+ * hashed a block of 1 MiB at a time by the process's OpenMP threads (a file of tens of
+ * GB is read at the speed of its storage, not of one core); *hash: shard_hash64 of the
+ * blocks' shard_hash64s, in order. A failure is the first block's in file order, the
+ * message as one thread would have found it. */
+static shard_status scan(const data_file *f, int fd, const char *path, uint64_t count, size_t es, scan_check check,
+                         uint64_t *hash)
+{
+    const uint64_t per = SCAN_BLOCK / es, nb = (count + per - 1) / per;
+    uint64_t *bh = malloc((nb ? nb : 1) * sizeof *bh), bad = nb;
+    if (!bh) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    shard_status bad_s = SHARD_OK;
+    char msg[1024] = "";
+    #pragma omp parallel if (nb > 1)
+    {
+        uint8_t *buf = malloc(SCAN_BLOCK);
+        #pragma omp for schedule(dynamic, 4)
+        for (uint64_t b = 0; b < nb; b++)
+            if (b < __atomic_load_n(&bad, __ATOMIC_RELAXED)) /* past a failure: no need */
+                scan_block(f, fd, path, count, es, check, buf, b, &bh[b], &bad, &bad_s, msg, sizeof msg);
+        free(buf);
+    }
+    shard_status s = bad < nb ? shard_fail(bad_s, "%s", msg) : SHARD_OK;
+    if (!s) *hash = shard_hash64(0, bh, nb * sizeof *bh); /* little-endian only (max_token_*) */
+    free(bh);
+    return s;
+}
+
 static shard_status open_file(data_file *f, const char *path, int S, int64_t vocab)
 {
     memset(f, 0, sizeof *f);
@@ -149,17 +205,8 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (size != want)
         return shard_fail(SHARD_E_INVALID, "%s: the header says %llu tokens (%llu bytes with the header) but the file has %llu bytes",
                           path, (unsigned long long)f->ntokens, (unsigned long long)want, (unsigned long long)size);
-    /* every token against the vocabulary, a block at a time */
-    const size_t block = (1u << 20) / (size_t)f->token_size;
-    uint8_t *buf = malloc(block * (size_t)f->token_size);
-    if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    for (uint64_t i = 0; i < f->ntokens && !s; i += block) {
-        size_t n = f->ntokens - i < block ? (size_t)(f->ntokens - i) : block;
-        s = shard_pread_full(f->fd, f->path, buf, n * (size_t)f->token_size, 1024 + i * (uint64_t)f->token_size);
-        if (!s) s = check_tokens(f, buf, i, n);
-        f->hash = shard_hash64(f->hash, buf, n * (size_t)f->token_size);
-    }
-    free(buf);
+    /* every token against the vocabulary */
+    s = scan(f, f->fd, f->path, f->ntokens, (size_t)f->token_size, check_tokens, &f->hash);
     f->nseq = seqs_in(f->ntokens, S);
     return s;
 }
@@ -267,16 +314,10 @@ static shard_status add_mask(void *ctx, const char *path)
     if ((uint64_t)count != f->ntokens)
         return shard_fail(SHARD_E_INVALID, "%s: %d mask bytes but its token file %s holds %llu tokens (one byte per token)",
                           path, count, f->path, (unsigned long long)f->ntokens);
-    enum { BLOCK = 1 << 20 };
-    uint8_t *buf = malloc(BLOCK);
-    if (!buf) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    for (uint64_t i = 0; i < f->ntokens && !s; i += BLOCK) {
-        const size_t n = f->ntokens - i < BLOCK ? (size_t)(f->ntokens - i) : BLOCK;
-        s = read_mask_at(f, buf, n, i);
-        f->hash = shard_hash64(f->hash, buf, n);
-    }
-    free(buf);
-    return s;
+    uint64_t mh = 0;
+    if ((s = scan(f, f->mfd, f->mpath, f->ntokens, 1, check_mask, &mh))) return s;
+    f->hash = shard_hash64(f->hash, &mh, sizeof mh); /* the tokens', then the mask's */
+    return SHARD_OK;
 }
 
 shard_status data_open_masks(data_set *ds, const char *spec)
@@ -303,7 +344,7 @@ uint64_t data_fingerprint(const data_set *ds)
 
 const char *data_fingerprint_text(const data_set *ds, char *buf)
 {
-    snprintf(buf, 32, "xxh64:%016llx", (unsigned long long)data_fingerprint(ds));
+    snprintf(buf, 32, DATA_FINGERPRINT_KIND ":%016llx", (unsigned long long)data_fingerprint(ds));
     return buf;
 }
 

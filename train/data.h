@@ -83,9 +83,12 @@ void data_close(data_set *ds);
  * both files, or the file and the position). */
 shard_status data_open_masks(data_set *ds, const char *spec);
 /* The files' fingerprint: their token sizes, counts and hashes (and the masks'), in
- * order; the ranks of a run compare it (a host's other copy of a file). */
+ * order; the ranks of a run compare it (a host's other copy of a file). A file's hash
+ * is shard_hash64 of its 1 MiB blocks' shard_hash64s (blocks hashed in parallel); states
+ * written before 2026-12-07 hold a chain over the blocks instead, kind "xxh64". */
 uint64_t data_fingerprint(const data_set *ds);
-/* The same as the training state writes it, "xxh64:<16 hex digits>", into buf (32 bytes). */
+#define DATA_FINGERPRINT_KIND "xxh64-mib"
+/* The same as the training state writes it, "xxh64-mib:<16 hex digits>", into buf (32 bytes). */
 const char *data_fingerprint_text(const data_set *ds, char *buf);
 /* The stream is documents ended by token sep. */
 void data_set_documents(data_set *ds, int32_t sep);

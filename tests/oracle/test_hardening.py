@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import signal
+import struct
 import subprocess
 import threading
 import time
@@ -14,7 +15,7 @@ import time
 import numpy as np
 
 import models
-from conftest import BUILD, run
+from conftest import BUILD, run, xxh64
 from test_ckpt_hostile import refusal_problems, run_san
 from test_train import make_ckpt, vocab_of, write_tokens
 
@@ -628,6 +629,34 @@ def test_resume_on_other_data_is_said(tmp_path):
     notes = [ln for ln in p.stderr.splitlines() if ": note: " in ln]
     assert notes == ["smp-train: note: --data holds other bytes than when the run trained on it (the same files, "
                      "changed since); it goes on at data position 12 in them"], p.stderr
+
+
+def _h64(h, data):
+    """libshard's shard_hash64: XXH64 (seed 0) of h's 8 little-endian bytes, then data."""
+    return int(xxh64(struct.pack("<Q", h) + data), 16)
+
+
+def test_data_fingerprint_kind(tmp_path):
+    """The state's data fingerprint is "xxh64-mib:" and 16 hex digits, recomputed here from
+    the token file's bytes by train/data.h's rule with libxxhash's XXH64 (each 1 MiB block
+    hashed, then the blocks' hashes; the files' sizes and hashes); a state written before
+    2026-12-07 (kind "xxh64", a chain over the blocks) is not compared: resuming on the
+    same files says nothing."""
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    rng = np.random.default_rng(2)
+    a = write_tokens(tmp_path / "a.bin", rng.integers(0, vocab_of(CASE), size=700000))  # 2 blocks of uint16
+    r = tmp_path / "run"
+    assert train(ck, a, r, 10, "--stop-at", 2).returncode == 0
+    step = r / (r / "latest").read_text().strip()
+    m = json.loads((step / "smp.json").read_text())
+    raw = a.read_bytes()[1024:]
+    blocks = b"".join(struct.pack("<Q", _h64(0, raw[o:o + (1 << 20)])) for o in range(0, len(raw), 1 << 20))
+    rec = struct.pack("<4Q", 2, len(raw) // 2, _h64(0, blocks), 0)
+    assert m["training"]["data"]["fingerprint"] == "xxh64-mib:%016x" % _h64(0, rec)
+    m["training"]["data"]["fingerprint"] = "xxh64:0123456789abcdef"
+    (step / "smp.json").write_text(json.dumps(m))
+    p = run("smp-train", "--ckpt", r, "--data", a, "--save-dir", r, "--stop-at", 4, check=0)
+    assert ": note: " not in p.stderr, p.stderr
 
 
 def test_validation_on_training_tokens_is_said(tmp_path):

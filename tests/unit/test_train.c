@@ -196,6 +196,97 @@ static void test_refusals(void **st)
     assert_int_equal(data_open(&ds, spec, 4, 100), SHARD_E_INVALID); /* missing: exit 3 */
 }
 
+/* value v into element i (es bytes) of the file's data after its 1024-byte header */
+static void poke(const char *path, uint64_t i, uint32_t v, int es)
+{
+    FILE *f = fopen(path, "r+b");
+    assert_non_null(f);
+    assert_int_equal(fseek(f, (long)(1024 + i * (uint64_t)es), SEEK_SET), 0);
+    assert_int_equal(fwrite(&v, (size_t)es, 1, f), 1); /* little-endian: the low bytes */
+    fclose(f);
+}
+
+/* a loss mask file of n bytes, every one 1 */
+static const char *write_mask(const char *name, int n)
+{
+    static char p[300];
+    snprintf(p, sizeof p, "%s/%s", tmpdir, name);
+    FILE *f = fopen(p, "wb");
+    int32_t h[256] = {DATA_MAGIC_MASK, 1, n};
+    fwrite(h, 4, 256, f);
+    for (int i = 0; i < n; i++) fputc(1, f);
+    fclose(f);
+    return p;
+}
+
+/* data_open under mask (NULL: none) with t OpenMP threads: its status, message and
+ * fingerprint */
+static shard_status open_with(const char *spec, const char *mask, int t, char *msg, uint64_t *fp)
+{
+    omp_set_num_threads(t);
+    data_set ds;
+    shard_status s = data_open(&ds, spec, 4, 1000);
+    const int opened = !s;
+    if (!s && mask) s = data_open_masks(&ds, mask);
+    snprintf(msg, 300, "%s", s ? shard_errmsg() : "");
+    *fp = s ? 0 : data_fingerprint(&ds);
+    if (opened) data_close(&ds);
+    return s;
+}
+
+/* A file of many 1 MiB blocks is checked and hashed by 1..4 threads alike: the same
+ * fingerprint (shard_hash64 of the blocks' shard_hash64s, the rule data.h gives), and a
+ * bad token or mask byte in two blocks is refused naming the first in the file, as one
+ * thread finds it. */
+static void test_scan_threads(void **st)
+{
+    (void)st;
+    const int was = omp_get_max_threads();
+    enum { N = 3500000 }; /* uint16: 7 blocks of 524288 tokens, the last partial; mask: 4 blocks */
+    const char *tok = write_file("scan.bin", N, 7, 1000, 0, 0, 0), *mask = write_mask("scan.mask.bin", N);
+    /* the expected hash of the tokens, from the file's bytes */
+    FILE *f = fopen(tok, "rb");
+    uint8_t *all = malloc((size_t)N * 2);
+    assert_non_null(all);
+    assert_int_equal(fseek(f, 1024, SEEK_SET), 0);
+    assert_int_equal(fread(all, 2, N, f), N);
+    fclose(f);
+    uint64_t bh[7];
+    for (int b = 0; b < 7; b++) {
+        const size_t n = b < 6 ? 524288 : N - 6 * 524288;
+        bh[b] = shard_hash64(0, all + (size_t)b * (1u << 20), n * 2);
+    }
+    free(all);
+    const uint64_t rec[4] = {2, N, shard_hash64(0, bh, sizeof bh), 0};
+    const uint64_t want = shard_hash64(0, rec, sizeof rec);
+    char msg[300], first[300];
+    uint64_t fp, fp1 = 0;
+    for (int t = 1; t <= 4; t++) {
+        assert_int_equal(open_with(tok, NULL, t, msg, &fp), SHARD_OK);
+        assert_true(fp == want);
+        assert_int_equal(open_with(tok, mask, t, msg, &fp), SHARD_OK);
+        if (t == 1) fp1 = fp;
+        assert_true(fp == fp1 && fp != want); /* the mask counts */
+    }
+    poke(tok, 3000000, 1001, 2); /* block 5 */
+    poke(tok, 1500000, 1000, 2); /* block 2: the first */
+    poke(mask, 3400000, 7, 1);   /* block 3 */
+    poke(mask, 1200000, 2, 1);   /* block 1: the first */
+    for (int t = 1; t <= 4; t++) {
+        assert_int_equal(open_with(tok, NULL, t, msg, &fp), SHARD_E_INVALID);
+        assert_non_null(strstr(msg, "scan.bin: token 1000 at position 1500000 is outside the model's vocabulary"));
+        if (t == 1) snprintf(first, sizeof first, "%s", msg);
+        assert_string_equal(msg, first);
+    }
+    poke(tok, 3000000, 5, 2);
+    poke(tok, 1500000, 5, 2);
+    for (int t = 1; t <= 4; t++) {
+        assert_int_equal(open_with(tok, mask, t, msg, &fp), SHARD_E_INVALID);
+        assert_non_null(strstr(msg, "scan.mask.bin: mask byte 2 at position 1200000"));
+    }
+    omp_set_num_threads(was);
+}
+
 static void test_schedule(void **st)
 {
     (void)st;
@@ -341,7 +432,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_position_at_another_length),
-        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals),
+        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
         cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault), cmocka_unit_test(test_lanes_auto),
     };
