@@ -3,7 +3,6 @@
 
 #include <fcntl.h>
 #include <glob.h>
-#include <omp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -129,24 +128,38 @@ static shard_status check_mask(const data_file *f, const uint8_t *m, uint64_t i0
 
 enum { SCAN_BLOCK = 1 << 20 };
 
-/* One block of a scan: read, checked, hashed (*h); a failure's status and message kept
- * when it is the earliest block yet (*bad, under the critical section). */
-static void scan_block(const data_file *f, int fd, const char *path, uint64_t count, size_t es, scan_check check,
-                       uint8_t *buf, uint64_t b, uint64_t *h, uint64_t *bad, shard_status *bad_s, char *msg, size_t msgsz)
+/* A scan of count elements of es bytes after fd's 1024-byte header, shared by its threads */
+typedef struct {
+    const data_file *f;
+    int fd;
+    const char *path;
+    uint64_t count, per; /* elements; elements a block */
+    size_t es;
+    scan_check check;
+    uint64_t *bh;        /* each block's hash */
+    uint64_t bad;        /* the first failing block (the block count: none) */
+    shard_status bad_s;  /* its failure and message */
+    char msg[1024];
+} scan_job;
+
+/* Block b read into buf, checked and hashed; a failure's status and message kept when it
+ * is the earliest block's yet. */
+static void scan_block(scan_job *j, uint8_t *buf, uint64_t b)
 {
-    const uint64_t per = SCAN_BLOCK / es, i0 = b * per;
-    const size_t n = count - i0 < per ? (size_t)(count - i0) : (size_t)per;
-    shard_status s = buf ? shard_pread_full(fd, path, buf, n * es, 1024 + i0 * es) : shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (!s) s = check(f, buf, i0, n);
+    const uint64_t i0 = b * j->per;
+    const size_t n = j->count - i0 < j->per ? (size_t)(j->count - i0) : (size_t)j->per;
+    shard_status s = buf ? shard_pread_full(j->fd, j->path, buf, n * j->es, 1024 + i0 * j->es)
+                         : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (!s) s = j->check(j->f, buf, i0, n);
     if (!s) {
-        *h = shard_hash64(0, buf, n * es);
+        j->bh[b] = shard_hash64(0, buf, n * j->es);
         return;
     }
     #pragma omp critical(data_scan_fail)
-    if (b < *bad) {
-        __atomic_store_n(bad, b, __ATOMIC_RELAXED);
-        *bad_s = s;
-        snprintf(msg, msgsz, "%s", shard_errmsg());
+    if (b < j->bad) {
+        __atomic_store_n(&j->bad, b, __ATOMIC_RELAXED);
+        j->bad_s = s;
+        snprintf(j->msg, sizeof j->msg, "%s", shard_errmsg()); /* the message is this thread's */
     }
 }
 
@@ -158,23 +171,21 @@ static void scan_block(const data_file *f, int fd, const char *path, uint64_t co
 static shard_status scan(const data_file *f, int fd, const char *path, uint64_t count, size_t es, scan_check check,
                          uint64_t *hash)
 {
-    const uint64_t per = SCAN_BLOCK / es, nb = (count + per - 1) / per;
-    uint64_t *bh = malloc((nb ? nb : 1) * sizeof *bh), bad = nb;
-    if (!bh) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    shard_status bad_s = SHARD_OK;
-    char msg[1024] = "";
+    scan_job j = {.f = f, .fd = fd, .path = path, .count = count, .per = SCAN_BLOCK / es, .es = es, .check = check};
+    const uint64_t nb = (count + j.per - 1) / j.per;
+    j.bad = nb;
+    if (!(j.bh = malloc((nb ? nb : 1) * sizeof *j.bh))) return shard_fail(SHARD_E_NOMEM, "out of memory");
     #pragma omp parallel if (nb > 1)
     {
         uint8_t *buf = malloc(SCAN_BLOCK);
         #pragma omp for schedule(dynamic, 4)
         for (uint64_t b = 0; b < nb; b++)
-            if (b < __atomic_load_n(&bad, __ATOMIC_RELAXED)) /* past a failure: no need */
-                scan_block(f, fd, path, count, es, check, buf, b, &bh[b], &bad, &bad_s, msg, sizeof msg);
+            if (b < __atomic_load_n(&j.bad, __ATOMIC_RELAXED)) scan_block(&j, buf, b); /* past a failure: no need */
         free(buf);
     }
-    shard_status s = bad < nb ? shard_fail(bad_s, "%s", msg) : SHARD_OK;
-    if (!s) *hash = shard_hash64(0, bh, nb * sizeof *bh); /* little-endian only (max_token_*) */
-    free(bh);
+    shard_status s = j.bad < nb ? shard_fail(j.bad_s, "%s", j.msg) : SHARD_OK;
+    if (!s) *hash = shard_hash64(0, j.bh, nb * sizeof *j.bh); /* little-endian only (max_token_*) */
+    free(j.bh);
     return s;
 }
 
