@@ -252,11 +252,13 @@ static int all_hard(hid_t file, const char *group)
     return r == 0;
 }
 
+enum { DPATH_MAX = 1024 }; /* bytes of a dataset's path, its NUL included */
+
 /* The links named by dpath's prefixes that end in [from, upto] (at a '/' or at upto)
  * are hard links: [1, parent] the groups above a dataset, [parent + 1, n] its own. */
 static shard_status check_links(hid_t file, const char *dpath, size_t from, size_t upto, const char *path)
 {
-    char prefix[1024];
+    char prefix[DPATH_MAX];
     for (size_t i = from; i <= upto; i++) {
         if (dpath[i] != '/' && i != upto) continue;
         memcpy(prefix, dpath, i);
@@ -281,7 +283,7 @@ static shard_status open_own_dataset(shard_ckpt *c, size_t fi, const char *dpath
     const hid_t file = c->h5[fi];
     ckpt_links *lk = &c->links[fi];
     const size_t n = strlen(dpath);
-    if (n == 0 || n >= 1024 || dpath[0] != '/')
+    if (n == 0 || n >= DPATH_MAX || dpath[0] != '/')
         return shard_fail(SHARD_E_INVALID, "%s: dataset name \"%.64s\" is not an absolute HDF5 path", path, dpath);
     const size_t parent = (size_t)(strrchr(dpath, '/') - dpath);
     int known = lk->checked && strlen(lk->group) == parent && !memcmp(lk->group, dpath, parent);
