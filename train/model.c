@@ -190,7 +190,7 @@ shard_status model_lane(model *lane, const model *m)
     return s;
 }
 
-shard_status model_localize(model *m, const shard_piece *pieces, int tp)
+shard_status model_localize(model *m, const shard_piece *pieces, int tp, size_t align)
 {
     if (m->acts) return shard_fail(SHARD_E_INTERNAL, "model_localize after model_alloc_acts");
     size_t off = 0;
@@ -198,6 +198,7 @@ shard_status model_localize(model *m, const shard_piece *pieces, int tp)
         const shard_tensor_spec *t = &m->spec[i];
         const shard_box *b = &pieces[i].box;
         size_t n = pieces[i].holds ? (size_t)shard_box_numel(b) : 0;
+        if (n) off = (off + align - 1) / align * align;
         m->offset[i] = off;
         m->numel[i] = n;
         off += n;

@@ -245,8 +245,10 @@ void model_free(model *m);
  * pieces[i].box of the global tensor (shard_partition), and the local sizes follow
  * from them (query and kv heads, intermediate size, vocab rows and their start).
  * Parameters are reallocated (uninitialised), before model_alloc_acts. Every
- * tensor that the rank does not hold (another stage's) gets no elements. */
-shard_status model_localize(model *m, const shard_piece *pieces, int tp);
+ * tensor that the rank does not hold (another stage's) gets no elements. Each held
+ * tensor starts at a multiple of align elements (1: packed; smp-eval's ranks ask for
+ * a page, to map shared pieces by whole pages: share.h). */
+shard_status model_localize(model *m, const shard_piece *pieces, int tp, size_t align);
 /* A pipeline stage (before model_alloc_acts, after model_localize): layers [l0, l1),
  * first and last as in the model's fields. */
 void model_set_stage(model *m, int l0, int l1, int first, int last);

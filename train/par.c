@@ -154,7 +154,10 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
             (s = shard_partition_optim(&m->d, l, stages, &m->spec[i], p->rank, &p->op[i])))
             return s;
     /* the model of this rank: its pieces only */
-    if ((s = model_localize(m, p->pp, l->tp))) return s;
+    /* smp-eval's ranks map the pieces they share whole pages at a time (share.h) */
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE), es = m->dev->es;
+    const size_t align = p->share_weights && !m->dev->cuda && page % es == 0 ? page / es : 1;
+    if ((s = model_localize(m, p->pp, l->tp, align))) return s;
     m->tp = p->dg.tp;
     model_set_cp(m, p->dg.cp, l->cp, p->g.me.cp);
     p->stage = p->g.me.pp;
@@ -206,7 +209,7 @@ static void prefault_held(const par_ctx *p, const model *m, float *host)
     if (!sp) return; /* the load faults them in */
     size_t n = 0;
     for (size_t i = 0; i < m->ntensors; i++)
-        if (p->pp[i].holds && m->numel[i] && share_reads(p, i))
+        if (p->pp[i].holds && m->numel[i] && share_reads(p, i) && !share_mapped(p, i))
             sp[n++] = (prefault_span){host + m->offset[i], m->numel[i] * sizeof(float)};
     prefault_spans(sp, n, ckptio_load_threads(p->size));
     free(sp);
@@ -222,7 +225,7 @@ shard_status par_read_params(par_ctx *p, shard_ckpt *c, model *m, const char *gr
     if (s) return s;
     float *host = model_params_host(m);
     s = host ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of host memory for the parameters");
-    if (host && !p->twins) prefault_held(p, m, host); /* twins: share_weights did */
+    if (host) prefault_held(p, m, host); /* those in shared objects: share_weights did */
     if (together) {
         if ((s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL))) return s;
         const uint64_t sent = shard_comm_bytes(p->world);

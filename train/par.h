@@ -81,11 +81,11 @@ typedef struct {
     int read_together;       /* loading: 1 coread.c, 0 each rank alone, -1 (the default)
                               * together when the ranks span more than one host */
     uint64_t moved;          /* loading: bytes this rank sent the others (reading together) */
-    int share_weights;       /* loading read-only weights (smp-eval): twins keep one copy (share.h) */
-    shard_comm *twins;       /* the ranks of this host holding this rank's pieces (NULL: none) */
-    void *shm;               /* their shared weights, shm_bytes long */
+    int share_weights;       /* loading read-only weights (smp-eval): one copy per host and piece (share.h) */
+    shard_comm *twins;       /* the ranks of this host, when some of them share pieces (NULL: none do) */
+    void *shm;               /* this rank's weights, shared pieces mapped in, shm_bytes long */
     size_t shm_bytes;
-    int *reader;             /* per tensor: the twin that reads it */
+    int *reader;             /* per tensor: the host rank that reads it (-1: not shared, this rank) */
     shard_groups g;          /* its layout groups */
     /* the groups that move tensors in the backend's memory: g itself on the C
      * backend, NCCL communicators over the same ranks on CUDA (dev comm_for) */

@@ -16,32 +16,50 @@
 
 enum { NAME = 64 };
 
-/* How the twins come to map one object. First an anonymous memfd that the others open
- * through /proc/PID/fd: it has no name to leave behind when a rank is killed, and no
- * /dev/shm to fill (containers mount a 64 MB one). Else, where memfd_create or /proc is
- * refused (old kernels, sandboxes), a POSIX object in /dev/shm, unlinked once mapped. */
+/* How the sharers come to map one object. First an anonymous memfd that the others
+ * open through /proc/PID/fd: it has no name to leave behind when a rank is killed, and
+ * no /dev/shm to fill (containers mount a 64 MB one). Else, where memfd_create or /proc
+ * is refused (old kernels, sandboxes), a POSIX object in /dev/shm, unlinked once mapped. */
 enum { BY_MEMFD, BY_SHM, BY_END };
 
-/* this rank's weights, flattened: the element count and size, then per tensor
- * whether it holds a piece and the piece's box; twins have equal ones */
-static int64_t *signature(const par_ctx *p, const model *m, size_t *n)
+/* A rank's piece of one tensor, as the ranks of a host compare them (unused dims 0) */
+typedef struct {
+    int64_t holds, off[SHARD_MAX_DIMS], len[SHARD_MAX_DIMS];
+} piece_key;
+
+/* Which of a host's pieces are held once (the same on every rank of the host): the
+ * groups, each the ranks that hold the same piece of some tensors, with one object
+ * holding those pieces page by page; for this rank's tensors, the group (-1: no
+ * other rank of the host holds its piece), the place in the group's object, and the
+ * host rank that reads it. */
+typedef struct {
+    int H, me;            /* the host's ranks, this one's index */
+    size_t W;             /* bytes of a set of host ranks */
+    size_t ngroups, cap;
+    unsigned char *set;   /* [ngroups][W]: each group's ranks */
+    size_t *bytes;        /* [ngroups]: its object's size */
+    int *leader;          /* [ngroups]: its lowest rank, who makes the object */
+    int *gid;             /* [ntensors] */
+    size_t *roff;         /* [ntensors] */
+    int *reader;          /* [ntensors] */
+    size_t shared, held;  /* this rank's bytes in groups, and in all */
+} plan;
+
+static void plan_free(plan *pl)
 {
-    int64_t *v = malloc((2 + m->ntensors * (1 + 2 * 2)) * sizeof *v);
-    if (!v) return NULL;
-    size_t k = 0;
-    v[k++] = (int64_t)m->nparams;
-    v[k++] = (int64_t)m->dev->es;
-    for (size_t i = 0; i < m->ntensors; i++) {
-        const shard_piece *q = &p->pp[i];
-        v[k++] = q->holds;
-        for (int d = 0; d < 2; d++) {
-            const int in = q->holds && d < m->spec[i].ndim;
-            v[k++] = in ? q->box.off[d] : 0;
-            v[k++] = in ? q->box.len[d] : 0;
-        }
-    }
-    *n = k;
-    return v;
+    free(pl->set);
+    free(pl->bytes);
+    free(pl->leader);
+    free(pl->gid);
+    free(pl->roff);
+    free(pl->reader);
+    memset(pl, 0, sizeof *pl);
+}
+
+static size_t round_page(size_t n)
+{
+    const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+    return (n + page - 1) / page * page;
 }
 
 /* c split so that each part holds the ranks whose `bytes`-long key (gathered) equals
@@ -63,71 +81,151 @@ static shard_status split_by(shard_comm *c, const void *key, size_t bytes, shard
     return s ? s : shard_comm_split(c, color, me, out);
 }
 
-/* The ranks of this host that hold exactly this rank's pieces, in world rank order
- * (the hostname, then the signature, compared whole). Collective over the world. */
-static shard_status twins_of(par_ctx *p, const int64_t *sig, size_t n, shard_comm **out)
+/* the ranks of this host (by hostname), in world rank order. Collective over the world. */
+static shard_status host_of(par_ctx *p, shard_comm **out)
 {
     char host[PAR_HOST] = {0};
     (void)gethostname(host, PAR_HOST - 1);
-    shard_comm *h = NULL;
-    *out = NULL;
-    shard_status s = split_by(p->world, host, PAR_HOST, &h);
-    if (!s) s = split_by(h, sig, n * sizeof *sig, out);
-    shard_comm_free(h);
+    return split_by(p->world, host, PAR_HOST, out);
+}
+
+/* One host rank's piece of tensor i, in the order the plan sorts them */
+typedef struct {
+    const piece_key *k;
+    int r;
+} entry;
+
+static int by_piece(const void *a, const void *b)
+{
+    const entry *x = a, *y = b;
+    const int c = memcmp(x->k, y->k, sizeof *x->k);
+    return c ? c : (x->r > y->r) - (x->r < y->r);
+}
+
+/* The group of ranks `set` (one made when new): its index, or -1 out of memory */
+static long group_of(plan *pl, const unsigned char *set, int leader)
+{
+    for (size_t g = 0; g < pl->ngroups; g++)
+        if (!memcmp(pl->set + g * pl->W, set, pl->W)) return (long)g;
+    if (pl->ngroups == pl->cap) {
+        const size_t cap = pl->cap ? 2 * pl->cap : 8;
+        unsigned char *s = realloc(pl->set, cap * pl->W);
+        if (s) pl->set = s;
+        size_t *b = realloc(pl->bytes, cap * sizeof *b);
+        if (b) pl->bytes = b;
+        int *l = realloc(pl->leader, cap * sizeof *l);
+        if (l) pl->leader = l;
+        if (!s || !b || !l) return -1;
+        pl->cap = cap;
+    }
+    memcpy(pl->set + pl->ngroups * pl->W, set, pl->W);
+    pl->bytes[pl->ngroups] = 0;
+    pl->leader[pl->ngroups] = leader;
+    return (long)pl->ngroups++;
+}
+
+static int in_set(const unsigned char *set, int r)
+{
+    return set[r / 8] >> (r % 8) & 1;
+}
+
+/* The ranks of tensor i's pieces equal to e[0] (e sorted): their set, and how many.
+ * Each reader is the one with the fewest elements so far (load, per host rank), in
+ * tensor order: every rank of the host computes the same. */
+static void place(plan *pl, const model *m, size_t i, const entry *e, int n, size_t *load, unsigned char *set)
+{
+    size_t numel = 1;
+    for (int d = 0; d < m->spec[i].ndim && d < SHARD_MAX_DIMS; d++) numel *= (size_t)e[0].k->len[d];
+    const size_t bytes = numel * m->dev->es;
+    if (!numel || pl->ngroups == (size_t)-1) return;
+    if (n == 1) {
+        load[e[0].r] += numel;
+        if (e[0].r == pl->me) pl->held += bytes;
+        return;
+    }
+    memset(set, 0, pl->W);
+    int best = e[0].r;
+    for (int j = 0; j < n; j++) {
+        set[e[j].r / 8] |= (unsigned char)(1u << (e[j].r % 8));
+        if (load[e[j].r] < load[best]) best = e[j].r;
+    }
+    load[best] += numel;
+    const long g = group_of(pl, set, e[0].r);
+    if (g < 0) {
+        pl->ngroups = (size_t)-1; /* out of memory, told by make_plan */
+        return;
+    }
+    if (in_set(set, pl->me)) {
+        pl->gid[i] = (int)g;
+        pl->roff[i] = pl->bytes[g];
+        pl->reader[i] = best;
+        pl->shared += bytes;
+        pl->held += bytes;
+    }
+    pl->bytes[g] += round_page(bytes);
+}
+
+/* The host's plan from every host rank's pieces (gathered). Collective over host. */
+static shard_status make_plan(shard_comm *host, const par_ctx *p, const model *m, plan *pl)
+{
+    const size_t nt = m->ntensors;
+    memset(pl, 0, sizeof *pl);
+    pl->H = shard_comm_size(host);
+    pl->me = shard_comm_rank(host);
+    pl->W = ((size_t)pl->H + 7) / 8;
+    piece_key *all = calloc((size_t)pl->H * nt + 1, sizeof *all), *mine = calloc(nt + 1, sizeof *mine);
+    entry *e = malloc((size_t)pl->H * sizeof *e);
+    size_t *load = calloc((size_t)pl->H, sizeof *load);
+    unsigned char *set = malloc(pl->W);
+    pl->gid = malloc((nt + 1) * sizeof *pl->gid);
+    pl->roff = calloc(nt + 1, sizeof *pl->roff);
+    pl->reader = malloc((nt + 1) * sizeof *pl->reader);
+    shard_status s = all && mine && e && load && set && pl->gid && pl->roff && pl->reader
+                         ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; !s && i < nt; i++) {
+        const shard_piece *q = &p->pp[i];
+        mine[i].holds = q->holds && m->numel[i];
+        for (int d = 0; mine[i].holds && d < m->spec[i].ndim && d < SHARD_MAX_DIMS; d++) {
+            mine[i].off[d] = q->box.off[d];
+            mine[i].len[d] = q->box.len[d];
+        }
+        pl->gid[i] = -1;
+        pl->reader[i] = pl->me;
+    }
+    s = shard_comm_agree(host, s, "another process ran out of memory", NULL);
+    if (!s) s = shard_comm_allgather(host, mine, all, nt * sizeof *mine, SHARD_DT_U8);
+    for (size_t i = 0; !s && i < nt && pl->ngroups != (size_t)-1; i++) {
+        int n = 0;
+        for (int r = 0; r < pl->H; r++)
+            if (all[(size_t)r * nt + i].holds) e[n++] = (entry){&all[(size_t)r * nt + i], r};
+        qsort(e, (size_t)n, sizeof *e, by_piece);
+        for (int a = 0, b; a < n; a = b) { /* each run of equal pieces */
+            for (b = a + 1; b < n && !memcmp(e[b].k, e[a].k, sizeof *e[a].k); b++) {}
+            place(pl, m, i, e + a, b - a, load, set);
+        }
+    }
+    if (!s) /* a rank out of memory in place() */
+        s = shard_comm_agree(host, pl->ngroups == (size_t)-1 ? shard_fail(SHARD_E_NOMEM, "out of memory") : SHARD_OK,
+                             "another process ran out of memory", NULL);
+    free(all);
+    free(mine);
+    free(e);
+    free(load);
+    free(set);
     return s;
 }
 
-/* Who reads tensor i: the twin with the fewest bytes so far, in tensor order (every
- * twin computes the same table). */
-static int *readers(const model *m, int twins)
-{
-    int *r = malloc((m->ntensors ? m->ntensors : 1) * sizeof *r);
-    size_t *load = calloc((size_t)twins, sizeof *load);
-    if (!r || !load) {
-        free(r);
-        free(load);
-        return NULL;
-    }
-    for (size_t i = 0; i < m->ntensors; i++) {
-        int best = 0;
-        for (int t = 1; t < twins; t++)
-            if (load[t] < load[best]) best = t;
-        r[i] = best;
-        load[best] += m->numel[i];
-    }
-    free(load);
-    return r;
-}
-
-/* The pages of the tensors this twin reads, allocated in the object and mapped
- * (MADV_POPULATE_WRITE, Linux 5.14: one pass, where posix_fallocate and the load's
- * faults would take two; it fails instead of the SIGBUS a full /dev/shm would raise
- * later). The twins together cover the object; a page that two tensors share is
- * populated twice, harmlessly. 0, or the errno of the first failure. */
-static int allocate_mine(int fd, char *at, const par_ctx *p, const model *m, const int *reader, int me, int by)
-{
-    const size_t es = m->dev->es, page = (size_t)sysconf(_SC_PAGESIZE);
-    for (size_t i = 0; i < m->ntensors; i++) {
-        if (reader[i] != me || !m->numel[i] || !p->pp[i].holds) continue;
-        const size_t a = m->offset[i] * es / page * page, b = ((m->offset[i] + m->numel[i]) * es + page - 1) / page * page;
-        if (!madvise(at + a, b - a, MADV_POPULATE_WRITE)) continue;
-        const int e = errno == EINVAL ? posix_fallocate(fd, (off_t)a, (off_t)(b - a)) : errno; /* an older kernel */
-        if (e) return e != EFAULT ? e : by == BY_SHM ? ENOSPC : ENOMEM; /* EFAULT: the page could not be had */
-    }
-    return 0;
-}
-
-/* What the group's first rank tells the others: where its object is, and which it is
- * (a /proc/PID/fd path names another process's descriptor where the twins do not
- * share a PID namespace; an object in another container's /dev/shm is another). */
+/* What a group's leader tells the others: where its object is, and which it is (a
+ * /proc/PID/fd path names another process's descriptor where the ranks do not share a
+ * PID namespace; an object in another container's /dev/shm is another). */
 typedef struct {
     char name[NAME];
     uint64_t dev, ino;
 } object_id;
 
-/* The object, made by the group's first rank, its size fixed and *id filled in; -1
- * with errno on failure. */
-static int create_object(int by, const par_ctx *p, size_t bytes, object_id *id)
+/* Group g's object, made by its leader, its size fixed and *id filled in; -1 with
+ * errno on failure. */
+static int create_object(int by, size_t g, size_t bytes, object_id *id)
 {
     int fd;
     struct stat st;
@@ -136,10 +234,10 @@ static int create_object(int by, const par_ctx *p, size_t bytes, object_id *id)
         if (fd < 0) return -1; /* errno: memfd_create's */
         snprintf(id->name, NAME, "/proc/%ld/fd/%d", (long)getpid(), fd);
     } else {
-        snprintf(id->name, NAME, "/smp-weights-%ld-%d", (long)getpid(), p->rank);
+        snprintf(id->name, NAME, "/smp-weights-%ld-%zu", (long)getpid(), g);
         fd = shm_open(id->name, O_RDWR | O_CREAT | O_EXCL, 0600);
     }
-    /* sealed at its size: no process can shrink it under the twins' mappings (SIGBUS) */
+    /* sealed at its size: no process can shrink it under the others' mappings (SIGBUS) */
     if (fd >= 0 && (ftruncate(fd, (off_t)bytes) || fstat(fd, &st) ||
                     (by == BY_MEMFD && fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL)))) {
         const int e = errno;
@@ -155,7 +253,7 @@ static int create_object(int by, const par_ctx *p, size_t bytes, object_id *id)
     return fd;
 }
 
-/* The other twins' side: the object their first rank made, opened and checked to be it. */
+/* The other ranks' side: the object their leader made, opened and checked to be it. */
 static int open_object(int by, const object_id *id, char *why, size_t whysz)
 {
     struct stat st;
@@ -170,121 +268,205 @@ static int open_object(int by, const object_id *id, char *why, size_t whysz)
     return fd;
 }
 
-/* The group's shared object (made `by` its first rank), opened and mapped by every
- * twin, each allocating the pages it will write. NULL and *why set on this rank's
- * failure. *fd: the object, open, for the caller to close once every twin has opened
- * it (a memfd lives through its creator's descriptor until then); name: the POSIX
- * object's, for the caller to unlink. */
-static void *map_object(const par_ctx *p, shard_comm *tw, const model *m, const int *reader, size_t bytes, int by, char *name,
-                        int *fd, char *why, size_t whysz)
+/* The objects of the groups this rank is in: made by their leaders, named to the
+ * host (gathered), opened by the others. fds[g]: -1 where this rank is not in g;
+ * names[g]: the name of each object this rank made. *bad and *why on this rank's
+ * failure. Fails only when a collective does. Collective over host. */
+static shard_status open_groups(shard_comm *host, const plan *pl, int by, int *fds, char *names, int *bad, char *why,
+                                size_t whysz)
 {
-    const int first = shard_comm_rank(tw) == 0;
-    object_id id = {{0}, 0, 0};
-    if (first && (*fd = create_object(by, p, bytes, &id)) < 0) {
-        if (by == BY_SHM) snprintf(why, whysz, "shm_open %s: %s", id.name, strerror(errno));
+    const size_t G = pl->ngroups;
+    object_id *ids = calloc(G, sizeof *ids), *all = calloc(G * (size_t)pl->H, sizeof *all);
+    shard_status s = ids && all ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    s = shard_comm_agree(host, s, "another process ran out of memory", NULL);
+    *bad = 0;
+    for (size_t g = 0; !s && g < G; g++) {
+        if (pl->leader[g] != pl->me) continue;
+        if ((fds[g] = create_object(by, g, pl->bytes[g], &ids[g])) >= 0) {
+            memcpy(names + g * NAME, ids[g].name, NAME);
+            continue;
+        }
+        if (by == BY_SHM) snprintf(why, whysz, "shm_open %s: %s", ids[g].name, strerror(errno));
         else snprintf(why, whysz, "memfd_create: %s", strerror(errno));
-        id.name[0] = 0; /* nothing for the others to open */
+        ids[g].name[0] = 0; /* nothing for the others to open */
+        *bad = 1;
     }
-    if (shard_comm_broadcast(tw, &id, sizeof id, SHARD_DT_U8, 0)) id.name[0] = 0;
-    id.name[NAME - 1] = 0;
-    memcpy(name, id.name, NAME);
-    if (!first) *fd = id.name[0] ? open_object(by, &id, why, whysz) : -1;
-    if (*fd < 0) return NULL;
-    void *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, *fd, 0);
-    int e = at == MAP_FAILED ? errno : allocate_mine(*fd, at, p, m, reader, shard_comm_rank(tw), by);
-    if (!e) return at;
-    snprintf(why, whysz, "%s: %s (%zu bytes of weights)", at == MAP_FAILED ? "mmap" : by == BY_SHM ? "/dev/shm" : "memfd",
-             strerror(e), bytes);
-    if (at != MAP_FAILED) munmap(at, bytes);
-    return NULL;
-}
-
-/* Whether a rank of c failed (ok 0 there): *failed, the lowest such rank's reason in
- * why on every rank of c, and how many failed (*count; may be NULL). Collective over c. */
-static shard_status first_failure(shard_comm *c, int ok, char *why, size_t whysz, int *failed, int *count)
-{
-    const int size = shard_comm_size(c);
-    int32_t v[2] = {ok ? 0 : size - shard_comm_rank(c), !ok}; /* the largest v[0]: the lowest failing rank */
-    shard_status s = shard_comm_allreduce(c, &v[0], 1, SHARD_DT_I32, SHARD_OP_MAX);
-    if (!s && count) s = shard_comm_allreduce(c, &v[1], 1, SHARD_DT_I32, SHARD_OP_SUM);
-    *failed = !s && v[0] > 0;
-    if (count) *count = v[1];
-    if (*failed) s = shard_comm_broadcast(c, why, whysz, SHARD_DT_U8, size - v[0]);
+    if (!s) s = shard_comm_allgather(host, ids, all, G * sizeof *ids, SHARD_DT_U8);
+    for (size_t g = 0; !s && !*bad && g < G; g++) {
+        object_id id = all[(size_t)pl->leader[g] * G + g];
+        id.name[NAME - 1] = 0;
+        if (pl->leader[g] == pl->me || !in_set(pl->set + g * pl->W, pl->me)) continue;
+        if (!id.name[0]) snprintf(why, whysz, "another rank could not make the shared object");
+        if (!id.name[0] || (fds[g] = open_object(by, &id, why, whysz)) < 0) *bad = 1;
+    }
+    free(ids);
+    free(all);
     return s;
 }
 
-/* What the run's twins did, said once by world rank 0: how many ranks share how
- * many copies, and how many groups could not share, with the first one's reason.
- * Collective over the world (lead: this rank leads a group of `twins` ranks; kept:
- * that group shares). */
-static shard_status say_sharing(par_ctx *p, int lead, int twins, int kept, char *why, size_t whysz, const char *cmd)
+/* This rank's weights (bytes long): private memory, with the pages of each tensor a
+ * group holds mapped from the group's object (a run of tensors that follow each
+ * other in both, one mapping), and those of the tensors it reads allocated there
+ * (MADV_POPULATE_WRITE, Linux 5.14: one pass, where posix_fallocate and the load's
+ * faults would take two; it fails instead of the SIGBUS a full /dev/shm would raise
+ * later). The tensors' offsets are whole pages (model_localize's align). NULL with
+ * *why set on failure. */
+static void *map_weights(const plan *pl, const model *m, const int *fds, int by, size_t bytes, char *why, size_t whysz)
 {
-    int failed = 0, groups = 0;
-    shard_status s = first_failure(p->world, !lead || kept, why, whysz, &failed, &groups);
-    int32_t shared[2] = {lead && kept, lead && kept ? twins : 0}; /* groups that share, their ranks */
-    if (!s) s = shard_comm_allreduce(p->world, shared, 2, SHARD_DT_I32, SHARD_OP_SUM);
-    if (!s && p->rank == 0 && shared[0])
-        fprintf(stderr, "%s: %d ranks keep their weights in %d shared copies (one per host and piece)\n", cmd,
-                shared[1], shared[0]);
+    const size_t es = m->dev->es, page = (size_t)sysconf(_SC_PAGESIZE);
+    char *at = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (at == MAP_FAILED) {
+        snprintf(why, whysz, "mmap: %s (%zu bytes of weights)", strerror(errno), bytes);
+        return NULL;
+    }
+    int e = 0;
+    const char *what = "mmap";
+    for (size_t i = 0, j; !e && i < m->ntensors; i = j) {
+        const int g = pl->gid[i];
+        const size_t a = m->offset[i] * es, r = pl->roff[i];
+        size_t len = round_page(m->numel[i] * es);
+        for (j = i + 1; g >= 0 && j < m->ntensors && pl->gid[j] == g && m->offset[j] * es == a + len && pl->roff[j] == r + len; j++)
+            len += round_page(m->numel[j] * es);
+        if (g < 0) continue;
+        if (a % page) e = EINVAL; /* not whole pages: a model without the alignment */
+        else if (mmap(at + a, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fds[g], (off_t)r) == MAP_FAILED) e = errno;
+    }
+    for (size_t i = 0; !e && i < m->ntensors; i++) {
+        if (pl->gid[i] < 0 || pl->reader[i] != pl->me) continue;
+        const size_t a = m->offset[i] * es, len = round_page(m->numel[i] * es);
+        what = by == BY_SHM ? "/dev/shm" : "memfd";
+        if (!madvise(at + a, len, MADV_POPULATE_WRITE)) continue;
+        e = errno == EINVAL ? posix_fallocate(fds[pl->gid[i]], (off_t)pl->roff[i], (off_t)len) : errno; /* an older kernel */
+        if (e == EFAULT) e = by == BY_SHM ? ENOSPC : ENOMEM; /* the page could not be had */
+    }
+    if (!e) return at;
+    snprintf(why, whysz, "%s: %s (%zu bytes of weights)", what, strerror(e), bytes);
+    munmap(at, bytes);
+    return NULL;
+}
+
+/* Whether a rank of c failed (ok 0 there): *failed, and the lowest such rank's reason
+ * in why on every rank of c. Collective over c. */
+static shard_status first_failure(shard_comm *c, int ok, char *why, size_t whysz, int *failed)
+{
+    const int size = shard_comm_size(c);
+    int32_t v = ok ? 0 : size - shard_comm_rank(c); /* the largest: the lowest failing rank */
+    shard_status s = shard_comm_allreduce(c, &v, 1, SHARD_DT_I32, SHARD_OP_MAX);
+    *failed = !s && v > 0;
+    if (*failed) s = shard_comm_broadcast(c, why, whysz, SHARD_DT_U8, size - v);
+    return s;
+}
+
+/* bytes, as a person reads them */
+static const char *human(double b, char *buf, size_t n)
+{
+    if (b < 1e9) snprintf(buf, n, "%.1f MB", b / 1e6);
+    else snprintf(buf, n, "%.2f GB", b / 1e9);
+    return buf;
+}
+
+/* What the run's ranks did, said once by world rank 0: how many ranks share, and the
+ * bytes of weights they keep against those of a copy per rank; how many ranks could
+ * not share, with the first one's reason. Collective over the world (kept: this
+ * rank's host shares). */
+static shard_status say_sharing(par_ctx *p, const plan *pl, int kept, char *why, size_t whysz, const char *cmd)
+{
+    int64_t objects = 0;
+    for (size_t g = 0; g < pl->ngroups; g++) objects += pl->leader[g] == pl->me ? (int64_t)pl->bytes[g] : 0;
+    int failed = 0;
+    shard_status s = first_failure(p->world, kept || !pl->shared, why, whysz, &failed);
+    const int64_t in = pl->shared > 0, own = (int64_t)(pl->held - pl->shared);
+    int64_t v[4] = {kept ? in : 0, kept ? 0 : in, kept ? objects + (in ? own : 0) : 0, kept && in ? (int64_t)pl->held : 0};
+    if (!s) s = shard_comm_allreduce(p->world, v, 4, SHARD_DT_I64, SHARD_OP_SUM);
+    char a[32], b[32];
+    if (!s && p->rank == 0 && v[0])
+        fprintf(stderr, "%s: %lld ranks keep one copy of their weights per host and piece: %s in memory instead of %s\n",
+                cmd, (long long)v[0], human((double)v[2], a, sizeof a), human((double)v[3], b, sizeof b));
     if (!s && failed && p->rank == 0)
-        fprintf(stderr, "%s: note: %d group(s) of ranks on one host hold the same weights but keep a copy per rank: %s\n",
-                cmd, groups, why);
+        fprintf(stderr, "%s: note: %lld ranks hold pieces that other ranks of their host hold too but keep a copy each: %s\n",
+                cmd, (long long)v[1], why);
+    return s;
+}
+
+/* The host's objects made, opened and mapped, a memfd else /dev/shm; *at NULL when
+ * some rank of the host could not (why: the first one's reason). Collective over host. */
+static shard_status map_shared(shard_comm *host, const plan *pl, const model *m, size_t bytes, void **at, char *why,
+                               size_t whysz)
+{
+    int *fds = malloc((pl->ngroups + 1) * sizeof *fds);
+    char *names = calloc(pl->ngroups + 1, NAME);
+    shard_status s = fds && names ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    s = shard_comm_agree(host, s, "another process ran out of memory", NULL);
+    int failed = 1;
+    *at = NULL;
+    for (int by = 0; !s && failed && by < BY_END; by++) {
+        int bad = 0;
+        for (size_t g = 0; g < pl->ngroups; g++) {
+            fds[g] = -1;
+            names[g * NAME] = 0;
+        }
+        s = open_groups(host, pl, by, fds, names, &bad, why, whysz);
+        if (!s && !bad) *at = map_weights(pl, m, fds, by, bytes, why, whysz);
+        if (!s) s = first_failure(host, *at != NULL, why, whysz, &failed);
+        for (size_t g = 0; g < pl->ngroups; g++) { /* mapped by all (or given up): no descriptor or name needed */
+            if (fds[g] >= 0) close(fds[g]);
+            if (by == BY_SHM && names[g * NAME]) shm_unlink(names + g * NAME);
+        }
+        if ((s || failed) && *at) {
+            munmap(*at, bytes);
+            *at = NULL;
+        }
+    }
+    free(fds);
+    free(names);
     return s;
 }
 
 shard_status share_weights(par_ctx *p, model *m, const char *cmd)
 {
     if (p->size == 1 || m->dev->cuda || p->twins) return SHARD_OK;
-    size_t n = 0;
-    int64_t *sig = signature(p, m, &n);
-    shard_status s = sig ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
-    shard_comm *tw = NULL;
-    s = shard_comm_agree(p->world, s, "another process ran out of memory", NULL);
-    if (!s) s = twins_of(p, sig, n, &tw);
-    free(sig);
-    char name[NAME] = "", why[256] = "out of memory";
-    if (s || shard_comm_size(tw) == 1) {
-        shard_comm_free(tw);
-        return s ? s : say_sharing(p, 0, 1, 0, why, sizeof why, cmd);
-    }
-    const size_t bytes = (m->nparams ? m->nparams : 1) * m->dev->es;
-    int *reader = readers(m, shard_comm_size(tw)), bad = 1;
+    shard_comm *host = NULL;
+    plan pl;
+    memset(&pl, 0, sizeof pl);
+    char why[256] = "out of memory";
+    shard_status s = host_of(p, &host);
+    if (!s) s = make_plan(host, p, m, &pl);
+    const size_t bytes = round_page((m->nparams ? m->nparams : 1) * m->dev->es);
     void *at = NULL;
-    for (int by = 0; !s && bad && by < BY_END; by++) { /* a memfd, else /dev/shm */
-        int fd = -1;
-        at = reader ? map_object(p, tw, m, reader, bytes, by, name, &fd, why, sizeof why) : NULL;
-        s = first_failure(tw, at != NULL, why, sizeof why, &bad, NULL);
-        if (fd >= 0) close(fd); /* mapped by all (or given up): no descriptor or name needed */
-        if (by == BY_SHM && shard_comm_rank(tw) == 0 && name[0]) shm_unlink(name);
-        if (bad && at) {
-            munmap(at, bytes);
-            at = NULL;
-        }
-    }
-    if (!s) s = say_sharing(p, shard_comm_rank(tw) == 0, shard_comm_size(tw), !bad, why, sizeof why, cmd);
-    if (!s && !bad) {
-        p->twins = tw;
+    if (!s && pl.ngroups) s = map_shared(host, &pl, m, bytes, &at, why, sizeof why);
+    if (!s) s = say_sharing(p, &pl, !pl.ngroups || at, why, sizeof why, cmd);
+    if (!s && at) {
+        for (size_t i = 0; i < m->ntensors; i++)
+            if (pl.gid[i] < 0) pl.reader[i] = -1; /* no twin on this host: its own pages, read by it */
+        p->twins = host;
         p->shm = at;
         p->shm_bytes = bytes;
-        p->reader = reader;
+        p->reader = pl.reader;
+        pl.reader = NULL;
+        plan_free(&pl);
         return model_adopt_params(m, at);
     }
     if (at) munmap(at, bytes);
-    free(reader);
-    shard_comm_free(tw);
+    plan_free(&pl);
+    shard_comm_free(host);
     return s;
 }
 
 int share_reads(const par_ctx *p, size_t i)
 {
-    return !p->reader || p->reader[i] == shard_comm_rank(p->twins);
+    return !p->reader || p->reader[i] < 0 || p->reader[i] == shard_comm_rank(p->twins);
+}
+
+int share_mapped(const par_ctx *p, size_t i)
+{
+    return p->reader && p->reader[i] >= 0;
 }
 
 shard_status share_seal(par_ctx *p, shard_status mine)
 {
     if (!p->twins) return mine;
     shard_status s = shard_comm_agree(p->twins, mine, "another process failed", NULL);
-    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the twins' writes, seen after the agreement */
+    __atomic_thread_fence(__ATOMIC_SEQ_CST); /* the other ranks' writes, seen after the agreement */
     if (!s && mprotect(p->shm, p->shm_bytes, PROT_READ))
         s = shard_fail(SHARD_E_IO, "mprotect of the shared weights: %s", strerror(errno));
     return s;

@@ -16,6 +16,7 @@ rank and against transformers:
 - layouts that cannot split the experts are refused (exit 2).
 """
 import json
+import re
 
 import numpy as np
 import pytest
@@ -107,6 +108,36 @@ def test_eval_matches_one_rank_and_transformers(ep, family, layout):
         out = model(rows[:, :-1], output_router_logits=True)
     ref = F.cross_entropy(out.logits.reshape(-1, V), rows[:, 1:].reshape(-1)).item()
     assert rel(one["loss"], ref) < 1e-5 and rel(one["aux_loss"], float(out.aux_loss)) < 1e-5, (one, ref, out.aux_loss)
+
+
+@pytest.mark.parametrize("family,layout,alone", [("qwen3moe", "dp=4,ep=4", None), ("qwen3moe", "dp=4,ep=2", None),
+                                                  ("mixtral", "tp=2,dp=2,ep=2", "tp=2")])
+def test_eval_ep_ranks_share_what_they_hold_alike(ep, family, layout, alone):
+    """smp-eval's ranks of one host keep one copy of each piece that several of them
+    hold: under ep, the ranks of one tp position hold the same attention, norms,
+    routers, embedding and head but other experts. Between them they read every piece
+    once (the bytes of one rank, or of the layout without dp, `alone`), where a copy per
+    rank (--share-weights no) reads the common pieces once per rank; the loss is bit
+    for bit the same, reading alone or together, and rank 0 says how many ranks share."""
+    tmp, cks, _, _ = ep
+    hf, _ = cks[(family, False)]
+    ck = tmp / f"ck-{family}-none"
+    if not ck.exists():
+        run("smp-convert", "hf2smp", "--in", hf, "--out", ck, "--layout", "pp=1", "--compress", "none", check=0)
+    data = write_tokens(tmp / "d-share.bin", np.random.default_rng(8).integers(0, V, size=600))
+    args = ["--ckpt", ck, "--data", data, "--batch", 4, "--seq", SEQ, "--batches", 1, "--json"]
+    n = ranks(layout)
+    shared = mpirun(n, *args, "--layout", layout, exe="smp-eval")
+    own = mpirun(n, *args, "--layout", layout, "--share-weights", "no", exe="smp-eval")
+    base = run("smp-eval", *args, check=0) if alone is None else mpirun(2, *args, "--layout", alone, exe="smp-eval")
+    read = [int(re.search(r"smp-eval: loaded .*: (\d+) bytes in", p.stderr).group(1)) for p in (shared, own, base)]
+    assert read[0] == read[2] < read[1], (layout, read)  # a copy each: the common pieces once per rank
+    together = mpirun(n, *args, "--layout", layout, "--read-together", "yes", exe="smp-eval")
+    assert json.loads(shared.stdout)["loss"] == json.loads(own.stdout)["loss"] == json.loads(together.stdout)["loss"]
+    line = f"smp-eval: {n} ranks keep one copy of their weights per host and piece: "
+    assert any(ln.startswith(line) for ln in shared.stderr.splitlines()), shared.stderr
+    assert any(ln.startswith(line) for ln in together.stderr.splitlines()), together.stderr
+    assert "note:" not in shared.stderr and "per host" not in own.stderr, (shared.stderr, own.stderr)
 
 
 @pytest.mark.parametrize("family,aux,layout,micro", [

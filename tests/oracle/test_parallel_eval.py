@@ -93,6 +93,24 @@ def chunky(tmp_path_factory):
     return ck, args, read1, json.loads(one.stdout)["loss"]
 
 
+SHARING = re.compile(r"^smp-eval: (\d+) ranks keep one copy of their weights per host and piece: "
+                     r"([0-9.]+) MB in memory instead of ([0-9.]+) MB$", re.M)
+
+
+def sharing(p):
+    """(ranks, MB kept, MB a copy per rank would take) from rank 0's line, or None"""
+    m = SHARING.search(p.stderr)
+    return (int(m.group(1)), float(m.group(2)), float(m.group(3))) if m else None
+
+
+def shared_by(p, ranks, fraction):
+    """the line says `ranks` share, keeping `fraction` of a copy per rank (within the
+    pages each shared piece is rounded to and the line's 0.1 MB)"""
+    got = sharing(p)
+    assert got is not None and got[0] == ranks, p.stderr
+    assert abs(got[1] - fraction * got[2]) <= 0.15, (got, fraction)
+
+
 def loaded(p):
     return int(LOADED.search(p.stderr).group(1))
 
@@ -156,16 +174,15 @@ def test_twins_keep_one_copy(chunky, layout, np_, alone):
     assert loaded(own) > 1.9 * want, (layout, loaded(own), want)
     assert json.loads(shared.stdout)["loss"] == json.loads(own.stdout)["loss"], layout
     assert "note:" not in shared.stderr, shared.stderr
-    said = f"smp-eval: {np_} ranks keep their weights in {np_ // 2} shared copies (one per host and piece)"
-    assert said in shared.stderr.splitlines(), shared.stderr
-    assert "shared copies" not in own.stderr, own.stderr
+    shared_by(shared, np_, 0.5)
+    assert sharing(own) is None and "copy" not in own.stderr, own.stderr
     # reading together, only the twin that reads a tensor receives it: each chunk read once, the same
     # bits, and about half the bytes between the ranks of each rank taking its own copy
     together = mpirun_eval(np_, "--layout", layout, "--read-together", "yes", *args)
     apart = mpirun_eval(np_, "--layout", layout, "--read-together", "yes", "--share-weights", "no", *args)
     assert loaded(together) == read1 == loaded(apart), (layout, loaded(together), loaded(apart), read1)
     assert json.loads(together.stdout)["loss"] == json.loads(own.stdout)["loss"], layout
-    assert said in together.stderr.splitlines(), together.stderr
+    assert sharing(together) == sharing(shared), together.stderr
     assert 0 < moved(together) < 0.6 * moved(apart), (layout, moved(together), moved(apart))
     assert stale_shm_objects() == []
 
@@ -218,7 +235,7 @@ def test_a_small_dev_shm_does_not_stop_the_twins(chunky):
     _, args, _, _ = chunky
     shared = eval_under(None, 4, "tp=2,dp=2", args)
     p = eval_under(small_shm(), 4, "tp=2,dp=2", args)
-    assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
+    assert sharing(p) == sharing(shared), p.stderr
     assert "note:" not in p.stderr, p.stderr
     assert loaded(p) == loaded(shared)
     assert json.loads(p.stdout)["loss"] == json.loads(shared.stdout)["loss"]
@@ -232,7 +249,7 @@ def test_without_memfd_the_twins_share_through_dev_shm(chunky):
     _, args, _, _ = chunky
     shared = eval_under(None, 4, "tp=2,dp=2", args)
     p = eval_under(f'exec {NO_MEMFD} "$@"', 4, "tp=2,dp=2", args)
-    assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
+    assert sharing(p) == sharing(shared), p.stderr
     assert "note:" not in p.stderr, p.stderr
     assert loaded(p) == loaded(shared)
     assert json.loads(p.stdout)["loss"] == json.loads(shared.stdout)["loss"]
@@ -249,8 +266,10 @@ def test_twins_without_shared_memory_keep_a_copy_each(chunky):
     own = mpirun_eval(4, "--layout", "tp=2,dp=2", "--share-weights", "no", *args)
     p = eval_under(small_shm(NO_MEMFD), 4, "tp=2,dp=2", args)
     notes = [ln for ln in p.stderr.splitlines() if "note:" in ln]
-    assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 2 group(s) ") and "No space left" in notes[0], p.stderr
-    assert loaded(p) == loaded(own) and "shared copies" not in p.stderr
+    assert len(notes) == 1 and notes[0].startswith("smp-eval: note: 4 ranks hold pieces that other ranks of their "
+                                                   "host hold too but keep a copy each: "), p.stderr
+    assert "No space left" in notes[0], p.stderr
+    assert loaded(p) == loaded(own) and sharing(p) is None
     assert json.loads(p.stdout)["loss"] == json.loads(own.stdout)["loss"]
 
 
@@ -278,7 +297,7 @@ def test_a_twin_in_another_pid_namespace_does_not_map_the_wrong_object(chunky, t
     each = f'if [ "$OMPI_COMM_WORLD_RANK" -ge 2 ]; then {hold}; fi; exec unshare --pid --fork --mount-proc "$@"'
     shared = eval_under(None, 4, "tp=2,dp=2", args)
     p = eval_under(None, 4, "tp=2,dp=2", args, each=each)
-    assert "smp-eval: 4 ranks keep their weights in 2 shared copies (one per host and piece)" in p.stderr.splitlines()
+    assert sharing(p) == sharing(shared), p.stderr
     assert "note:" not in p.stderr, p.stderr
     assert loaded(p) == loaded(shared)
     assert json.loads(p.stdout)["loss"] == json.loads(shared.stdout)["loss"]
