@@ -1,4 +1,7 @@
 /* libshard core: status mapping, dtypes, paths, the safetensors writer's contract. */
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#endif
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -430,6 +433,83 @@ static void test_chunk_xxh3_forms(void **st)
             if (v4) assert_true(shard_xxh3_avx512(p, lens[i]) == want);
 #endif
         }
+    free(buf);
+}
+
+/* XINUSE bit 2 (XGETBV with ECX=1): the upper halves of ymm0-15 hold something, so that
+ * every SSE instruction the thread runs next waits on them; -1 where the CPU cannot say */
+static int avx_upper_in_use(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    unsigned a, b, c, d;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & bit_OSXSAVE) || !(c & bit_AVX)) return -1;
+    if (!__get_cpuid_count(0xd, 1, &a, &b, &c, &d) || !(a & 4)) return -1; /* no XGETBV(1) */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(1));
+    (void)hi;
+    return (int)(lo >> 2 & 1);
+#else
+    return -1;
+#endif
+}
+
+static void dirty_upper(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __asm__ volatile("vpcmpeqd %%ymm15, %%ymm15, %%ymm15" ::: "xmm15");
+#endif
+}
+
+static void clean_upper(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __asm__ volatile("vzeroupper" ::: "xmm0", "xmm1", "xmm2", "xmm3", "xmm4", "xmm5", "xmm6", "xmm7", "xmm8", "xmm9",
+                     "xmm10", "xmm11", "xmm12", "xmm13", "xmm14", "xmm15");
+#endif
+}
+
+/* The checksums' vector forms leave the vector registers' upper halves clean: GCC put
+ * no vzeroupper after xxhash's AVX2 and AVX-512 loops, and on an AVX-512 Xeon the SSE
+ * code that ran next on the thread (the init fill's libm calls, zstd, dtype
+ * conversions) took up to 8x its time until something cleared them. */
+static void test_hashes_leave_vector_state_clean(void **st)
+{
+    (void)st;
+    if (avx_upper_in_use() < 0) {
+        print_message("test_hashes_leave_vector_state_clean: this CPU does not report XINUSE: not run\n");
+        return;
+    }
+    dirty_upper(); /* the probe sees it, or the test proves nothing */
+    const int seen = avx_upper_in_use();
+    clean_upper();
+    if (seen != 1 || avx_upper_in_use() != 0) {
+        print_message("test_hashes_leave_vector_state_clean: XINUSE does not follow ymm15 here: not run\n");
+        return;
+    }
+    const size_t n = (1u << 20) + 7;
+    unsigned char *buf = malloc(n);
+    assert_non_null(buf);
+    for (size_t i = 0; i < n; i++) buf[i] = (unsigned char)(i * 2654435761u >> 9);
+    volatile uint64_t h = shard_xxh3(buf, n);
+    assert_int_equal(avx_upper_in_use(), 0);
+    h = shard_xxh3_rows(buf, 4096, 4100, 200);
+    assert_int_equal(avx_upper_in_use(), 0);
+    blocks b = {buf, 0, n, 0};
+    h = shard_xxh3_stream(next_block, &b);
+    assert_int_equal(avx_upper_in_use(), 0);
+    h = shard_hash64(0, buf, n);
+    assert_int_equal(avx_upper_in_use(), 0);
+#if SHARD_XXH3_WIDE
+    if (__builtin_cpu_supports("x86-64-v3")) {
+        h = shard_xxh3_avx2(buf, n);
+        assert_int_equal(avx_upper_in_use(), 0);
+    }
+    if (__builtin_cpu_supports("x86-64-v4")) {
+        h = shard_xxh3_avx512(buf, n);
+        assert_int_equal(avx_upper_in_use(), 0);
+    }
+#endif
+    (void)h;
     free(buf);
 }
 
@@ -894,7 +974,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches), cmocka_unit_test(test_write_batches_fail),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_hashes_leave_vector_state_clean), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches), cmocka_unit_test(test_write_batches_fail),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
