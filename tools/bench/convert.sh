@@ -21,6 +21,10 @@
 #   (f) zstd on these bf16 weights: checkpoint bytes / model bytes, and MB/s of (c)
 #   (g) (b)'s checkpoint bytes / model bytes: what the format adds (HDF5's metadata, a
 #       partial last chunk's padding)                             target: <= 1.01
+#   (h) smp-convert init of the model's config.json (a new model of that shape, every
+#       weight drawn), --compress none --no-fsync --layout tp=2, side by side with
+#   (h') what users run instead: transformers' from_config (torch draws the weights, in
+#       the config's dtype) and save_pretrained (no target: it shows what init costs)
 # Environment: SMP_BENCH_REPEAT=N runs every command N times, in N rounds of all the
 # commands one after another (so that a busy moment of a shared machine hits all of
 # them), and keeps each command's fastest run (default 3), SMP_BENCH_MOE=1 (make_model.py's
@@ -90,6 +94,18 @@ for f in files:
     f.close()
 EOF
 
+# ------------------------------------------- a new model the way users make one
+FRESH=$CACHE/fresh_model.py
+cat >"$FRESH" <<'EOF'
+"""a new model of a config's shape: transformers' from_config, then save_pretrained."""
+import sys
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+torch.set_num_threads(int(sys.argv[3]))
+cfg = AutoConfig.from_pretrained(sys.argv[1])
+AutoModelForCausalLM.from_config(cfg, dtype=cfg.dtype or torch.float32).save_pretrained(sys.argv[2])
+EOF
+
 # ------------------------------------------------------------------- measuring
 calc() { awk "BEGIN { print $* }"; }
 TMPT=$(mktemp)
@@ -115,7 +131,7 @@ measure() {
     if [ -z "${RSS[$key]:-}" ] || [ "$rss" -gt "${RSS[$key]}" ]; then RSS[$key]=$rss; fi
     BYTES[$key]=$(du -sb "$outp" | cut -f1)
     if [ "$round" = 1 ]; then  # the outputs are whole checkpoints (once: verifying takes a while)
-        case $key in none|durable|zstd) "$BIN/smp-verify" "$outp" >/dev/null || { echo "FAILED: smp-verify $outp"; exit 1; } ;; esac
+        case $key in none|durable|zstd|init) "$BIN/smp-verify" "$outp" >/dev/null || { echo "FAILED: smp-verify $outp"; exit 1; } ;; esac
     fi
     rm -rf "$outp"; sync
     printf "  %-8s %7.2f s   peak RSS %8.1f MiB\n" "$key" "$dt" "$(calc "$rss / 1024")"
@@ -136,6 +152,9 @@ for ((round = 1; round <= REPEAT; round++)); do
     measure durable "$OUT/durable" "${SMP[@]}" --out "$OUT/durable" --compress none
     measure zstd "$OUT/zstd" "${SMP[@]}" --out "$OUT/zstd"
     measure python "$OUT/py" "$PY" "$NAIVE" "$HF" "$OUT/py"
+    measure init "$OUT/init" "$BIN/smp-convert" init --config "$HF/config.json" --out "$OUT/init" --layout tp=2 \
+        --compress none --no-fsync
+    measure torch-init "$OUT/tinit" "$PY" "$FRESH" "$HF" "$OUT/tinit" "$(nproc)"
 done
 
 # ------------------------------------------------------------------- the table
@@ -156,6 +175,8 @@ row cp+sync "(a') cp -r && sync"
 row durable "(b') smp-convert --compress none (durable)"
 row zstd "(c)  smp-convert (zstd, default level)"
 row python "(d)  python: load_file + slice + h5py"
+row init "(h)  smp-convert init (none, no fsync)"
+row torch-init "(h') torch: from_config + save_pretrained"
 echo
 echo "targets (like with like; fastest of $REPEAT runs each):"
 printf "  (b)  --compress none --no-fsync <= 1.5 x cp -r:             %.2f x   %s\n" \
@@ -170,5 +191,7 @@ printf "  (g)  --compress none checkpoint/model bytes <= 1.01:          %.3f    
     "$(calc "${BYTES[none]} / $IN_BYTES")" "$(verdict "$(calc "${BYTES[none]} / $IN_BYTES")" 1.01)"
 printf "  (d)  python converter: %.2f s (%.2f x smp --compress none --no-fsync), peak RSS %.0f MiB\n" "${T[python]}" \
     "$(calc "${T[python]} / ${T[none]}")" "$(mib python)"
+printf "  (h)  smp-convert init: %.2f s, %.2f x transformers from_config + save_pretrained (%.2f s)\n" "${T[init]}" \
+    "$(calc "${T[init]} / ${T[torch-init]}")" "${T[torch-init]}"
 printf "  (f)  zstd on bf16 weights: checkpoint/model = %.3f (%s of %s), %.0f MB/s of model converted\n" \
     "$(calc "${BYTES[zstd]} / $IN_BYTES")" "$(numfmt --to=iec "${BYTES[zstd]}")" "$(numfmt --to=iec "$IN_BYTES")" "$(mbs zstd)"
