@@ -152,11 +152,48 @@ shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cf
     return r.s;
 }
 
-/* the first element of x[n] that fails ok, or n */
+/* 1 when x fails: not finite, or negative (nonneg), or not above 0 (positive) */
+static int bad_one(float x, int positive, int nonneg)
+{
+    return !isfinite(x) || (nonneg && x < 0) || (positive && !(x > 0));
+}
+
+enum { CHECK_BLOCK = 1 << 16 };
+
+/* whether any of a block's CHECK_BLOCK elements fails, with no early exit and a known
+ * count: a loop -O2 vectorizes (x - x is 0 for every finite x, NaN for infinities and
+ * NaNs) */
+static int block_bad(const float *x, int positive, int nonneg)
+{
+    int bad = 0;
+    for (size_t i = 0; i < CHECK_BLOCK; i++) {
+        const float v = x[i];
+        bad |= v - v != 0.0f;
+        bad |= nonneg & (v < 0.0f);
+        bad |= positive & !(v > 0.0f);
+    }
+    return bad;
+}
+
+/* the first element of x[n] that fails, or n. A resumed run checks its master weights
+ * and moments (12 bytes a parameter): blocks of 64 Ki elements on the process's threads,
+ * each vectorized, the first failing block then searched element by element (a
+ * scalar loop with an early exit took ~0.3 s a GB on one core). */
 static size_t first_bad(const float *x, size_t n, int positive, int nonneg)
 {
-    for (size_t i = 0; i < n; i++)
-        if (!isfinite(x[i]) || (nonneg && x[i] < 0) || (positive && !(x[i] > 0))) return i;
+    const size_t nb = (n + CHECK_BLOCK - 1) / CHECK_BLOCK;
+    size_t first = nb;
+    #pragma omp parallel for schedule(static) reduction(min : first) if (nb > 4)
+    for (size_t b = 0; b < nb; b++) {
+        const size_t i0 = b * CHECK_BLOCK;
+        int bad = 0;
+        if (n - i0 >= CHECK_BLOCK) bad = block_bad(x + i0, positive, nonneg);
+        else
+            for (size_t i = i0; i < n; i++) bad |= bad_one(x[i], positive, nonneg); /* the last, partial block */
+        if (bad && b < first) first = b;
+    }
+    for (size_t i = first * CHECK_BLOCK; i < n; i++)
+        if (bad_one(x[i], positive, nonneg)) return i;
     return n;
 }
 

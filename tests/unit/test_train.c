@@ -22,6 +22,7 @@
 #include "lanes.h"
 #include "optim.h"
 #include "prefault.h"
+#include "state.h"
 
 static char tmpdir[256];
 
@@ -287,6 +288,58 @@ static void test_scan_threads(void **st)
     omp_set_num_threads(was);
 }
 
+/* A resumed run's checks of its master weights and moments (state.c): blocks on the
+ * threads, each vectorized, then the first failing block searched. Over 6 blocks (the
+ * last partial) and 1-4 threads: finite values pass (-0 too, in exp_avg_sq), and each
+ * failure names the first bad element, wherever it is, whatever the thread count. */
+static void test_state_checks_threads(void **st)
+{
+    (void)st;
+    const int was = omp_get_max_threads();
+    enum { B = 1 << 16, N = 5 * B + 123 };
+    float *w = malloc(N * sizeof *w), *m = malloc(N * sizeof *m), *v = malloc(N * sizeof *v);
+    assert_true(w && m && v);
+    for (size_t i = 0; i < N; i++) {
+        w[i] = (float)((int)(i % 2001) - 1000) * 1e-3f;
+        m[i] = -w[i] * 1e-30f; /* subnormals and zeros pass */
+        v[i] = i % 7 ? w[i] * w[i] : -0.0f;
+    }
+    char want[200];
+    for (int t = 1; t <= 4; t++) {
+        omp_set_num_threads(t);
+        assert_int_equal(state_check_weights("d", "optim/master", w, N), SHARD_OK);
+        assert_int_equal(state_check_moments("d", m, v, N), SHARD_OK);
+    }
+    const struct { float *x; size_t at[2]; float bad[2]; const char *what; } cases[] = {
+        {w, {4 * B + 5, 2 * B + 7}, {NAN, INFINITY}, "optim/master holds a value that is not finite"},
+        {w, {5 * B + 100, 5 * B + 122}, {-INFINITY, NAN}, "optim/master holds a value that is not finite"},
+        {m, {B + 1, 3 * B}, {INFINITY, NAN}, "optim/exp_avg holds a value that is not finite"},
+        {v, {5 * B + 9, 3 * B + 65535}, {NAN, -1e-30f}, "optim/exp_avg_sq holds a negative or non-finite value"},
+        {v, {0, 4 * B}, {-INFINITY, -2.0f}, "optim/exp_avg_sq holds a negative or non-finite value"},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof *cases; c++) {
+        float keep[2];
+        for (int k = 0; k < 2; k++) {
+            keep[k] = cases[c].x[cases[c].at[k]];
+            cases[c].x[cases[c].at[k]] = cases[c].bad[k];
+        }
+        const size_t first = cases[c].at[0] < cases[c].at[1] ? cases[c].at[0] : cases[c].at[1];
+        snprintf(want, sizeof want, "d: %s (element %zu of this rank's)", cases[c].what, first);
+        for (int t = 1; t <= 4; t++) {
+            omp_set_num_threads(t);
+            const shard_status s = cases[c].x == w ? state_check_weights("d", "optim/master", w, N)
+                                                   : state_check_moments("d", m, v, N);
+            assert_int_equal(s, SHARD_E_INVALID);
+            assert_string_equal(shard_errmsg(), want);
+        }
+        for (int k = 0; k < 2; k++) cases[c].x[cases[c].at[k]] = keep[k];
+    }
+    free(w);
+    free(m);
+    free(v);
+    omp_set_num_threads(was);
+}
+
 static void test_schedule(void **st)
 {
     (void)st;
@@ -432,7 +485,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_position_at_another_length),
-        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads),
+        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads), cmocka_unit_test(test_state_checks_threads),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
         cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault), cmocka_unit_test(test_lanes_auto),
     };
