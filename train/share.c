@@ -129,9 +129,10 @@ static int in_set(const unsigned char *set, int r)
     return set[r / 8] >> (r % 8) & 1;
 }
 
-/* The ranks of tensor i's pieces equal to e[0] (e sorted): their set, and how many.
- * Each reader is the one with the fewest elements so far (load, per host rank), in
- * tensor order: every rank of the host computes the same. */
+/* Tensor i's piece held by the n ranks e[0..n) (set: scratch): its group when n > 1 (a
+ * new one for a new set of ranks), its place in the group's object, and its reader,
+ * the rank of those with the fewest elements to read so far (load, per host rank; in
+ * tensor order, so that every rank of the host computes the same). */
 static void place(plan *pl, const model *m, size_t i, const entry *e, int n, size_t *load, unsigned char *set)
 {
     size_t numel = 1;
