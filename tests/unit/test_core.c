@@ -20,6 +20,7 @@
 #include <hdf5.h>
 
 #include "../../libshard/core/internal.h"
+#include "../../libshard/ckpt/ckpt.h"
 
 static void test_exit_codes(void **st)
 {
@@ -434,6 +435,39 @@ static void test_chunk_xxh3_forms(void **st)
 #endif
         }
     free(buf);
+}
+
+/* HDF5's shuffle filter (byte b of element j at b * n + j) as libshard runs it, SSE2
+ * and plain tails alike, against the definition, for every element size checkpoints
+ * store and lengths around the 16-element vectors; unshuffled back whole and in parts */
+static void test_shuffle_forms(void **st)
+{
+    (void)st;
+    const size_t ns[] = {0, 1, 15, 16, 17, 31, 32, 33, 1000, 262147};
+    const size_t ess[] = {1, 2, 4, 8};
+    const size_t most = 262147 * 8;
+    uint8_t *src = malloc(most), *got = malloc(most), *want = malloc(most), *back = malloc(most);
+    assert_true(src && got && want && back);
+    for (size_t i = 0; i < most; i++) src[i] = (uint8_t)(i * 2654435761u >> 13);
+    for (size_t a = 0; a < sizeof ess / sizeof *ess; a++)
+        for (size_t k = 0; k < sizeof ns / sizeof *ns; k++) {
+            const size_t es = ess[a], n = ns[k], bytes = n * es > 0 ? n * es : 1;
+            for (size_t j = 0; j < n; j++)
+                for (size_t b = 0; b < es; b++) want[b * n + j] = src[j * es + b];
+            shard_shuffle(got, src, n, es);
+            assert_memory_equal(got, want, bytes);
+            shard_unshuffle(back, got, n, es);
+            assert_memory_equal(back, src, bytes);
+            memset(back, 0, n * es);
+            const size_t cut = n / 3 + 5 < n ? n / 3 + 5 : n; /* two parts, the first not a multiple of 16 */
+            shard_unshuffle_part(back, got, n, es, 0, cut);
+            shard_unshuffle_part(back + cut * es, got, n, es, cut, n);
+            assert_memory_equal(back, src, bytes);
+        }
+    free(src);
+    free(got);
+    free(want);
+    free(back);
 }
 
 /* XINUSE bit 2 (XGETBV with ECX=1): the upper halves of ymm0-15 hold something, so that
@@ -974,7 +1008,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_exit_codes), cmocka_unit_test(test_dtype_names), cmocka_unit_test(test_fp8_edges),
         cmocka_unit_test(test_paths), cmocka_unit_test(test_writer_contract), cmocka_unit_test(test_config_with_dtype),
-        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_hashes_leave_vector_state_clean), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches), cmocka_unit_test(test_write_batches_fail),
+        cmocka_unit_test(test_file_hash_and_note), cmocka_unit_test(test_commit_note_or_scan), cmocka_unit_test(test_manifest_tensors_read_again), cmocka_unit_test(test_fhash_stream), cmocka_unit_test(test_blockmap), cmocka_unit_test(test_flusher), cmocka_unit_test(test_chunk_xxh3_forms), cmocka_unit_test(test_chunk_xxh3_rows), cmocka_unit_test(test_chunk_xxh3_stream), cmocka_unit_test(test_hashes_leave_vector_state_clean), cmocka_unit_test(test_shuffle_forms), cmocka_unit_test(test_xxh64_forms), cmocka_unit_test(test_hash64_chain), cmocka_unit_test(test_write_batches), cmocka_unit_test(test_write_batches_fail),
     };
     return cmocka_run_group_tests_name("core", tests, NULL, NULL);
 }
