@@ -451,10 +451,11 @@ static void test_shuffle_forms(void **st)
     for (size_t i = 0; i < most; i++) src[i] = (uint8_t)(i * 2654435761u >> 13);
     for (size_t a = 0; a < sizeof ess / sizeof *ess; a++)
         for (size_t k = 0; k < sizeof ns / sizeof *ns; k++) {
-            const size_t es = ess[a], n = ns[k], bytes = n * es > 0 ? n * es : 1;
+            const size_t es = ess[a], n = ns[k], bytes = n * es;
             for (size_t j = 0; j < n; j++)
                 for (size_t b = 0; b < es; b++) want[b * n + j] = src[j * es + b];
             shard_shuffle(got, src, n, es);
+            if (!n) continue; /* n = 0: the calls must not fault; nothing to compare */
             assert_memory_equal(got, want, bytes);
             shard_unshuffle(back, got, n, es);
             assert_memory_equal(back, src, bytes);
