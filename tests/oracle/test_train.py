@@ -768,6 +768,58 @@ def test_text2tokens_and_tokenize_hf(tmp_path):
     assert (h[0], h[1], h[2]) == (20240520, 1, len(want)) and toks.tolist() == want
 
 
+def test_tokenize_hf_in_pieces_gives_the_whole_files_tokens(tmp_path):
+    """tokenize_hf reads and encodes a file a piece at a time (here 4 KiB: the script's
+    SMP_TOKENIZE_PIECE), cut only at line ends where the tokenizer's tokens do not cross:
+    the tokens are transformers' of each file encoded whole, for a byte-level BPE (cut
+    into many pieces) and for a SentencePiece-style tokenizer whose prefix space no cut
+    survives (one piece, as before); multi-byte characters straddle the reads; a bad
+    byte past the first piece is named at its offset in the file."""
+    from tokenizers import Tokenizer, models as tm, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng = np.random.default_rng(3)
+    words = ["".join(rng.choice(list("abcdeéüñ漢字z"), size=rng.integers(1, 8))) for _ in range(300)]
+    ends = ["\n", "\n\n", " \n", "\n  ", ".\n", "\r\n", " "]
+    text = "".join(" ".join(rng.choice(words, size=rng.integers(1, 12))) + ends[rng.integers(0, len(ends))]
+                   for _ in range(3000))
+    (tmp_path / "a.txt").write_text(text, encoding="utf-8", newline="")
+    (tmp_path / "b.txt").write_text(text[: len(text) // 3], encoding="utf-8", newline="")
+    bpe = Tokenizer(tm.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    bpe.train_from_iterator([text], trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"]))
+    sp = Tokenizer(tm.BPE(unk_token="<unk>"))
+    sp.normalizer = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    sp.train_from_iterator([text], trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"]))
+    env = dict(os.environ, SMP_TOKENIZE_PIECE="4096")
+    py = str(pathlib.Path(os.sys.executable))
+    for name, tk, many in (("bpe", bpe, True), ("sp", sp, False)):
+        fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+        fast.save_pretrained(str(tmp_path / name))
+        out = tmp_path / f"{name}.bin"
+        p = subprocess.run([py, str(ROOT / "tools" / "tokenize_hf.py"), "--tokenizer", str(tmp_path / name), "--eot",
+                            str(out), str(tmp_path / "a.txt"), str(tmp_path / "b.txt")], env=env, check=True,
+                           capture_output=True, text=True)
+        want = []
+        for f in ("a.txt", "b.txt"):
+            want += fast.encode((tmp_path / f).read_text(encoding="utf-8"), add_special_tokens=False) + [fast.eos_token_id]
+        raw = out.read_bytes()
+        assert np.frombuffer(raw[1024:], "<u2").tolist() == want, name
+        pieces = int(re.search(r"encoded in (\d+) piece", p.stdout).group(1))
+        assert (pieces > 20) if many else (pieces == 2), (name, p.stdout)  # two files: one piece each
+    data = text.encode("utf-8")
+    bad = data[:20000] + b"\xff" + data[20000:]
+    (tmp_path / "bad.txt").write_bytes(bad)
+    try:
+        bad.decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = e.start  # Python's own reading of it (the byte may cut a character before it)
+    p = subprocess.run([py, str(ROOT / "tools" / "tokenize_hf.py"), "--tokenizer", str(tmp_path / "bpe"),
+                        str(tmp_path / "x.bin"), str(tmp_path / "bad.txt")], env=env, capture_output=True, text=True)
+    assert at > 4096 and p.returncode == 3
+    assert p.stderr.strip() == f"tokenize_hf: error: {tmp_path / 'bad.txt'}: not UTF-8 text (byte {at})"
+    assert not (tmp_path / "x.bin").exists()
+
+
 def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
     """text2tokens, tokenize_hf (and plot_log): a missing input, a folder, a full disk (/dev/full)
     or non-UTF-8 text is one line `NAME: error: PATH: what` (they printed tracebacks),
