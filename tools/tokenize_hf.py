@@ -12,9 +12,11 @@ tokens are those of the file encoded whole while memory holds about one piece's
 encoding per core (up to 8, encoded together on the tokenizer's threads; an encoding
 keeps every token's string and offsets: 50 MB of text encoded whole took 8.3 GB and
 64 s). Where no such cut exists (a SentencePiece tokenizer's prefix space changes the
-first token of every piece) the file is encoded whole, as before. Output: llm.c's header of 256 int32 (magic 20240520 version 1 with
-uint16 tokens when the vocabulary fits, else magic 20240801 version 7 with uint32),
-then the tokens. A model trained on them needs vocab_size >= len(tokenizer).
+first token of every piece) the file is encoded whole, as before.
+
+Output: llm.c's header of 256 int32 (magic 20240520 version 1 with uint16 tokens when
+the vocabulary fits, else magic 20240801 version 7 with uint32), then the tokens. A
+model trained on them needs vocab_size >= len(tokenizer).
 """
 import argparse
 import os
@@ -74,10 +76,11 @@ def cuts_alike(encode, text, at):
 
 
 def cut_in(encode, text):
-    """the last of a few line ends in text's second half that encoding does not cross
-    (with a window's text after it), or None"""
+    """the last of a few line ends in text's second half (its last two pieces at most:
+    text that found no cut grows, and is not searched again) that encoding does not
+    cross (with a window's text after it), or None"""
     tried = 0
-    for m in reversed(list(SAFE.finditer(text, len(text) // 2, len(text) - WINDOW))):
+    for m in reversed(list(SAFE.finditer(text, max(len(text) // 2, len(text) - 2 * PIECE), len(text) - WINDOW))):
         if cuts_alike(encode, text, m.end()):
             return m.end()
         tried += 1
