@@ -95,11 +95,11 @@ def encode_file(f, path, encode, encode_many, dtype):
     UTF-8, naming its byte. The pieces are encoded BATCH at a time (encode_many: the
     tokenizer's threads take one each)."""
     import numpy as np
-    pieces, todo, text, rest, at, cr = [], [], "", b"", 0, ""
+    pieces, waiting, text, rest, at, cr = [], [], "", b"", 0, ""
 
     def flush():
-        pieces.extend(np.asarray(ids, dtype=dtype) for ids in encode_many(todo))
-        todo.clear()
+        pieces.extend(np.asarray(ids, dtype=dtype) for ids in encode_many(waiting))
+        waiting.clear()
 
     while True:
         data = f.read(PIECE)
@@ -113,14 +113,14 @@ def encode_file(f, path, encode, encode_many, dtype):
         text += (new[:-1] if cr else new).replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
         cut = cut_in(encode, text) if data and len(text) >= PIECE else None
         if cut:
-            todo.append(text[:cut])
+            waiting.append(text[:cut])
             text = text[cut:]
-            if len(todo) == BATCH:
+            if len(waiting) == BATCH:
                 flush()
         if not data:
             break
     if text:
-        todo.append(text)
+        waiting.append(text)
     flush()
     return pieces
 
