@@ -157,7 +157,9 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     }
     if (me0) runcfg_warn_positions(cli_name(), S, &m.d);
     /* the inputs checked before the weights load */
-    if ((s = data_open(&ds, data, (int)S, m.d.vocab))) OUT(cli_fail(s));
+    shard_comm *host = NULL; /* the ranks of a host split the checking of the files */
+    if (par && (s = par_host(P, &host))) OUT(cli_fail(s));
+    if ((s = data_open_on(&ds, data, (int)S, m.d.vocab, host))) OUT(cli_fail(s));
     if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));
     const shard_agree_item tokens[] = {{SHARD_AGREE_DATA, data, data_fingerprint(&ds)}};
     if (par && (s = shard_agree_check(P->world, tokens, 1))) OUT(cli_fail(s));

@@ -122,37 +122,59 @@ static shard_status check_tokens(const data_file *f, const uint8_t *raw, uint64_
     return SHARD_OK;
 }
 
-/* ------------------------------------------------------- checking a whole file */
+/* ------------------------------------------------------- checking whole files */
 typedef shard_status (*scan_check)(const data_file *f, const uint8_t *buf, uint64_t i0, size_t n);
 static shard_status check_mask(const data_file *f, const uint8_t *m, uint64_t i0, size_t n);
 
 enum { SCAN_BLOCK = 1 << 20 };
 
-/* A scan of count elements of es bytes after fd's 1024-byte header, shared by its threads */
+/* One file of a scan: count elements of es bytes after fd's 1024-byte header */
 typedef struct {
-    const data_file *f;
+    data_file *f;
     int fd;
     const char *path;
-    uint64_t count, per; /* elements; elements a block */
     size_t es;
+    uint64_t count, per; /* elements; elements a block */
+    uint64_t first, nb;  /* its first block in the scan's list; its blocks */
+} scan_file;
+
+/* A scan of every file's blocks, one list in file order, shared by the process's
+ * OpenMP threads and split over the ranks of a host */
+typedef struct {
+    scan_file *sf;
+    int nf;
     scan_check check;
-    uint64_t *bh;        /* each block's hash */
-    uint64_t bad;        /* the first failing block (the block count: none) */
+    uint64_t nb;         /* blocks in all */
+    uint64_t *bh;        /* each block's hash (0 where another rank hashed it) */
+    uint64_t bad;        /* the first failing block (nb: none) */
     shard_status bad_s;  /* its failure and message */
     char msg[1024];
 } scan_job;
+
+/* the file of block b (the last whose first block is at most b) */
+static const scan_file *file_of(const scan_job *j, uint64_t b)
+{
+    int lo = 0, hi = j->nf - 1;
+    while (lo < hi) {
+        const int mid = (lo + hi + 1) / 2;
+        if (j->sf[mid].first <= b) lo = mid;
+        else hi = mid - 1;
+    }
+    return &j->sf[lo];
+}
 
 /* Block b read into buf, checked and hashed; a failure's status and message kept when it
  * is the earliest block's yet. */
 static void scan_block(scan_job *j, uint8_t *buf, uint64_t b)
 {
-    const uint64_t i0 = b * j->per;
-    const size_t n = j->count - i0 < j->per ? (size_t)(j->count - i0) : (size_t)j->per;
-    shard_status s = buf ? shard_pread_full(j->fd, j->path, buf, n * j->es, 1024 + i0 * j->es)
+    const scan_file *f = file_of(j, b);
+    const uint64_t i0 = (b - f->first) * f->per;
+    const size_t n = f->count - i0 < f->per ? (size_t)(f->count - i0) : (size_t)f->per;
+    shard_status s = buf ? shard_pread_full(f->fd, f->path, buf, n * f->es, 1024 + i0 * f->es)
                          : shard_fail(SHARD_E_NOMEM, "out of memory");
-    if (!s) s = j->check(j->f, buf, i0, n);
+    if (!s) s = j->check(f->f, buf, i0, n);
     if (!s) {
-        j->bh[b] = shard_hash64(0, buf, n * j->es);
+        j->bh[b] = shard_hash64(0, buf, n * f->es);
         return;
     }
     #pragma omp critical(data_scan_fail)
@@ -163,28 +185,78 @@ static void scan_block(scan_job *j, uint8_t *buf, uint64_t b)
     }
 }
 
-/* The count elements of es bytes after fd's 1024-byte header, checked by check and
- * hashed a block of 1 MiB at a time by the process's OpenMP threads (a file of tens of
- * GB is read at the speed of its storage, not of one core); *hash: shard_hash64 of the
- * blocks' shard_hash64s, in order. A failure is the first block's in file order, the
- * message as one thread would have found it. */
-static shard_status scan(const data_file *f, int fd, const char *path, uint64_t count, size_t es, scan_check check,
-                         uint64_t *hash)
+/* Blocks [lo, hi) of the list, by the process's threads */
+static void scan_blocks(scan_job *j, uint64_t lo, uint64_t hi)
 {
-    scan_job j = {.f = f, .fd = fd, .path = path, .count = count, .per = SCAN_BLOCK / es, .es = es, .check = check};
-    const uint64_t nb = (count + j.per - 1) / j.per;
-    j.bad = nb;
-    if (!(j.bh = malloc((nb ? nb : 1) * sizeof *j.bh))) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    #pragma omp parallel if (nb > 1)
+    #pragma omp parallel if (hi - lo > 1)
     {
         uint8_t *buf = malloc(SCAN_BLOCK);
         #pragma omp for schedule(dynamic, 4)
-        for (uint64_t b = 0; b < nb; b++)
-            if (b < __atomic_load_n(&j.bad, __ATOMIC_RELAXED)) scan_block(&j, buf, b); /* past a failure: no need */
+        for (uint64_t b = lo; b < hi; b++)
+            if (b < __atomic_load_n(&j->bad, __ATOMIC_RELAXED)) scan_block(j, buf, b); /* past a failure: no need */
         free(buf);
     }
-    shard_status s = j.bad < nb ? shard_fail(j.bad_s, "%s", j.msg) : SHARD_OK;
-    if (!s) *hash = shard_hash64(0, j.bh, nb * sizeof *j.bh); /* little-endian only (max_token_*) */
+}
+
+/* The ranks of the host (collective over it) learn whether one failed, then every
+ * block's hash. A rank that failed returns its failure, the others one that says
+ * another rank failed (shard_err_secondhand): the lowest failing rank's line, its
+ * run's blocks being the earliest, is the run's. */
+static shard_status scan_gather(scan_job *j, shard_comm *host)
+{
+    shard_status s = j->bad < j->nb ? shard_fail(j->bad_s, "%s", j->msg) : SHARD_OK;
+    s = shard_comm_agree(host, s, "another rank of this host found a fault in these files", NULL);
+    return s ? s : shard_comm_allreduce(host, j->bh, j->nb, SHARD_DT_U64, SHARD_OP_SUM);
+}
+
+/* Whether every rank of host opened the very same files (device and inode, in the
+ * same order; what sizes they have follows): only then may they split the blocks and
+ * trust each other's hashes. Ranks of one host given other copies (an MPMD launch,
+ * or paths that name copies) each read their files whole, and the ranks' agreement
+ * on the fingerprints (shard_agree_check) compares the copies. Collective over host. */
+static shard_status same_files(shard_comm *host, const scan_job *j, int *same)
+{
+    uint64_t h = shard_hash64(0, &j->nb, sizeof j->nb);
+    for (int i = 0; i < j->nf; i++) {
+        struct stat st;
+        if (fstat(j->sf[i].fd, &st)) memset(&st, 0, sizeof st); /* its reading says why */
+        const uint64_t id[3] = {(uint64_t)st.st_dev, (uint64_t)st.st_ino, j->sf[i].count};
+        h = shard_hash64(h, id, sizeof id);
+    }
+    uint64_t both[2] = {h, ~h}; /* the largest of each: all equal exactly when both are h's */
+    shard_status s = shard_comm_allreduce(host, both, 2, SHARD_DT_U64, SHARD_OP_MAX);
+    *same = !s && both[0] == h && both[1] == ~h;
+    return s;
+}
+
+/* The files' elements checked by check and hashed a block of 1 MiB at a time, the
+ * blocks of all files in one list split in contiguous runs over the ranks of host
+ * (NULL: this process alone) and each run over the process's OpenMP threads: a host
+ * reads tens of GB once, at the speed of its storage, not once per rank. hash(f, h):
+ * file f's hash, shard_hash64 of its blocks' shard_hash64s in order. A failure is the
+ * first block's in file order, the message as one thread would have found it. */
+static shard_status scan(scan_file *sf, int nf, scan_check check, shard_comm *host,
+                         void (*hash)(scan_file *f, uint64_t h))
+{
+    scan_job j = {.sf = sf, .nf = nf, .check = check};
+    for (int i = 0; i < nf; i++) {
+        sf[i].per = SCAN_BLOCK / sf[i].es;
+        sf[i].first = j.nb;
+        sf[i].nb = (sf[i].count + sf[i].per - 1) / sf[i].per;
+        j.nb += sf[i].nb;
+    }
+    j.bad = j.nb;
+    int n = host ? shard_comm_size(host) : 1, r = host ? shard_comm_rank(host) : 0, same = 1;
+    shard_status s = (j.bh = calloc(j.nb ? j.nb : 1, sizeof *j.bh)) ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    if (n > 1) s = shard_comm_agree(host, s, "another process ran out of memory", NULL);
+    if (n > 1 && !s) s = same_files(host, &j, &same);
+    if (!same) n = 1, r = 0; /* each its own files, whole */
+    if (!s) {
+        scan_blocks(&j, j.nb * (uint64_t)r / (uint64_t)n, j.nb * (uint64_t)(r + 1) / (uint64_t)n);
+        s = n > 1 ? scan_gather(&j, host) : j.bad < j.nb ? shard_fail(j.bad_s, "%s", j.msg) : SHARD_OK;
+    }
+    for (int i = 0; !s && i < nf; i++) /* little-endian only (max_token_*) */
+        hash(&sf[i], shard_hash64(0, j.bh + sf[i].first, sf[i].nb * sizeof *j.bh));
     free(j.bh);
     return s;
 }
@@ -216,10 +288,8 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (size != want)
         return shard_fail(SHARD_E_INVALID, "%s: the header says %llu tokens (%llu bytes with the header) but the file has %llu bytes",
                           path, (unsigned long long)f->ntokens, (unsigned long long)want, (unsigned long long)size);
-    /* every token against the vocabulary */
-    s = scan(f, f->fd, f->path, f->ntokens, (size_t)f->token_size, check_tokens, &f->hash);
     f->nseq = seqs_in(f->ntokens, S);
-    return s;
+    return SHARD_OK;
 }
 
 static shard_status add_path(void *ctx, const char *path)
@@ -261,19 +331,45 @@ static shard_status each_path(const char *spec, shard_status (*fn)(void *, const
     return s;
 }
 
-shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
+static void token_hash(scan_file *f, uint64_t h)
+{
+    f->f->hash = h;
+}
+
+/* every token of every file against the vocabulary, and hashed (scan) */
+static shard_status scan_tokens(data_set *ds)
+{
+    scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
+    if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (int i = 0; i < ds->nfiles; i++) {
+        data_file *f = &ds->files[i];
+        sf[i] = (scan_file){.f = f, .fd = f->fd, .path = f->path, .es = (size_t)f->token_size, .count = f->ntokens};
+    }
+    shard_status s = scan(sf, ds->nfiles, check_tokens, ds->host, token_hash);
+    free(sf);
+    return s;
+}
+
+shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, shard_comm *host)
 {
     memset(ds, 0, sizeof *ds);
     ds->S = S;
     ds->vocab = vocab;
     ds->perm_epoch = -1;
+    ds->host = host && shard_comm_size(host) > 1 ? host : NULL;
     if (S < 1) return shard_fail(SHARD_E_USAGE, "the sequence length must be at least 1");
     shard_status s = each_path(spec, add_path, ds);
     if (!s && ds->nfiles == 0) s = shard_fail(SHARD_E_USAGE, "no token file given");
+    if (!s) s = scan_tokens(ds);
     if (!s && ds->nseq == 0)
         s = shard_fail(SHARD_E_INVALID, "%s: fewer than %d tokens in every file: no sequence of length %d + 1", spec, S + 1, S);
     if (s) data_close(ds);
     return s;
+}
+
+shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab)
+{
+    return data_open_on(ds, spec, S, vocab, NULL);
 }
 
 /* ---------------------------------------------------------------- loss masks */
@@ -325,10 +421,26 @@ static shard_status add_mask(void *ctx, const char *path)
     if ((uint64_t)count != f->ntokens)
         return shard_fail(SHARD_E_INVALID, "%s: %d mask bytes but its token file %s holds %llu tokens (one byte per token)",
                           path, count, f->path, (unsigned long long)f->ntokens);
-    uint64_t mh = 0;
-    if ((s = scan(f, f->mfd, f->mpath, f->ntokens, 1, check_mask, &mh))) return s;
-    f->hash = shard_hash64(f->hash, &mh, sizeof mh); /* the tokens', then the mask's */
     return SHARD_OK;
+}
+
+static void mask_hash(scan_file *f, uint64_t h)
+{
+    f->f->hash = shard_hash64(f->f->hash, &h, sizeof h); /* the tokens', then the mask's */
+}
+
+/* every mask byte of every file 0 or 1, and hashed (scan) */
+static shard_status scan_masks(data_set *ds)
+{
+    scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
+    if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (int i = 0; i < ds->nfiles; i++) {
+        data_file *f = &ds->files[i];
+        sf[i] = (scan_file){.f = f, .fd = f->mfd, .path = f->mpath, .es = 1, .count = f->ntokens};
+    }
+    shard_status s = scan(sf, ds->nfiles, check_mask, ds->host, mask_hash);
+    free(sf);
+    return s;
 }
 
 shard_status data_open_masks(data_set *ds, const char *spec)
@@ -338,6 +450,7 @@ shard_status data_open_masks(data_set *ds, const char *spec)
     if (!s && w.next != ds->nfiles)
         s = shard_fail(SHARD_E_USAGE, "%s: %d loss mask files for %d token files (one per token file, in the same order)",
                        spec, w.next, ds->nfiles);
+    if (!s) s = scan_masks(ds);
     ds->masked = !s;
     return s;
 }

@@ -70,12 +70,20 @@ typedef struct {
     int documents;        /* 1: targets after a separator do not count */
     int32_t sep;          /* the separator token */
     int masked;           /* 1: every file has a loss mask */
+    shard_comm *host;     /* the ranks of this host that split the checking (NULL: this process alone) */
 } data_set;
 
 /* Open the files of spec (a comma-separated list of paths or globs) and check every
  * token against the vocabulary (ids >= vocab are refused, naming the file and the
  * position). S: tokens per sequence (inputs). */
 shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab);
+/* The same with the checking (reading and hashing every byte of the files, masks too)
+ * split over the ranks of host, each reading a run of the files' 1 MiB blocks, when
+ * they all opened the very same files (ranks given other copies each read theirs
+ * whole). Collective over host (borrowed until data_close). A failure is the rank's
+ * that found it; the others' says another rank failed (shard_err_secondhand). host
+ * NULL or of one rank: data_open. */
+shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, shard_comm *host);
 void data_close(data_set *ds);
 /* The loss masks of spec (paths or globs, as data_open's), one per token file in the
  * same order: as many files as token files (SHARD_E_USAGE), each of the mask format

@@ -49,7 +49,9 @@ static shard_status open_data(train_run *r)
 {
     const loop_args *a = r->a;
     run_cfg *c = &r->c;
-    shard_status s = data_open(&r->ds, a->data, r->S, r->m.d.vocab);
+    shard_comm *host = NULL; /* the ranks of a host split the checking of the files */
+    shard_status s = r->P->size > 1 ? par_host(r->P, &host) : SHARD_OK;
+    if (!s) s = data_open_on(&r->ds, a->data, r->S, r->m.d.vocab, host);
     if (s) return s;
     data_set_order(&r->ds, c->shuffle, c->seed);
     /* resumed at another --seq: the position counts sequences of the saved length */
@@ -59,7 +61,7 @@ static shard_status open_data(train_run *r)
         return s;
     c->position = (int64_t)p;
     if (a->loss_mask && (s = data_open_masks(&r->ds, a->loss_mask))) return s;
-    if (a->val_data && (s = data_open(&r->vs, a->val_data, r->S, r->m.d.vocab))) return s;
+    if (a->val_data && (s = data_open_on(&r->vs, a->val_data, r->S, r->m.d.vocab, host))) return s;
     if (a->val_loss_mask && (s = data_open_masks(&r->vs, a->val_loss_mask))) return s;
     if (a->documents) {
         data_set_documents(&r->ds, a->doc_sep);

@@ -54,6 +54,7 @@ void par_free(par_ctx *p)
 {
     par_release(p);
     shard_groups_free(&p->g);
+    shard_comm_free(p->host);
     shard_comm_free(p->world);
     free(p->pp); free(p->op); free(p->rowsz); free(p->rows); free(p->blkrows); free(p->zoff); free(p->zn);
     free(p->zbase); free(p->zgrp);
@@ -181,6 +182,37 @@ shard_status par_setup(par_ctx *p, const shard_layout *l, const int *stages, int
     return zero1_blocks(p, m);
 }
 
+/* c split so that each part holds the ranks whose `bytes`-long key (gathered) equals
+ * that of the part's lowest rank. Collective over c. */
+static shard_status split_by(shard_comm *c, const void *key, size_t bytes, shard_comm **out)
+{
+    const int me = shard_comm_rank(c), size = shard_comm_size(c);
+    unsigned char *all = malloc((size_t)size * bytes);
+    shard_status s = all ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
+    s = shard_comm_agree(c, s, "another process ran out of memory", NULL);
+    if (!s) s = shard_comm_allgather(c, key, all, bytes, SHARD_DT_U8);
+    int color = me;
+    for (int r = 0; !s && r < me; r++)
+        if (!memcmp(all + (size_t)r * bytes, key, bytes)) {
+            color = r;
+            break;
+        }
+    free(all);
+    return s ? s : shard_comm_split(c, color, me, out);
+}
+
+shard_status par_host(par_ctx *p, shard_comm **out)
+{
+    if (!p->host) {
+        char host[PAR_HOST] = {0};
+        (void)gethostname(host, PAR_HOST - 1);
+        shard_status s = split_by(p->world, host, PAR_HOST, &p->host);
+        if (s) return s;
+    }
+    *out = p->host;
+    return SHARD_OK;
+}
+
 /* --read-together auto: together when the ranks span more than one host. Ranks of
  * one host share its page cache, so a chunk that two of them read costs the storage
  * once and the second read is a copy from memory; reading together would add an
@@ -191,14 +223,9 @@ static shard_status read_together(par_ctx *p, int *yes)
         *yes = p->size > 1 && p->read_together > 0;
         return SHARD_OK;
     }
-    char me[PAR_HOST] = {0}, *all = calloc((size_t)p->size, PAR_HOST);
-    if (!all) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    (void)gethostname(me, PAR_HOST - 1);
-    shard_status s = shard_comm_allgather(p->world, me, all, PAR_HOST, SHARD_DT_U8);
-    int hosts = 1;
-    for (int r = 1; !s && r < p->size; r++) hosts += memcmp(all, all + (size_t)r * PAR_HOST, PAR_HOST) != 0;
-    free(all);
-    p->read_together = *yes = hosts > 1;
+    shard_comm *host;
+    shard_status s = par_host(p, &host);
+    if (!s) p->read_together = *yes = shard_comm_size(host) < p->size;
     return s;
 }
 

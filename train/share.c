@@ -62,33 +62,6 @@ static size_t round_page(size_t n)
     return (n + page - 1) / page * page;
 }
 
-/* c split so that each part holds the ranks whose `bytes`-long key (gathered) equals
- * that of the part's lowest rank. Collective over c. */
-static shard_status split_by(shard_comm *c, const void *key, size_t bytes, shard_comm **out)
-{
-    const int me = shard_comm_rank(c), size = shard_comm_size(c);
-    unsigned char *all = malloc((size_t)size * bytes);
-    shard_status s = all ? SHARD_OK : shard_fail(SHARD_E_NOMEM, "out of memory");
-    s = shard_comm_agree(c, s, "another process ran out of memory", NULL);
-    if (!s) s = shard_comm_allgather(c, key, all, bytes, SHARD_DT_U8);
-    int color = me;
-    for (int r = 0; !s && r < me; r++)
-        if (!memcmp(all + (size_t)r * bytes, key, bytes)) {
-            color = r;
-            break;
-        }
-    free(all);
-    return s ? s : shard_comm_split(c, color, me, out);
-}
-
-/* the ranks of this host (by hostname), in world rank order. Collective over the world. */
-static shard_status host_of(par_ctx *p, shard_comm **out)
-{
-    char host[PAR_HOST] = {0};
-    (void)gethostname(host, PAR_HOST - 1);
-    return split_by(p->world, host, PAR_HOST, out);
-}
-
 /* One host rank's piece of tensor i, in the order the plan sorts them */
 typedef struct {
     const piece_key *k;
@@ -430,7 +403,7 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
     plan pl;
     memset(&pl, 0, sizeof pl);
     char why[256] = "out of memory";
-    shard_status s = host_of(p, &host);
+    shard_status s = par_host(p, &host);
     if (!s) s = make_plan(host, p, m, &pl);
     const size_t bytes = round_page((m->nparams ? m->nparams : 1) * m->dev->es);
     void *at = NULL;
@@ -449,7 +422,6 @@ shard_status share_weights(par_ctx *p, model *m, const char *cmd)
     }
     if (at) munmap(at, bytes);
     plan_free(&pl);
-    shard_comm_free(host);
     return s;
 }
 
@@ -476,8 +448,7 @@ shard_status share_seal(par_ctx *p, shard_status mine)
 void share_release(par_ctx *p)
 {
     if (p->shm) munmap(p->shm, p->shm_bytes);
-    free(p->reader);
-    shard_comm_free(p->twins);
+    free(p->reader); /* twins is p->host: par_free's */
     p->shm = NULL;
     p->shm_bytes = 0;
     p->reader = NULL;

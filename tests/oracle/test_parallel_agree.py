@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 
 import numpy as np
@@ -252,3 +253,71 @@ def test_output_folder_not_shared_between_ranks(inputs, tmp_path, cmd):
     assert errors(p)[0] == want if isinstance(want, str) else want.fullmatch(errors(p)[0]), p.stderr
     assert not any(x.name.startswith("step-") or x.name.startswith(".tmp-") for x in shared.iterdir())
     assert not out.exists() if cmd == "smp-convert" else not list(out.glob("step-*"))
+
+
+def _files_fingerprint(files):
+    """train/data.h's fingerprint of token files (and their masks), recomputed here with
+    libxxhash's XXH64: each 1 MiB block hashed, then the blocks' hashes; a mask's hash
+    chained after its tokens'; the files' token sizes, counts and hashes."""
+    from test_hardening import _h64
+
+    def blocks(raw):
+        return _h64(0, b"".join(struct.pack("<Q", _h64(0, raw[o:o + (1 << 20)])) for o in range(0, len(raw), 1 << 20)))
+    h = 0
+    for tok, mask in files:
+        raw = tok.read_bytes()[1024:]
+        es = 4 if struct.unpack("<i", tok.read_bytes()[:4])[0] == 20240801 else 2
+        fh = blocks(raw)
+        if mask:
+            fh = _h64(fh, struct.pack("<Q", blocks(mask.read_bytes()[1024:])))
+        h = _h64(h, struct.pack("<4Q", es, len(raw) // es, fh, mask is not None))
+    return "xxh64-mib:%016x" % h
+
+
+def test_host_ranks_split_the_checking_of_the_token_files(tmp_path):
+    """The ranks of a host split the reading and hashing of the token and mask files
+    (each a run of the files' 1 MiB blocks, all files in one list; the bytes a host
+    reads once, not once per rank): the state's fingerprint is the one recomputed here
+    from the files (uint16 and uint32 files, several blocks, masks) whatever the rank
+    count, and a bad token or mask byte in any rank's run is said in one line naming
+    the file and the position, exit 3, nothing written."""
+    from test_documents import write_mask
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    V = vocab_of(CASE)
+    rng = np.random.default_rng(5)
+    sizes = [(700000, False), (1500000, True), (300000, False)]  # 2, 6 and 1 blocks of tokens; 1, 2, 1 of masks
+    toks = [rng.integers(0, V, size=n) for n, _ in sizes]
+    masks = [(rng.random(n) < 0.8).astype(np.uint8) for n, _ in sizes]
+    files = [(write_tokens(tmp_path / f"t{i}.bin", t, u32=u), write_mask(tmp_path / f"t{i}.mask.bin", m))
+             for i, (t, m, (_, u)) in enumerate(zip(toks, masks, sizes))]
+    data = ",".join(str(t) for t, _ in files)
+    mask = ",".join(str(m) for _, m in files)
+    want = _files_fingerprint(files)
+    for n in (1, 2, 3):
+        out = tmp_path / f"run{n}"
+        p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", str(n), str(BUILD / "bin" / "smp-train"),
+                            "--ckpt", str(ck), "--data", data, "--loss-mask", mask, "--save-dir", str(out), "--steps", "1",
+                            "--batch", "6", "--seq", "16", "--layout", f"dp={n}"],
+                           capture_output=True, text=True, env=ENV, timeout=180)
+        assert p.returncode == 0, p.stderr
+        m = json.loads((out / "step-000001" / "smp.json").read_text())
+        assert m["training"]["data"]["fingerprint"] == want, n
+    # faults in rank 2's run (the last blocks: t1.bin's end, t2.bin) and in rank 0's (t0.bin's start)
+    bad = toks[2].copy()
+    bad[123456] = V + 7
+    write_tokens(tmp_path / "t2.bin", bad)
+    late = f"{tmp_path / 't2.bin'}: token {V + 7} at position 123456 is outside the model's vocabulary (vocab_size {V})"
+    m0 = masks[0].copy()
+    m0[4321] = 2
+    early = f"{tmp_path / 't0.mask.bin'}: mask byte 2 at position 4321 (a mask byte is 0 or 1)"
+    for cmd, extra, line in (("smp-train", ["--save-dir", tmp_path / "bad"], late), ("smp-eval", [], late),
+                             ("smp-train", ["--save-dir", tmp_path / "bad"], early)):
+        if line is early:
+            write_tokens(tmp_path / "t2.bin", toks[2])
+            write_mask(tmp_path / "t0.mask.bin", m0)
+        args = [str(a) for a in ("--ckpt", ck, "--data", data, "--loss-mask", mask, "--batch", 6, "--seq", 16,
+                                 "--layout", "dp=3", *extra)] + (["--steps", "1"] if cmd == "smp-train" else [])
+        p = subprocess.run(["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "3", str(BUILD / "bin" / cmd), *args],
+                           capture_output=True, text=True, env=ENV, timeout=180)
+        assert p.returncode == 3 and errors(p) == [f"{cmd}: error: {line}"], (cmd, p.stderr)
+    assert not (tmp_path / "bad").exists()
