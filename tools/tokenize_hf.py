@@ -11,8 +11,11 @@ the text round each cut: encoded whole it gives the tokens of its two sides), so
 tokens are those of the file encoded whole while memory holds about one piece's
 encoding per core (up to 8, encoded together on the tokenizer's threads; an encoding
 keeps every token's string and offsets: 50 MB of text encoded whole took 8.3 GB and
-64 s). Where no such cut exists (a SentencePiece tokenizer's prefix space changes the
-first token of every piece) the file is encoded whole, as before.
+64 s). A piece after the first is encoded after the line end that precedes it in the
+file, whose tokens are then dropped: a SentencePiece tokenizer (Llama 2, Mistral) puts
+its prefix space only at the start of a text, so a piece encoded alone would begin
+with a token the whole file does not have. Where no cut is found in a piece's last
+2 MB the piece grows (the file encoded whole at worst, as before).
 
 Output: llm.c's header of 256 int32 (magic 20240520 version 1 with uint16 tokens when
 the vocabulary fits, else magic 20240801 version 7 with uint32), then the tokens. A
@@ -68,20 +71,30 @@ def utf8_whole(data):
     return data, b""
 
 
-def cuts_alike(encode, text, at):
+LEAD = "\n"  # the character before every cut (SAFE): later pieces are encoded after it
+
+
+def after_lead(lead, ids):
+    """ids of LEAD + a piece with the lead's own tokens (lead) dropped, or None where
+    the piece's first token merged with them"""
+    return ids[len(lead):] if ids[:len(lead)] == lead else None
+
+
+def cuts_alike(encode, lead, text, at):
     """whether the tokens do not cross `at`: the window round it, encoded whole, gives
-    the tokens of its two sides encoded apart"""
+    the tokens of its left side and of its right side encoded after LEAD"""
     a, b = max(0, at - WINDOW), at + WINDOW
-    return encode(text[a:b]) == encode(text[a:at]) + encode(text[at:b])
+    right = after_lead(lead, encode(LEAD + text[at:b]))
+    return right is not None and encode(text[a:b]) == encode(text[a:at]) + right
 
 
-def cut_in(encode, text):
+def cut_in(encode, lead, text):
     """the last of a few line ends in text's second half (its last two pieces at most:
     text that found no cut grows, and is not searched again) that encoding does not
     cross (with a window's text after it), or None"""
     tried = 0
     for m in reversed(list(SAFE.finditer(text, max(len(text) // 2, len(text) - 2 * PIECE), len(text) - WINDOW))):
-        if cuts_alike(encode, text, m.end()):
+        if cuts_alike(encode, lead, text, m.end()):
             return m.end()
         tried += 1
         if tried == 8:
@@ -93,12 +106,20 @@ def encode_file(f, path, encode, encode_many, dtype):
     """the tokens of binary file f (its text encoded whole, line ends read as Python's
     text mode reads them), as arrays of dtype, one a piece; exits 3 on text that is not
     UTF-8, naming its byte. The pieces are encoded BATCH at a time (encode_many: the
-    tokenizer's threads take one each)."""
+    tokenizer's threads take one each), every piece but the file's first after LEAD."""
     import numpy as np
     pieces, waiting, text, rest, at, cr = [], [], "", b"", 0, ""
+    lead = encode(LEAD)
 
     def flush():
-        pieces.extend(np.asarray(ids, dtype=dtype) for ids in encode_many(waiting))
+        first = not pieces
+        texts = [t if first and k == 0 else LEAD + t for k, t in enumerate(waiting)]
+        for k, ids in enumerate(encode_many(texts)):
+            ids = ids if first and k == 0 else after_lead(lead, ids)
+            if ids is None:  # the window round its cut said otherwise: a tokenizer no window sees whole
+                fail("%s: a piece's first token merged with the line end before it, which the text round "
+                     "its cut did not: this tokenizer cannot be read a piece at a time" % path, 1)
+            pieces.append(np.asarray(ids, dtype=dtype))
         waiting.clear()
 
     while True:
@@ -111,7 +132,7 @@ def encode_file(f, path, encode, encode_many, dtype):
         at += len(whole)
         cr = "\r" if data and new.endswith("\r") else ""  # its \n may come with the next read
         text += (new[:-1] if cr else new).replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
-        cut = cut_in(encode, text) if data and len(text) >= PIECE else None
+        cut = cut_in(encode, lead, text) if data and len(text) >= PIECE else None
         if cut:
             waiting.append(text[:cut])
             text = text[cut:]
