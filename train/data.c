@@ -548,29 +548,56 @@ shard_status data_position_at(const data_set *ds, uint64_t p, int old_S, int seq
     return SHARD_OK;
 }
 
+/* Fisher-Yates over perm[0, n) of type T (the identity first), j drawn from rs for i =
+ * n-1 down to 1. The draws depend on the generator alone, so a block of them is drawn
+ * first and the entries they swap prefetched, then swapped in order: the same
+ * permutation, with the block's cache misses in flight together (one at a time, 125 M
+ * sequences took 4.3 s). */
+enum { SHUFFLE_AHEAD = 32 };
+#define SHUFFLE_OF(T)                                                                                                  \
+    static void shuffle_##T(T *perm, uint64_t n, rng_state *rs)                                                      \
+    {                                                                                                                  \
+        uint64_t js[SHUFFLE_AHEAD];                                                                                   \
+        for (uint64_t i = 0; i < n; i++) perm[i] = (T)i;                                                               \
+        for (uint64_t i = n ? n - 1 : 0; i > 0;) {                                                                     \
+            const uint64_t m = i < SHUFFLE_AHEAD ? i : SHUFFLE_AHEAD;                                                 \
+            for (uint64_t k = 0; k < m; k++) {                                                                         \
+                js[k] = rng_below(rs, i - k + 1);                                                                      \
+                __builtin_prefetch(&perm[js[k]], 1);                                                                   \
+            }                                                                                                          \
+            for (uint64_t k = 0; k < m; k++, i--) {                                                                    \
+                const T t = perm[i];                                                                                   \
+                perm[i] = perm[js[k]];                                                                                 \
+                perm[js[k]] = t;                                                                                       \
+            }                                                                                                          \
+        }                                                                                                              \
+    }
+SHUFFLE_OF(uint32_t)
+SHUFFLE_OF(uint64_t)
+
+/* epoch's permutation in ds->perm: 4-byte entries while the indices fit (half the memory) */
+static shard_status permute(data_set *ds, uint64_t epoch)
+{
+    const int wide = ds->nseq > (uint64_t)UINT32_MAX + 1;
+    if (!ds->perm && !(ds->perm = malloc(ds->nseq * (wide ? sizeof(uint64_t) : sizeof(uint32_t)))))
+        return shard_fail(SHARD_E_NOMEM, "out of memory for the order of %llu sequences", (unsigned long long)ds->nseq);
+    rng_state rs;
+    rng_seed(&rs, ds->seed, epoch);
+    if (wide) shuffle_uint64_t(ds->perm, ds->nseq, &rs);
+    else shuffle_uint32_t(ds->perm, ds->nseq, &rs);
+    ds->perm_epoch = (int64_t)epoch;
+    return SHARD_OK;
+}
+
 shard_status data_fill(data_set *ds, uint64_t first, int count, int32_t *inputs, int32_t *targets)
 {
     for (int r = 0; r < count; r++) {
         uint64_t p = first + (uint64_t)r, epoch = p / ds->nseq, idx = p % ds->nseq;
         uint64_t seq = idx;
         if (ds->shuffle) {
-            if (ds->perm_epoch != (int64_t)epoch) {
-                if (!ds->perm) {
-                    ds->perm = malloc(ds->nseq * sizeof *ds->perm);
-                    if (!ds->perm) return shard_fail(SHARD_E_NOMEM, "out of memory for the order of %llu sequences",
-                                                     (unsigned long long)ds->nseq);
-                }
-                rng_state rs;
-                rng_seed(&rs, ds->seed, epoch);
-                for (uint64_t i = 0; i < ds->nseq; i++) ds->perm[i] = i;
-                for (uint64_t i = ds->nseq - 1; i > 0; i--) { /* Fisher-Yates */
-                    uint64_t j = rng_below(&rs, i + 1), t = ds->perm[i];
-                    ds->perm[i] = ds->perm[j];
-                    ds->perm[j] = t;
-                }
-                ds->perm_epoch = (int64_t)epoch;
-            }
-            seq = ds->perm[idx];
+            shard_status s = ds->perm_epoch != (int64_t)epoch ? permute(ds, epoch) : SHARD_OK;
+            if (s) return s;
+            seq = ds->nseq > (uint64_t)UINT32_MAX + 1 ? ((const uint64_t *)ds->perm)[idx] : ((const uint32_t *)ds->perm)[idx];
         }
         shard_status s = fill_seq(ds, seq, inputs + (size_t)r * ds->S, targets + (size_t)r * ds->S);
         if (s) return s;

@@ -64,7 +64,7 @@ typedef struct {
     uint64_t nseq;        /* sequences over all files */
     int shuffle;
     uint64_t seed;
-    uint64_t *perm;       /* the permutation of perm_epoch (shuffled only) */
+    void *perm;           /* the permutation of perm_epoch (shuffled only): uint32_t entries, uint64_t past 2^32 sequences */
     int64_t perm_epoch;
     uint8_t *buf;         /* one sequence's bytes, as read */
     int documents;        /* 1: targets after a separator do not count */

@@ -175,6 +175,50 @@ static void test_shuffle(void **st)
     data_close(&ds);
 }
 
+/* data.c's shuffle draws a block of swaps ahead and prefetches them: the same order as
+ * Fisher-Yates one swap at a time (below: Lemire's bounded draw on the same generator),
+ * for sizes round the block's and a large one */
+static uint64_t ref_below(rng_state *r, uint64_t n)
+{
+    unsigned __int128 m = (unsigned __int128)rng_next(r) * n;
+    if ((uint64_t)m < n) {
+        const uint64_t thresh = -n % n;
+        while ((uint64_t)m < thresh) m = (unsigned __int128)rng_next(r) * n;
+    }
+    return (uint64_t)(m >> 64);
+}
+
+static void test_shuffle_is_fisher_yates(void **st)
+{
+    (void)st;
+    const int S = 2, sizes[] = {1, 2, 3, 31, 32, 33, 64, 65, 97, 1000, 100003};
+    for (size_t c = 0; c < sizeof sizes / sizeof *sizes; c++) {
+        const int n = sizes[c];
+        data_set ds;
+        assert_int_equal(data_open(&ds, write_file("fy.bin", n * S + 1, 0, 1 << 30, 1, 0, 0), S, 1 << 30), SHARD_OK);
+        data_set_order(&ds, 1, 99);
+        uint32_t *want = malloc((size_t)n * sizeof *want);
+        for (uint64_t e = 0; e < 2; e++) {
+            rng_state rs;
+            rng_seed(&rs, 99, e);
+            for (int i = 0; i < n; i++) want[i] = (uint32_t)i;
+            for (int i = n - 1; i > 0; i--) {
+                const uint64_t j = ref_below(&rs, (uint64_t)i + 1);
+                const uint32_t t = want[i];
+                want[i] = want[j];
+                want[j] = t;
+            }
+            int32_t in[2], tg[2];
+            for (int p = 0; p < n; p++) {
+                assert_int_equal(data_fill(&ds, e * (uint64_t)n + (uint64_t)p, 1, in, tg), SHARD_OK);
+                if ((uint32_t)in[0] != want[p] * S) fail_msg("n %d epoch %d position %d: sequence %d, not %u", n, (int)e, p, in[0] / S, want[p]);
+            }
+        }
+        free(want);
+        data_close(&ds);
+    }
+}
+
 static void test_refusals(void **st)
 {
     (void)st;
@@ -485,7 +529,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_position_at_another_length),
-        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads), cmocka_unit_test(test_state_checks_threads),
+        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_shuffle_is_fisher_yates), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads), cmocka_unit_test(test_state_checks_threads),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
         cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault), cmocka_unit_test(test_lanes_auto),
     };
