@@ -111,8 +111,12 @@ void progress_watch_stop(progress_watch *w, int done)
 
 uint64_t progress_ckpt_bytes(const void *ckpt) { return shard_ckpt_bytes_read(ckpt); }
 
-void progress_load_start(void *w, const void *ckpt) { progress_watch_start(w, "loading", 0, progress_ckpt_bytes, ckpt); }
-void progress_load_end(void *w)
+void progress_watch_begin(void *w, const char *label, uint64_t (*count)(const void *), const void *arg)
+{
+    progress_watch_start(w, label, 0, count, arg);
+}
+
+void progress_watch_erase(void *w)
 {
     if (watch_join(w)) fputs("\r\033[K", stderr); /* the line goes: the load's own line follows */
 }

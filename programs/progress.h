@@ -39,8 +39,9 @@ void progress_watch_start(progress_watch *w, const char *label, uint64_t total, 
 void progress_watch_stop(progress_watch *w, int done);
 /* A checkpoint's stored bytes read so far (shard_ckpt_bytes_read): what a watch counts. */
 uint64_t progress_ckpt_bytes(const void *ckpt);
-/* The load of a checkpoint as a watched line ("loading", the stored bytes read):
- * loop_args' load_start and load_end for smp-train, and smp-eval's own. */
-void progress_load_start(void *w, const void *ckpt);
-void progress_load_end(void *w);
+/* A watched line of work that a command's own line follows (a load, the check of the
+ * token files), w a progress_watch: loop_args' watch_start and watch_end for
+ * smp-train, and smp-eval's own. The end erases the line. */
+void progress_watch_begin(void *w, const char *label, uint64_t (*count)(const void *), const void *arg);
+void progress_watch_erase(void *w);
 #endif

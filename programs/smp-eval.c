@@ -159,8 +159,12 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     /* the inputs checked before the weights load */
     shard_comm *host = NULL; /* the ranks of a host split the checking of the files */
     if (par && (s = par_host(P, &host))) OUT(cli_fail(s));
-    if ((s = data_open_on(&ds, data, (int)S, m.d.vocab, host))) OUT(cli_fail(s));
-    if (val[O_MASK] && (s = data_open_masks(&ds, val[O_MASK]))) OUT(cli_fail(s));
+    progress_watch pw = {0};
+    if (me0) progress_watch_begin(&pw, "checking the token files", data_checked_bytes, NULL);
+    s = data_open_on(&ds, data, (int)S, m.d.vocab, host);
+    if (!s && val[O_MASK]) s = data_open_masks(&ds, val[O_MASK]);
+    progress_watch_erase(&pw);
+    if (s) OUT(cli_fail(s));
     const shard_agree_item tokens[] = {{SHARD_AGREE_DATA, data, data_fingerprint(&ds)}};
     if (par && (s = shard_agree_check(P->world, tokens, 1))) OUT(cli_fail(s));
     if (val[O_DOCS] || val[O_DOC_SEP]) {
@@ -175,10 +179,9 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     const double t_load = now_seconds();
     shard_ckpt_set_threads(ck, ckptio_load_threads(P->size));
     shard_ckpt_set_uncached(ck, 1); /* the weights are read once, into fresh memory */
-    progress_watch pw = {0};
-    if (me0) progress_load_start(&pw, ck);
+    if (me0) progress_watch_begin(&pw, "loading", progress_ckpt_bytes, ck);
     s = par ? par_read_params(P, ck, &m, "params", &have) : ckptio_read_group(ck, &m, "params", m.params, &have);
-    progress_load_end(&pw);
+    progress_watch_erase(&pw);
     if (s) OUT(cli_fail(s));
     if (!have) OUT(cli_fail(shard_fail(SHARD_E_INVALID, "%s: holds no parameters", shard_ckpt_dir(ck))));
     if ((s = ckptio_print_load(cli_name(), P->world, ck, now_seconds() - t_load, P->moved))) OUT(cli_fail(s));

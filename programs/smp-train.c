@@ -219,8 +219,8 @@ static int read_args(train_cmd *t, par_ctx *P)
                      .loss_mask = v[O_MASK], .val_loss_mask = v[O_VAL_MASK], .documents = !!v[O_DOCS],
                      .layout = {1, 1, 1, P->size}, .fail_rank = -1, .fail_step = -1,
                      .signal_rank = -1, .signal_step = -1, .stop = &stop_requested,
-                     .now = now_seconds, .log_fd = -1, .load_start = progress_load_start,
-                     .load_end = progress_load_end, .load_ctx = &load_watch};
+                     .now = now_seconds, .log_fd = -1, .watch_start = progress_watch_begin,
+                     .watch_end = progress_watch_erase, .watch_ctx = &load_watch};
     if (P->rank == 0 && a->log && stat(a->log, &st) == 0 && S_ISFIFO(st.st_mode)) {
         /* a FIFO: opened before the load and kept, so that one nobody reads is refused at once
          * (a probe that closed it again would end a monitor such as `cat`) */

@@ -163,6 +163,14 @@ static const scan_file *file_of(const scan_job *j, uint64_t b)
     return &j->sf[lo];
 }
 
+static uint64_t checked_bytes; /* read by this process's scans so far: data_checked_bytes */
+
+uint64_t data_checked_bytes(const void *unused)
+{
+    (void)unused;
+    return __atomic_load_n(&checked_bytes, __ATOMIC_RELAXED);
+}
+
 /* Block b read into buf, checked and hashed; a failure's status and message kept when it
  * is the earliest block's yet. */
 static void scan_block(scan_job *j, uint8_t *buf, uint64_t b)
@@ -175,6 +183,7 @@ static void scan_block(scan_job *j, uint8_t *buf, uint64_t b)
     if (!s) s = j->check(f->f, buf, i0, n);
     if (!s) {
         j->bh[b] = shard_hash64(0, buf, n * f->es);
+        __atomic_fetch_add(&checked_bytes, n * f->es, __ATOMIC_RELAXED);
         return;
     }
     #pragma omp critical(data_scan_fail)

@@ -85,6 +85,9 @@ shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab);
  * NULL or of one rank: data_open. */
 shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, shard_comm *host);
 void data_close(data_set *ds);
+/* Bytes of token and mask files that this process's opens have read and checked so
+ * far (any thread may ask; the argument is unused): a progress line's count. */
+uint64_t data_checked_bytes(const void *unused);
 /* The loss masks of spec (paths or globs, as data_open's), one per token file in the
  * same order: as many files as token files (SHARD_E_USAGE), each of the mask format
  * with the token count of its token file and bytes 0 or 1 (SHARD_E_INVALID naming

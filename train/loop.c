@@ -45,7 +45,7 @@ shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a)
 
 /* every input checked before the weights load: the token files, and the extra files
  * a save will carry (a bad one fails now, not at the first save; rank 0 carries them) */
-static shard_status open_data(train_run *r)
+static shard_status open_inputs(train_run *r)
 {
     const loop_args *a = r->a;
     run_cfg *c = &r->c;
@@ -71,6 +71,16 @@ static shard_status open_data(train_run *r)
     for (size_t i = 0; r->P->rank == 0 && i < shard_ckpt_extra_count(r->ck); i++)
         if ((s = shard_ckpt_check_extra(r->ck, i))) return s;
     return SHARD_OK;
+}
+
+/* the same under rank 0's progress line (a data set of hundreds of GB is minutes of reading) */
+static shard_status open_data(train_run *r)
+{
+    const int watch = r->P->rank == 0 && r->a->watch_start;
+    if (watch) r->a->watch_start(r->a->watch_ctx, "checking the token files", data_checked_bytes, NULL);
+    shard_status s = open_inputs(r);
+    if (watch) r->a->watch_end(r->a->watch_ctx);
+    return s;
 }
 
 shard_status loop_agree(train_run *r)
@@ -201,16 +211,21 @@ static shard_status read_state(train_run *r)
     return SHARD_OK;
 }
 
+static uint64_t ckpt_bytes(const void *ck)
+{
+    return shard_ckpt_bytes_read(ck);
+}
+
 /* This rank's state from the checkpoint, read and checked: the weights (the fp32
  * master copy when saved, else the parameters), the optimizer, the FP8 scaling
  * state (on a terminal with a progress line); then the load's line. */
 static shard_status load_state(train_run *r)
 {
-    const int watch = r->P->rank == 0 && r->a->load_start;
+    const int watch = r->P->rank == 0 && r->a->watch_start;
     const double t_load = r->a->now();
-    if (watch) r->a->load_start(r->a->load_ctx, r->ck);
+    if (watch) r->a->watch_start(r->a->watch_ctx, "loading", ckpt_bytes, r->ck);
     shard_status s = read_state(r);
-    if (watch) r->a->load_end(r->a->load_ctx);
+    if (watch) r->a->watch_end(r->a->watch_ctx);
     if (s) return s;
     return ckptio_print_load("smp-train", r->P->world, r->ck, r->a->now() - t_load, r->P->moved); /* all of it read and checked */
 }

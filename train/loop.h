@@ -57,10 +57,11 @@ typedef struct {
     long long signal_rank, signal_step; /* --inject-signal (-1: none) */
     volatile sig_atomic_t *stop;   /* set by a signal: save and stop after the step */
     double (*now)(void);           /* a monotonic clock, in seconds */
-    /* rank 0, around the checkpoint's load (NULL: none): the command's progress line */
-    void (*load_start)(void *ctx, const void *ckpt);
-    void (*load_end)(void *ctx);
-    void *load_ctx;
+    /* rank 0, around the check of the token files and the checkpoint's load (NULL:
+     * none): the command's progress line, label, and count(arg) the bytes done */
+    void (*watch_start)(void *ctx, const char *label, uint64_t (*count)(const void *), const void *arg);
+    void (*watch_end)(void *ctx);
+    void *watch_ctx;
 } loop_args;
 
 typedef struct {

@@ -484,7 +484,9 @@ def on_a_terminal(args):
 def test_progress_lines_on_a_terminal_only(tmp_path):
     """hf2smp, smp-verify (new: it said nothing while it read) and smp-merge draw a
     progress line ("label done / total") on a terminal, ending at the total; smp-eval's
-    and smp-train's loads (new) a "loading" line, erased for the "loaded" line; with
+    and smp-train's loads (new) a "loading" line, erased for the "loaded" line, and the
+    check of the token files before it (new) a "checking the token files" line, erased
+    too (its watch erases even where the check ended before its first tick); with
     stderr not a terminal (a log) there is none."""
     hf = tmp_path / "hf"
     models.make("llama-sharded", hf)
@@ -506,7 +508,8 @@ def test_progress_lines_on_a_terminal_only(tmp_path):
                  ("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "run", "--steps", 1, "--batch", 2,
                   "--seq", 16, "--layout", "pp=1")):
         rc, text = on_a_terminal(args)
-        assert rc == 0 and f"\x1b[K{args[0]}: loaded " in text, text  # the "loading" line erased first
+        # the check's line, then the "loading" line, erased first
+        assert rc == 0 and f"\r\x1b[K\r\x1b[K{args[0]}: loaded " in text, text
     p = run("smp-eval", "--ckpt", ck, "--data", data, "--batch", 1, "--seq", 16, "--batches", 1, check=0)
     assert "loading" not in p.stderr and "\r" not in p.stderr and "\x1b" not in p.stderr, p.stderr
 
