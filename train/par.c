@@ -201,12 +201,26 @@ static shard_status split_by(shard_comm *c, const void *key, size_t bytes, shard
     return s ? s : shard_comm_split(c, color, me, out);
 }
 
+/* This machine, as its ranks tell it from the others': the hostname and the kernel's
+ * boot id (two machines given one hostname, as clusters of cloned images or
+ * containers may be, are two hosts: they share no page cache and no memory file). */
+static void machine_key(char key[2 * PAR_HOST])
+{
+    memset(key, 0, 2 * PAR_HOST);
+    (void)gethostname(key, PAR_HOST - 1);
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f) {
+        if (!fgets(key + PAR_HOST, PAR_HOST - 1, f)) key[PAR_HOST] = 0;
+        fclose(f);
+    }
+}
+
 shard_status par_host(par_ctx *p, shard_comm **out)
 {
     if (!p->host) {
-        char host[PAR_HOST] = {0};
-        (void)gethostname(host, PAR_HOST - 1);
-        shard_status s = split_by(p->world, host, PAR_HOST, &p->host);
+        char key[2 * PAR_HOST];
+        machine_key(key);
+        shard_status s = split_by(p->world, key, sizeof key, &p->host);
         if (s) return s;
     }
     *out = p->host;

@@ -82,7 +82,7 @@ typedef struct {
                               * together when the ranks span more than one host */
     uint64_t moved;          /* loading: bytes this rank sent the others (reading together) */
     int share_weights;       /* loading read-only weights (smp-eval): one copy per host and piece (share.h) */
-    shard_comm *host;        /* the ranks of this host (par_host; NULL until asked) */
+    shard_comm *host;        /* the ranks of this machine (par_host; NULL until asked) */
     shard_comm *twins;       /* host, when some of its ranks share pieces (NULL: none do) */
     void *shm;               /* this rank's weights, shared pieces mapped in, shm_bytes long */
     size_t shm_bytes;
@@ -123,8 +123,8 @@ typedef struct {
 
 /* World communicator (MPI when mpi, else self). */
 shard_status par_init_world(par_ctx *p, int mpi);
-/* The ranks of this host (by hostname, in world rank order), made at the first call
- * (collective over the world then) and kept in p->host until par_free. */
+/* The ranks of this host (by hostname and boot id, in world rank order), made at the
+ * first call (collective over the world then) and kept in p->host until par_free. */
 shard_status par_host(par_ctx *p, shard_comm **out);
 /* Groups of layout l (whose size must be the world's), the per-tensor tables of
  * model m (created with the global description on its backend), and m made this
