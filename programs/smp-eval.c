@@ -161,7 +161,7 @@ static int eval_main(int argc, char **argv, par_ctx *P)
     if (par && (s = par_host(P, &host))) OUT(cli_fail(s));
     progress_watch pw = {0};
     if (me0) progress_watch_begin(&pw, "checking the token files", data_checked_bytes, NULL);
-    s = data_open_on(&ds, data, (int)S, m.d.vocab, host);
+    s = data_open_on(&ds, data, (int)S, m.d.vocab, &(data_open_opts){.host = host});
     if (!s && val[O_MASK]) s = data_open_masks(&ds, val[O_MASK]);
     progress_watch_erase(&pw);
     if (s) OUT(cli_fail(s));

@@ -384,6 +384,18 @@ static void note_new_data(const train_run *r)
             (long long)r->c.position);
 }
 
+/* Token files a resumed run finds as it checked them (training.data.checked): not read
+ * again, said (the start that skips a data set's reading should say why it was quick). */
+static void note_seen_data(const train_run *r)
+{
+    int n = 0;
+    for (int i = 0; i < r->ds.nfiles; i++) n += r->ds.files[i].seen;
+    char b[32];
+    if (n)
+        fprintf(stderr, "smp-train: %d of %d token files as the run checked them (inode, size and times unchanged): "
+                        "%s not read again\n", n, r->ds.nfiles, cli_bytes(b, (double)data_seen_bytes(&r->ds)));
+}
+
 /* A validation file that is also a training file: its loss is no validation, said once. */
 static void note_val_in_data(const train_run *r)
 {
@@ -492,6 +504,7 @@ static int train(train_run *r)
         note_new_data(r); /* where it goes on in the data: the gradients dumped are that step's */
         note_data_order(r);
         note_val_in_data(r);
+        note_seen_data(r);
         note_schedule(&r->c);
         runcfg_warn_positions("smp-train", r->c.seq, &r->m.d);
     }

@@ -270,6 +270,31 @@ static shard_status scan(scan_file *sf, int nf, scan_check check, shard_comm *ho
     return s;
 }
 
+/* fd's file as it is now (size: the one opening it read), its hash not yet known */
+static void stamp_of(int fd, uint64_t size, data_stamp *st)
+{
+    struct stat s;
+    memset(st, 0, sizeof *st);
+    st->size = size;
+    if (fstat(fd, &s)) return; /* an inode 0 matches no record: read */
+    st->ino = (uint64_t)s.st_ino;
+    st->ctime_ns = (int64_t)s.st_ctim.tv_sec * 1000000000 + s.st_ctim.tv_nsec;
+    st->mtime_ns = (int64_t)s.st_mtim.tv_sec * 1000000000 + s.st_mtim.tv_nsec;
+}
+
+/* the record of ds->seen that matches st (a token file's, or a mask file's), or NULL */
+static const data_seen *seen_as(const data_set *ds, const data_stamp *st, int mask)
+{
+    for (int i = 0; st->ino && i < ds->nseen; i++) {
+        const data_seen *r = &ds->seen[i];
+        const data_stamp *x = mask ? &r->mask : &r->tok;
+        if ((!mask || r->has_mask) && (mask || r->vocab <= ds->vocab) && x->ino == st->ino && x->size == st->size &&
+            x->ctime_ns == st->ctime_ns && x->mtime_ns == st->mtime_ns)
+            return r;
+    }
+    return NULL;
+}
+
 static shard_status open_file(data_file *f, const char *path, int S, int64_t vocab)
 {
     memset(f, 0, sizeof *f);
@@ -297,6 +322,7 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (size != want)
         return shard_fail(SHARD_E_INVALID, "%s: the header says %llu tokens (%llu bytes with the header) but the file has %llu bytes",
                           path, (unsigned long long)f->ntokens, (unsigned long long)want, (unsigned long long)size);
+    stamp_of(f->fd, size, &f->stamp);
     f->nseq = seqs_in(f->ntokens, S);
     return SHARD_OK;
 }
@@ -342,30 +368,48 @@ static shard_status each_path(const char *spec, shard_status (*fn)(void *, const
 
 static void token_hash(scan_file *f, uint64_t h)
 {
-    f->f->hash = h;
+    f->f->hash = f->f->stamp.hash = h;
 }
 
-/* every token of every file against the vocabulary, and hashed (scan) */
+/* every token of every file against the vocabulary, and hashed (scan), but in files
+ * a record has seen as they are */
 static shard_status scan_tokens(data_set *ds)
 {
     scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
     if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    int n = 0;
     for (int i = 0; i < ds->nfiles; i++) {
         data_file *f = &ds->files[i];
-        sf[i] = (scan_file){.f = f, .fd = f->fd, .path = f->path, .es = (size_t)f->token_size, .count = f->ntokens};
+        const data_seen *r = seen_as(ds, &f->stamp, 0);
+        if ((f->seen = r != NULL)) token_hash(&(scan_file){.f = f}, r->tok.hash);
+        else sf[n++] = (scan_file){.f = f, .fd = f->fd, .path = f->path, .es = (size_t)f->token_size, .count = f->ntokens};
     }
-    shard_status s = scan(sf, ds->nfiles, check_tokens, ds->host, token_hash);
+    shard_status s = scan(sf, n, check_tokens, ds->host, token_hash);
     free(sf);
     return s;
 }
 
-shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, shard_comm *host)
+uint64_t data_seen_bytes(const data_set *ds)
+{
+    uint64_t n = 0;
+    for (int i = 0; i < ds->nfiles; i++) {
+        const data_file *f = &ds->files[i];
+        n += (f->seen ? f->ntokens * (uint64_t)f->token_size : 0) + (f->mseen ? f->ntokens : 0);
+    }
+    return n;
+}
+
+shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, const data_open_opts *o)
 {
     memset(ds, 0, sizeof *ds);
     ds->S = S;
     ds->vocab = vocab;
     ds->perm_epoch = -1;
-    ds->host = host && shard_comm_size(host) > 1 ? host : NULL;
+    if (o) {
+        ds->host = o->host && shard_comm_size(o->host) > 1 ? o->host : NULL;
+        ds->seen = o->seen;
+        ds->nseen = o->seen ? o->nseen : 0;
+    }
     if (S < 1) return shard_fail(SHARD_E_USAGE, "the sequence length must be at least 1");
     shard_status s = each_path(spec, add_path, ds);
     if (!s && ds->nfiles == 0) s = shard_fail(SHARD_E_USAGE, "no token file given");
@@ -430,24 +474,30 @@ static shard_status add_mask(void *ctx, const char *path)
     if ((uint64_t)count != f->ntokens)
         return shard_fail(SHARD_E_INVALID, "%s: %d mask bytes but its token file %s holds %llu tokens (one byte per token)",
                           path, count, f->path, (unsigned long long)f->ntokens);
+    stamp_of(f->mfd, size, &f->mstamp);
     return SHARD_OK;
 }
 
 static void mask_hash(scan_file *f, uint64_t h)
 {
+    f->f->mstamp.hash = h;
     f->f->hash = shard_hash64(f->f->hash, &h, sizeof h); /* the tokens', then the mask's */
 }
 
-/* every mask byte of every file 0 or 1, and hashed (scan) */
+/* every mask byte of every file 0 or 1, and hashed (scan), but in files a record has
+ * seen as they are */
 static shard_status scan_masks(data_set *ds)
 {
     scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
     if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    int n = 0;
     for (int i = 0; i < ds->nfiles; i++) {
         data_file *f = &ds->files[i];
-        sf[i] = (scan_file){.f = f, .fd = f->mfd, .path = f->mpath, .es = 1, .count = f->ntokens};
+        const data_seen *r = seen_as(ds, &f->mstamp, 1);
+        if ((f->mseen = r != NULL)) mask_hash(&(scan_file){.f = f}, r->mask.hash);
+        else sf[n++] = (scan_file){.f = f, .fd = f->mfd, .path = f->mpath, .es = 1, .count = f->ntokens};
     }
-    shard_status s = scan(sf, ds->nfiles, check_mask, ds->host, mask_hash);
+    shard_status s = scan(sf, n, check_mask, ds->host, mask_hash);
     free(sf);
     return s;
 }

@@ -44,6 +44,21 @@
  * arithmetic of a step (position + batch, tokens + batch * seq) would overflow. */
 #define DATA_COUNTER_MAX (1ll << 62)
 
+/* A file as opened (inode, size, change and modification times) and its hash: what a
+ * saved run records of the files it checked (training.data.checked), so that its
+ * resume need not read them again while they are unchanged (data_open_opts.seen). */
+typedef struct {
+    uint64_t ino, size;
+    int64_t ctime_ns, mtime_ns;
+    uint64_t hash;        /* shard_hash64 of its 1 MiB blocks' shard_hash64s */
+} data_stamp;
+
+typedef struct {
+    data_stamp tok, mask; /* a token file's, its mask file's (has_mask) */
+    int has_mask;
+    int64_t vocab;        /* its tokens were all below it */
+} data_seen;
+
 typedef struct {
     char *path;
     int token_size;       /* 2 or 4 */
@@ -54,6 +69,8 @@ typedef struct {
     char *mpath;          /* its loss mask file (NULL: none) */
     int mfd;
     uint64_t hash;        /* shard_hash64 over its tokens' bytes, then its mask's, as checked */
+    data_stamp stamp, mstamp; /* the token file's and the mask file's, as opened, with their hashes */
+    int seen, mseen;      /* 1: matched a data_seen record, not read again */
 } data_file;
 
 typedef struct {
@@ -71,19 +88,36 @@ typedef struct {
     int32_t sep;          /* the separator token */
     int masked;           /* 1: every file has a loss mask */
     shard_comm *host;     /* the ranks of this host that split the checking (NULL: this process alone) */
+    const data_seen *seen; /* records of files checked before (borrowed while opening; NULL: none) */
+    int nseen;
 } data_set;
+
+/* How data_open_on checks the files: host, the ranks of this host that split the
+ * reading (NULL: this process alone); seen[nseen], files a run checked before (kept
+ * until data_open_masks is done). */
+typedef struct {
+    shard_comm *host;
+    const data_seen *seen;
+    int nseen;
+} data_open_opts;
 
 /* Open the files of spec (a comma-separated list of paths or globs) and check every
  * token against the vocabulary (ids >= vocab are refused, naming the file and the
  * position). S: tokens per sequence (inputs). */
 shard_status data_open(data_set *ds, const char *spec, int S, int64_t vocab);
 /* The same with the checking (reading and hashing every byte of the files, masks too)
- * split over the ranks of host, each reading a run of the files' 1 MiB blocks, when
+ * split over the ranks of o->host, each reading a run of the files' 1 MiB blocks, when
  * they all opened the very same files (ranks given other copies each read theirs
- * whole). Collective over host (borrowed until data_close). A failure is the rank's
- * that found it; the others' says another rank failed (shard_err_secondhand). host
- * NULL or of one rank: data_open. */
-shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, shard_comm *host);
+ * whole): collective over o->host (borrowed until data_close). A failure is the rank's
+ * that found it; the others' says another rank failed (shard_err_secondhand). A file
+ * (or mask file) whose inode, size and change and modification times are those of an
+ * o->seen record (and whose tokens were checked against a vocabulary no larger) is not
+ * read: its hash is the record's (the change time moves with any write, so the bytes
+ * are those the record's run checked; data_fill checks every token it reads anyway).
+ * o NULL: data_open. */
+shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, const data_open_opts *o);
+/* The bytes of the files that data_open_on and data_open_masks did not read (seen). */
+uint64_t data_seen_bytes(const data_set *ds);
 void data_close(data_set *ds);
 /* Bytes of token and mask files that this process's opens have read and checked so
  * far (any thread may ask; the argument is unused): a progress line's count. */

@@ -45,13 +45,11 @@ shard_status loop_open(train_run *r, par_ctx *P, const loop_args *a)
 
 /* every input checked before the weights load: the token files, and the extra files
  * a save will carry (a bad one fails now, not at the first save; rank 0 carries them) */
-static shard_status open_inputs(train_run *r)
+static shard_status open_files(train_run *r, const data_open_opts *o)
 {
     const loop_args *a = r->a;
     run_cfg *c = &r->c;
-    shard_comm *host = NULL; /* the ranks of a host split the checking of the files */
-    shard_status s = r->P->size > 1 ? par_host(r->P, &host) : SHARD_OK;
-    if (!s) s = data_open_on(&r->ds, a->data, r->S, r->m.d.vocab, host);
+    shard_status s = data_open_on(&r->ds, a->data, r->S, r->m.d.vocab, o);
     if (s) return s;
     data_set_order(&r->ds, c->shuffle, c->seed);
     /* resumed at another --seq: the position counts sequences of the saved length */
@@ -61,7 +59,7 @@ static shard_status open_inputs(train_run *r)
         return s;
     c->position = (int64_t)p;
     if (a->loss_mask && (s = data_open_masks(&r->ds, a->loss_mask))) return s;
-    if (a->val_data && (s = data_open_on(&r->vs, a->val_data, r->S, r->m.d.vocab, host))) return s;
+    if (a->val_data && (s = data_open_on(&r->vs, a->val_data, r->S, r->m.d.vocab, o))) return s;
     if (a->val_loss_mask && (s = data_open_masks(&r->vs, a->val_loss_mask))) return s;
     if (a->documents) {
         data_set_documents(&r->ds, a->doc_sep);
@@ -71,6 +69,20 @@ static shard_status open_inputs(train_run *r)
     for (size_t i = 0; r->P->rank == 0 && i < shard_ckpt_extra_count(r->ck); i++)
         if ((s = shard_ckpt_check_extra(r->ck, i))) return s;
     return SHARD_OK;
+}
+
+/* the same, the ranks of a host splitting the reading of the files, and the files
+ * that a resumed run's records (training.data.checked) saw as they are not read */
+static shard_status open_inputs(train_run *r)
+{
+    data_open_opts o = {0};
+    data_seen *seen = NULL;
+    shard_status s = r->P->size > 1 ? par_host(r->P, &o.host) : SHARD_OK;
+    if (!s && r->resumed) s = runcfg_seen(r->ck, &seen, &o.nseen);
+    o.seen = seen;
+    if (!s) s = open_files(r, &o);
+    free(seen);
+    return s;
 }
 
 /* the same under rank 0's progress line (a data set of hundreds of GB is minutes of reading) */

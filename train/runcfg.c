@@ -125,6 +125,67 @@ static void absolute_into(json_t *a, const char *path)
     free(abs);
 }
 
+/* a file's stamp as the state keeps it: its inode and hash in hex (64-bit unsigned) */
+static json_t *stamp_json(const data_stamp *st)
+{
+    char ino[24], h[24];
+    snprintf(ino, sizeof ino, "%llx", (unsigned long long)st->ino);
+    snprintf(h, sizeof h, "%016llx", (unsigned long long)st->hash);
+    return json_pack("{s:s,s:I,s:I,s:I,s:s}", "inode", ino, "size", (json_int_t)st->size, "ctime_ns",
+                     (json_int_t)st->ctime_ns, "mtime_ns", (json_int_t)st->mtime_ns, "hash", h);
+}
+
+/* what the run checked of each token file (and its mask): a resume that finds them as
+ * they were need not read them again (data_seen) */
+static json_t *checked_json(const data_set *ds)
+{
+    json_t *a = json_array();
+    for (int i = 0; i < ds->nfiles; i++) {
+        const data_file *f = &ds->files[i];
+        json_array_append_new(a, json_pack("{s:o,s:I,s:o}", "tokens", stamp_json(&f->stamp), "vocab",
+                                           (json_int_t)ds->vocab, "mask", f->mpath ? stamp_json(&f->mstamp) : json_null()));
+    }
+    return a;
+}
+
+/* 1 when j is a stamp of stamp_json's form, read into st */
+static int stamp_parse(const json_t *j, data_stamp *st)
+{
+    const char *ino = json_string_value(json_object_get(j, "inode")), *h = json_string_value(json_object_get(j, "hash"));
+    const json_t *size = json_object_get(j, "size"), *ct = json_object_get(j, "ctime_ns"), *mt = json_object_get(j, "mtime_ns");
+    if (!ino || !h || !json_is_integer(size) || !json_is_integer(ct) || !json_is_integer(mt) || json_integer_value(size) < 0 ||
+        strlen(ino) < 1 || strlen(ino) > 16 || strlen(h) != 16 || strspn(ino, "0123456789abcdef") != strlen(ino) ||
+        strspn(h, "0123456789abcdef") != 16)
+        return 0;
+    st->ino = strtoull(ino, NULL, 16);
+    st->hash = strtoull(h, NULL, 16);
+    st->size = (uint64_t)json_integer_value(size);
+    st->ctime_ns = json_integer_value(ct);
+    st->mtime_ns = json_integer_value(mt);
+    return 1;
+}
+
+shard_status runcfg_seen(const shard_ckpt *ck, data_seen **out, int *n)
+{
+    const json_t *data = json_object_get(json_object_get(shard_ckpt_manifest_json(ck), "training"), "data");
+    const json_t *a = json_object_get(data, "checked");
+    *out = NULL;
+    *n = 0;
+    if (!json_is_array(a) || !json_array_size(a) || json_array_size(a) > INT32_MAX) return SHARD_OK;
+    if (!(*out = calloc(json_array_size(a), sizeof **out))) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < json_array_size(a); i++) {
+        const json_t *e = json_array_get(a, i), *v = json_object_get(e, "vocab"), *m = json_object_get(e, "mask");
+        data_seen *r = &(*out)[*n];
+        r->has_mask = json_is_object(m);
+        if (json_is_integer(v) && json_integer_value(v) > 0 && stamp_parse(json_object_get(e, "tokens"), &r->tok) &&
+            (!r->has_mask || stamp_parse(m, &r->mask))) {
+            r->vocab = json_integer_value(v);
+            (*n)++; /* a record of another form: its file is read */
+        }
+    }
+    return SHARD_OK;
+}
+
 char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
 {
     json_t *files = json_array(), *masks = ds->masked ? json_array() : json_null();
@@ -149,13 +210,14 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f
                                                   "weight_decay_applies_to", "matrices"));
     /* what the run read its targets with (a record: the flags give them on resume, as --data) */
     char fp[32]; /* the files' bytes: a resume on changed files says so */
-    json_object_set_new(t, "data", json_pack("{s:o,s:s,s:I,s:o,s:s,s:o,s:o}", "files", files, "fingerprint",
+    json_object_set_new(t, "data", json_pack("{s:o,s:s,s:I,s:o,s:s,s:o,s:o,s:o}", "files", files, "fingerprint",
                                              data_fingerprint_text(ds, fp), "sequences",
                                              (json_int_t)ds->nseq, "seed",
                                              c->shuffle ? json_integer((json_int_t)c->seed) : json_null(),
                                              "order", c->shuffle ? "shuffled" : "sequential", "loss_masks", masks,
                                              "document_separator",
-                                             ds->documents ? json_integer(ds->sep) : json_null()));
+                                             ds->documents ? json_integer(ds->sep) : json_null(), "checked",
+                                             checked_json(ds)));
     /* the only randomness of a run is the data order: epoch e's permutation comes
      * from a generator seeded by (seed, e), so (seed, position) is the whole state */
     json_object_set_new(t, "rng", json_pack("{s:s,s:o,s:I}", "generator", "xoshiro256** seeded by splitmix64(seed, epoch)",

@@ -59,6 +59,10 @@ shard_status runcfg_doc_sep(const shard_model_desc *d, int64_t given, int32_t *s
 /* Sequences of a microbatch on one replica: batch / dp / microbatches. */
 int runcfg_rows(const run_cfg *c, const shard_layout *l);
 
+/* The records of the token files that the checkpoint's run checked (its
+ * training.data.checked; none in states before 2026-12-07), malloc'ed into *out (*n
+ * of them; records of another form left out: their files are read). */
+shard_status runcfg_seen(const shard_ckpt *ck, data_seen **out, int *n);
 /* The training state a save writes (JSON text, malloc'ed; NULL when out of memory):
  * the settings, the counters, the data order (ds) and FP8 (f8: NULL when off). */
 char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed);

@@ -219,6 +219,36 @@ static void test_shuffle_is_fisher_yates(void **st)
     }
 }
 
+/* a record of a file as it is (data_seen) spares its reading: its hash is the record's,
+ * no byte counted as checked; a record of a larger vocabulary than the model's, or of
+ * another stamp, does not */
+static void test_seen_files_are_not_read(void **st)
+{
+    (void)st;
+    const char *path = write_file("seen.bin", 5000, 0, 900, 0, 0, 0);
+    data_set ds;
+    assert_int_equal(data_open(&ds, path, 4, 1000), SHARD_OK);
+    const data_stamp was = ds.files[0].stamp;
+    assert_true(was.ino != 0 && was.size == 1024 + 5000 * 2 && was.hash == ds.files[0].hash && !ds.files[0].seen);
+    data_close(&ds);
+    data_seen rec = {.tok = was, .vocab = 1000};
+    rec.tok.hash = 0x1234; /* what the record says is taken, unread */
+    uint64_t before = data_checked_bytes(NULL);
+    assert_int_equal(data_open_on(&ds, path, 4, 1000, &(data_open_opts){.seen = &rec, .nseen = 1}), SHARD_OK);
+    assert_true(ds.files[0].seen && ds.files[0].hash == 0x1234 && data_checked_bytes(NULL) == before);
+    assert_int_equal(data_seen_bytes(&ds), 5000 * 2);
+    data_close(&ds);
+    rec.vocab = 1001; /* checked against more ids than the model has: read */
+    assert_int_equal(data_open_on(&ds, path, 4, 1000, &(data_open_opts){.seen = &rec, .nseen = 1}), SHARD_OK);
+    assert_true(!ds.files[0].seen && ds.files[0].hash == was.hash && data_checked_bytes(NULL) == before + 5000 * 2);
+    data_close(&ds);
+    rec.vocab = 1000;
+    rec.tok.mtime_ns++; /* another stamp: read */
+    assert_int_equal(data_open_on(&ds, path, 4, 1000, &(data_open_opts){.seen = &rec, .nseen = 1}), SHARD_OK);
+    assert_true(!ds.files[0].seen && ds.files[0].hash == was.hash);
+    data_close(&ds);
+}
+
 static void test_refusals(void **st)
 {
     (void)st;
@@ -529,7 +559,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_sequences_and_files), cmocka_unit_test(test_position_at_another_length),
-        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_shuffle_is_fisher_yates), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads), cmocka_unit_test(test_state_checks_threads),
+        cmocka_unit_test(test_shuffle), cmocka_unit_test(test_shuffle_is_fisher_yates), cmocka_unit_test(test_seen_files_are_not_read), cmocka_unit_test(test_refusals), cmocka_unit_test(test_scan_threads), cmocka_unit_test(test_state_checks_threads),
         cmocka_unit_test(test_schedule), cmocka_unit_test(test_norm_and_clip),
         cmocka_unit_test(test_blas_kernels), cmocka_unit_test(test_prefault), cmocka_unit_test(test_lanes_auto),
     };
