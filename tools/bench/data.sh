@@ -12,7 +12,9 @@
 #
 # The check's time is smp-train's whole run (a tiny model, one step of 8 x 64 tokens)
 # on the big files minus the same run on a file of 1 M tokens: the start-up of 8 MPI
-# processes on 2 cores is seconds by itself, and cancels out.
+# processes on 2 cores is seconds by itself, and cancels out. The "resumed" rows time
+# the run's second step resumed from its first's save (REPEAT times a round): a resume
+# does not read again the files its run checked while they are unchanged.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 # shellcheck source=tools/bench/common.sh
@@ -54,10 +56,15 @@ cat ${FILES//,/ } >/dev/null # warm
 
 secs() { local t0 t1; t0=$(date +%s.%N); "$@" >/dev/null 2>&1; t1=$(date +%s.%N); calc "$t1 - $t0"; }
 calc() { awk "BEGIN {print $1}"; }
-train() { # $1 ranks, $2 token file
+train() { # $1 ranks, $2 token files: a new run of one step
     rm -rf "$D/run"
     mpirun --oversubscribe --bind-to none -np "$1" "$BIN/smp-train" --ckpt "$D/ck" --data "$2" --save-dir "$D/run" \
-        --steps 1 --batch 8 --seq 64
+        --steps 2 --stop-at 1 --batch 8 --seq 64
+}
+resume() { # $1 ranks, $2 token files: its second step, resumed from the first's save
+    rm -rf "$D/run/step-000002"
+    echo step-000001 >"$D/run/latest"
+    mpirun --oversubscribe --bind-to none -np "$1" "$BIN/smp-train" --ckpt "$D/run" --data "$2" --save-dir "$D/run"
 }
 declare -A T
 for ((r = 0; r < REPEAT; r++)); do
@@ -66,7 +73,9 @@ for ((r = 0; r < REPEAT; r++)); do
 for f in sys.argv[1:]: assert np.fromfile(f, dtype='<u2', offset=1024).max() < 32000" ${FILES//,/ }) "
     for n in 1 8; do
         T[s$n]+="$(secs train $n "$D/small.bin") "
+        for ((k = 0; k < REPEAT; k++)); do T[rs$n]+="$(secs resume $n "$D/small.bin") "; done
         T[b$n]+="$(secs train $n "$FILES") "
+        for ((k = 0; k < REPEAT; k++)); do T[rb$n]+="$(secs resume $n "$FILES") "; done
     done
 done
 median() { tr ' ' '\n' | grep . | sort -g | awk '{a[NR] = $1} END {print a[int((NR + 1) / 2)]}'; }
@@ -80,6 +89,10 @@ for n in 1 8; do
     b=$(echo "${T[b$n]}" | median); s=$(echo "${T[s$n]}" | median)
     c=$(calc "$b - $s")
     printf '%-44s %8.2f %8.2f   (runs of %.2f s - %.2f s)\n' "smp-train's check, $n rank(s) of one host" "$c" \
+        "$(calc "$c / $cat_s")" "$b" "$s"
+    b=$(echo "${T[rb$n]}" | median); s=$(echo "${T[rs$n]}" | median)
+    c=$(calc "$b - $s")
+    printf '%-44s %8.2f %8.2f   (runs of %.2f s - %.2f s)\n' "  resumed (the files as its run checked them)" "$c" \
         "$(calc "$c / $cat_s")" "$b" "$s"
 done
 rm -rf "$D/run"
