@@ -390,10 +390,12 @@ static void note_seen_data(const train_run *r)
 {
     int n = 0;
     for (int i = 0; i < r->ds.nfiles; i++) n += r->ds.files[i].seen;
+    for (int i = 0; i < r->vs.nfiles; i++) n += r->vs.files[i].seen;
     char b[32];
     if (n)
         fprintf(stderr, "smp-train: %d of %d token files as the run checked them (inode, size and times unchanged): "
-                        "%s not read again\n", n, r->ds.nfiles, cli_bytes(b, (double)data_seen_bytes(&r->ds)));
+                        "%s not read again\n", n, r->ds.nfiles + r->vs.nfiles,
+                cli_bytes(b, (double)(data_seen_bytes(&r->ds) + data_seen_bytes(&r->vs))));
 }
 
 /* A validation file that is also a training file: its loss is no validation, said once. */

@@ -528,7 +528,7 @@ shard_status loop_step(train_run *r, step_result *res, int *save)
 static shard_status save(train_run *r)
 {
     const run_cfg *c = &r->c;
-    char *tj = runcfg_state_json(c, &r->ds, r->m.fp8, c->elapsed_before + (r->a->now() - r->t_start));
+    char *tj = runcfg_state_json(c, &r->ds, &r->vs, r->m.fp8, c->elapsed_before + (r->a->now() - r->t_start));
     if (!tj) return shard_fail(SHARD_E_NOMEM, "out of memory");
     const char *cfg = shard_ckpt_config_json(r->ck);
     const shard_ckpt *extras = r->carry ? r->carry : r->ck;

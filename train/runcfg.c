@@ -135,11 +135,10 @@ static json_t *stamp_json(const data_stamp *st)
                      (json_int_t)st->ctime_ns, "mtime_ns", (json_int_t)st->mtime_ns, "hash", h);
 }
 
-/* what the run checked of each token file (and its mask): a resume that finds them as
- * they were need not read them again (data_seen) */
-static json_t *checked_json(const data_set *ds)
+/* what the run checked of each token file (and its mask) of ds, appended to a: a
+ * resume that finds them as they were need not read them again (data_seen) */
+static json_t *checked_json(json_t *a, const data_set *ds)
 {
-    json_t *a = json_array();
     for (int i = 0; i < ds->nfiles; i++) {
         const data_file *f = &ds->files[i];
         json_array_append_new(a, json_pack("{s:o,s:I,s:o}", "tokens", stamp_json(&f->stamp), "vocab",
@@ -186,7 +185,7 @@ shard_status runcfg_seen(const shard_ckpt *ck, data_seen **out, int *n)
     return SHARD_OK;
 }
 
-char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed)
+char *runcfg_state_json(const run_cfg *c, const data_set *ds, const data_set *vs, const fp8_state *f8, double elapsed)
 {
     json_t *files = json_array(), *masks = ds->masked ? json_array() : json_null();
     for (int i = 0; i < ds->nfiles; i++) {
@@ -217,7 +216,7 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f
                                              "order", c->shuffle ? "shuffled" : "sequential", "loss_masks", masks,
                                              "document_separator",
                                              ds->documents ? json_integer(ds->sep) : json_null(), "checked",
-                                             checked_json(ds)));
+                                             checked_json(checked_json(json_array(), ds), vs)));
     /* the only randomness of a run is the data order: epoch e's permutation comes
      * from a generator seeded by (seed, e), so (seed, position) is the whole state */
     json_object_set_new(t, "rng", json_pack("{s:s,s:o,s:I}", "generator", "xoshiro256** seeded by splitmix64(seed, epoch)",

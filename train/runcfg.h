@@ -64,7 +64,8 @@ int runcfg_rows(const run_cfg *c, const shard_layout *l);
  * of them; records of another form left out: their files are read). */
 shard_status runcfg_seen(const shard_ckpt *ck, data_seen **out, int *n);
 /* The training state a save writes (JSON text, malloc'ed; NULL when out of memory):
- * the settings, the counters, the data order (ds) and FP8 (f8: NULL when off). */
-char *runcfg_state_json(const run_cfg *c, const data_set *ds, const fp8_state *f8, double elapsed);
+ * the settings, the counters, the data order (ds), the records of the files checked
+ * (ds's, then the validation set vs's) and FP8 (f8: NULL when off). */
+char *runcfg_state_json(const run_cfg *c, const data_set *ds, const data_set *vs, const fp8_state *f8, double elapsed);
 
 #endif

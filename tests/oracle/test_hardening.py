@@ -646,7 +646,7 @@ def _run_reading(*args):
 
 
 def test_resume_does_not_read_again_the_files_it_checked(tmp_path):
-    """A save records each token and mask file it checked (inode, size, change and
+    """A save records each token, mask and validation file it checked (inode, size, change and
     modification times, hash, the vocabulary); a resume that finds a file so does not
     read it again (a data set of hundreds of GB was read whole at every start) and says
     so: the resumed process reads fewer bytes than the token file holds. A file touched
@@ -661,25 +661,26 @@ def test_resume_does_not_read_again_the_files_it_checked(tmp_path):
     b = write_tokens(tmp_path / "b.bin", toks[:5000])
     mask = write_mask(tmp_path / "a.mask.bin", (rng.random(len(toks)) < 0.9).astype(np.uint8))
     mb = write_mask(tmp_path / "b.mask.bin", np.ones(5000, np.uint8))
+    v = write_tokens(tmp_path / "v.bin", toks[:20000])  # validation tokens: recorded too
     r = tmp_path / "run"
-    flags = ["--data", f"{a},{b}", "--loss-mask", f"{mask},{mb}", "--save-dir", r]
+    flags = ["--data", f"{a},{b}", "--loss-mask", f"{mask},{mb}", "--val-data", v, "--save-dir", r]
     rc, err, read = _run_reading("--ckpt", ck, *flags, "--steps", 10, "--batch", 2, "--seq", 16, "--stop-at", 1)
     assert rc == 0 and read > a.stat().st_size + mask.stat().st_size, (err, read)  # the first start reads them all
     rc, err, read = _run_reading("--ckpt", r, *flags, "--stop-at", 2)
     assert rc == 0 and read < a.stat().st_size, (err, read)
-    assert "smp-train: 2 of 2 token files as the run checked them (inode, size and times unchanged): 8.60 MiB not " \
+    assert "smp-train: 3 of 3 token files as the run checked them (inode, size and times unchanged): 8.64 MiB not " \
            "read again" in err.splitlines(), err
     fp = json.loads((r / "step-000002" / "smp.json").read_text())["training"]["data"]["fingerprint"]
     assert fp == json.loads((r / "step-000001" / "smp.json").read_text())["training"]["data"]["fingerprint"]
     os.utime(mask)  # touched: read again (its tokens are not)
     rc, err, read = _run_reading("--ckpt", r, *flags, "--stop-at", 3)
     assert rc == 0 and mask.stat().st_size < read < a.stat().st_size, (err, read)
-    assert "2 of 2 token files" in err and "8.60 MiB" not in err, err
+    assert "3 of 3 token files" in err and "8.64 MiB" not in err, err
     t2 = toks.copy()
     t2[-1] = (t2[-1] + 1) % vocab_of(CASE)  # other bytes, the same size: read, and said
     write_tokens(a, t2)
     rc, err, read = _run_reading("--ckpt", r, *flags, "--stop-at", 4)
-    assert rc == 0 and read > a.stat().st_size and "1 of 2 token files" in err, (err, read)
+    assert rc == 0 and read > a.stat().st_size and "2 of 3 token files" in err, (err, read)
     assert "--data holds other bytes than when the run trained on it" in err, err
     # two ranks: the records of the last save, then those of a save by two ranks
     env = dict(os.environ, OMP_NUM_THREADS="1", OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
@@ -687,7 +688,7 @@ def test_resume_does_not_read_again_the_files_it_checked(tmp_path):
     for stop in (5, 6):
         p = subprocess.run([*mpi, "--ckpt", str(r), *map(str, flags), "--layout", "dp=2", "--stop-at", str(stop)],
                            capture_output=True, text=True, env=env, timeout=180)
-        assert p.returncode == 0 and "2 of 2 token files" in p.stderr, p.stderr
+        assert p.returncode == 0 and "3 of 3 token files" in p.stderr, p.stderr
     fresh = run("smp-train", "--ckpt", ck, *flags[:-2], "--save-dir", tmp_path / "fresh", "--steps", 10, "--batch", 2,
                 "--seq", 16, "--stop-at", 1, check=0)
     assert fresh.returncode == 0, fresh.stderr
