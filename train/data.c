@@ -282,14 +282,52 @@ static void stamp_of(int fd, uint64_t size, data_stamp *st)
     st->mtime_ns = (int64_t)s.st_mtim.tv_sec * 1000000000 + s.st_mtim.tv_nsec;
 }
 
-/* the record of ds->seen that matches st (a token file's, or a mask file's), or NULL */
-static const data_seen *seen_as(const data_set *ds, const data_stamp *st, int mask)
+static uint64_t ino_of(const data_seen *r, int mask)
 {
-    for (int i = 0; st->ino && i < ds->nseen; i++) {
-        const data_seen *r = &ds->seen[i];
+    return mask ? r->mask.ino : r->tok.ino;
+}
+
+static int by_tok_ino(const void *a, const void *b)
+{
+    const uint64_t x = ino_of(*(const data_seen *const *)a, 0), y = ino_of(*(const data_seen *const *)b, 0);
+    return (x > y) - (x < y);
+}
+
+static int by_mask_ino(const void *a, const void *b)
+{
+    const uint64_t x = ino_of(*(const data_seen *const *)a, 1), y = ino_of(*(const data_seen *const *)b, 1);
+    return (x > y) - (x < y);
+}
+
+/* ds->seen's records, sorted by the inode of their token file (mask 0) or mask file
+ * (mask 1; records without one left out), for seen_as: a data set of 100,000 files
+ * would otherwise compare 10^10 pairs. NULL with *n 0 when there are none (or no memory:
+ * every file is then read). */
+static const data_seen **seen_sorted(const data_set *ds, int mask, int *n)
+{
+    const data_seen **v = ds->nseen ? malloc((size_t)ds->nseen * sizeof *v) : NULL;
+    *n = 0;
+    for (int i = 0; v && i < ds->nseen; i++)
+        if (!mask || ds->seen[i].has_mask) v[(*n)++] = &ds->seen[i];
+    if (v) qsort(v, (size_t)*n, sizeof *v, mask ? by_mask_ino : by_tok_ino);
+    return v;
+}
+
+/* the record of v[n] (seen_sorted's) that matches st (a token file's, or a mask
+ * file's), or NULL */
+static const data_seen *seen_as(const data_set *ds, const data_seen **v, int n, const data_stamp *st, int mask)
+{
+    int lo = 0, hi = n; /* the first whose inode is st's or above */
+    while (lo < hi) {
+        const int mid = lo + (hi - lo) / 2;
+        if (ino_of(v[mid], mask) < st->ino) lo = mid + 1;
+        else hi = mid;
+    }
+    for (; st->ino && lo < n && ino_of(v[lo], mask) == st->ino; lo++) {
+        const data_seen *r = v[lo];
         const data_stamp *x = mask ? &r->mask : &r->tok;
-        if ((!mask || r->has_mask) && (mask || r->vocab <= ds->vocab) && x->ino == st->ino && x->size == st->size &&
-            x->ctime_ns == st->ctime_ns && x->mtime_ns == st->mtime_ns)
+        if ((mask || r->vocab <= ds->vocab) && x->size == st->size && x->ctime_ns == st->ctime_ns &&
+            x->mtime_ns == st->mtime_ns)
             return r;
     }
     return NULL;
@@ -377,15 +415,17 @@ static shard_status scan_tokens(data_set *ds)
 {
     scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
     if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    int n = 0;
+    int n = 0, nv;
+    const data_seen **v = seen_sorted(ds, 0, &nv);
     for (int i = 0; i < ds->nfiles; i++) {
         data_file *f = &ds->files[i];
-        const data_seen *r = seen_as(ds, &f->stamp, 0);
+        const data_seen *r = seen_as(ds, v, nv, &f->stamp, 0);
         if ((f->seen = r != NULL)) token_hash(&(scan_file){.f = f}, r->tok.hash);
         else sf[n++] = (scan_file){.f = f, .fd = f->fd, .path = f->path, .es = (size_t)f->token_size, .count = f->ntokens};
     }
     shard_status s = scan(sf, n, check_tokens, ds->host, token_hash);
     free(sf);
+    free(v);
     return s;
 }
 
@@ -490,15 +530,17 @@ static shard_status scan_masks(data_set *ds)
 {
     scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
     if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    int n = 0;
+    int n = 0, nv;
+    const data_seen **v = seen_sorted(ds, 1, &nv);
     for (int i = 0; i < ds->nfiles; i++) {
         data_file *f = &ds->files[i];
-        const data_seen *r = seen_as(ds, &f->mstamp, 1);
+        const data_seen *r = seen_as(ds, v, nv, &f->mstamp, 1);
         if ((f->mseen = r != NULL)) mask_hash(&(scan_file){.f = f}, r->mask.hash);
         else sf[n++] = (scan_file){.f = f, .fd = f->mfd, .path = f->mpath, .es = 1, .count = f->ntokens};
     }
     shard_status s = scan(sf, n, check_mask, ds->host, mask_hash);
     free(sf);
+    free(v);
     return s;
 }
 

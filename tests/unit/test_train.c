@@ -243,6 +243,21 @@ static void test_seen_files_are_not_read(void **st)
     assert_true(!ds.files[0].seen && ds.files[0].hash == was.hash && data_checked_bytes(NULL) == before + 5000 * 2);
     data_close(&ds);
     rec.vocab = 1000;
+    /* among records of other files (other inodes, one of them the same inode with
+     * another size), in any order: the matching one found */
+    data_seen many[7];
+    for (int k = 0; k < 7; k++) {
+        many[k] = rec;
+        many[k].tok.ino = was.ino + (uint64_t)(k * 5 % 7) - 3; /* inodes ino-3 .. ino+3, shuffled */
+        many[k].tok.hash = 100 + (uint64_t)k;
+    }
+    many[0].tok.ino = was.ino; /* k = 0 gave ino - 3: now a second record of this inode, */
+    many[0].tok.size++;        /* but of another size */
+    int match = -1;
+    for (int k = 1; k < 7; k++) if (many[k].tok.ino == was.ino) match = k;
+    assert_int_equal(data_open_on(&ds, path, 4, 1000, &(data_open_opts){.seen = many, .nseen = 7}), SHARD_OK);
+    assert_true(match > 0 && ds.files[0].seen && ds.files[0].hash == 100 + (uint64_t)match);
+    data_close(&ds);
     rec.tok.mtime_ns++; /* another stamp: read */
     assert_int_equal(data_open_on(&ds, path, 4, 1000, &(data_open_opts){.seen = &rec, .nseen = 1}), SHARD_OK);
     assert_true(!ds.files[0].seen && ds.files[0].hash == was.hash);
