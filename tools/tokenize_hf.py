@@ -9,9 +9,9 @@ after each file. A file is read and encoded a piece of about 1 MB at a time, cut
 line end followed by a non-space where the tokenizer's tokens do not cross (checked on
 the text round each cut: encoded whole it gives the tokens of its two sides), so the
 tokens are those of the file encoded whole while memory holds about one piece's
-encoding per core (up to 8, encoded together on the tokenizer's threads; an encoding
-keeps every token's string and offsets: 50 MB of text encoded whole took 8.3 GB and
-64 s). A piece after the first is encoded after the line end that precedes it in the
+encoding per core (up to 8, encoded together on the tokenizer's threads, across files;
+an encoding keeps every token's string and offsets: 50 MB of text encoded whole took
+8.3 GB and 64 s). A piece after the first is encoded after the line end that precedes it in the
 file, whose tokens are then dropped: a SentencePiece tokenizer (Llama 2, Mistral) puts
 its prefix space only at the start of a text, so a piece encoded alone would begin
 with a token the whole file does not have. Where no cut is found in a piece's last
@@ -102,26 +102,47 @@ def cut_in(encode, lead, text):
     return None
 
 
-def encode_file(f, path, encode, encode_many, dtype):
-    """the tokens of binary file f (its text encoded whole, line ends read as Python's
-    text mode reads them), as arrays of dtype, one a piece; exits 3 on text that is not
-    UTF-8, naming its byte. The pieces are encoded BATCH at a time (encode_many: the
-    tokenizer's threads take one each), every piece but the file's first after LEAD."""
-    import numpy as np
-    pieces, waiting, text, rest, at, cr = [], [], "", b"", 0, ""
-    lead = encode(LEAD)
+class Pieces:
+    """The token arrays of the inputs, in order. Pieces of text wait and are encoded
+    BATCH at a time (encode_many: the tokenizer's threads take one each), across files
+    (a file shorter than a piece does not encode alone), every piece but a file's first
+    after LEAD (its tokens then dropped); arrays given whole (an eos) keep their place."""
 
-    def flush():
-        first = not pieces
-        texts = [t if first and k == 0 else LEAD + t for k, t in enumerate(waiting)]
-        for k, ids in enumerate(encode_many(texts)):
-            ids = ids if first and k == 0 else after_lead(lead, ids)
+    def __init__(self, encode, encode_many, dtype):
+        self.encode_many, self.dtype, self.lead = encode_many, dtype, encode(LEAD)
+        self.out, self.waiting, self.ntext, self.texts = [], [], 0, 0
+
+    def text(self, path, t, first):
+        self.waiting.append((path, t, first))
+        self.ntext += 1
+        self.texts += 1
+        if self.ntext == BATCH:
+            self.flush()
+
+    def ids(self, arr):
+        self.waiting.append((None, arr, None))
+
+    def flush(self):
+        enc = iter(self.encode_many([t if first else LEAD + t for path, t, first in self.waiting if path]))
+        for path, t, first in self.waiting:
+            if path is None:
+                self.out.append(t)
+                continue
+            ids = next(enc)
+            ids = ids if first else after_lead(self.lead, ids)
             if ids is None:  # the window round its cut said otherwise: a tokenizer no window sees whole
                 fail("%s: a piece's first token merged with the line end before it, which the text round "
                      "its cut did not: this tokenizer cannot be read a piece at a time" % path, 1)
-            pieces.append(np.asarray(ids, dtype=dtype))
-        waiting.clear()
+            self.out.append(np.asarray(ids, dtype=self.dtype))
+        self.waiting.clear()
+        self.ntext = 0
 
+
+def encode_file(f, path, encode, pieces):
+    """binary file f's text (line ends read as Python's text mode reads them) given to
+    pieces a piece at a time, cut where its tokens are those of the text encoded whole;
+    exits 3 on text that is not UTF-8, naming its byte."""
+    text, rest, at, cr, first = "", b"", 0, "", True
     while True:
         data = f.read(PIECE)
         whole, rest = utf8_whole(rest + data) if data else (rest, b"")
@@ -132,18 +153,14 @@ def encode_file(f, path, encode, encode_many, dtype):
         at += len(whole)
         cr = "\r" if data and new.endswith("\r") else ""  # its \n may come with the next read
         text += (new[:-1] if cr else new).replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
-        cut = cut_in(encode, lead, text) if data and len(text) >= PIECE else None
+        cut = cut_in(encode, pieces.lead, text) if data and len(text) >= PIECE else None
         if cut:
-            waiting.append(text[:cut])
-            text = text[cut:]
-            if len(waiting) == BATCH:
-                flush()
+            pieces.text(path, text[:cut], first)
+            text, first = text[cut:], False
         if not data:
             break
     if text:
-        waiting.append(text)
-    flush()
-    return pieces
+        pieces.text(path, text, first)
 
 
 def main(argv=None):
@@ -169,25 +186,25 @@ def main(argv=None):
     def encode_many(texts):
         return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    pieces, encoded = [], 0
+    pieces = Pieces(encode, encode_many, dtype)
     try:
         for p in a.inputs:
             with open(p, "rb") as f:
-                mine = encode_file(f, p, encode, encode_many, dtype)
-            pieces += mine
-            encoded += len(mine)
+                encode_file(f, p, encode, pieces)
             if a.eot:
-                pieces.append(np.array([tok.eos_token_id], dtype=dtype))
-        count = sum(x.size for x in pieces)
+                pieces.ids(np.array([tok.eos_token_id], dtype=dtype))
+        pieces.flush()
+        count = sum(x.size for x in pieces.out)
         if count > 2**31 - 1:
             fail("more than 2^31-1 tokens: split the input", 3)
         if not count:  # an empty token file would fail later, in smp-train, farther from the cause
             fail("no token: the inputs are empty", 3)
         u16 = dtype == "<u2"
-        write_atomically(a.out, [header(*((20240520, 1) if u16 else (20240801, 7)), count)] + [x.tobytes() for x in pieces])
+        write_atomically(a.out, [header(*((20240520, 1) if u16 else (20240801, 7)), count)] +
+                         [x.tobytes() for x in pieces.out])
     except OSError as e:
         fail("%s: %s" % (e.filename, e.strerror or e), 1)
-    print(f"{a.out}: {count} tokens (vocabulary {len(tok)}), encoded in {encoded} piece(s)")
+    print(f"{a.out}: {count} tokens (vocabulary {len(tok)}), encoded in {pieces.texts} piece(s)")
 
 
 if __name__ == "__main__":

@@ -776,8 +776,9 @@ def test_tokenize_hf_in_pieces_gives_the_whole_files_tokens(tmp_path):
     prefix space at the start of a text (the legacy Llama normalizer, Prepend + Replace,
     and the Metaspace pre-tokenizer with prepend_scheme "first" of today's Llama 2 and
     Mistral conversions), which a piece encoded alone would begin with (their files were
-    encoded whole, one piece); multi-byte characters straddle the reads; a bad byte past
-    the first piece is named at its offset in the file."""
+    encoded whole, one piece); files shorter than a piece encoded several at a time;
+    multi-byte characters straddle the reads; a bad byte past the first piece is named
+    at its offset in the file."""
     from tokenizers import Tokenizer, decoders, models as tm, normalizers, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
     rng = np.random.default_rng(3)
@@ -813,6 +814,21 @@ def test_tokenize_hf_in_pieces_gives_the_whole_files_tokens(tmp_path):
         assert np.frombuffer(raw[1024:], "<u2").tolist() == want, name
         pieces = int(re.search(r"encoded in (\d+) piece", p.stdout).group(1))
         assert pieces > 20, (name, p.stdout)
+    # many files shorter than a piece, encoded several at a time (a file's first piece
+    # without the lead, each file's eos in its place)
+    small = []
+    for k in range(30):
+        small.append(tmp_path / f"s{k:02d}.txt")
+        small[-1].write_text(text[k * 700:k * 700 + 300 + 37 * k], encoding="utf-8", newline="")
+    for name in ("bpe", "metaspace"):
+        fast = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / name))
+        out = tmp_path / f"small-{name}.bin"
+        subprocess.run([py, str(ROOT / "tools" / "tokenize_hf.py"), "--tokenizer", str(tmp_path / name), "--eot",
+                        str(out), *map(str, small)], env=env, check=True, capture_output=True, text=True)
+        want = []
+        for f in small:
+            want += fast.encode(f.read_text(encoding="utf-8"), add_special_tokens=False) + [fast.eos_token_id]
+        assert np.frombuffer(out.read_bytes()[1024:], "<u2").tolist() == want, name
     data = text.encode("utf-8")
     bad = data[:20000] + b"\xff" + data[20000:]
     (tmp_path / "bad.txt").write_bytes(bad)
