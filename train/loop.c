@@ -81,6 +81,8 @@ static shard_status open_inputs(train_run *r)
     if (!s && r->resumed) s = runcfg_seen(r->ck, &seen, &o.nseen);
     o.seen = seen;
     if (!s) s = open_files(r, &o);
+    r->ds.seen = r->vs.seen = NULL; /* borrowed while opening: freed now */
+    r->ds.nseen = r->vs.nseen = 0;
     free(seen);
     return s;
 }
