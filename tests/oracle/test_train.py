@@ -750,6 +750,17 @@ def test_text2tokens_and_tokenize_hf(tmp_path):
     toks = np.frombuffer(raw[1024:], "<u2")
     assert (h[0], h[1], h[2]) == (20240520, 1, len(text.encode()) + 1)
     assert bytes(toks[:-1].astype(np.uint8)) == text.encode() and toks[-1] == 256
+    # files read a chunk at a time (7 bytes here), every byte value, two files and a validation split
+    data = bytes(range(256)) * 3 + b"tail"
+    (tmp_path / "b.bin.txt").write_bytes(data)
+    subprocess.run(["python3", str(ROOT / "tools" / "text2tokens.py"), "--eot", "--val-fraction", "0.25", "--val-out",
+                    str(tmp_path / "v.bin"), str(tmp_path / "b.bin"), str(tmp_path / "b.bin.txt"), str(tmp_path / "a.txt")],
+                   check=True, capture_output=True, env=dict(os.environ, SMP_TEXT2TOKENS_CHUNK="7"))
+    want = list(data) + [256] + list(text.encode()) + [256]
+    got = [np.frombuffer((tmp_path / f).read_bytes(), "<i4", 256) for f in ("b.bin", "v.bin")]
+    assert [g[2] for g in got] == [len(want) - int(len(want) * 0.25), int(len(want) * 0.25)]
+    both = np.concatenate([np.frombuffer((tmp_path / f).read_bytes()[1024:], "<u2") for f in ("b.bin", "v.bin")])
+    assert both.tolist() == want
     # an HF tokenizer from a local folder (trained here, so no network is needed)
     from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
