@@ -11,10 +11,10 @@ the text round each cut: encoded whole it gives the tokens of its two sides), so
 tokens are those of the file encoded whole while memory holds about one piece's
 encoding per core (up to 8, encoded together on the tokenizer's threads, across files;
 an encoding keeps every token's string and offsets: 50 MB of text encoded whole took
-8.3 GB and 64 s). A piece after the first is encoded after the line end that precedes it in the
-file, whose tokens are then dropped: a SentencePiece tokenizer (Llama 2, Mistral) puts
-its prefix space only at the start of a text, so a piece encoded alone would begin
-with a token the whole file does not have. Where no cut is found in a piece's last
+8.3 GB and 64 s). A piece after the first is encoded after the line end that precedes
+it in the file, whose tokens are then dropped: a SentencePiece tokenizer (Llama 2,
+Mistral) puts its prefix space only at the start of a text, so a piece encoded alone
+would begin with a token the whole file does not have. Where no cut is found in a piece's last
 2 MB the piece grows (the file encoded whole at worst, as before).
 
 Output: llm.c's header of 256 int32 (magic 20240520 version 1 with uint16 tokens when
@@ -38,10 +38,20 @@ def header(magic, version, count):
     return h.tobytes()
 
 
+def token_dtype(vocab):
+    """uint16 tokens when the vocabulary fits, else uint32"""
+    return "<u2" if vocab <= 65536 else "<u4"
+
+
+def write_token_parts(path, parts, vocab):
+    """a token file of the arrays parts (of token_dtype(vocab)), one after the other"""
+    u16 = token_dtype(vocab) == "<u2"
+    write_atomically(path, [header(*((20240520, 1) if u16 else (20240801, 7)), sum(x.size for x in parts))] +
+                     [x.tobytes() for x in parts])
+
+
 def write_tokens(path, toks, vocab):
-    u16 = vocab <= 65536
-    write_atomically(path, (header(*((20240520, 1) if u16 else (20240801, 7)), len(toks)),
-                            np.asarray(toks, dtype="<u2" if u16 else "<u4").tobytes()))
+    write_token_parts(path, [np.asarray(toks, dtype=token_dtype(vocab))], vocab)
 
 
 def write_mask(path, mask):
@@ -177,8 +187,7 @@ def main(argv=None):
         fail("%s: cannot load the tokenizer: %s" % (a.tokenizer, e), 1)
     if a.eot and tok.eos_token_id is None:
         fail("%s: the tokenizer has no eos token for --eot" % a.tokenizer, 2)
-    import numpy as np
-    dtype = "<u2" if len(tok) <= 65536 else "<u4"
+    dtype = token_dtype(len(tok))
 
     def encode(text):
         return tok.encode(text, add_special_tokens=False)
@@ -199,9 +208,7 @@ def main(argv=None):
             fail("more than 2^31-1 tokens: split the input", 3)
         if not count:  # an empty token file would fail later, in smp-train, farther from the cause
             fail("no token: the inputs are empty", 3)
-        u16 = dtype == "<u2"
-        write_atomically(a.out, [header(*((20240520, 1) if u16 else (20240801, 7)), count)] +
-                         [x.tobytes() for x in pieces.out])
+        write_token_parts(a.out, pieces.out, len(tok))
     except OSError as e:
         fail("%s: %s" % (e.filename, e.strerror or e), 1)
     print(f"{a.out}: {count} tokens (vocabulary {len(tok)}), encoded in {pieces.texts} piece(s)")

@@ -409,21 +409,30 @@ static void token_hash(scan_file *f, uint64_t h)
     f->f->hash = f->f->stamp.hash = h;
 }
 
-/* every token of every file against the vocabulary, and hashed (scan), but in files
- * a record has seen as they are */
-static shard_status scan_tokens(data_set *ds)
+static void mask_hash(scan_file *f, uint64_t h)
+{
+    f->f->mstamp.hash = h;
+    f->f->hash = shard_hash64(f->f->hash, &h, sizeof h); /* the tokens', then the mask's */
+}
+
+/* Every token of every file against the vocabulary (mask 0) or every mask byte 0 or 1
+ * (mask 1), and hashed (scan), but in files a record has seen as they are */
+static shard_status scan_files(data_set *ds, int mask)
 {
     scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
     if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    void (*const hash)(scan_file *, uint64_t) = mask ? mask_hash : token_hash;
     int n = 0, nv;
-    const data_seen **v = seen_sorted(ds, 0, &nv);
+    const data_seen **v = seen_sorted(ds, mask, &nv);
     for (int i = 0; i < ds->nfiles; i++) {
         data_file *f = &ds->files[i];
-        const data_seen *r = seen_as(ds, v, nv, &f->stamp, 0);
-        if ((f->seen = r != NULL)) token_hash(&(scan_file){.f = f}, r->tok.hash);
+        const data_seen *r = seen_as(ds, v, nv, mask ? &f->mstamp : &f->stamp, mask);
+        int *seen = mask ? &f->mseen : &f->seen;
+        if ((*seen = r != NULL)) hash(&(scan_file){.f = f}, mask ? r->mask.hash : r->tok.hash);
+        else if (mask) sf[n++] = (scan_file){.f = f, .fd = f->mfd, .path = f->mpath, .es = 1, .count = f->ntokens};
         else sf[n++] = (scan_file){.f = f, .fd = f->fd, .path = f->path, .es = (size_t)f->token_size, .count = f->ntokens};
     }
-    shard_status s = scan(sf, n, check_tokens, ds->host, token_hash);
+    shard_status s = scan(sf, n, mask ? check_mask : check_tokens, ds->host, hash);
     free(sf);
     free(v);
     return s;
@@ -453,7 +462,7 @@ shard_status data_open_on(data_set *ds, const char *spec, int S, int64_t vocab, 
     if (S < 1) return shard_fail(SHARD_E_USAGE, "the sequence length must be at least 1");
     shard_status s = each_path(spec, add_path, ds);
     if (!s && ds->nfiles == 0) s = shard_fail(SHARD_E_USAGE, "no token file given");
-    if (!s) s = scan_tokens(ds);
+    if (!s) s = scan_files(ds, 0);
     if (!s && ds->nseq == 0)
         s = shard_fail(SHARD_E_INVALID, "%s: fewer than %d tokens in every file: no sequence of length %d + 1", spec, S + 1, S);
     if (s) data_close(ds);
@@ -518,32 +527,6 @@ static shard_status add_mask(void *ctx, const char *path)
     return SHARD_OK;
 }
 
-static void mask_hash(scan_file *f, uint64_t h)
-{
-    f->f->mstamp.hash = h;
-    f->f->hash = shard_hash64(f->f->hash, &h, sizeof h); /* the tokens', then the mask's */
-}
-
-/* every mask byte of every file 0 or 1, and hashed (scan), but in files a record has
- * seen as they are */
-static shard_status scan_masks(data_set *ds)
-{
-    scan_file *sf = calloc((size_t)ds->nfiles, sizeof *sf);
-    if (!sf) return shard_fail(SHARD_E_NOMEM, "out of memory");
-    int n = 0, nv;
-    const data_seen **v = seen_sorted(ds, 1, &nv);
-    for (int i = 0; i < ds->nfiles; i++) {
-        data_file *f = &ds->files[i];
-        const data_seen *r = seen_as(ds, v, nv, &f->mstamp, 1);
-        if ((f->mseen = r != NULL)) mask_hash(&(scan_file){.f = f}, r->mask.hash);
-        else sf[n++] = (scan_file){.f = f, .fd = f->mfd, .path = f->mpath, .es = 1, .count = f->ntokens};
-    }
-    shard_status s = scan(sf, n, check_mask, ds->host, mask_hash);
-    free(sf);
-    free(v);
-    return s;
-}
-
 shard_status data_open_masks(data_set *ds, const char *spec)
 {
     mask_walk w = {ds, 0};
@@ -551,7 +534,7 @@ shard_status data_open_masks(data_set *ds, const char *spec)
     if (!s && w.next != ds->nfiles)
         s = shard_fail(SHARD_E_USAGE, "%s: %d loss mask files for %d token files (one per token file, in the same order)",
                        spec, w.next, ds->nfiles);
-    if (!s) s = scan_masks(ds);
+    if (!s) s = scan_files(ds, 1);
     ds->masked = !s;
     return s;
 }
