@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """prepare_sft: chat or prompt/completion examples -> smp's token file and loss mask.
 
-    python tools/prepare_sft.py --tokenizer HF_DIR [--sep TOKEN] IN.jsonl OUT.bin
+    python tools/prepare_sft.py --tokenizer HF_DIR [--sep TOKEN] [--jobs N] IN.jsonl OUT.bin
 
 Writes OUT.bin (the tokens) and OUT.mask.bin (OUT with its .bin suffix replaced by
 .mask.bin; .mask.bin is appended when OUT does not end in .bin). The tokenizer is loaded
@@ -27,20 +27,27 @@ templates end every turn with the eos (Llama-3's <|eot_id|>, Qwen2-Instruct's
 <|im_end|>), and then a line is refused with a hint to pass --sep (e.g. <|end_of_text|> or
 <|endoftext|>, a token that only ends texts).
 
-Chat masking (the prefix method): for the assistant message i, P_i is the rendering of
-messages[:i] with add_generation_prompt=True and F_i that of messages[:i+1], both token
-ids (apply_chat_template(..., tokenize=True), a batch of examples per call); the tokens
-F_i[len(P_i):] (the turn's content and the template's end of turn) are targets. P_i must
-be a prefix of F_i and F_i a prefix of the whole conversation's rendering, else the line
-is an error (the template is not prefix-stable, e.g. one that drops earlier reasoning).
-So is a line the template refuses (raise_exception, e.g. roles that must alternate).
-{% generation %} markers, where a template has them, are not needed and change nothing.
+Chat masking: the whole conversation is rendered (apply_chat_template) and tokenized
+once. For the assistant message i, P_i is the rendering of messages[:i] with
+add_generation_prompt=True and F_i that of messages[:i+1]; both must begin the whole
+rendering, else the line is an error (the template is not prefix-stable, e.g. one that
+drops earlier reasoning); so is a line the template refuses (raise_exception, e.g. roles
+that must alternate). The tokens of the characters [len(P_i), len(F_i)) (the turn's
+content and the template's end of turn) are targets; a token that spans either end is an
+error too (e.g. a generation prompt ending in a space that a byte-level BPE joins to the
+next word). This is how transformers maps {% generation %} spans to tokens
+(return_assistant_tokens_mask), on offsets a ByteLevel post-processor has not trimmed,
+and refusing a straddling token rather than guessing its side. The prefixes are rendered
+but not tokenized: tokenizing each (earlier versions did) costs time and memory
+quadratic in the number of turns. {% generation %} markers, where a template has them,
+are not needed and change nothing.
 
 Outputs: llm.c's header of 256 little-endian int32 (magic 20240520 version 1 with uint16
 tokens when len(tokenizer) <= 65536, else magic 20240801 version 7 with uint32), then the
 tokens; the mask file has the same header with magic 20241201 version 1 and the token
 count, then one uint8 per token: 1 = the token is a target (predicted from the tokens
-before it), 0 = not. The stream is held in memory (3 or 5 bytes a token) until written.
+before it), 0 = not. The stream is held in memory (3 or 5 bytes a token) until written;
+the input is taken BATCH lines or BATCH_BYTES at a time.
 
 A bad line stops the run with `prepare_sft: error: IN.jsonl:LINE: what` on stderr and
 exit 3; usage errors (a tokenizer without an eos token too) exit 2, I/O errors (a
@@ -48,10 +55,13 @@ tokenizer that cannot be loaded too) 1. On a terminal, stderr shows the progress
 last line on stdout counts examples, tokens and target tokens.
 """
 import argparse
+import collections
+import copy
 import json
+import multiprocessing
+import os
 import sys
 import time
-from collections.abc import Mapping
 
 import numpy as np
 
@@ -59,6 +69,8 @@ from tokenize_hf import write_mask, write_tokens
 
 ROLES = {"system", "user", "assistant", "tool"}
 BATCH = 1024  # examples per tokenizer call
+BATCH_BYTES = 2 << 20  # or fewer: input bytes per call
+RENDER_CHARS = 32 << 20  # prefix characters rendered per template call, about
 
 
 class BadLine(Exception):
@@ -110,108 +122,189 @@ def check_messages(line, msgs):
 
 
 def render(tok, convs, gen):
-    """Token ids of each conversation through the chat template (a list of lists or a
-    BatchEncoding, depending on the transformers version)."""
-    if not convs:
-        return []
-    out = tok.apply_chat_template(convs, add_generation_prompt=gen, tokenize=True)
-    return out["input_ids"] if isinstance(out, Mapping) else out
+    """The text of each conversation through the chat template."""
+    return tok.apply_chat_template(convs, add_generation_prompt=gen, tokenize=False) if convs else []
 
 
-def chat_batch(tok, items):
-    """(ids, mask) of each (line, messages) in items, by the prefix method."""
-    prompts, fulls, plan = [], [], []
-    for line, msgs in items:
-        spans, whole = [], len(fulls)
-        fulls.append(msgs)
+def plain_backend(tok):
+    """A copy of the tokenizer's Rust backend that encodes as apply_chat_template does
+    (add_special_tokens=False: the post-processor adds nothing) but without its
+    post-processor, whose only effect is then to trim whitespace off the offsets: the
+    mask needs each token's true span."""
+    raw = copy.deepcopy(tok.backend_tokenizer)
+    raw.post_processor = None
+    raw.no_truncation()
+    raw.no_padding()
+    raw.encode_special_tokens = bool(getattr(tok, "split_special_tokens", False))
+    return raw
+
+
+def turn_bounds(tok, items, wholes):
+    """For each (line, messages) in items: [(i, start, end)], the characters of the whole
+    rendering that assistant message i adds (messages[:i] rendered with the generation
+    prompt, then messages[:i+1]). Each rendering must begin the whole one. The prefixes
+    are rendered about RENDER_CHARS characters at a time (a chat of n turns renders n
+    prefixes: held at once, long chats would take memory quadratic in their length)."""
+    jobs, bad, size, out = [], [], 0, [[] for _ in items]
+
+    def flush():
+        for gen in (True, False):
+            sel = [j for j in jobs if j[3] == gen]
+            for (k, i, slot, _, _), text in zip(sel, render(tok, [j[4] for j in sel], gen)):
+                if not wholes[k].startswith(text):
+                    bad.append((k, i))
+                out[k][slot][1 + (not gen)] = len(text)
+        jobs.clear()
+    for k, (line, msgs) in enumerate(items):
         for i, m in enumerate(msgs):
-            if m["role"] == "assistant":
-                prompts.append(msgs[:i])
-                if i + 1 < len(msgs):
-                    fulls.append(msgs[:i + 1])
-                spans.append((i, len(prompts) - 1, len(fulls) - 1 if i + 1 < len(msgs) else whole))
-        plan.append((line, whole, spans))
-    P, F = render(tok, prompts, True), render(tok, fulls, False)
+            if m["role"] != "assistant":
+                continue
+            out[k].append([i, 0, len(wholes[k])])
+            jobs.append((k, i, len(out[k]) - 1, True, msgs[:i]))
+            if i + 1 < len(msgs):
+                jobs.append((k, i, len(out[k]) - 1, False, msgs[:i + 1]))
+            size += 2 * sum(len(x["content"]) for x in msgs[:i + 1])
+            if size > RENDER_CHARS:
+                flush()
+                size = 0
+    flush()
+    if bad:
+        k, i = min(bad)
+        raise BadLine(items[k][0], "the chat template is not prefix-stable at message %d (an assistant turn)" % i)
+    return out
+
+
+def chat_batch(tok, raw, items):
+    """(ids, mask) of each (line, messages) in items: the whole conversation is rendered
+    and tokenized once; assistant message i's targets are the tokens of the characters
+    it adds (turn_bounds), which must start and end on token boundaries."""
+    wholes = render(tok, [msgs for _, msgs in items], False)
+    bounds = turn_bounds(tok, items, wholes)
     out = []
-    for line, whole, spans in plan:
-        ids = list(F[whole])
-        mask = [0] * len(ids)
-        for i, p, f in spans:
-            pi, fi = P[p], F[f]
-            if fi[:len(pi)] != pi or ids[:len(fi)] != fi:
+    for (line, _), enc, turns in zip(items, raw.encode_batch(wholes, add_special_tokens=False), bounds):
+        ids = np.array(enc.ids, dtype=np.int64)
+        offs = np.array(enc.offsets, dtype=np.int64).reshape(-1, 2)
+        mask = np.zeros(len(ids), np.uint8)
+        for i, a, b in turns:
+            if a > b:
                 raise BadLine(line, "the chat template is not prefix-stable at message %d (an assistant turn)" % i)
-            mask[len(pi):len(fi)] = [1] * (len(fi) - len(pi))
+            ka, kb = np.searchsorted(offs[:, 0], (a, b))
+            for k, c, what in ((ka, a, "start"), (kb, b, "end")):
+                if k and offs[k - 1, 1] > c:
+                    raise BadLine(line, "a token spans the %s of message %d (an assistant turn): the chat template "
+                                        "and the tokenizer do not separate the turns" % (what, i))
+            mask[ka:kb] = 1
         out.append((ids, mask))
     return out
 
 
-def chat_examples(tok, items):
+def chat_examples(tok, raw, items):
     """chat_batch, with a template failure (jinja's, the template's raise_exception)
     put on its line by rendering the batch again one example at a time."""
     if tok.chat_template is None:
         raise BadLine(items[0][0], "a messages line, but the tokenizer has no chat template")
     try:
-        return chat_batch(tok, items)
+        return chat_batch(tok, raw, items)
     except BadLine:
         raise
     except Exception:
-        return [ex for it in items for ex in chat_one(tok, it)]
+        return [ex for it in items for ex in chat_one(tok, raw, it)]
 
 
-def chat_one(tok, item):
+def chat_one(tok, raw, item):
     try:
-        return chat_batch(tok, [item])
+        return chat_batch(tok, raw, [item])
     except BadLine:
         raise
     except Exception as e:
         raise BadLine(item[0], "the chat template failed: %s: %s" % (type(e).__name__, e))
 
 
-def text_examples(tok, items):
+def encode(raw, texts):
+    return [np.array(e.ids, np.int64) for e in raw.encode_batch(texts, add_special_tokens=False)] if texts else []
+
+
+def text_examples(tok, raw, items):
     """(ids, mask) of each (line, (prompt, completion)) in items."""
-    enc = lambda texts: tok(texts, add_special_tokens=False)["input_ids"] if texts else []
-    ps = enc([p for _, (p, _) in items])
-    wholes = enc([p + c for _, (p, c) in items])
-    split = [k for k, (p, w) in enumerate(zip(ps, wholes)) if w[:len(p)] != p]
-    for k, c in zip(split, enc([items[k][1][1] for k in split])):
-        wholes[k] = ps[k] + c
-    return [(list(w), [0] * len(p) + [1] * (len(w) - len(p))) for p, w in zip(ps, wholes)]
+    ps = encode(raw, [p for _, (p, _) in items])
+    wholes = encode(raw, [p + c for _, (p, c) in items])
+    split = [k for k, (p, w) in enumerate(zip(ps, wholes)) if not np.array_equal(w[:len(p)], p)]
+    for k, c in zip(split, encode(raw, [items[k][1][1] for k in split])):
+        wholes[k] = np.concatenate([ps[k], c])
+    return [(w, (np.arange(len(w)) >= len(p)).astype(np.uint8)) for p, w in zip(ps, wholes)]
 
 
-def examples(tok, batch, sep):
+def examples(tok, raw, batch, sep):
     """(ids, mask) of each (line, kind, data) in batch, in order, each ended by the
     separator (token id sep), which occurs nowhere else in it."""
     done = {}
     for kind, fn in (("chat", chat_examples), ("text", text_examples)):
         idx = [k for k, b in enumerate(batch) if b[1] == kind]
         if idx:
-            done.update(zip(idx, fn(tok, [(batch[k][0], batch[k][2]) for k in idx])))
+            done.update(zip(idx, fn(tok, raw, [(batch[k][0], batch[k][2]) for k in idx])))
     out = []
     for k in range(len(batch)):
         ids, mask = done[k]
-        if sep in ids[:-1]:
+        if (ids[:-1] == sep).any():
             raise BadLine(batch[k][0], "the separator %s (id %d) occurs inside the example: smp-train --documents "
                                        "would cut it there; pass --sep with a token the examples never contain"
                           % (tok.convert_ids_to_tokens(sep), sep))
-        if not ids or ids[-1] != sep:
-            mask.append(mask[-1] if mask else 0)
-            ids.append(sep)
+        if not len(ids) or ids[-1] != sep:
+            mask = np.append(mask, mask[-1] if len(mask) else 0).astype(np.uint8)
+            ids = np.append(ids, sep)
         out.append((ids, mask))
     return out
 
 
 def read_batches(f):
-    """Batches of (line, kind, data) of the file's non-blank lines, with the bytes read so far."""
-    batch = []
+    """Batches of (line, raw line) of the file's non-blank lines, with the bytes read so far."""
+    batch, size = [], 0
     for line, raw in enumerate(f, 1):
         if raw.strip():
-            kind, data = parse(line, raw)
-            batch.append((line, kind, data))
-        if len(batch) == BATCH:
+            batch.append((line, raw))
+            size += len(raw)
+        if len(batch) == BATCH or size >= BATCH_BYTES:
             yield batch, f.tell()
-            batch = []
+            batch, size = [], 0
     if batch:
         yield batch, f.tell()
+
+
+class Work:
+    """What a batch's work needs (set before the workers fork): the tokenizer, its plain
+    backend, the separator and the token dtype."""
+    tok = raw = sep = dtype = None
+
+
+def work(batch):
+    """A batch of (line, raw line) -> (tokens, mask, examples), or ("bad", line, what)."""
+    try:
+        exs = examples(Work.tok, Work.raw, [(line, *parse(line, raw)) for line, raw in batch], Work.sep)
+    except BadLine as e:
+        return "bad", e.line, str(e)
+    return (np.concatenate([e[0] for e in exs]).astype(Work.dtype), np.concatenate([e[1] for e in exs]), len(exs))
+
+
+def worker_start():
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process a core already
+
+
+def results(batches, jobs):
+    """work() of each batch, in order, with its bytes read so far: in jobs processes
+    (forked), at most 2 x jobs batches ahead of the one awaited."""
+    if jobs == 1:
+        yield from ((work(b), pos) for b, pos in batches)
+        return
+    with multiprocessing.get_context("fork").Pool(jobs, initializer=worker_start) as pool:
+        ahead = collections.deque()
+        for b, pos in batches:
+            ahead.append((pool.apply_async(work, (b,)), pos))
+            if len(ahead) >= 2 * jobs:
+                r, p = ahead.popleft()
+                yield r.get(), p
+        while ahead:
+            r, p = ahead.popleft()
+            yield r.get(), p
 
 
 class Stream:
@@ -221,28 +314,26 @@ class Stream:
         self.dtype = np.uint16 if vocab <= 65536 else np.uint32
         self.toks, self.mask, self.n, self.targets, self.examples = [], [], 0, 0, 0
 
-    def add(self, exs):
-        ids = np.fromiter((t for e in exs for t in e[0]), dtype=np.int64)
-        m = np.fromiter((t for e in exs for t in e[1]), dtype=np.uint8, count=len(ids))
-        self.toks.append(ids.astype(self.dtype))
+    def add(self, ids, m, count):
+        self.toks.append(ids)
         self.mask.append(m)
-        self.n, self.targets, self.examples = self.n + len(ids), self.targets + int(m.sum()), self.examples + len(exs)
+        self.n, self.targets, self.examples = self.n + len(ids), self.targets + int(m.sum()), self.examples + count
 
 
-def convert(tok, path, stream, sep):
+def convert(tok, path, stream, sep, jobs):
+    Work.tok, Work.raw, Work.sep, Work.dtype = tok, plain_backend(tok), sep, stream.dtype
     tty, t0 = sys.stderr.isatty(), time.time()
     with open(path, "rb") as f:
-        try:
-            for batch, pos in read_batches(f):
-                stream.add(examples(tok, batch, sep))
+        for r, pos in results(read_batches(f), jobs):
+            if isinstance(r[0], str):  # ("bad", line, what)
                 if tty:
-                    mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
-                    print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
-                          end="", file=sys.stderr, flush=True)
-        except BadLine as e:
+                    print(file=sys.stderr)
+                fail("%s:%d: %s" % (path, r[1], r[2]), 3)
+            stream.add(*r)
             if tty:
-                print(file=sys.stderr)
-            fail("%s:%d: %s" % (path, e.line, e), 3)
+                mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
+                print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
+                      end="", file=sys.stderr, flush=True)
     if tty:
         print(file=sys.stderr)
 
@@ -255,9 +346,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
     ap.add_argument("--sep", help="the token that ends each example (default: the tokenizer's eos token)")
+    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
+                    help="processes that render and tokenize (default: the cores this process may use)")
     ap.add_argument("input", help="JSON lines: chat messages or prompt/completion")
     ap.add_argument("out", help="the token file; the mask goes next to it (.mask.bin)")
     a = ap.parse_args(argv)
+    if a.jobs < 1:
+        fail("--jobs %d: at least 1" % a.jobs, 2)
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
@@ -270,7 +365,7 @@ def main(argv=None):
         fail("--sep %s: not a token of the tokenizer's vocabulary" % a.sep, 2)
     stream = Stream(len(tok))
     try:
-        convert(tok, a.input, stream, sep)
+        convert(tok, a.input, stream, sep, a.jobs)
         if not stream.examples:  # an empty token file would fail later, in smp-train, farther from the cause
             fail("%s: no example (the file is empty or holds blank lines only)" % a.input, 3)
         if stream.n > 2**31 - 1:

@@ -54,22 +54,30 @@ STYLES = {"qwen": (QWEN, "<|endoftext|>", "<|im_end|>\n", "<|endoftext|>"),
 
 
 @pytest.fixture(scope="session")
-def toks(tmp_path_factory):
-    """A byte-level BPE saved once per chat template: {style: (folder, tokenizer)}."""
+def bpe():
+    """A byte-level BPE trained on WORDS."""
     from tokenizers import Tokenizer, decoders, models as tm, pre_tokenizers, trainers
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
     tk = Tokenizer(tm.BPE())
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
     tk.train_from_iterator([" ".join(WORDS)] * 20, trainers.BpeTrainer(
         vocab_size=500, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    out = {}
-    for style, (tmpl, eos, _, _) in STYLES.items():
-        d = tmp_path_factory.mktemp("tok_" + style)
-        PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, bos_token="<|begin_of_text|>",
-                                chat_template=tmpl).save_pretrained(str(d))
-        out[style] = (d, AutoTokenizer.from_pretrained(str(d), local_files_only=True))
-    return out
+    return tk
+
+
+def save_tok(d, tk, tmpl, eos):
+    """tk saved as a transformers tokenizer in d, loaded back: (d, tokenizer)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+    PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, bos_token="<|begin_of_text|>",
+                            chat_template=tmpl).save_pretrained(str(d))
+    return d, AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def toks(tmp_path_factory, bpe):
+    """The BPE saved once per chat template: {style: (folder, tokenizer)}."""
+    return {style: save_tok(tmp_path_factory.mktemp("tok_" + style), bpe, tmpl, eos)
+            for style, (tmpl, eos, _, _) in STYLES.items()}
 
 
 def sentence(rng, n):
@@ -94,7 +102,7 @@ def sep_of(style, toks):
     return toks[style][1].convert_tokens_to_ids(STYLES[style][3])
 
 
-def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl", sep=True):
+def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl", sep=True, args=("--jobs", "1")):
     """Run the tool in-process on lines (str or objects), with the style's --sep where it
     is not the eos: (rc, stdout, stderr, tokens, mask, headers)."""
     src = tmp_path / name
@@ -103,7 +111,7 @@ def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl", sep=True):
     out = tmp_path / "out.bin"
     try:
         extra = ["--sep", STYLES[style][3]] if sep and STYLES[style][3] != STYLES[style][1] else []
-        prepare_sft.main(["--tokenizer", str(toks[style][0]), *extra, str(src), str(out)])
+        prepare_sft.main(["--tokenizer", str(toks[style][0]), *extra, *args, str(src), str(out)])
         rc = 0
     except SystemExit as e:
         rc = e.code
@@ -184,6 +192,79 @@ def test_chat_mask_matches_generation_markers(tmp_path, toks, capsys):
     assert t == want_t and m == want_m
 
 
+def post_processors():
+    from tokenizers import processors
+    bos = processors.TemplateProcessing(single="<|begin_of_text|> $A", special_tokens=[("<|begin_of_text|>", 3)])
+    return {"none": None, "bytelevel_trim": processors.ByteLevel(trim_offsets=True),
+            "sequence": processors.Sequence([processors.ByteLevel(trim_offsets=True), bos])}
+
+
+@pytest.mark.parametrize("proc", ["bytelevel_trim", "sequence"])
+def test_post_processors_change_nothing(tmp_path, toks, bpe, capsys, proc):
+    """GPT-2's and Llama-3's post-processors (ByteLevel trims whitespace off the offsets;
+    a template adds a bos, but not to apply_chat_template's encoding): the same tokens as
+    apply_chat_template's, the same mask as without a post-processor."""
+    import copy
+    tk = copy.deepcopy(bpe)
+    tk.post_processor = post_processors()[proc]
+    d, tok = save_tok(tmp_path / "tok", tk, QWEN, "<|endoftext|>")
+    assert tk.token_to_id("<|begin_of_text|>") == 3 and tok.backend_tokenizer.post_processor is not None
+    exs = [conversation(random.Random(13)) for _ in range(25)]
+    base = prepare(tmp_path, "qwen", toks, exs, capsys)
+    rc, _, e, t, m, _ = prepare(tmp_path, "qwen", {"qwen": (d, tok)}, exs, capsys)
+    assert rc == 0 == base[0], e
+    assert t == [i for ex in exs for i in expected_chat(tok, ex, tok.eos_token_id)] and (t, m) == base[3:5]
+
+
+# A generation prompt that ends in a space: the byte-level BPE joins it to the first word.
+SPACE = ("{% for message in messages %}{{ message['role'] + ': ' + message['content'] + '\\n' }}{% endfor %}"
+         "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}")
+# The same, with the space written as the turn's: every turn starts on a token.
+NOSPACE = ("{% for message in messages %}{{ message['role'] + ':' + ' ' + message['content'] + '\\n' }}"
+           "{% endfor %}{% if add_generation_prompt %}{{ 'assistant:' }}{% endif %}")
+
+
+@pytest.mark.parametrize("proc", ["none", "bytelevel_trim"])
+def test_a_token_across_a_turn_boundary_is_refused(tmp_path, bpe, capsys, proc):
+    """' the' starts in the prompt and ends in the answer: refused, whether the offsets
+    the tokenizer reports are trimmed (the space hidden) or not; with the space on the
+    turn's side, the turn is ' the cat.\\n'."""
+    import copy
+    tk = copy.deepcopy(bpe)
+    tk.post_processor = post_processors()[proc]
+    msgs = [{"role": "user", "content": "the dog"}, {"role": "assistant", "content": "the cat."}]
+    styles = {"space": save_tok(tmp_path / "sp", tk, SPACE, "<|endoftext|>"),
+              "nospace": save_tok(tmp_path / "nsp", tk, NOSPACE, "<|endoftext|>")}
+    ok = {"prompt": "a", "completion": "b"}
+    rc, _, e, *_ = prepare(tmp_path, "space", styles, [ok, {"messages": msgs}], capsys, sep=False)
+    assert rc == 3 and e.count("\n") == 1, e
+    assert ":2: a token spans the start of message 1 (an assistant turn)" in e, e
+    rc, _, e, t, m, _ = prepare(tmp_path, "nospace", styles, [{"messages": msgs}], capsys, sep=False)
+    tok = styles["nospace"][1]
+    assert rc == 0 and t == expected_chat(tok, {"messages": msgs}, tok.eos_token_id), e
+    assert [tok.decode(t[a:b]) for a, b in runs(m)] == [" the cat.\n<|endoftext|>"]
+
+
+def test_long_chats_render_their_prefixes_in_parts(tmp_path, toks, capsys, monkeypatch):
+    """A chat of 150 turns among short ones, the prefixes rendered a few hundred
+    characters at a time and the input taken 3000 bytes at a time: the same stream as
+    in one go, and transformers' own mask from the {% generation %} markers."""
+    rng = random.Random(17)
+    long = [{"role": r, "content": sentence(rng, rng.randint(1, 8))} for _ in range(150) for r in ("user", "assistant")]
+    exs = [conversation(rng) for _ in range(6)] + [{"messages": long}] + [conversation(rng) for _ in range(6)]
+    whole = prepare(tmp_path, "qwen", toks, exs, capsys)
+    monkeypatch.setattr(prepare_sft, "RENDER_CHARS", 300)
+    monkeypatch.setattr(prepare_sft, "BATCH_BYTES", 3000)
+    rc, _, e, t, m, _ = prepare(tmp_path, "qwen", toks, exs, capsys)
+    assert rc == 0 == whole[0] and (t, m) == whole[3:5], e
+    gen, want_t, want_m = toks["qwen_gen"][1], [], []
+    for ex in exs:
+        r = gen.apply_chat_template(ex["messages"], tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+        want_t += list(r["input_ids"]) + [gen.eos_token_id]
+        want_m += list(r["assistant_masks"]) + [r["assistant_masks"][-1]]
+    assert t == want_t and m == want_m and sum(m) > 1500
+
+
 def test_generation_template_itself(tmp_path, toks, capsys):
     rng = random.Random(5)
     exs = [conversation(rng) for _ in range(10)]
@@ -237,6 +318,28 @@ def test_mixed_file_blank_lines_and_batches(tmp_path, toks, capsys, monkeypatch)
     monkeypatch.setattr(prepare_sft, "BATCH", 1024)
     one = prepare(tmp_path, "llama3", toks, lines, capsys)
     assert (one[3], one[4]) == (t, m)
+
+
+def test_jobs_give_the_same_stream(tmp_path, toks, capsys, monkeypatch):
+    """Batches of 4 lines over 1, 2 and 3 processes: the same files; of two bad lines in
+    different batches, the first is the one named, whichever process meets it first."""
+    monkeypatch.setattr(prepare_sft, "BATCH", 4)
+    rng = random.Random(19)
+    exs = [conversation(rng) if rng.random() < 0.7 else {"prompt": sentence(rng, 4), "completion": sentence(rng, 3)}
+           for _ in range(40)]
+    runs_ = [prepare(tmp_path, "qwen", toks, exs, capsys, args=("--jobs", j)) for j in ("1", "2", "3")]
+    assert all(r[0] == 0 for r in runs_) and runs_[0][3:5] == runs_[1][3:5] == runs_[2][3:5]
+    assert runs_[0][3] == [i for ex in exs for i in (expected_chat(toks["qwen"][1], ex, sep_of("qwen", toks))
+                                                      if "messages" in ex else
+                                                      toks["qwen"][1](ex["prompt"] + ex["completion"])["input_ids"]
+                                                      + [sep_of("qwen", toks)])]
+    bad = exs[:9] + ['{"messages": 1}'] + exs[9:30] + ["[]"] + exs[30:]
+    for j in ("1", "3"):
+        rc, o, e, *_ = prepare(tmp_path, "qwen", toks, bad, capsys, args=("--jobs", j))
+        assert rc == 3 and e == "prepare_sft: error: %s:10: messages must be a list\n" % (tmp_path / "in.jsonl"), e
+    with pytest.raises(SystemExit) as x:
+        prepare_sft.main(["--tokenizer", str(toks["qwen"][0]), "--jobs", "0", "in.jsonl", "o.bin"])
+    assert x.value.code == 2 and "--jobs 0: at least 1" in capsys.readouterr().err
 
 
 BAD = [
