@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """prepare_sft: chat or prompt/completion examples -> smp's token file and loss mask.
 
-    python tools/prepare_sft.py --tokenizer HF_DIR [--sep TOKEN] [--jobs N] IN.jsonl OUT.bin
+    python tools/prepare_sft.py --tokenizer HF_DIR [--sep TOKEN] [--jobs N] [--tokens-per-file N] IN.jsonl OUT.bin
 
 Writes OUT.bin (the tokens) and OUT.mask.bin (OUT with its .bin suffix replaced by
 .mask.bin; .mask.bin is appended when OUT does not end in .bin). The tokenizer is loaded
@@ -46,8 +46,12 @@ Outputs: llm.c's header of 256 little-endian int32 (magic 20240520 version 1 wit
 tokens when len(tokenizer) <= 65536, else magic 20240801 version 7 with uint32), then the
 tokens; the mask file has the same header with magic 20241201 version 1 and the token
 count, then one uint8 per token: 1 = the token is a target (predicted from the tokens
-before it), 0 = not. The stream is held in memory (3 or 5 bytes a token) until written;
-the input is taken BATCH lines or BATCH_BYTES at a time.
+before it), 0 = not. They are written as they come (the input taken BATCH lines or
+BATCH_BYTES at a time), under temporary names until the end. A file counts at most
+2^31-1 tokens (--tokens-per-file N: at most N): more go to numbered parts cut between
+examples, OUT.bin's being OUT-0000.bin with OUT-0000.mask.bin, OUT-0001.bin, ... (the
+last line gives the globs for smp-train); parts an earlier run left beyond them are
+removed.
 
 A bad line stops the run with `prepare_sft: error: IN.jsonl:LINE: what` on stderr and
 exit 3; usage errors (a tokenizer without an eos token too) exit 2, I/O errors (a
@@ -65,7 +69,7 @@ import time
 
 import numpy as np
 
-from tokenize_hf import write_mask, write_tokens
+from tokenize_hf import FILE_TOKENS, TokenFiles, part_glob
 
 ROLES = {"system", "user", "assistant", "tool"}
 BATCH = 1024  # examples per tokenizer call
@@ -282,7 +286,8 @@ def work(batch):
         exs = examples(Work.tok, Work.raw, [(line, *parse(line, raw)) for line, raw in batch], Work.sep)
     except BadLine as e:
         return "bad", e.line, str(e)
-    return (np.concatenate([e[0] for e in exs]).astype(Work.dtype), np.concatenate([e[1] for e in exs]), len(exs))
+    return (np.concatenate([e[0] for e in exs]).astype(Work.dtype), np.concatenate([e[1] for e in exs]),
+            np.cumsum([len(e[0]) for e in exs]))
 
 
 def worker_start():
@@ -308,20 +313,19 @@ def results(batches, jobs):
 
 
 class Stream:
-    """The packed tokens and mask, in chunks, with the counts for the progress line."""
+    """The packed tokens and mask, written as they come (files: TokenFiles, a part
+    ending only between examples), with the counts for the progress line."""
 
-    def __init__(self, vocab):
-        self.dtype = np.uint16 if vocab <= 65536 else np.uint32
-        self.toks, self.mask, self.n, self.targets, self.examples = [], [], 0, 0, 0
+    def __init__(self, files):
+        self.files, self.n, self.targets, self.examples = files, 0, 0, 0
 
-    def add(self, ids, m, count):
-        self.toks.append(ids)
-        self.mask.append(m)
-        self.n, self.targets, self.examples = self.n + len(ids), self.targets + int(m.sum()), self.examples + count
+    def add(self, ids, m, ends):
+        self.files.add(ids, m, ends)
+        self.n, self.targets, self.examples = self.n + len(ids), self.targets + int(m.sum()), self.examples + len(ends)
 
 
 def convert(tok, path, stream, sep, jobs):
-    Work.tok, Work.raw, Work.sep, Work.dtype = tok, plain_backend(tok), sep, stream.dtype
+    Work.tok, Work.raw, Work.sep, Work.dtype = tok, plain_backend(tok), sep, stream.files.dtype
     tty, t0 = sys.stderr.isatty(), time.time()
     with open(path, "rb") as f:
         for r, pos in results(read_batches(f), jobs):
@@ -338,21 +342,21 @@ def convert(tok, path, stream, sep, jobs):
         print(file=sys.stderr)
 
 
-def mask_path(out):
-    return (out[:-4] if out.endswith(".bin") else out) + ".mask.bin"
-
-
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
     ap.add_argument("--sep", help="the token that ends each example (default: the tokenizer's eos token)")
     ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
                     help="processes that render and tokenize (default: the cores this process may use)")
+    ap.add_argument("--tokens-per-file", type=int, default=FILE_TOKENS,
+                    help="more tokens go to numbered parts of OUT, cut between examples (default and most: 2^31-1)")
     ap.add_argument("input", help="JSON lines: chat messages or prompt/completion")
     ap.add_argument("out", help="the token file; the mask goes next to it (.mask.bin)")
     a = ap.parse_args(argv)
     if a.jobs < 1:
         fail("--jobs %d: at least 1" % a.jobs, 2)
+    if not 1 <= a.tokens_per_file <= FILE_TOKENS:
+        fail("--tokens-per-file %d: from 1 to %d" % (a.tokens_per_file, FILE_TOKENS), 2)
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
@@ -363,20 +367,24 @@ def main(argv=None):
     sep = tok.eos_token_id if a.sep is None else tok.convert_tokens_to_ids(a.sep)
     if a.sep is not None and (sep is None or sep == tok.unk_token_id or tok.convert_ids_to_tokens(sep) != a.sep):
         fail("--sep %s: not a token of the tokenizer's vocabulary" % a.sep, 2)
-    stream = Stream(len(tok))
+    stream = Stream(TokenFiles(a.out, len(tok), a.tokens_per_file, masks=True))
     try:
         convert(tok, a.input, stream, sep, a.jobs)
         if not stream.examples:  # an empty token file would fail later, in smp-train, farther from the cause
             fail("%s: no example (the file is empty or holds blank lines only)" % a.input, 3)
-        if stream.n > 2**31 - 1:
-            fail("more than 2^31-1 tokens: split the input", 1)
-        toks = np.concatenate(stream.toks) if stream.toks else np.zeros(0, stream.dtype)
-        mask = np.concatenate(stream.mask) if stream.mask else np.zeros(0, np.uint8)
-        write_tokens(a.out, toks, len(tok))
-        write_mask(mask_path(a.out), mask)
+        names = stream.files.close()
     except OSError as e:
+        stream.files.abort()
         fail("%s: %s" % (e.filename or a.input, e.strerror or e), 1)
-    print(f"{a.out}: {stream.examples} examples, {stream.n} tokens, {stream.targets} target tokens "
+    except ValueError as e:
+        stream.files.abort()
+        fail(str(e), 3)
+    except BaseException:
+        stream.files.abort()
+        raise
+    where = a.out if len(names) == 1 else "%s (%d files: --data %s --loss-mask %s)" % (
+        a.out, len(names), part_glob(a.out), part_glob(a.out, mask=True))
+    print(f"{where}: {stream.examples} examples, {stream.n} tokens, {stream.targets} target tokens "
           f"(vocabulary {len(tok)}); separator {tok.convert_ids_to_tokens(sep)}: smp-train --documents --doc-sep {sep}")
 
 

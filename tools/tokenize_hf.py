@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """tokenize_hf: text files -> tokens of a Hugging Face tokenizer, in llm.c's format.
 
-    python tools/tokenize_hf.py --tokenizer MODEL_DIR [--eot] OUT.bin IN.txt [IN2.txt ...]
+    python tools/tokenize_hf.py --tokenizer MODEL_DIR [--eot] [--tokens-per-file N] OUT.bin IN.txt [IN2.txt ...]
 
 The tokenizer is loaded from a local folder (transformers.AutoTokenizer, no network).
 Each file is encoded without special tokens; --eot appends the tokenizer's eos token
@@ -19,7 +19,12 @@ would begin with a token the whole file does not have. Where no cut is found in 
 
 Output: llm.c's header of 256 int32 (magic 20240520 version 1 with uint16 tokens when
 the vocabulary fits, else magic 20240801 version 7 with uint32), then the tokens. A
-model trained on them needs vocab_size >= len(tokenizer).
+model trained on them needs vocab_size >= len(tokenizer). The tokens are written as
+they come (memory does not grow with the inputs). A file counts at most 2^31-1 tokens
+(--tokens-per-file N: at most N): more go to numbered parts, OUT.bin's being
+OUT-0000.bin, OUT-0001.bin, ... (the last line gives the glob for smp-train --data);
+parts an earlier run left beyond them are removed. Every file appears whole or not at
+all (written under a temporary name, renamed at the end).
 """
 import argparse
 import os
@@ -43,21 +48,151 @@ def token_dtype(vocab):
     return "<u2" if vocab <= 65536 else "<u4"
 
 
-def write_token_parts(path, parts, vocab):
-    """a token file of the arrays parts (of token_dtype(vocab)), one after the other"""
-    u16 = token_dtype(vocab) == "<u2"
-    write_atomically(path, [header(*((20240520, 1) if u16 else (20240801, 7)), sum(x.size for x in parts))] +
-                     [x.tobytes() for x in parts])
-
-
 def write_tokens(path, toks, vocab):
-    write_token_parts(path, [np.asarray(toks, dtype=token_dtype(vocab))], vocab)
+    """a token file of toks, in memory (TokenFiles writes as the tokens come)"""
+    toks = np.asarray(toks, dtype=token_dtype(vocab))
+    u16 = toks.dtype == np.dtype("<u2")
+    write_atomically(path, (header(*((20240520, 1) if u16 else (20240801, 7)), toks.size), toks.tobytes()))
 
 
 def write_mask(path, mask):
     """The loss mask of a token file: magic 20241201 version 1, then one uint8 per token
     (1: the token is a target, 0: not)."""
     write_atomically(path, (header(20241201, 1, len(mask)), np.asarray(mask, dtype=np.uint8).tobytes()))
+
+
+FILE_TOKENS = 2**31 - 1  # llm.c's header counts a file's tokens in an int32
+
+
+def part_path(out, k):
+    """OUT's k-th part: a number before its .bin suffix (train.bin -> train-0003.bin)."""
+    return "%s-%04d.bin" % (out[:-4], k) if out.endswith(".bin") else "%s-%04d" % (out, k)
+
+
+def part_glob(out, mask=False):
+    """A glob of OUT's parts (or of their masks), quoted for a shell: smp-train's --data
+    (--loss-mask)."""
+    g = "%s-????%s" % ((out[:-4], ".bin") if out.endswith(".bin") else (out, ""))
+    return "'%s'" % (mask_path(g) if mask else g)
+
+
+def mask_path(out):
+    """The loss mask beside a token file: its .bin suffix replaced by .mask.bin."""
+    return (out[:-4] if out.endswith(".bin") else out) + ".mask.bin"
+
+
+class TokenFiles:
+    """Token files (and their loss masks, masks=True) written as the tokens come, none
+    held: OUT when they fit in one file, else OUT's parts (part_path) of at most per_file
+    tokens each, cut only where add() allows. Each file is written under a temporary
+    name, its header's count set last, and takes its name at close(), which then removes
+    the parts an earlier run left beyond this run's (a glob of the parts names this
+    run's tokens and nothing else); abort() leaves every name as it was. An output that is
+    a link, a device or a FIFO is written through (atomic_write): one file, held in
+    memory until close(). A unit longer than per_file is a ValueError; an OSError names
+    OUT."""
+
+    def __init__(self, out, vocab, per_file=FILE_TOKENS, masks=False):
+        self.out, self.vocab, self.per_file, self.masks = out, vocab, per_file, masks
+        self.dtype = np.dtype(token_dtype(vocab))
+        self.direct = os.path.islink(out) or (os.path.exists(out) and not os.path.isfile(out))
+        self.files, self.held, self.count, self.n = [], [], 0, 0  # n: the open part's tokens
+
+    def _tmp(self, k, mask):
+        return "%s.part%d%s.tmp-%d" % (self.out, k, ".mask" if mask else "", os.getpid())
+
+    def _seal(self):
+        """the open part's headers written, its files closed"""
+        if self.files and not self.files[-1][0].closed:
+            u16 = self.dtype == np.dtype("<u2")
+            heads = (header(*((20240520, 1) if u16 else (20240801, 7)), self.n), header(20241201, 1, self.n))
+            for f, h in zip(self.files[-1], heads):
+                f.seek(0)
+                f.write(h)
+                f.close()
+
+    def _open(self):
+        self._seal()
+        k = len(self.files)
+        self.files.append([])
+        for m in (False, True)[:1 + self.masks]:
+            self.files[-1].append(open(self._tmp(k, m), "wb"))
+            self.files[-1][-1].write(bytes(1024))  # the header, once the count is known
+        self.n = 0
+
+    def add(self, toks, mask=None, ends=None):
+        """toks (and their mask) after the tokens before; a part may end only at the
+        positions ends (increasing, the last len(toks)), anywhere when ends is None."""
+        toks = np.asarray(toks, dtype=self.dtype)
+        if self.direct:
+            self.held.append((toks, mask))
+            self.count += len(toks)
+            if self.count > self.per_file:
+                raise ValueError("%s: more than %d tokens, and a link, a device or a FIFO holds one file"
+                                 % (self.out, self.per_file))
+            return
+        try:
+            self._add(toks, mask, ends)
+        except OSError as e:
+            raise OSError(e.errno, e.strerror, self.out) from e
+
+    def _add(self, toks, mask, ends):
+        at = 0
+        while at < len(toks):
+            if not self.files or self.n == self.per_file:
+                self._open()
+            cut = min(len(toks), at + self.per_file - self.n)
+            if ends is not None and cut < len(toks):
+                i = np.searchsorted(ends, cut, side="right")
+                cut = int(ends[i - 1]) if i else 0  # the last unit that fits
+                if cut <= at:  # the next unit does not: a new part, unless this one is new
+                    if not self.n:
+                        unit = int(ends[np.searchsorted(ends, at, side="right")]) - at
+                        raise ValueError("%s: an example of %d tokens, longer than a file's %d"
+                                         % (self.out, unit, self.per_file))
+                    self._open()
+                    continue
+            self.files[-1][0].write(toks[at:cut].tobytes())
+            if self.masks:
+                self.files[-1][1].write(np.asarray(mask[at:cut], dtype=np.uint8).tobytes())
+            self.n += cut - at
+            self.count += cut - at
+            at = cut
+
+    def close(self):
+        """The files' names, in order, once they hold this run's tokens."""
+        if self.direct:
+            toks = np.concatenate([t for t, _ in self.held]) if self.held else np.zeros(0, self.dtype)
+            write_tokens(self.out, toks, self.vocab)
+            if self.masks:
+                write_mask(mask_path(self.out), np.concatenate([m for _, m in self.held]) if self.held else [])
+            return [self.out]
+        try:
+            if not self.files:
+                self._open()
+            self._seal()
+            names = [self.out] if len(self.files) == 1 else [part_path(self.out, k) for k in range(len(self.files))]
+            for k, name in enumerate(names):
+                for m in (False, True)[:1 + self.masks]:
+                    os.replace(self._tmp(k, m), mask_path(name) if m else name)
+            k = len(names) if len(names) > 1 else 0
+            while os.path.isfile(part_path(self.out, k)):  # an earlier run's, which a glob of these would take
+                for name in (part_path(self.out, k), mask_path(part_path(self.out, k)))[:1 + self.masks]:
+                    if os.path.isfile(name):
+                        os.unlink(name)
+                k += 1
+        except OSError as e:
+            self.abort()
+            raise OSError(e.errno, e.strerror, self.out) from e
+        return names
+
+    def abort(self):
+        """the temporary files closed and removed"""
+        for k, fs in enumerate(self.files):
+            for m, f in enumerate(fs):
+                f.close()
+                if os.path.lexists(self._tmp(k, m)):
+                    os.unlink(self._tmp(k, m))
 
 
 def fail(msg, code):
@@ -118,9 +253,9 @@ class Pieces:
     (a file shorter than a piece does not encode alone), every piece but a file's first
     after LEAD (its tokens then dropped); arrays given whole (an eos) keep their place."""
 
-    def __init__(self, encode, encode_many, dtype):
-        self.encode_many, self.dtype, self.lead = encode_many, dtype, encode(LEAD)
-        self.out, self.waiting, self.ntext, self.texts = [], [], 0, 0
+    def __init__(self, encode, encode_many, dtype, sink):
+        self.encode_many, self.dtype, self.lead, self.sink = encode_many, dtype, encode(LEAD), sink
+        self.waiting, self.ntext, self.texts = [], 0, 0
 
     def text(self, path, t, first):
         self.waiting.append((path, t, first))
@@ -136,14 +271,14 @@ class Pieces:
         enc = iter(self.encode_many([t if first else LEAD + t for path, t, first in self.waiting if path]))
         for path, t, first in self.waiting:
             if path is None:
-                self.out.append(t)
+                self.sink(t)
                 continue
             ids = next(enc)
             ids = ids if first else after_lead(self.lead, ids)
             if ids is None:  # the window round its cut said otherwise: a tokenizer no window sees whole
                 fail("%s: a piece's first token merged with the line end before it, which the text round "
                      "its cut did not: this tokenizer cannot be read a piece at a time" % path, 1)
-            self.out.append(np.asarray(ids, dtype=self.dtype))
+            self.sink(np.asarray(ids, dtype=self.dtype))
         self.waiting.clear()
         self.ntext = 0
 
@@ -177,9 +312,13 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
     ap.add_argument("--eot", action="store_true", help="append the eos token after each file")
+    ap.add_argument("--tokens-per-file", type=int, default=FILE_TOKENS,
+                    help="more tokens go to numbered parts of OUT (default and most: 2^31-1)")
     ap.add_argument("out")
     ap.add_argument("inputs", nargs="+")
     a = ap.parse_args(argv)
+    if not 1 <= a.tokens_per_file <= FILE_TOKENS:
+        fail("--tokens-per-file %d: from 1 to %d" % (a.tokens_per_file, FILE_TOKENS), 2)
     from transformers import AutoTokenizer
     try:
         tok = AutoTokenizer.from_pretrained(a.tokenizer, local_files_only=True)
@@ -195,7 +334,8 @@ def main(argv=None):
     def encode_many(texts):
         return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    pieces = Pieces(encode, encode_many, dtype)
+    files = TokenFiles(a.out, len(tok), a.tokens_per_file)
+    pieces = Pieces(encode, encode_many, dtype, files.add)
     try:
         for p in a.inputs:
             with open(p, "rb") as f:
@@ -203,15 +343,20 @@ def main(argv=None):
             if a.eot:
                 pieces.ids(np.array([tok.eos_token_id], dtype=dtype))
         pieces.flush()
-        count = sum(x.size for x in pieces.out)
-        if count > 2**31 - 1:
-            fail("more than 2^31-1 tokens: split the input", 3)
-        if not count:  # an empty token file would fail later, in smp-train, farther from the cause
+        if not files.count:  # an empty token file would fail later, in smp-train, farther from the cause
             fail("no token: the inputs are empty", 3)
-        write_token_parts(a.out, pieces.out, len(tok))
+        names = files.close()
     except OSError as e:
+        files.abort()
         fail("%s: %s" % (e.filename, e.strerror or e), 1)
-    print(f"{a.out}: {count} tokens (vocabulary {len(tok)}), encoded in {pieces.texts} piece(s)")
+    except ValueError as e:
+        files.abort()
+        fail(str(e), 3)
+    except BaseException:
+        files.abort()
+        raise
+    print(f"{a.out}: {files.count} tokens (vocabulary {len(tok)}), encoded in {pieces.texts} piece(s)" +
+          ("" if len(names) == 1 else f", in {len(names)} files: smp-train --data {part_glob(a.out)}"))
 
 
 if __name__ == "__main__":

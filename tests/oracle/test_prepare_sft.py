@@ -116,7 +116,7 @@ def prepare(tmp_path, style, toks, lines, capsys, name="in.jsonl", sep=True, arg
     except SystemExit as e:
         rc = e.code
     o, e = capsys.readouterr()
-    if rc:
+    if rc or not out.exists():  # an error, or parts (parts_of)
         return rc, o, e, None, None, None
     raw, mraw = out.read_bytes(), (tmp_path / "out.mask.bin").read_bytes()
     h, mh = np.frombuffer(raw[:1024], "<i4"), np.frombuffer(mraw[:1024], "<i4")
@@ -340,6 +340,58 @@ def test_jobs_give_the_same_stream(tmp_path, toks, capsys, monkeypatch):
     with pytest.raises(SystemExit) as x:
         prepare_sft.main(["--tokenizer", str(toks["qwen"][0]), "--jobs", "0", "in.jsonl", "o.bin"])
     assert x.value.code == 2 and "--jobs 0: at least 1" in capsys.readouterr().err
+
+
+def parts_of(out):
+    """The tokens, masks and counts of OUT's parts (OUT-0000.bin, ...), in order."""
+    got = []
+    for k in range(100):
+        t, m = out.with_name("%s-%04d.bin" % (out.stem, k)), out.with_name("%s-%04d.mask.bin" % (out.stem, k))
+        if not t.exists():
+            break
+        h, mh = np.frombuffer(t.read_bytes()[:12], "<i4"), np.frombuffer(m.read_bytes()[:12], "<i4")
+        toks, mask = np.frombuffer(t.read_bytes()[1024:], "<u2"), np.frombuffer(m.read_bytes()[1024:], np.uint8)
+        assert h[2] == mh[2] == len(toks) == len(mask) and mh[0] == 20241201, (t, h, mh)
+        got.append((toks.tolist(), mask.tolist()))
+    return got
+
+
+def test_more_tokens_than_a_file_holds_go_to_parts_cut_between_examples(tmp_path, toks, capsys):
+    """--tokens-per-file: each part ends with an example's separator, holds at most N
+    tokens, its mask beside it; the parts together are the one file's stream; the last
+    line gives the globs; a run with fewer parts removes the earlier run's extra ones
+    (and one file, every part); an example longer than a file is refused, nothing left."""
+    rng = random.Random(23)
+    exs = [conversation(rng) for _ in range(30)]
+    rc, o, e, t, m, _ = prepare(tmp_path, "qwen", toks, exs, capsys)
+    sep = sep_of("qwen", toks)
+    longest = max(len(expected_chat(toks["qwen"][1], ex, sep)) for ex in exs)
+    out = tmp_path / "out.bin"
+    for n in (longest, 2 * longest):
+        out.unlink(missing_ok=True)  # (a file and parts may lie side by side: each run names its own)
+        rc, o, e, *_ = prepare(tmp_path, "qwen", toks, exs, capsys, args=("--jobs", "2", "--tokens-per-file", str(n)))
+        parts = parts_of(out)
+        assert rc == 0 and len(parts) > 2 and not out.exists(), (rc, e)
+        assert all(len(pt) <= n and pt[-1] == sep for pt, _ in parts)
+        assert sum((pt for pt, _ in parts), []) == t and sum((pm for _, pm in parts), []) == m
+        assert "(%d files: --data '%s' --loss-mask '%s')" % (
+            len(parts), tmp_path / "out-????.bin", tmp_path / "out-????.mask.bin") in o, o
+        if n == longest:
+            many = len(parts)
+    assert len(parts) < many and not (tmp_path / ("out-%04d.bin" % len(parts))).exists()
+    assert not (tmp_path / ("out-%04d.mask.bin" % len(parts))).exists()
+    rc, o, e, t1, m1, _ = prepare(tmp_path, "qwen", toks, exs, capsys)
+    assert rc == 0 and (t1, m1) == (t, m) and parts_of(out) == [] and not (tmp_path / "out-0000.mask.bin").exists()
+    out.unlink()
+    (tmp_path / "out.mask.bin").unlink()
+    rc, o, e, *_ = prepare(tmp_path, "qwen", toks, exs, capsys, args=("--tokens-per-file", str(longest - 1)))
+    assert rc == 3 and e.count("\n") == 1, e
+    assert "an example of %d tokens, longer than a file's %d" % (longest, longest - 1) in e, e
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]
+    for bad in ("0", str(2**31)):
+        with pytest.raises(SystemExit) as x:
+            prepare_sft.main(["--tokenizer", str(toks["qwen"][0]), "--tokens-per-file", bad, "in.jsonl", "o.bin"])
+        assert x.value.code == 2 and "--tokens-per-file %s: from 1 to 2147483647" % bad in capsys.readouterr().err
 
 
 BAD = [

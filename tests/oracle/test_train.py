@@ -854,6 +854,56 @@ def test_tokenize_hf_in_pieces_gives_the_whole_files_tokens(tmp_path):
     assert not (tmp_path / "x.bin").exists()
 
 
+def test_tokenize_hf_writes_parts_of_at_most_n_tokens(tmp_path):
+    """--tokens-per-file N (default 2^31-1, llm.c's int32 count): the tokens go to
+    OUT-0000.bin, ... of N tokens each (the last fewer), written as they come; together
+    transformers' tokens; the last line gives smp-train's glob; a run with fewer parts,
+    or one file, removes the parts an earlier run left beyond its own; a device output
+    (one file) with more tokens is one line, exit 3."""
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    rng = np.random.default_rng(5)
+    words = ["".join(rng.choice(list("abcdefgh"), size=rng.integers(1, 6))) for _ in range(200)]
+    text = "".join(" ".join(rng.choice(words, size=rng.integers(1, 12))) + "\n" for _ in range(2000))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt").write_text(text[:5000])
+    tk = Tokenizer(tm.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.train_from_iterator([text], trainers.BpeTrainer(vocab_size=400, special_tokens=["<unk>", "</s>"]))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(tmp_path / "tok"))
+    want = []
+    for f in ("a.txt", "b.txt"):
+        want += fast.encode((tmp_path / f).read_text(), add_special_tokens=False) + [fast.eos_token_id]
+    py, out = str(pathlib.Path(os.sys.executable)), tmp_path / "out.bin"
+    hf = lambda *a: subprocess.run([py, str(ROOT / "tools" / "tokenize_hf.py"), "--tokenizer", str(tmp_path / "tok"),  # noqa: E731
+                                    "--eot", *a, str(tmp_path / "a.txt"), str(tmp_path / "b.txt")],
+                                   capture_output=True, text=True, env=dict(os.environ, SMP_TOKENIZE_PIECE="4096"))
+
+    def parts():
+        got, k = [], 0
+        while (tmp_path / ("out-%04d.bin" % k)).exists():
+            raw = (tmp_path / ("out-%04d.bin" % k)).read_bytes()
+            toks = np.frombuffer(raw[1024:], "<u2").tolist()
+            assert np.frombuffer(raw[:12], "<i4").tolist() == [20240520, 1, len(toks)]
+            got.append(toks)
+            k += 1
+        return got
+    for n in (1000, 3000):
+        p = hf("--tokens-per-file", str(n), str(out))
+        got = parts()
+        assert p.returncode == 0 and not out.exists(), p.stderr
+        assert sum(got, []) == want and [len(x) for x in got] == [n] * (len(got) - 1) + [len(want) - n * (len(got) - 1)]
+        assert p.stdout.strip().endswith("in %d files: smp-train --data '%s'" % (len(got), tmp_path / "out-????.bin"))
+    assert len(got) == -(-len(want) // 3000) >= 3 and not (tmp_path / ("out-%04d.bin" % len(got))).exists()
+    p = hf(str(out))
+    assert p.returncode == 0 and parts() == [] and np.frombuffer(out.read_bytes()[1024:], "<u2").tolist() == want
+    p = hf("--tokens-per-file", "10", "/dev/null")
+    assert p.returncode == 3 and p.stderr == "tokenize_hf: error: /dev/null: more than 10 tokens, and a link, " \
+        "a device or a FIFO holds one file\n", p.stderr
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["a.txt", "b.txt", "out.bin", "tok"]
+
+
 def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
     """text2tokens, tokenize_hf (and plot_log): a missing input, a folder, a full disk (/dev/full)
     or non-UTF-8 text is one line `NAME: error: PATH: what` (they printed tracebacks),
