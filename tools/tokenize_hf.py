@@ -62,6 +62,7 @@ def write_mask(path, mask):
 
 
 FILE_TOKENS = 2**31 - 1  # llm.c's header counts a file's tokens in an int32
+MAX_PARTS = 10000  # parts have four digits: a glob of them (????) takes no fifth
 
 
 def part_path(out, k):
@@ -114,6 +115,9 @@ class TokenFiles:
     def _open(self):
         self._seal()
         k = len(self.files)
+        if k == MAX_PARTS:
+            raise ValueError("%s: more than %d files of %d tokens: a larger --tokens-per-file"
+                             % (self.out, MAX_PARTS, self.per_file))
         self.files.append([])
         for m in (False, True)[:1 + self.masks]:
             self.files[-1].append(open(self._tmp(k, m), "wb"))

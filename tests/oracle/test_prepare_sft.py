@@ -356,7 +356,7 @@ def parts_of(out):
     return got
 
 
-def test_more_tokens_than_a_file_holds_go_to_parts_cut_between_examples(tmp_path, toks, capsys):
+def test_more_tokens_than_a_file_holds_go_to_parts_cut_between_examples(tmp_path, toks, capsys, monkeypatch):
     """--tokens-per-file: each part ends with an example's separator, holds at most N
     tokens, its mask beside it; the parts together are the one file's stream; the last
     line gives the globs; a run with fewer parts removes the earlier run's extra ones
@@ -387,6 +387,11 @@ def test_more_tokens_than_a_file_holds_go_to_parts_cut_between_examples(tmp_path
     rc, o, e, *_ = prepare(tmp_path, "qwen", toks, exs, capsys, args=("--tokens-per-file", str(longest - 1)))
     assert rc == 3 and e.count("\n") == 1, e
     assert "an example of %d tokens, longer than a file's %d" % (longest, longest - 1) in e, e
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]
+    monkeypatch.setattr(tokenize_hf, "MAX_PARTS", 3)  # (the glob's four digits: 10000 parts)
+    rc, o, e, *_ = prepare(tmp_path, "qwen", toks, exs, capsys, args=("--tokens-per-file", str(longest)))
+    assert rc == 3 and e == "prepare_sft: error: %s: more than 3 files of %d tokens: a larger --tokens-per-file\n" % (
+        out, longest), e
     assert sorted(x.name for x in tmp_path.iterdir()) == ["in.jsonl"]
     for bad in ("0", str(2**31)):
         with pytest.raises(SystemExit) as x:
