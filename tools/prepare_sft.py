@@ -7,7 +7,8 @@ Writes OUT.bin (the tokens) and OUT.mask.bin (OUT with its .bin suffix replaced 
 .mask.bin; .mask.bin is appended when OUT does not end in .bin). The tokenizer is loaded
 from a local folder (transformers.AutoTokenizer, no network).
 
-Input: one JSON object per line of IN.jsonl (blank lines are skipped), either
+Input: one JSON object per line of IN.jsonl (blank lines are skipped; a pipe too, such as
+`<(zcat chats.jsonl.gz)`), either
   {"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}
       rendered through the tokenizer's chat template (apply_chat_template); the assistant
       turns are the targets, everything else is masked; at least one assistant turn;
@@ -261,17 +262,19 @@ def examples(tok, raw, batch, sep):
 
 
 def read_batches(f):
-    """Batches of (line, raw line) of the file's non-blank lines, with the bytes read so far."""
-    batch, size = [], 0
+    """Batches of (line, raw line) of the file's non-blank lines, with the bytes read so
+    far (counted: a pipe, `<(zcat chats.jsonl.gz)`, has no position to tell)."""
+    batch, size, pos = [], 0, 0
     for line, raw in enumerate(f, 1):
+        pos += len(raw)
         if raw.strip():
             batch.append((line, raw))
             size += len(raw)
         if len(batch) == BATCH or size >= BATCH_BYTES:
-            yield batch, f.tell()
+            yield batch, pos
             batch, size = [], 0
     if batch:
-        yield batch, f.tell()
+        yield batch, pos
 
 
 class Work:
@@ -294,22 +297,21 @@ def worker_start():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process a core already
 
 
-def results(batches, jobs):
-    """work() of each batch, in order, with its bytes read so far: in jobs processes
-    (forked), at most 2 x jobs batches ahead of the one awaited."""
-    if jobs == 1:
+def results(batches, pool, jobs):
+    """work() of each batch, in order, with its bytes read so far: in the pool's jobs
+    processes (None: here), at most 2 x jobs batches ahead of the one awaited."""
+    if pool is None:
         yield from ((work(b), pos) for b, pos in batches)
         return
-    with multiprocessing.get_context("fork").Pool(jobs, initializer=worker_start) as pool:
-        ahead = collections.deque()
-        for b, pos in batches:
-            ahead.append((pool.apply_async(work, (b,)), pos))
-            if len(ahead) >= 2 * jobs:
-                r, p = ahead.popleft()
-                yield r.get(), p
-        while ahead:
+    ahead = collections.deque()
+    for b, pos in batches:
+        ahead.append((pool.apply_async(work, (b,)), pos))
+        if len(ahead) >= 2 * jobs:
             r, p = ahead.popleft()
             yield r.get(), p
+    while ahead:
+        r, p = ahead.popleft()
+        yield r.get(), p
 
 
 class Stream:
@@ -327,17 +329,24 @@ class Stream:
 def convert(tok, path, stream, sep, jobs):
     Work.tok, Work.raw, Work.sep, Work.dtype = tok, plain_backend(tok), sep, stream.files.dtype
     tty, t0 = sys.stderr.isatty(), time.time()
-    with open(path, "rb") as f:
-        for r, pos in results(read_batches(f), jobs):
-            if isinstance(r[0], str):  # ("bad", line, what)
+    # forked before the input opens (and the outputs: at the first tokens), so that no
+    # worker holds them: a pipe's writer's end held by one would never let it end
+    pool = multiprocessing.get_context("fork").Pool(jobs, initializer=worker_start) if jobs > 1 else None
+    try:
+        with open(path, "rb") as f:
+            for r, pos in results(read_batches(f), pool, jobs):
+                if isinstance(r[0], str):  # ("bad", line, what)
+                    if tty:
+                        print(file=sys.stderr)
+                    fail("%s:%d: %s" % (path, r[1], r[2]), 3)
+                stream.add(*r)
                 if tty:
-                    print(file=sys.stderr)
-                fail("%s:%d: %s" % (path, r[1], r[2]), 3)
-            stream.add(*r)
-            if tty:
-                mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
-                print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
-                      end="", file=sys.stderr, flush=True)
+                    mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
+                    print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
+                          end="", file=sys.stderr, flush=True)
+    finally:
+        if pool is not None:
+            pool.terminate()
     if tty:
         print(file=sys.stderr)
 

@@ -484,6 +484,38 @@ def test_progress_on_a_terminal(tmp_path, toks, capsys, monkeypatch):
     assert rc == 0 and e.startswith("\rprepare_sft: 3 examples, ") and "MB/s" in e and e.endswith("\n"), e
 
 
+PIPE = r"""
+import sys, threading
+sys.path.insert(0, sys.argv[1])
+import prepare_sft
+sys.stderr.isatty = lambda: True
+prepare_sft.BATCH = 50
+data = open(sys.argv[3], "rb").read()
+writer = threading.Thread(target=lambda: open(sys.argv[4], "wb").write(data), daemon=True)
+writer.start()
+prepare_sft.main(["--tokenizer", sys.argv[2], "--jobs", "2", sys.argv[4], sys.argv[5]])
+"""
+
+
+def test_a_pipe_is_an_input(tmp_path, toks):
+    """`<(zcat chats.jsonl.gz)`: a FIFO read as the file is, the progress counted (a pipe
+    has no position: the first version failed with "Illegal seek"), here written by a
+    thread of the same process: the workers fork before the input opens (forked after,
+    they held the writer's end and the reading never ended)."""
+    import os
+    rng = random.Random(29)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(conversation(rng)) + "\n" for _ in range(800)))  # more than a pipe holds
+    os.mkfifo(tmp_path / "in.fifo")
+    p = subprocess.run([sys.executable, "-c", PIPE, str(ROOT / "tools"), str(toks["qwen"][0]), str(src),
+                        str(tmp_path / "in.fifo"), str(tmp_path / "p.bin")], capture_output=True, text=True, timeout=120)
+    assert src.stat().st_size > 4 * 65536
+    assert p.returncode == 0 and "prepare_sft: 800 examples, " in p.stderr and "error" not in p.stderr, p.stderr
+    prepare_sft.main(["--tokenizer", str(toks["qwen"][0]), "--jobs", "1", str(src), str(tmp_path / "f.bin")])
+    for x in (".bin", ".mask.bin"):
+        assert (tmp_path / ("p" + x)).read_bytes() == (tmp_path / ("f" + x)).read_bytes()
+
+
 def test_cli(tmp_path, toks):
     """The script end to end: the files, the exit codes of a usage and an I/O error."""
     src = tmp_path / "in.jsonl"
