@@ -76,6 +76,7 @@ ROLES = {"system", "user", "assistant", "tool"}
 BATCH = 1024  # examples per tokenizer call
 BATCH_BYTES = 2 << 20  # or fewer: input bytes per call
 RENDER_CHARS = 32 << 20  # prefix characters rendered per template call, about
+JOBS = 16  # default processes at most: each a copy of the tokenizer and of its batch, one reader feeds them
 
 
 class BadLine(Exception):
@@ -355,8 +356,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
     ap.add_argument("--sep", help="the token that ends each example (default: the tokenizer's eos token)")
-    ap.add_argument("--jobs", type=int, default=len(os.sched_getaffinity(0)),
-                    help="processes that render and tokenize (default: the cores this process may use)")
+    ap.add_argument("--jobs", type=int, default=min(len(os.sched_getaffinity(0)), JOBS),
+                    help="processes that render and tokenize (default: the cores this process may use, at most %d)"
+                    % JOBS)
     ap.add_argument("--tokens-per-file", type=int, default=FILE_TOKENS,
                     help="more tokens go to numbered parts of OUT, cut between examples (default and most: 2^31-1)")
     ap.add_argument("input", help="JSON lines: chat messages or prompt/completion")

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """tokenize_hf: text files -> tokens of a Hugging Face tokenizer, in llm.c's format.
 
-    python tools/tokenize_hf.py --tokenizer MODEL_DIR [--eot] [--tokens-per-file N] OUT.bin IN.txt [IN2.txt ...]
+    python tools/tokenize_hf.py --tokenizer MODEL_DIR [--eot] [--tokens-per-file N] [--files-from LIST] OUT.bin [IN.txt ...]
 
 The tokenizer is loaded from a local folder (transformers.AutoTokenizer, no network).
 Each file is encoded without special tokens; --eot appends the tokenizer's eos token
@@ -312,15 +312,33 @@ def encode_file(f, path, encode, pieces):
         pieces.text(path, text, first)
 
 
+def files_from(list_path):
+    """The paths listed in list_path (one a line, blank lines skipped; - is stdin): a
+    corpus of 100,000 files does not fit on a command line (ARG_MAX), and xargs would
+    run the tool several times over one output."""
+    try:
+        f = sys.stdin if list_path == "-" else open(list_path, encoding="utf-8", errors="surrogateescape")
+        with f:
+            return [line.rstrip("\r\n") for line in f if line.strip()]
+    except OSError as e:
+        fail("%s: %s" % (list_path, e.strerror or e), 1)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
     ap.add_argument("--eot", action="store_true", help="append the eos token after each file")
     ap.add_argument("--tokens-per-file", type=int, default=FILE_TOKENS,
                     help="more tokens go to numbered parts of OUT (default and most: 2^31-1)")
+    ap.add_argument("--files-from", metavar="LIST",
+                    help="more inputs: the paths in LIST, one a line, after those given (- reads stdin)")
     ap.add_argument("out")
-    ap.add_argument("inputs", nargs="+")
+    ap.add_argument("inputs", nargs="*")
     a = ap.parse_args(argv)
+    if a.files_from:
+        a.inputs += files_from(a.files_from)
+    if not a.inputs:
+        fail("no input: give text files, or --files-from LIST", 2)
     if not 1 <= a.tokens_per_file <= FILE_TOKENS:
         fail("--tokens-per-file %d: from 1 to %d" % (a.tokens_per_file, FILE_TOKENS), 2)
     from transformers import AutoTokenizer

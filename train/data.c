@@ -6,6 +6,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -333,6 +334,35 @@ static const data_seen *seen_as(const data_set *ds, const data_seen **v, int n, 
     return NULL;
 }
 
+/* Descriptors kept free after the data files' for what opens later (the checkpoint's
+ * files, MPI's and NCCL's). */
+#define FD_SPARE 64
+
+/* After opening descriptor fd for path: room for FD_SPARE more. A data set keeps one
+ * descriptor per token file and one per mask file (their identity checked at open,
+ * then read by pread), and llm.c-style data sets come in a thousand shards or more,
+ * past the soft limit of 1024 that most systems set: the soft limit is raised toward
+ * the hard one (doubled each time); where the hard limit leaves no room, refused,
+ * saying which limit. */
+static shard_status fd_room(const char *path, int fd)
+{
+    struct rlimit r;
+    if (getrlimit(RLIMIT_NOFILE, &r) || r.rlim_cur == RLIM_INFINITY || (rlim_t)fd + FD_SPARE < r.rlim_cur)
+        return SHARD_OK;
+    rlim_t want = r.rlim_cur * 2 > (rlim_t)fd + FD_SPARE ? r.rlim_cur * 2 : (rlim_t)fd + FD_SPARE + 1;
+    if (r.rlim_max != RLIM_INFINITY && want > r.rlim_max) want = r.rlim_max;
+    if (want > r.rlim_cur) {
+        struct rlimit w = {want, r.rlim_max};
+        if (!setrlimit(RLIMIT_NOFILE, &w)) r.rlim_cur = want;
+    }
+    if ((rlim_t)fd + FD_SPARE < r.rlim_cur) return SHARD_OK;
+    return shard_fail(SHARD_E_IO,
+                      "%s: too many files: descriptor %d of at most %llu open files (`ulimit -n`; its hard limit is "
+                      "%llu), with %d kept for the checkpoint and MPI: raise the limit, or join the token files into fewer",
+                      path, fd, (unsigned long long)r.rlim_cur,
+                      (unsigned long long)(r.rlim_max == RLIM_INFINITY ? r.rlim_cur : r.rlim_max), FD_SPARE);
+}
+
 static shard_status open_file(data_file *f, const char *path, int S, int64_t vocab)
 {
     memset(f, 0, sizeof *f);
@@ -342,7 +372,7 @@ static shard_status open_file(data_file *f, const char *path, int S, int64_t voc
     if (!f->path) return shard_fail(SHARD_E_NOMEM, "out of memory");
     uint64_t size;
     shard_status s = shard_open_regular(path, 0, &f->fd, &size); /* a FIFO or device: refused, not waited on */
-    if (s) return s;
+    if (s || (s = fd_room(path, f->fd))) return s;
     int32_t h[3];
     if ((s = read_header(f->fd, path, size, "an llm.c token file", h))) return s;
     const int32_t magic = h[0], version = h[1], count = h[2];
@@ -508,7 +538,7 @@ static shard_status add_mask(void *ctx, const char *path)
     if (!(f->mpath = strdup(path))) return shard_fail(SHARD_E_NOMEM, "out of memory");
     uint64_t size;
     shard_status s = shard_open_regular(path, 0, &f->mfd, &size);
-    if (s) return s;
+    if (s || (s = fd_room(path, f->mfd))) return s;
     int32_t h[3];
     if ((s = read_header(f->mfd, path, size, "a loss mask file", h))) return s;
     const int32_t magic = h[0], version = h[1], count = h[2];

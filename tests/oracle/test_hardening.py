@@ -13,6 +13,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 import models
 from conftest import BUILD, run, xxh64
@@ -764,3 +765,38 @@ def test_inputs_of_the_wrong_kind_are_named(tmp_path):
         p = run(*cmd)
         assert p.returncode == 3 and p.stderr.strip().splitlines() == [f"{cmd[0]}: error: {says}"], (cmd, p.stderr)
     assert sorted(os.listdir(tmp_path)) == ["ck", "hf"]
+
+
+def test_more_token_files_than_the_soft_open_file_limit(tmp_path):
+    """A data set keeps a descriptor per token and mask file, and llm.c-style data sets
+    come in a thousand shards: 600 token files with their 600 masks under a soft limit of
+    1024 open files (most systems' default) are read, the soft limit raised toward the
+    hard one (they failed with "Too many open files"); where the hard limit is 1024 too,
+    one line that names the limit, exit 1, before the checkpoint's load."""
+    import resource
+    from test_documents import write_mask
+    _, ck = make_ckpt(tmp_path, CASE, sharp=False)
+    rng = np.random.default_rng(11)
+    d = tmp_path / "d"
+    d.mkdir()
+    for k in range(600):
+        write_tokens(d / ("t-%04d.bin" % k), rng.integers(0, vocab_of(CASE), size=40))
+        write_mask(d / ("t-%04d.mask.bin" % k), np.ones(40, np.uint8))
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    if hard != resource.RLIM_INFINITY and hard < 1300:
+        pytest.skip("the hard limit of open files (%d) leaves no room to raise the soft one past 1200" % hard)
+    args = ["--ckpt", ck, "--data", d / "t-????.bin", "--loss-mask", d / "t-????.mask.bin", "--batch", 2, "--seq", 16,
+            "--json"]
+    soft = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, hard))  # noqa: E731
+    both = lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (1024, 1024))  # noqa: E731
+    p = subprocess.run([str(BUILD / "bin" / "smp-eval"), *map(str, args)], capture_output=True, text=True,
+                       preexec_fn=soft)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["tokens"] == 600 * 2 * 16  # every file's two sequences of 16 + 1
+    p = subprocess.run([str(BUILD / "bin" / "smp-eval"), *map(str, args)], capture_output=True, text=True,
+                       preexec_fn=both)
+    lines = p.stderr.strip().splitlines()
+    assert p.returncode == 1 and len(lines) == 1, p.stderr
+    assert re.match(r"smp-eval: error: .*/d/t-\d{4}(\.mask)?\.bin: too many files: descriptor \d+ of at most 1024 "
+                    r"open files \(`ulimit -n`; its hard limit is 1024\), with 64 kept", lines[0]), lines
+    assert "loaded" not in p.stderr

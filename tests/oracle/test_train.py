@@ -904,6 +904,40 @@ def test_tokenize_hf_writes_parts_of_at_most_n_tokens(tmp_path):
     assert sorted(x.name for x in tmp_path.iterdir()) == ["a.txt", "b.txt", "out.bin", "tok"]
 
 
+def test_tokenize_hf_files_from_a_list(tmp_path):
+    """--files-from LIST (a corpus of 100,000 files does not fit on a command line): the
+    listed paths after the ones given, in order, blank lines skipped, - for stdin; a
+    missing list is one line, exit 1; no input at all, exit 2."""
+    from tokenizers import Tokenizer, models as tm, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    texts = ["the cat sat on the mat\n", "a dog ran far\r\n", "héllo wörld\n"]
+    for k, t in enumerate(texts):
+        (tmp_path / ("f%d.txt" % k)).write_text(t, newline="")
+    tk = Tokenizer(tm.BPE(unk_token="<unk>"))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.train_from_iterator(texts * 10, trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "</s>"],
+                                                           initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+    fast.save_pretrained(str(tmp_path / "tok"))
+    (tmp_path / "list").write_text("%s\n\n%s\r\n" % (tmp_path / "f2.txt", tmp_path / "f1.txt"))
+    cmd = [str(pathlib.Path(os.sys.executable)), str(ROOT / "tools" / "tokenize_hf.py"), "--tokenizer",
+           str(tmp_path / "tok"), "--eot"]
+    want = []
+    for k in (0, 2, 1):
+        want += fast.encode(texts[k].replace("\r\n", "\n"), add_special_tokens=False) + [fast.eos_token_id]
+    for lst, stdin in ((tmp_path / "list", None), ("-", (tmp_path / "list").read_text())):
+        out = tmp_path / "o.bin"
+        p = subprocess.run(cmd + ["--files-from", str(lst), str(out), str(tmp_path / "f0.txt")], input=stdin,
+                           capture_output=True, text=True)
+        assert p.returncode == 0, p.stderr
+        assert np.frombuffer(out.read_bytes()[1024:], "<u2").tolist() == want
+    p = subprocess.run(cmd + ["--files-from", str(tmp_path / "nope"), str(tmp_path / "o.bin")], capture_output=True,
+                       text=True)
+    assert p.returncode == 1 and p.stderr == "tokenize_hf: error: %s: No such file or directory\n" % (tmp_path / "nope")
+    p = subprocess.run(cmd + [str(tmp_path / "o.bin")], capture_output=True, text=True)
+    assert p.returncode == 2 and "no input: give text files, or --files-from LIST" in p.stderr, p.stderr
+
+
 def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
     """text2tokens, tokenize_hf (and plot_log): a missing input, a folder, a full disk (/dev/full)
     or non-UTF-8 text is one line `NAME: error: PATH: what` (they printed tracebacks),
