@@ -1,5 +1,6 @@
 """atomic_write: how the tools write a token or mask file (plain Python, no dependencies)."""
 import os
+import sys
 
 
 def write_atomically(path, parts):
@@ -21,3 +22,13 @@ def write_atomically(path, parts):
         if isinstance(e, OSError):  # named by the output, not its temporary name
             raise OSError(e.errno, e.strerror, path) from e
         raise
+
+
+def interruptible(name, main):
+    """main() of the tool name, an interrupt (Ctrl-C, SIGINT) said in one line, exit 130,
+    not a traceback: the writers above leave no file half-written."""
+    try:
+        main()
+    except KeyboardInterrupt:
+        print("%s: interrupted: no output written" % name, file=sys.stderr)
+        sys.exit(130)

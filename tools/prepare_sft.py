@@ -56,8 +56,9 @@ removed.
 
 A bad line stops the run with `prepare_sft: error: IN.jsonl:LINE: what` on stderr and
 exit 3; usage errors (a tokenizer without an eos token too) exit 2, I/O errors (a
-tokenizer that cannot be loaded too) 1. On a terminal, stderr shows the progress; the
-last line on stdout counts examples, tokens and target tokens.
+tokenizer that cannot be loaded too) 1, an interrupt (Ctrl-C) 130, each in one line and
+with no output file written. On a terminal, stderr shows the progress; the last line on
+stdout counts examples, tokens and target tokens.
 """
 import argparse
 import collections
@@ -65,11 +66,13 @@ import copy
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 
 import numpy as np
 
+from atomic_write import interruptible
 from tokenize_hf import FILE_TOKENS, TokenFiles, part_glob
 
 ROLES = {"system", "user", "assistant", "tool"}
@@ -296,6 +299,7 @@ def work(batch):
 
 def worker_start():
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # a process a core already
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process says it once
 
 
 def results(batches, pool, jobs):
@@ -400,4 +404,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    interruptible("prepare_sft", main)

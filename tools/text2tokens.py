@@ -18,7 +18,7 @@ import array
 import os
 import sys
 
-from atomic_write import write_atomically
+from atomic_write import interruptible, write_atomically
 
 MAGIC, VERSION, EOT = 20240520, 1, 256
 
@@ -88,4 +88,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    interruptible("text2tokens", main)

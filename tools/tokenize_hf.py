@@ -33,7 +33,7 @@ import sys
 
 import numpy as np
 
-from atomic_write import write_atomically
+from atomic_write import interruptible, write_atomically
 
 
 def header(magic, version, count):
@@ -382,4 +382,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    interruptible("tokenize_hf", main)

@@ -516,6 +516,37 @@ def test_a_pipe_is_an_input(tmp_path, toks):
         assert (tmp_path / ("p" + x)).read_bytes() == (tmp_path / ("f" + x)).read_bytes()
 
 
+def test_an_interrupt_leaves_nothing(tmp_path, toks):
+    """Ctrl-C (SIGINT to the whole process group, workers included) while the parts are
+    being written: one line, exit 130, no file left (it printed a traceback from every
+    process)."""
+    import os
+    import signal
+    import time
+    rng = random.Random(31)
+    src = tmp_path / "in.jsonl"
+    src.write_text("".join(json.dumps(conversation(rng)) + "\n" for _ in range(9000)))
+    assert src.stat().st_size > 2 << 20  # a first batch (BATCH_BYTES), then the pipe stays open
+    os.mkfifo(tmp_path / "in.fifo")
+    writer = subprocess.Popen(["sh", "-c", 'exec >"$2"; cat "$1"; sleep 100', "sh", str(src), str(tmp_path / "in.fifo")])
+    p = subprocess.Popen([sys.executable, str(ROOT / "tools" / "prepare_sft.py"), "--tokenizer", str(toks["qwen"][0]),
+                          "--jobs", "2", str(tmp_path / "in.fifo"), str(tmp_path / "out.bin")],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        for _ in range(600):
+            if any(".tmp-" in x.name for x in tmp_path.iterdir()) or p.poll() is not None:
+                break
+            time.sleep(0.1)
+        assert p.poll() is None, p.communicate()
+        os.killpg(p.pid, signal.SIGINT)
+        _, err = p.communicate(timeout=60)
+    finally:
+        writer.kill()
+        writer.wait()
+    assert p.returncode == 130 and err == "prepare_sft: interrupted: no output written\n", err
+    assert sorted(x.name for x in tmp_path.iterdir()) == ["in.fifo", "in.jsonl"]
+
+
 def test_cli(tmp_path, toks):
     """The script end to end: the files, the exit codes of a usage and an I/O error."""
     src = tmp_path / "in.jsonl"
