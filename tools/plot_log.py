@@ -10,6 +10,7 @@ logged, is drawn in a second colour.
 """
 import argparse
 import json
+import math
 import struct
 import sys
 import zlib
@@ -54,6 +55,7 @@ FONT = {
     "r": "000111100100100", "g": "000111101111001", "d": "001111101101111", "h": "100111101101101",
     "u": "000101101101111", "m": "000111111101101", "f": "011100110100100", "y": "101101111001111",
     "w": "000101101111111", "b": "100111101101111", "q": "000111101111001", "j": "001000001101111",
+    "+": "000010111010000",
 }
 
 
@@ -97,17 +99,22 @@ class Canvas:
                     chunk(b"IDAT", zlib.compress(raw, 9)) + chunk(b"IEND", b""))
 
 
-def fmt(v):
+def fmt(v, step):
+    """v as a tick label, to the digits that tell it from a tick step away (tokens/s of
+    4391 read "4.39e+03", in a font without "+", and a flat series' ticks all alike)."""
+    unit, suffix = (1e6, "M") if abs(v) >= 1e6 else (1e3, "k") if abs(v) >= 1e4 else (1, "")
+    digits = max(0, 1 - math.floor(math.log10(step / unit))) if step > 0 else 3
     if v == 0:
         return "0"
-    a = abs(v)
-    if a >= 1e6:
-        return f"{v / 1e6:.3g}M"
-    if a >= 1e4:
-        return f"{v / 1e3:.3g}k"
-    if a >= 0.01:
-        return f"{v:.3g}"
-    return f"{v:.1e}"
+    if digits > 8:  # tiny values
+        return f"{v:.2e}"
+    return f"{v / unit:.{digits}f}{suffix}"
+
+
+def ticks(lo, hi, n=5):
+    """n evenly spaced values from lo to hi with their labels, no two alike"""
+    step = (hi - lo) / (n - 1)
+    return [(lo + step * k, fmt(lo + step * k, step)) for k in range(n)]
 
 
 def panel(cv, box, title, sets, xmax):
@@ -118,8 +125,8 @@ def panel(cv, box, title, sets, xmax):
         return
     ys = [y for _, y in pts]
     lo, hi = min(ys), max(ys)
-    if hi == lo:
-        hi, lo = hi + 1, lo - 1
+    if hi == lo:  # a flat series: 5% either side
+        hi, lo = hi + (abs(hi) * 0.05 or 1), lo - (abs(lo) * 0.05 or 1)
     pad = (hi - lo) * 0.05
     lo, hi = lo - pad, hi + pad
     xmin = min(x for x, _ in pts)
@@ -127,13 +134,12 @@ def panel(cv, box, title, sets, xmax):
     X = lambda x: x0 + (x - xmin) * (x1 - x0) / xspan  # noqa: E731
     Y = lambda y: y1 - (y - lo) * (y1 - y0) / (hi - lo)  # noqa: E731
     grey, black = (200, 200, 200), (0, 0, 0)
-    for k in range(5):
-        yv = lo + (hi - lo) * k / 4
+    for yv, label in ticks(lo, hi):
         cv.line(x0, round(Y(yv)), x1, round(Y(yv)), grey)
-        cv.text(4, round(Y(yv)) - 5, fmt(yv))
-        xv = xmin + xspan * k / 4
+        cv.text(4, round(Y(yv)) - 5, label)
+    for xv, label in ticks(xmin, xmin + xspan):
         cv.line(round(X(xv)), y0, round(X(xv)), y1, grey)
-        cv.text(round(X(xv)) - 8, y1 + 8, fmt(round(xv)))
+        cv.text(min(round(X(xv)) - 8, cv.w - 8 * len(label)), y1 + 8, label)  # the last one inside the canvas
     cv.line(x0, y1, x1, y1, black)
     cv.line(x0, y0, x0, y1, black)
     cv.text(x0, y0 - 18, title)

@@ -1010,6 +1010,18 @@ def test_token_tools_fail_in_one_line_and_write_whole_files(tmp_path):
     rows = [{"step": 1, "loss": 3.0}, {"step": 2, "loss": 9.0}, {"step": 3, "loss": 9.0}, {"step": 2, "loss": 2.0},
             {"step": 3, "loss": 1.0, "val_loss": 1.5}]
     assert pl.series(rows, "loss") == [(1, 3.0), (2, 2.0), (3, 1.0)] and pl.series(rows, "val_loss") == [(3, 1.5)]
+    # tick labels: five distinct ones in the built-in font's glyphs, each within half a step
+    # of its value (tokens/s of 4391 read "4.39e 03", a flat series' five ticks all "5e 03")
+    for lo, hi in ((4750, 5250), (4391, 4577), (1.07, 12.5), (1, 500000), (2.0001, 2.0003), (0, 3e-5), (-1, 1),
+                   (0.5, 1.5e7), (5e7, 5.01e7), (0, 1e-10), (1, 3)):
+        t = pl.ticks(lo, hi)
+        assert len({lab for _, lab in t}) == 5 and all(c in pl.FONT for _, lab in t for c in lab), (lo, hi, t)
+        unit = lambda lab: 1e6 if lab.endswith("M") else 1e3 if lab.endswith("k") else 1  # noqa: E731
+        assert all(abs(float(lab.rstrip("kM")) * unit(lab) - v) <= (hi - lo) / 8 for v, lab in t), (lo, hi, t)
+    rows = [{"step": s, "loss": 2.0, "tokens_per_s": 5000.0} for s in range(1, 101)]
+    png = tmp_path / "flat.png"
+    pl.plot_builtin(rows, str(png), 900, 600)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 # ---------------------------------------------------------------- FP8
