@@ -73,7 +73,7 @@ import time
 import numpy as np
 
 from atomic_write import interruptible
-from tokenize_hf import FILE_TOKENS, TokenFiles, part_glob
+from tokenize_hf import FILE_TOKENS, FileLimit, TokenFiles, part_glob
 
 ROLES = {"system", "user", "assistant", "tool"}
 BATCH = 1024  # examples per tokenizer call
@@ -288,7 +288,8 @@ class Work:
 
 
 def work(batch):
-    """A batch of (line, raw line) -> (tokens, mask, examples), or ("bad", line, what)."""
+    """A batch of (line, raw line) -> (tokens, mask, where each example ends), or ("bad",
+    line, what)."""
     try:
         exs = examples(Work.tok, Work.raw, [(line, *parse(line, raw)) for line, raw in batch], Work.sep)
     except BadLine as e:
@@ -391,7 +392,7 @@ def main(argv=None):
     except OSError as e:
         stream.files.abort()
         fail("%s: %s" % (e.filename or a.input, e.strerror or e), 1)
-    except ValueError as e:
+    except FileLimit as e:
         stream.files.abort()
         fail(str(e), 3)
     except BaseException:

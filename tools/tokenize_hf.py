@@ -82,6 +82,11 @@ def mask_path(out):
     return (out[:-4] if out.endswith(".bin") else out) + ".mask.bin"
 
 
+class FileLimit(ValueError):
+    """Tokens that the files cannot hold (an example longer than a file, too many parts,
+    more than a file for a device output)."""
+
+
 class TokenFiles:
     """Token files (and their loss masks, masks=True) written as the tokens come, none
     held: OUT when they fit in one file, else OUT's parts (part_path) of at most per_file
@@ -90,7 +95,7 @@ class TokenFiles:
     the parts an earlier run left beyond this run's (a glob of the parts names this
     run's tokens and nothing else); abort() leaves every name as it was. An output that is
     a link, a device or a FIFO is written through (atomic_write): one file, held in
-    memory until close(). A unit longer than per_file is a ValueError; an OSError names
+    memory until close(). A unit longer than per_file is a FileLimit; an OSError names
     OUT."""
 
     def __init__(self, out, vocab, per_file=FILE_TOKENS, masks=False):
@@ -116,7 +121,7 @@ class TokenFiles:
         self._seal()
         k = len(self.files)
         if k == MAX_PARTS:
-            raise ValueError("%s: more than %d files of %d tokens: a larger --tokens-per-file"
+            raise FileLimit("%s: more than %d files of %d tokens: a larger --tokens-per-file"
                              % (self.out, MAX_PARTS, self.per_file))
         self.files.append([])
         for m in (False, True)[:1 + self.masks]:
@@ -132,7 +137,7 @@ class TokenFiles:
             self.held.append((toks, mask))
             self.count += len(toks)
             if self.count > self.per_file:
-                raise ValueError("%s: more than %d tokens, and a link, a device or a FIFO holds one file"
+                raise FileLimit("%s: more than %d tokens, and a link, a device or a FIFO holds one file"
                                  % (self.out, self.per_file))
             return
         try:
@@ -152,7 +157,7 @@ class TokenFiles:
                 if cut <= at:  # the next unit does not: a new part, unless this one is new
                     if not self.n:
                         unit = int(ends[np.searchsorted(ends, at, side="right")]) - at
-                        raise ValueError("%s: an example of %d tokens, longer than a file's %d"
+                        raise FileLimit("%s: an example of %d tokens, longer than a file's %d"
                                          % (self.out, unit, self.per_file))
                     self._open()
                     continue
@@ -371,7 +376,7 @@ def main(argv=None):
     except OSError as e:
         files.abort()
         fail("%s: %s" % (e.filename, e.strerror or e), 1)
-    except ValueError as e:
+    except FileLimit as e:
         files.abort()
         fail(str(e), 3)
     except BaseException:
