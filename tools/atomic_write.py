@@ -31,4 +31,6 @@ def interruptible(name, main):
         main()
     except KeyboardInterrupt:
         print("%s: interrupted: no output written" % name, file=sys.stderr)
-        sys.exit(130)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)  # not sys.exit: exit handlers (a process pool's) may wait on what the interrupt cut

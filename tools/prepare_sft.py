@@ -303,6 +303,15 @@ def worker_start():
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the main process says it once
 
 
+def finish(pool):
+    """The pool's workers ended once the batches in flight are done (at most 2 x jobs):
+    Pool.terminate() may stop one in the middle of sending a result, which its reader
+    then waits for forever (an interrupted test hung so, once in a suite)."""
+    if pool is not None:
+        pool.close()
+        pool.join()
+
+
 def results(batches, pool, jobs):
     """work() of each batch, in order, with its bytes read so far: in the pool's jobs
     processes (None: here), at most 2 x jobs batches ahead of the one awaited."""
@@ -350,9 +359,16 @@ def convert(tok, path, stream, sep, jobs):
                     mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
                     print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
                           end="", file=sys.stderr, flush=True)
-    finally:
-        if pool is not None:
-            pool.terminate()
+    except KeyboardInterrupt:
+        # the workers killed, and interruptible() exits at once: the pool's own shutdown
+        # would wait on what the interrupt cut (a result half sent, a lock held)
+        for w in multiprocessing.active_children():
+            w.kill()
+        raise
+    except BaseException:
+        finish(pool)
+        raise
+    finish(pool)
     if tty:
         print(file=sys.stderr)
 
