@@ -531,7 +531,10 @@ def test_an_interrupt_leaves_nothing(tmp_path, toks):
     writer = subprocess.Popen(["sh", "-c", 'exec >"$2"; cat "$1"; sleep 100', "sh", str(src), str(tmp_path / "in.fifo")])
     p = subprocess.Popen([sys.executable, str(ROOT / "tools" / "prepare_sft.py"), "--tokenizer", str(toks["qwen"][0]),
                           "--jobs", "2", str(tmp_path / "in.fifo"), str(tmp_path / "out.bin")],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                         # as a terminal's Ctrl-C finds it: a suite started in the background (`&`) runs
+                         # with SIGINT ignored, which the tool would inherit (and rightly keep)
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         for _ in range(600):
             if any(".tmp-" in x.name for x in tmp_path.iterdir()) or p.poll() is not None:
