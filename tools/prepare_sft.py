@@ -399,21 +399,17 @@ def main(argv=None):
     sep = tok.eos_token_id if a.sep is None else tok.convert_tokens_to_ids(a.sep)
     if a.sep is not None and (sep is None or sep == tok.unk_token_id or tok.convert_ids_to_tokens(sep) != a.sep):
         fail("--sep %s: not a token of the tokenizer's vocabulary" % a.sep, 2)
-    stream = Stream(TokenFiles(a.out, len(tok), a.tokens_per_file, masks=True))
     try:
-        convert(tok, a.input, stream, sep, a.jobs)
-        if not stream.examples:  # an empty token file would fail later, in smp-train, farther from the cause
-            fail("%s: no example (the file is empty or holds blank lines only)" % a.input, 3)
-        names = stream.files.close()
+        with TokenFiles(a.out, len(tok), a.tokens_per_file, masks=True) as files:
+            stream = Stream(files)
+            convert(tok, a.input, stream, sep, a.jobs)
+            if not stream.examples:  # an empty token file would fail later, in smp-train, farther from the cause
+                fail("%s: no example (the file is empty or holds blank lines only)" % a.input, 3)
+            names = files.close()
     except OSError as e:
-        stream.files.abort()
         fail("%s: %s" % (e.filename or a.input, e.strerror or e), 1)
     except FileLimit as e:
-        stream.files.abort()
         fail(str(e), 3)
-    except BaseException:
-        stream.files.abort()
-        raise
     where = a.out if len(names) == 1 else "%s (%d files: --data %s --loss-mask %s)" % (
         a.out, len(names), part_glob(a.out), part_glob(a.out, mask=True))
     print(f"{where}: {stream.examples} examples, {stream.n} tokens, {stream.targets} target tokens "

@@ -93,7 +93,8 @@ class TokenFiles:
     tokens each, cut only where add() allows. Each file is written under a temporary
     name, its header's count set last, and takes its name at close(), which then removes
     the parts an earlier run left beyond this run's (a glob of the parts names this
-    run's tokens and nothing else); abort() leaves every name as it was. An output that is
+    run's tokens and nothing else); abort() (or leaving a `with` by an exception) leaves
+    every name as it was. An output that is
     a link, a device or a FIFO is written through (atomic_write): one file, held in
     memory until close(). A unit longer than per_file is a FileLimit; an OSError names
     OUT."""
@@ -191,9 +192,15 @@ class TokenFiles:
                         os.unlink(name)
                 k += 1
         except OSError as e:
-            self.abort()
             raise OSError(e.errno, e.strerror, self.out) from e
         return names
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, value, tb):
+        if kind is not None:  # an error, an exit, an interrupt: no name changes
+            self.abort()
 
     def abort(self):
         """the temporary files closed and removed"""
@@ -361,27 +368,22 @@ def main(argv=None):
     def encode_many(texts):
         return tok(texts, add_special_tokens=False)["input_ids"] if texts else []
 
-    files = TokenFiles(a.out, len(tok), a.tokens_per_file)
-    pieces = Pieces(encode, encode_many, dtype, files.add)
     try:
-        for p in a.inputs:
-            with open(p, "rb") as f:
-                encode_file(f, p, encode, pieces)
-            if a.eot:
-                pieces.ids(np.array([tok.eos_token_id], dtype=dtype))
-        pieces.flush()
-        if not files.count:  # an empty token file would fail later, in smp-train, farther from the cause
-            fail("no token: the inputs are empty", 3)
-        names = files.close()
+        with TokenFiles(a.out, len(tok), a.tokens_per_file) as files:
+            pieces = Pieces(encode, encode_many, dtype, files.add)
+            for p in a.inputs:
+                with open(p, "rb") as f:
+                    encode_file(f, p, encode, pieces)
+                if a.eot:
+                    pieces.ids(np.array([tok.eos_token_id], dtype=dtype))
+            pieces.flush()
+            if not files.count:  # an empty token file would fail later, in smp-train, farther from the cause
+                fail("no token: the inputs are empty", 3)
+            names = files.close()
     except OSError as e:
-        files.abort()
         fail("%s: %s" % (e.filename, e.strerror or e), 1)
     except FileLimit as e:
-        files.abort()
         fail(str(e), 3)
-    except BaseException:
-        files.abort()
-        raise
     print(f"{a.out}: {files.count} tokens (vocabulary {len(tok)}), encoded in {pieces.texts} piece(s)" +
           ("" if len(names) == 1 else f", in {len(names)} files: smp-train --data {part_glob(a.out)}"))
 
