@@ -82,6 +82,11 @@ static const char HELP[] =
     "                            the sequences, the layout is pp=tp=cp=1 and the extra\n"
     "                            gradient copies fit an eighth of the memory; resumed runs\n"
     "                            keep their count\n"
+    "  --logits-chunk N|auto     tokens whose logits (a row of the vocabulary each) are\n"
+    "                            computed and turned into their gradient at a time (auto,\n"
+    "                            a new run's default: all of a microbatch's while they fit\n"
+    "                            256 MiB, 1 GiB on cuda, else chunks of 128-token multiples\n"
+    "                            that do); resumed runs keep theirs\n"
     "  --save-every N            checkpoint every N steps (and always at the end)\n"
     "  --keep K                  keep the newest K checkpoints (default 0: all)\n"
     "  --compress none|zstd|zstd:N  shard file compression (default zstd: level 1 tuned for numbers)\n"
@@ -124,7 +129,7 @@ enum {
     O_LR, O_WARMUP, O_LR_MIN, O_SCHEDULE, O_SEED, O_CLIP, O_WD, O_BETA1, O_BETA2, O_EPS, O_MAX_BAD, O_FP8,
     O_FP8_HIST, O_FP8_MARGIN, O_BACKEND, O_SAVE_EVERY, O_KEEP, O_COMPRESS, O_LOG, O_STOP_AT, O_DUMP_GRADS,
     O_INJECT_NAN, O_INJECT_FAIL, O_INJECT_SIGNAL, O_STAGES, O_DTYPE, O_RECOMPUTE, O_SEQPAR, O_DOCS, O_DOC_SEP, O_MASK, O_VAL_MASK,
-    O_TOGETHER, O_LANES, O_COUNT
+    O_TOGETHER, O_LANES, O_LOGITS_CHUNK, O_COUNT
 };
 static const cli_opt OPTS[O_COUNT] = {
     [O_CKPT] = {"--ckpt", 0}, [O_DATA] = {"--data", 0}, [O_VAL_DATA] = {"--val-data", 0},
@@ -142,6 +147,7 @@ static const cli_opt OPTS[O_COUNT] = {
     [O_DTYPE] = {"--dtype", 0}, [O_RECOMPUTE] = {"--recompute", 0}, [O_SEQPAR] = {"--sequence-parallel", 1},
     [O_DOCS] = {"--documents", 1}, [O_DOC_SEP] = {"--doc-sep", 0}, [O_MASK] = {"--loss-mask", 0},
     [O_VAL_MASK] = {"--val-loss-mask", 0}, [O_TOGETHER] = {"--read-together", 0}, [O_LANES] = {"--lanes", 0},
+    [O_LOGITS_CHUNK] = {"--logits-chunk", 0},
 };
 /* the words of the choices, in the order of the values they stand for */
 static const char *const BACKENDS[] = {"cpu", "cuda", NULL};
@@ -279,10 +285,13 @@ static int apply_flags(const train_cmd *t, run_cfg *c)
         NUM(O_FP8_MARGIN, R_FP8_MARGIN, &c->fp8_margin))
         return rc;
     runcfg_flags f = {.has_lr = !!v[O_LR], .has_lr_min = !!v[O_LR_MIN], .schedule = t->schedule,
-                      .has_seed = !!v[O_SEED], .fp8 = t->fp8, .lanes = !v[O_LANES] ? -1 : 0};
+                      .has_seed = !!v[O_SEED], .fp8 = t->fp8, .lanes = !v[O_LANES] ? -1 : 0,
+                      .logits_chunk = !v[O_LOGITS_CHUNK] ? -1 : 0};
     int64_t seed = 0;
     if (NUM(O_LR_MIN, R_LR_MIN, &f.lr_min) || (rc = cli_int("--seed", v[O_SEED], 0, INT64_MAX, &seed))) return rc;
     if (v[O_LANES] && strcmp(v[O_LANES], "auto") && INT(O_LANES, R_LANES, &f.lanes)) return rc;
+    if (v[O_LOGITS_CHUNK] && strcmp(v[O_LOGITS_CHUNK], "auto") && INT(O_LOGITS_CHUNK, R_LOGITS_CHUNK, &f.logits_chunk))
+        return rc;
 #undef INT
 #undef NUM
     f.seed = (uint64_t)seed; /* any seed */

@@ -98,8 +98,8 @@ static void run_lanes(lanes *ln, int32_t *in, int32_t *tg, int backward, float l
         model *x = ln->m[i];
         const size_t off = (size_t)i * (size_t)ln->rows * (size_t)x->T;
         counted[i] = par_take_batch(x, ln->rows, in + off, tg + off);
-        part[i] = model_forward(x, in + off, tg + off);
-        if (backward) model_backward(x, in + off, tg + off, loss_scale);
+        part[i] = backward ? model_forward_train(x, in + off, tg + off, loss_scale) : model_forward(x, in + off, tg + off);
+        if (backward) model_backward(x, in + off);
     }
 }
 

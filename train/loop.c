@@ -119,6 +119,7 @@ shard_status loop_agree(train_run *r)
         {SHARD_AGREE_INT, "--doc-sep", (uint64_t)a->doc_sep},
         {SHARD_AGREE_INT, "--sequence-parallel", (uint64_t)a->seqpar},
         {SHARD_AGREE_INT, "--recompute (0: none)", (uint64_t)a->recompute},
+        {SHARD_AGREE_INT, "--logits-chunk (0: auto, -1: whole)", (uint64_t)c->logits_chunk},
         {SHARD_AGREE_DTYPE, "--dtype", (uint64_t)a->dtype},
         {SHARD_AGREE_INT, "--dump-grads (1: given)", (uint64_t)(a->dump_grads != NULL)},
         {SHARD_AGREE_INT, "--backend (1: cuda)", (uint64_t)!strcmp(a->backend, "cuda")},
@@ -280,6 +281,7 @@ shard_status loop_load(train_run *r)
         r->usage = 1;
         return s;
     }
+    m->logits_chunk = (int)r->c.logits_chunk; /* before lanes_open allocates the activations */
     if ((s = choose_lanes(r)) || (s = lanes_open(&r->ln, m, (int)r->c.lanes, r->Bm, r->S / a->layout.cp, P->nslots)))
         return s;
     if (m->fp8) r->D.ops->fp8_scales_changed(&r->D, m->fp8);

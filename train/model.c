@@ -330,10 +330,9 @@ static void free_acts(model *m)
     m->acts = NULL;
     m->xL = m->xnf = m->logits = NULL;
     m->rstdf = m->meanf = m->rowmax = m->sumexp = m->losses = NULL;
-    m->target_logit = NULL; /* the second half of sumexp's buffer */
     free_layer(m, &m->rc);
     void **bufs[] = {(void **)&m->cos_t, (void **)&m->sin_t, &m->dx, &m->dxn, &m->dq, &m->dk, &m->dv, &m->datt,
-                     &m->dgate, &m->dup, &m->dact, &m->dlogits, &m->ring[0], &m->ring[1], &m->ring_out,
+                     &m->dgate, &m->dup, &m->dact, &m->ring[0], &m->ring[1], &m->ring_out,
                      (void **)&m->ring_lse, &m->sp_loc, (void **)&m->pos_d, (void **)&m->cp_pos_d,
                      (void **)&m->tok_d, (void **)&m->tgt_d, (void **)&m->rpos_d, (void **)&m->doc_d, &m->dqk_pre,
                      &m->qkv, &m->dres, &m->rlogits, (void **)&m->dwts, &m->dxs, (void **)&m->dprobs, &m->epa, &m->epb};
@@ -363,7 +362,6 @@ void model_use_slot(model *m, int k)
     m->logits = sl->logits;
     m->rowmax = sl->rowmax;
     m->sumexp = sl->sumexp;
-    m->target_logit = sl->sumexp ? sl->sumexp + (size_t)m->B * m->T : NULL; /* one all-reduce for both */
     m->losses = sl->losses;
 }
 
@@ -458,6 +456,26 @@ static void set_positions(model *m, int T, int C)
     model_positions(m); /* documents: model_documents replaces them per microbatch */
 }
 
+/* The tokens of a microbatch of N whose logits head_loss computes at a time: all of
+ * them while their logits fit 256 MiB (1 GiB on a GPU: each chunk adds the head's
+ * weight gradient, V x H fp32, once more to the GEMMs' traffic, and a GPU has the
+ * memory: the 1B benchmark's 4096 tokens stay one chunk), else as many as fit, a
+ * multiple of 128 (the GEMM tiles' rows) and at least 1024 (on the CPU chunks of 512
+ * of Llama 3's vocabulary ran 15-25% slower than of 1024, which beat the whole 4096);
+ * logits_chunk > 0 sets the count, < 0 the whole microbatch. A vocabulary of 128k
+ * columns has 0.5 MB of fp32 logits per token: 4096 tokens' were 2 GB, and their
+ * gradient as much again, more than the layers' activations under --recompute. */
+static int head_rows(const model *m, int N)
+{
+    int r = m->logits_chunk < 0 ? N : m->logits_chunk;
+    if (r == 0) {
+        const size_t budget = (size_t)(DV->cuda ? 1024 : 256) << 20;
+        const size_t row = (size_t)m->vocab_local * DV->es, fit = budget / (row ? row : 1);
+        r = fit >= (size_t)N ? N : fit >= 1024 ? (int)(fit / 128 * 128) : 1024;
+    }
+    return r < N ? r : N > 0 ? N : 1;
+}
+
 shard_status model_alloc_slots(model *m, int B, int T, int nslots)
 {
     free_acts(m);
@@ -473,7 +491,8 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     m->slots = zalloc((size_t)nslots, sizeof *m->slots);
     ok &= m->slots != NULL;
     if (ok) m->nslots = nslots;
-    const size_t NV = m->last ? N * Vl : 0, NL = m->last ? N : 0;
+    m->head_rows = head_rows(m, (int)N);
+    const size_t NV = m->last ? (size_t)m->head_rows * Vl : 0, NL = m->last ? N : 0;
     size_t ln[NBUFS], les[NBUFS];
     layer_sizes(m, ln, les);
     for (int k = 0; ok && k < nslots; k++) {
@@ -499,7 +518,7 @@ shard_status model_alloc_slots(model *m, int B, int T, int nslots)
     A(m->cos_t, N * m->hd, f); A(m->sin_t, N * m->hd, f); A(m->rpos_d, N, sizeof(int32_t));
     A(m->dx, N * H, e); A(m->dxn, N * H, e); A(m->dq, N * QD, e); A(m->dk, N * KD, e); A(m->dv, N * KD, e);
     const size_t MF = m->E ? expert_rows_cap(m) * (size_t)m->FE : N * F; /* the MLP's rows: experts' or dense */
-    A(m->datt, N * QD, e); A(m->dup, MF, e); A(m->dact, MF, e); A(m->dlogits, NV, e);
+    A(m->datt, N * QD, e); A(m->dup, MF, e); A(m->dact, MF, e);
     if (!m->d.gelu_mlp) A(m->dgate, MF, e);
     if (m->E) {
         const size_t Nk = N * (size_t)m->topk;
@@ -1170,7 +1189,38 @@ static void put_tokens(model *m, const int32_t *tokens, const int32_t *targets, 
     *tgt = m->tgt_d;
 }
 
-double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
+/* The head and the vocabulary-parallel cross-entropy over the final norm's output xnf,
+ * head_rows tokens at a time: their logits, the rows' max, sum of exps and target logit
+ * (each reduced over tp; on one rank the reductions are the identity) and losses. In
+ * training (loss_scale: d loss / d sum of the losses), each chunk's logits then become
+ * their gradient in place, which goes at once into the head's gradient and dxn (the
+ * gradient of xnf, this rank's part): the logits of the whole microbatch are never
+ * held, nor computed twice. Returns the sum of the losses. */
+static double head_loss(model *m, const int32_t *tgt, const float *loss_scale)
+{
+    const int N = m->B * m->T, H = m->H, Vl = m->vocab_local;
+    double total = 0.0;
+    if (loss_scale) OPS->zero(DV, m->dxn, (size_t)N * H * DV->es);
+    for (int r0 = 0; r0 < N; r0 += m->head_rows) {
+        const int n = N - r0 < m->head_rows ? N - r0 : m->head_rows;
+        const void *x = AT(m->xnf, (size_t)r0 * H);
+        /* the chunk's sums of exps and target logits side by side: one all-reduce */
+        float *mx = m->rowmax + r0, *se = m->sumexp + 2 * (size_t)r0, *tl = se + n;
+        OPS->linear_forward(DV, m->logits, x, m->head, n, H, Vl);
+        OPS->xent_rowmax(DV, mx, tl, m->logits, tgt + r0, n, Vl, m->vocab_start);
+        tp_reduce(m, mx, (size_t)n, SHARD_DT_F32, SHARD_OP_MAX);
+        OPS->xent_sumexp(DV, se, m->logits, mx, n, Vl);
+        tp_reduce(m, se, 2 * (size_t)n, SHARD_DT_F32, SHARD_OP_SUM); /* the target's logit: one owner */
+        total += OPS->xent_loss(DV, m->losses + r0, mx, se, tl, tgt + r0, n);
+        if (!loss_scale) continue;
+        OPS->xent_backward(DV, m->logits, m->logits, mx, se, tgt + r0, n, Vl, m->vocab_start, *loss_scale);
+        OPS->linear_backward(DV, AT(m->dxn, (size_t)r0 * H), m->dhead, m->logits, x, m->head, n, H, Vl);
+    }
+    return total;
+}
+
+/* the forward of one microbatch; with a loss_scale, training's (head_loss) */
+static double forward(model *m, const int32_t *tokens, const int32_t *targets, const float *loss_scale)
 {
     const int B = m->B, T = m->T, N = B * T, H = m->H, Vl = m->vocab_local;
     const int sp = sp_on(m), Nl = (int)model_local_rows(m);
@@ -1203,14 +1253,27 @@ double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
     } else {
         norm_fwd(m, m->xnf, m->meanf, m->rstdf, m->xL, m->norm_final, m->norm_final_bias, N);
     }
-    OPS->linear_forward(DV, m->logits, m->xnf, m->head, N, H, Vl);
-    /* the vocabulary-parallel cross-entropy; on one rank the tp reductions between
-     * its steps are the identity */
-    OPS->xent_rowmax(DV, m->rowmax, m->target_logit, m->logits, tgt, N, Vl, m->vocab_start);
-    tp_reduce(m, m->rowmax, (size_t)N, SHARD_DT_F32, SHARD_OP_MAX);
-    OPS->xent_sumexp(DV, m->sumexp, m->logits, m->rowmax, N, Vl);
-    tp_reduce(m, m->sumexp, 2 * (size_t)N, SHARD_DT_F32, SHARD_OP_SUM); /* sumexp and target_logit (one owner) */
-    return OPS->xent_loss(DV, m->losses, m->rowmax, m->sumexp, m->target_logit, tgt, N);
+    return head_loss(m, tgt, loss_scale);
+}
+
+double model_forward(model *m, const int32_t *tokens, const int32_t *targets)
+{
+    return forward(m, tokens, targets, NULL);
+}
+
+double model_forward_train(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale)
+{
+    const double loss = forward(m, tokens, targets, &loss_scale);
+    if (!m->last) return loss;
+    /* on to the gradient of xL, which a stage before the last receives in dx */
+    const size_t NH = (size_t)m->B * m->T * m->H, NlH = model_local_rows(m) * m->H;
+    const int sp = sp_on(m);
+    if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
+    else tp_sum(m, m->dxn, NH); /* the head is column-parallel over the vocabulary */
+    OPS->zero(DV, m->dx, NlH * DV->es);
+    norm_bwd(m, m->dx, m->dnorm_final, m->dnorm_final_bias, sp ? m->sp_loc : m->dxn, m->xL, m->norm_final, m->meanf,
+             m->rstdf, (int)model_local_rows(m));
+    return loss;
 }
 
 /* Qwen3: back through the per-head RMSNorm of q and k: *dq and *dk (the gradients of
@@ -1277,7 +1340,7 @@ static void bwd_qkv(model *m, int l, const layer_acts *a, const void *dq, const 
     lin_bwd(m, l, LIN_V, m->dxn, g->v, m->dv, a->xn1, w->v, N, H, KD);
 }
 
-void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale)
+void model_backward(model *m, const int32_t *tokens)
 {
     const int B = m->B, T = m->T, N = B * T, H = m->H, hd = m->hd;
     const int QD = m->nh * hd, KD = m->nkv * hd, Vl = m->vocab_local;
@@ -1285,20 +1348,11 @@ void model_backward(model *m, const int32_t *tokens, const int32_t *targets, flo
     const int sp = sp_on(m), Nl = (int)model_local_rows(m);
     const size_t NlH = (size_t)Nl * H;
     const int32_t *tok, *tgt;
-    put_tokens(m, m->first ? tokens : NULL, m->last ? targets : NULL, &tok, &tgt);
+    put_tokens(m, m->first ? tokens : NULL, NULL, &tok, &tgt);
     /* sp: the input gradient of the column-parallel linears is reduce-scattered to
      * this rank's tokens (sp_loc) for the norm's backward; the other way, dx (this
      * rank's tokens) is all-gathered into dxn before the row-parallel linears */
     void *dnorm = sp ? m->sp_loc : m->dxn;
-    if (m->last) { /* else dx holds the gradient of xL, from the next stage */
-        OPS->xent_backward(DV, m->dlogits, m->logits, m->rowmax, m->sumexp, tgt, N, Vl, m->vocab_start, loss_scale);
-        OPS->zero(DV, m->dxn, NH * e);
-        OPS->linear_backward(DV, m->dxn, m->dhead, m->dlogits, m->xnf, m->head, N, H, Vl);
-        if (sp) tp_reduce_scatter(m, m->dxn, m->sp_loc, NlH);
-        else tp_sum(m, m->dxn, NH); /* the head is column-parallel over the vocabulary */
-        OPS->zero(DV, m->dx, NlH * e);
-        norm_bwd(m, m->dx, m->dnorm_final, m->dnorm_final_bias, dnorm, m->xL, m->norm_final, m->meanf, m->rstdf, Nl);
-    }
     /* m->dx holds d loss / d (residual stream) as it goes down the layers: each
      * block adds its branch's gradient to it (the norms' backward accumulates) */
     for (int l = m->l1 - 1; l >= m->l0; l--) {

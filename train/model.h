@@ -150,8 +150,11 @@ typedef struct model_s {
     layer_acts *acts;
     void *xL, *xnf;          /* final residual, final norm */
     float *rstdf, *meanf;
-    void *logits;            /* [N,Vl] */
-    float *rowmax, *sumexp, *target_logit, *losses; /* [N] */
+    void *logits;            /* [head_rows,Vl] one chunk's logits, in training then their gradient */
+    int logits_chunk;        /* tokens whose logits are computed at a time (0: auto); set before model_alloc_acts */
+    int head_rows;           /* what it came to for this microbatch size */
+    float *rowmax, *losses;  /* [N] */
+    float *sumexp;           /* [2N] by head_loss's chunks: the chunk's sums of exps, then its target logits */
     int32_t *pos;            /* [T] positions of this rank's tokens in the sequence (host) */
     int32_t *pos_d;          /* the same in the backend */
     int32_t *tok_d, *tgt_d;  /* [N] the microbatch's tokens and targets in the backend */
@@ -171,7 +174,7 @@ typedef struct model_s {
     uint8_t *ring_need;      /* [C] 1: some query of this rank may see a key of cp rank i's block
                                 (the ring skips the others' attention) */
     /* backward scratch */
-    void *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact, *dlogits;
+    void *dx, *dxn, *dq, *dk, *dv, *datt, *dgate, *dup, *dact;
     void *dqk_pre;           /* [N*(nh+nkv)*hd] the gradients of q and k before the q/k norm (Qwen3) */
     void *qkv;               /* [N*3*nh*hd] the fused projection's output, in backward its gradient (GPT-NeoX) */
     void *dres;              /* [local rows, H] the gradient of a layer's output, kept for the attention
@@ -287,6 +290,12 @@ void model_use_slot(model *m, int k);
  * Fills losses[B*T] (per token) and returns their sum (in double, summed in row
  * order, so that the result does not depend on the thread count). */
 double model_forward(model *m, const int32_t *tokens, const int32_t *targets);
+/* The same for training: on the last stage the loss's end of the backward too (the
+ * head's logits become their gradient a chunk at a time, so their memory is one
+ * chunk's), leaving the gradient of xL in dx as a stage before the last receives it;
+ * loss_scale multiplies d(sum of per-token losses), e.g. 1 / (tokens in the
+ * optimizer step). model_backward goes on from there. */
+double model_forward_train(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale);
 /* Pipeline stages: a stage other than the first takes its input [B*T, H] in
  * model_stage_input(m) (the current slot's) before model_forward; a stage other
  * than the last leaves its output in xL (and returns 0), and takes the gradient of
@@ -306,9 +315,8 @@ void model_params_upload(model *m);
 /* Bytes of the parameters, gradients and activations (all slots and scratch),
  * for the memory line smp-train prints at start */
 void model_memory(const model *m, size_t *params, size_t *grads, size_t *acts);
-/* Backward of the last forward: accumulates into grads. loss_scale multiplies
- * d(sum of per-token losses), e.g. 1 / (tokens in the optimizer step). */
-void model_backward(model *m, const int32_t *tokens, const int32_t *targets, float loss_scale);
+/* Backward of the last model_forward_train: accumulates into grads. */
+void model_backward(model *m, const int32_t *tokens);
 void model_zero_grads(model *m);
 /* The load-balancing loss of a mixture of experts, as transformers' load_balancing_loss_func
  * computes it over all of its rows (every layer's tokens): E * sum_e f_e P_e, f_e the share

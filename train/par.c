@@ -536,22 +536,21 @@ static shard_status pp_recv_input(par_ctx *p, model *m, int mb)
 }
 
 static shard_status pp_fwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
-                           double *lsum)
+                           float loss_scale, double *lsum)
 {
     model_use_slot(m, mb % p->nslots);
     shard_status s = fill(ctx, mb, in, tg);
     if (s) return s;
-    *lsum += model_forward(m, in, tg);
+    *lsum += model_forward_train(m, in, tg, loss_scale);
     return m->comm_err ? m->comm_err : dev_status(m->dev);
 }
 
-static shard_status pp_bwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg,
-                           float loss_scale)
+static shard_status pp_bwd(par_ctx *p, model *m, int mb, par_fill_fn fill, void *ctx, int32_t *in, int32_t *tg)
 {
     model_use_slot(m, mb % p->nslots);
     shard_status s = fill(ctx, mb, in, tg);
     if (s) return s;
-    model_backward(m, in, tg, loss_scale);
+    model_backward(m, in);
     return m->comm_err ? m->comm_err : dev_status(m->dev);
 }
 
@@ -563,8 +562,8 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
     if (p->nstages <= 1) {
         for (int mb = 0; mb < M; mb++) {
             if ((s = fill(ctx, mb, in, tg))) return s;
-            *lsum += model_forward(m, in, tg);
-            model_backward(m, in, tg, loss_scale);
+            *lsum += model_forward_train(m, in, tg, loss_scale);
+            model_backward(m, in);
             if (m->comm_err) return m->comm_err;
             if ((s = dev_status(m->dev))) return s;
         }
@@ -578,16 +577,16 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
     const int warm = P - st - 1 < M ? P - st - 1 : M, rem = M - warm;
     for (int i = 0; i < warm; i++) {
         if (!first && (s = pp_recv_input(p, m, i))) return s;
-        if ((s = pp_fwd(p, m, i, fill, ctx, in, tg, lsum))) return s;
+        if ((s = pp_fwd(p, m, i, fill, ctx, in, tg, loss_scale, lsum))) return s;
         if (!last && (s = shard_comm_send(c, m->xL, n, adt, st + 1, PP_TAG))) return s;
     }
     if (rem > 0 && !first && (s = pp_recv_input(p, m, warm))) return s;
     for (int i = 0; i < rem; i++) {
         const int f = warm + i;
-        if ((s = pp_fwd(p, m, f, fill, ctx, in, tg, lsum))) return s;
+        if ((s = pp_fwd(p, m, f, fill, ctx, in, tg, loss_scale, lsum))) return s;
         /* send this forward's output, receive the gradient of the oldest one's */
         if (!last && (s = shard_comm_sendrecv(c, m->xL, st + 1, m->dx, st + 1, n, adt, PP_TAG))) return s;
-        if ((s = pp_bwd(p, m, i, fill, ctx, in, tg, loss_scale))) return s;
+        if ((s = pp_bwd(p, m, i, fill, ctx, in, tg))) return s;
         if (first) continue;
         if (i == rem - 1) {
             if ((s = shard_comm_send(c, m->dx, n, adt, st - 1, PP_TAG))) return s;
@@ -600,7 +599,7 @@ shard_status par_train_step(par_ctx *p, model *m, int M, par_fill_fn fill, void 
     }
     for (int i = rem; i < M; i++) {
         if (!last && (s = shard_comm_recv(c, m->dx, n, adt, st + 1, PP_TAG))) return s;
-        if ((s = pp_bwd(p, m, i, fill, ctx, in, tg, loss_scale))) return s;
+        if ((s = pp_bwd(p, m, i, fill, ctx, in, tg))) return s;
         if (!first && (s = shard_comm_send(c, m->dx, n, adt, st - 1, PP_TAG))) return s;
     }
     return SHARD_OK;

@@ -38,6 +38,7 @@ void runcfg_merge(run_cfg *c, const runcfg_flags *f)
         c->seed = f->seed;
     }
     if (f->fp8 >= 0) c->fp8 = (fp8_mode)f->fp8;
+    if (f->logits_chunk >= 0) c->logits_chunk = f->logits_chunk;
     if (f->lanes >= 0) { /* auto: resolved again, as for a new run */
         c->lanes = f->lanes;
         c->lanes_given = f->lanes > 0;
@@ -227,6 +228,8 @@ char *runcfg_state_json(const run_cfg *c, const data_set *ds, const data_set *vs
                                             f8 ? "fp8/fp8.amax_history, fp8/fp8.scale" : "none"));
     json_object_set_new(t, "max_bad_steps", json_integer(c->max_bad));
     json_object_set_new(t, "lanes", json_integer(c->lanes > 0 ? c->lanes : 1));
+    json_object_set_new(t, "logits_chunk", c->logits_chunk > 0 ? json_integer(c->logits_chunk)
+                                                               : json_string(c->logits_chunk ? "whole" : "auto"));
     json_object_set_new(t, "elapsed_s", json_real(elapsed));
     char *text = json_dumps(t, JSON_COMPACT | JSON_REAL_PRECISION(17));
     json_decref(t);

@@ -34,6 +34,7 @@ typedef struct {
     uint64_t seed;
     int fp8;              /* --fp8: -1 not given, else an fp8_mode */
     int64_t lanes;        /* --lanes: -1 not given, 0 auto, else the count */
+    int64_t logits_chunk; /* --logits-chunk: -1 not given, 0 auto, else the tokens */
 } runcfg_flags;
 /* The flags over the defaults and the saved state: lr_min follows lr (lr / 10) unless
  * it was given, or saved and lr was not given. */

@@ -14,7 +14,7 @@ const state_range STATE_RANGE[R_COUNT] = {
     [R_SEQ] = {1, 1 << 24},          [R_WARMUP] = {0, INT32_MAX},    [R_MAX_BAD] = {1, 1 << 30},
     [R_FP8_HIST] = {1, 1 << 20},     [R_SAVE_EVERY] = {0, INT32_MAX}, [R_KEEP] = {0, 1 << 20},
     [R_VAL_EVERY] = {0, INT32_MAX},  [R_VAL_BATCHES] = {1, 1 << 30}, [R_STOP_AT] = {1, INT32_MAX},
-    [R_LANES] = {1, 1024},
+    [R_LANES] = {1, 1024},           [R_LOGITS_CHUNK] = {1, 1 << 24},
     [R_LR] = {0, 1e3},               [R_LR_MIN] = {0, 1e3},
     [R_CLIP] = {0, 1e30},            [R_WD] = {0, 1e3},              [R_BETA1] = {0, 0.9999999},
     [R_BETA2] = {0, 0.9999999},      [R_EPS] = {1e-30, 1},           [R_FP8_MARGIN] = {0, 64},
@@ -93,6 +93,17 @@ static void read_fp8(reader *r, json_t *f8, run_cfg *c)
     get_num(r, f8, "margin", R_FP8_MARGIN, &c->fp8_margin);
 }
 
+/* "auto", "whole" or a token count; absent (a state written before the chunks): whole */
+static void read_logits_chunk(reader *r, json_t *v, run_cfg *c)
+{
+    const state_range g = STATE_RANGE[R_LOGITS_CHUNK];
+    if (!v || (json_is_string(v) && !strcmp(json_string_value(v), "whole"))) c->logits_chunk = -1;
+    else if (json_is_string(v) && !strcmp(json_string_value(v), "auto")) c->logits_chunk = 0;
+    else if (!json_is_integer(v) || (double)json_integer_value(v) < g.lo || (double)json_integer_value(v) > g.hi)
+        bad(r, "logits_chunk", "is not \"auto\", \"whole\" or a token count in range");
+    else c->logits_chunk = json_integer_value(v);
+}
+
 /* The data order: shuffled with a seed or sequential without one, and the generator's
  * record (rng) agreeing with it: a state that contradicts itself is refused, not
  * resumed one way or the other. */
@@ -142,6 +153,7 @@ shard_status state_parse(const char *ckdir, const char *text, size_t len, run_cf
     if (json_object_get(t, "max_bad_steps")) get_range(&r, t, "max_bad_steps", R_MAX_BAD, &c->max_bad);
     c->lanes = 1; /* a state written before lanes: one, as it ran */
     if (json_object_get(t, "lanes")) get_range(&r, t, "lanes", R_LANES, &c->lanes);
+    read_logits_chunk(&r, json_object_get(t, "logits_chunk"), c);
     json_t *el = json_object_get(t, "elapsed_s");
     if (el && (!json_is_number(el) || !isfinite(json_number_value(el)) || json_number_value(el) < 0)) bad(&r, "elapsed_s", "is not a time");
     else if (el) c->elapsed_before = json_number_value(el);

@@ -19,6 +19,9 @@ typedef struct {
     /* lanes (lanes.h): 0 until resolved (a new run's auto); saved, kept on resume */
     int64_t lanes;
     int lanes_given; /* --lanes N: refused (not replaced by 1) where lanes cannot run */
+    /* tokens whose logits are computed at a time (model.h): 0 auto, -1 the whole
+     * microbatch (a state written before the chunks, as it ran); saved, kept on resume */
+    int64_t logits_chunk;
     uint64_t seed;
     fp8_mode fp8;
     /* state */
@@ -36,7 +39,7 @@ typedef struct {
 
 typedef enum {
     R_STEPS, R_BATCH, R_MICRO, R_SEQ, R_WARMUP, R_MAX_BAD, R_FP8_HIST, R_SAVE_EVERY, R_KEEP, R_VAL_EVERY, R_VAL_BATCHES,
-    R_STOP_AT, R_LANES, R_LR, R_LR_MIN, R_CLIP, R_WD, R_BETA1, R_BETA2, R_EPS, R_FP8_MARGIN, R_COUNT
+    R_STOP_AT, R_LANES, R_LOGITS_CHUNK, R_LR, R_LR_MIN, R_CLIP, R_WD, R_BETA1, R_BETA2, R_EPS, R_FP8_MARGIN, R_COUNT
 } range_id;
 typedef struct {
     double lo, hi;

@@ -17,7 +17,7 @@ tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
   the other way round, tracking the straight run;
 - under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
   (bf16 collectives through libshard's MPI half-precision reductions) track the
-  single-rank C run;
+  single-rank C run (tp=2 and pp=2 with the loss's logits in chunks of 24 tokens);
 - Qwen2 (bias kernels), Qwen3 (q/k norms), GPT-NeoX (fused qkv, LayerNorm, GELU,
   partial rotary, parallel residual) and Mixtral (router, top-2 experts) on one rank in
   fp32 within 1e-4;
@@ -146,9 +146,9 @@ def test_checkpoints_move_between_backends(setup):
 # one dtype per layout keeps the emulated runs to a few minutes on 2 cores (measured
 # with both dtypes on each: fp32 1e-7..2e-7, bf16 1e-4..2e-4 relative)
 @pytest.mark.parametrize("layout,np_,dtype,tol,extra", [
-    ("tp=2", 2, "fp32", 1e-4, ["--sequence-parallel"]),
+    ("tp=2", 2, "fp32", 1e-4, ["--sequence-parallel", "--logits-chunk", 24]),
     ("cp=2", 2, "bf16", 1e-2, []),
-    ("pp=2,dp=2", 4, "bf16", 1e-2, ["--microbatches", 2]),
+    ("pp=2,dp=2", 4, "bf16", 1e-2, ["--microbatches", 2, "--logits-chunk", 24]),
 ])
 def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
     tmp, ck, data, refs, lib = setup

@@ -242,7 +242,8 @@ def both(*fns):
 # out of the flags' ranges (smp-train's option table: --lr [0, 1e3], --beta1/--beta2
 # [0, 0.9999999], --eps [0, 1], --weight-decay [0, 1e3], --clip [0, 1e30], --batch,
 # --microbatches, --seq 1..2^24, --warmup 0..2^31-1, --max-bad 1..2^30, --fp8-history
-# 1..2^20, --fp8-margin [0, 64], --steps 1..2^31-1, --seed 0..2^63-1, --lanes 1..1024)
+# 1..2^20, --fp8-margin [0, 64], --steps 1..2^31-1, --seed 0..2^63-1, --lanes 1..1024,
+# --logits-chunk 1..2^24)
 state_case("lr-1e39", set_("schedule.lr", 1e39))  # a double, not a float
 state_case("lr-negative", set_("schedule.lr", -3e-3))
 state_case("lr-nan", set_("schedule.lr", float("nan")))  # NaN: written as JSON cannot hold it
@@ -273,6 +274,10 @@ state_case("max-bad-steps-zero", set_("max_bad_steps", 0))
 state_case("lanes-zero", set_("lanes", 0))
 state_case("lanes-2000", set_("lanes", 2000))  # --lanes 1..1024
 state_case("lanes-string", set_("lanes", "2"))
+state_case("logits-chunk-zero", set_("logits_chunk", 0))  # --logits-chunk 1..2^24, "auto" or (a state) "whole"
+state_case("logits-chunk-2^40", set_("logits_chunk", 2**40))
+state_case("logits-chunk-unknown-word", set_("logits_chunk", "half"))
+state_case("logits-chunk-float", set_("logits_chunk", 512.0))
 state_case("schedule-kind-unknown", set_("schedule.kind", "linear"))
 state_case("seed-negative", both(set_("data.seed", -3), set_("rng.seed", -3)))
 state_case("fp8-mode-unknown", set_("fp8.mode", "fp4"), fp8=True)

@@ -6,10 +6,12 @@ trains the same model as one rank does.
   embedding, vocabularies and MLP widths that tp does not divide (the last rank's block
   shorter), and tp=2 x dp=2 with gradient accumulation: 6 steps with the same global batch
   log per-step losses within 2e-4 relative of the single-rank run (gradient norms within
-  2e-3), and the checkpoint, written by every rank (its own boxes), verifies;
+  2e-3; also with the vocabulary-parallel loss in chunks of 23 tokens), and the
+  checkpoint, written by every rank (its own boxes), verifies;
 - a checkpoint saved at tp=2,dp=2 resumes at tp=1 and at tp=4, one saved at tp=4 resumes
   at tp=2,dp=2, tracking the straight run within 5e-4;
-- the logged bytes_tp (and bytes_dp) equal the formulas of tp_bytes (and dp_bytes) below;
+- the logged bytes_tp (and bytes_dp) equal the formulas of tp_bytes (and dp_bytes) below,
+  with the loss's logits whole and in chunks (--logits-chunk);
 - layouts that cannot hold the model are refused.
 """
 import json
@@ -48,19 +50,21 @@ def setup(tmp_path_factory):
     return tmp, cks, data, refs
 
 
-@pytest.mark.parametrize("case,layout,np_,micro", [
-    ("llama-tp-kv2", "tp=2", 2, 1),
-    ("llama-tp-kv2", "tp=4", 4, 1),             # kv heads 2 < tp 4
-    ("llama-tp-kv2", "tp=2,dp=2", 4, 2),        # with ZeRO-1 over dp and 2 microbatches
-    ("llama-gqa-f32", "tp=2", 2, 1),            # 6 heads, 2 kv heads, vocab 101
-    ("llama-tied-bf16-llama3", "tp=2", 2, 1),   # tied embedding, llama3 RoPE
-    ("mistral-gqa-f16-window", "tp=4", 4, 1),   # one kv head on 4 ranks, sliding window
+@pytest.mark.parametrize("case,layout,np_,micro,chunk", [
+    ("llama-tp-kv2", "tp=2", 2, 1, None),
+    ("llama-tp-kv2", "tp=4", 4, 1, None),             # kv heads 2 < tp 4
+    ("llama-tp-kv2", "tp=2,dp=2", 4, 2, None),        # with ZeRO-1 over dp and 2 microbatches
+    ("llama-gqa-f32", "tp=2", 2, 1, None),            # 6 heads, 2 kv heads, vocab 101
+    ("llama-tied-bf16-llama3", "tp=2", 2, 1, None),   # tied embedding, llama3 RoPE
+    ("llama-tied-bf16-llama3", "tp=2", 2, 1, 23),     # the vocabulary-parallel loss 23 tokens at a time
+    ("mistral-gqa-f16-window", "tp=4", 4, 1, None),   # one kv head on 4 ranks, sliding window
 ])
-def test_tensor_parallel_matches_one_rank(setup, case, layout, np_, micro):
+def test_tensor_parallel_matches_one_rank(setup, case, layout, np_, micro, chunk):
     tmp, cks, data, refs = setup
-    out = tmp / f"run-{case}-{layout}-m{micro}"
+    out = tmp / f"run-{case}-{layout}-m{micro}-c{chunk}"
     mpirun(np_, "--ckpt", cks[case], "--data", data, "--save-dir", out, "--steps", 6, "--layout", layout,
-           "--microbatches", micro, "--log", out / "log.jsonl", *COMMON)
+           "--microbatches", micro, "--log", out / "log.jsonl", *COMMON,
+           *(["--logits-chunk", chunk] if chunk else []))
     rows = read_log(out / "log.jsonl")
     assert_tracks(rows, refs[case], 2e-4, f"{case} {layout} microbatches {micro}")
     assert all(r["bytes_tp"] > 0 and r["bytes_cp"] == 0 and r["bytes_pp"] == 0 for r in rows)
@@ -100,18 +104,21 @@ def allreduce_bytes(n, g, size=4):
     return 2 * (g - 1) * n * size // g if g > 1 else 0
 
 
-def tp_bytes(kw, T, N, M):
+def tp_bytes(kw, T, N, M, chunk=None):
     """bytes_tp per step and rank, with N = B/(dp*M)*S tokens per microbatch, M microbatches:
     per microbatch, all-reduces over tp of
       forward:  the embedding output [N,H], each layer's o_proj and down_proj outputs [N,H],
-                the cross-entropy's row max [N] and (sum of exp, target logit) [2N];
+                the cross-entropy's row max [n] and (sum of exp, target logit) [2n] for each
+                chunk of n tokens (--logits-chunk: the last chunk shorter);
       backward: the head's input gradient [N,H], each layer's input gradients of gate/up and
                 of q/k/v [N,H];
     and per step, with kv heads fewer than T, each layer's k_proj and v_proj weight gradients
     [hd,H] summed over the T/kv ranks that share the kv head."""
     H, L, nh, nkv = kw["hidden_size"], kw["num_hidden_layers"], kw["num_attention_heads"], kw["num_key_value_heads"]
     hd = kw.get("head_dim") or H // nh
-    per_mb = 2 * (1 + 2 * L) * allreduce_bytes(N * H, T) + allreduce_bytes(N, T) + allreduce_bytes(2 * N, T)
+    chunks = [min(chunk or N, N - r0) for r0 in range(0, N, chunk or N)]
+    per_mb = 2 * (1 + 2 * L) * allreduce_bytes(N * H, T) + sum(allreduce_bytes(n, T) + allreduce_bytes(2 * n, T)
+                                                               for n in chunks)
     kv = 2 * L * allreduce_bytes(hd * H, T // nkv) if nkv < T else 0
     return M * per_mb + kv
 
@@ -136,16 +143,17 @@ def dp_bytes(kw, T, D):
     return 2 * (D - 1) * Z * 4 + 2 * (D - 1) * 8 // D if D > 1 else 0
 
 
-@pytest.mark.parametrize("case,T,D,M", [("llama-tp-kv2", 2, 1, 1), ("llama-tp-kv2", 4, 1, 2),
-                                        ("llama-tp-kv2", 2, 2, 2), ("mistral-gqa-f16-window", 4, 1, 1)])
-def test_logged_tp_bytes_match_formulas(setup, case, T, D, M):
+@pytest.mark.parametrize("case,T,D,M,chunk", [("llama-tp-kv2", 2, 1, 1, None), ("llama-tp-kv2", 4, 1, 2, None),
+                                              ("llama-tp-kv2", 2, 2, 2, None), ("mistral-gqa-f16-window", 4, 1, 1, None),
+                                              ("llama-tp-kv2", 4, 1, 2, 13)])
+def test_logged_tp_bytes_match_formulas(setup, case, T, D, M, chunk):
     tmp, cks, data, _ = setup
-    out = tmp / f"bytes-{case}-{T}-{D}-{M}"
+    out = tmp / f"bytes-{case}-{T}-{D}-{M}-{chunk}"
     mpirun(T * D, "--ckpt", cks[case], "--data", data, "--save-dir", out, "--steps", 2, "--layout", f"tp={T},dp={D}",
-           "--microbatches", M, "--log", out / "log.jsonl", *COMMON)
+           "--microbatches", M, "--log", out / "log.jsonl", *COMMON, *(["--logits-chunk", chunk] if chunk else []))
     kw = models.CASES[case][1]
     N = 8 // (D * M) * SEQ
-    want = (tp_bytes(kw, T, N, M), 0, 0, dp_bytes(kw, T, D))
+    want = (tp_bytes(kw, T, N, M, chunk), 0, 0, dp_bytes(kw, T, D))
     rows = read_log(out / "log.jsonl")
     assert len(rows) == 2
     for r in rows:

@@ -217,14 +217,18 @@ def test_eval_loss_matches_transformers(tmp_path, case):
 
 
 # ---------------------------------------------------------------- gradients vs autograd
-@pytest.mark.parametrize("case,micro", [("llama-gqa-f32", 1), ("llama-tied-bf16-llama3", 2), ("mistral-gqa-f16-window", 1)])
-def test_gradients_match_autograd(tmp_path, case, micro):
+# (chunk: --logits-chunk, the head and loss that many tokens at a time; 37 leaves a
+# last chunk of 22 of a microbatch's 96 tokens)
+@pytest.mark.parametrize("case,micro,chunk", [("llama-gqa-f32", 1, None), ("llama-tied-bf16-llama3", 2, None),
+                                              ("mistral-gqa-f16-window", 1, None), ("llama-tied-bf16-llama3", 2, 37),
+                                              ("llama-gqa-f32", 1, 1)])
+def test_gradients_match_autograd(tmp_path, case, micro, chunk=None):
     hf, ck = make_ckpt(tmp_path, case)
     V, B = vocab_of(case), 4
     toks = np.random.default_rng(2).integers(0, V, size=B * SEQ + 1)
     data = write_tokens(tmp_path / "d.bin", toks)
     run("smp-train", "--ckpt", ck, "--data", data, "--dump-grads", tmp_path / "g", "--steps", 1, "--batch", B,
-        "--microbatches", micro, "--seq", SEQ, check=0)
+        "--microbatches", micro, "--seq", SEQ, *(["--logits-chunk", chunk] if chunk else []), check=0)
     assert_grads_of(tmp_path / "g", hf, seqs_of(toks, SEQ, range(B)))
 
 
@@ -453,6 +457,83 @@ def test_resume_is_bit_exact(tmp_path, version):
     p = run("smp-train", "--ckpt", b, "--data", data, "--save-dir", b, "--steps", 20, "--stop-at", 12, check=0)
     assert p.stdout == f"{latest(b)} is at step 12, --stop-at 12: nothing to do\n" and "loaded" not in p.stderr, p.stderr
     assert sorted(os.listdir(b)) == before
+
+
+def test_logits_chunk_is_kept_on_resume(tmp_path):
+    """--logits-chunk changes the bits (the head's gradient summed by chunks), so a run
+    keeps its own: saved in the training state, a resume without the flag is bit-exact,
+    and a state written before the chunks (no key) resumes with the whole microbatch's
+    logits, as it ran. A value no flag could give is refused."""
+    ck, data = _tiny(tmp_path)
+    logs = {}
+    for name, chunk, stop in [("a", 5, None), ("b", 5, 6), ("whole", 1000, None), ("old", 1000, 6)]:
+        d = tmp_path / name
+        run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", d, "--steps", 12, "--log", d / "log.jsonl",
+            "--logits-chunk", chunk, *(["--stop-at", stop] if stop else []), *COMMON, check=0)
+    assert training_state(tmp_path / "b" / "step-000006")["logits_chunk"] == 5
+    old = tmp_path / "old" / "step-000006" / "smp.json"
+    m = json.loads(old.read_text())
+    del m["training"]["logits_chunk"]
+    old.write_text(json.dumps(m))
+    for name in ("b", "old"):
+        d = tmp_path / name
+        run("smp-train", "--ckpt", d, "--data", data, "--save-dir", d, "--log", d / "log.jsonl", check=0)
+    for name in logs or ("a", "b", "whole", "old"):
+        logs[name] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_log(tmp_path / name / "log.jsonl")]
+    assert logs["a"] == logs["b"] and logs["whole"] == logs["old"]
+    assert [r[:1] for r in logs["a"]] == [(s,) for s in range(1, 13)]
+    assert training_state(latest(tmp_path / "old"))["logits_chunk"] == "whole"
+    # the two ways give the same training to the last bits or so
+    for x, y in zip(logs["a"], logs["whole"]):
+        assert abs(x[1] - y[1]) <= 1e-6 * y[1] and abs(x[2] - y[2]) <= 1e-5 * y[2], (x, y)
+    m["training"]["logits_chunk"] = 0
+    old.write_text(json.dumps(m))
+    p = run("smp-train", "--ckpt", old.parent, "--data", data, "--save-dir", tmp_path / "c", check=3)
+    assert p.stderr.count("\n") == 1 and '"logits_chunk" is not "auto", "whole" or a token count' in p.stderr, p.stderr
+    p = run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", tmp_path / "c", "--steps", 1, "--logits-chunk", 0,
+            check=2)
+    assert "--logits-chunk" in p.stderr
+
+
+def peak_rss_kb(cmd, *args):
+    """smp's cmd run to its end: its peak resident memory (KiB) and its stderr. Started
+    by a small Python process: a child forked from this one (torch loaded) would count
+    this process's pages in its peak, which survives the exec."""
+    wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL, "
+            "stderr=subprocess.PIPE, text=True); sys.stdout.write(r.stderr); "
+            "print(r.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    p = subprocess.run([sys.executable, "-c", wrap, str(BUILD / "bin" / cmd), *map(str, args)], capture_output=True,
+                       text=True, timeout=600)
+    *err, last = p.stdout.splitlines()
+    rc, rss = map(int, last.split())
+    assert rc == 0, err
+    return rss, "\n".join(err)
+
+
+def test_logits_in_chunks_bound_the_memory(tmp_path):
+    """A vocabulary of 32000 at 1 x 2048 tokens: 262 MB of fp32 logits. In chunks of 128
+    tokens the run's peak memory is lower by nearly all of them (the logits' gradient
+    takes their place in both; before the chunks it took 262 MB more); the losses agree."""
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=32, intermediate_size=64,
+               num_attention_heads=2, num_key_value_heads=2, num_hidden_layers=1, vocab_size=32000,
+               max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False,
+               torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    run("smp-convert", "init", "--config", tmp_path / "config.json", "--out", tmp_path / "ck", "--layout", "pp=1",
+        check=0)
+    toks = np.random.default_rng(3).integers(0, 32000, size=3 * 2048)
+    data = write_tokens(tmp_path / "d.bin", toks, u32=True)
+    rss, logs = {}, {}
+    for chunk in (128, 2048):
+        d = tmp_path / f"r{chunk}"
+        rss[chunk], err = peak_rss_kb("smp-train", "--ckpt", tmp_path / "ck", "--data", data, "--save-dir", d,
+                                      "--steps", 2, "--batch", 1, "--seq", 2048, "--logits-chunk", chunk,
+                                      "--log", d / "log.jsonl", "--compress", "none", "--lanes", 1)
+        logs[chunk] = read_log(d / "log.jsonl")
+    saved = (2048 - 128) * 32000 * 4 / 1024
+    assert rss[2048] - rss[128] >= 0.8 * saved, (rss, saved)
+    for x, y in zip(logs[128], logs[2048]):
+        assert abs(x["loss"] - y["loss"]) <= 1e-6 * y["loss"] and abs(x["grad_norm"] - y["grad_norm"]) <= 1e-5 * y["grad_norm"]
 
 
 def test_signal_after_the_stop_agreement_still_saves(tmp_path):

@@ -8,7 +8,7 @@ against `cp -r` + sync of smp-train's step folder (the physical anchor).
 
     python tools/bench/train.py [--hidden 256 --layers 4 --heads 8 --kv-heads 4 --vocab 4096
                                  --batch 8 --seq 256 --steps 20 --threads N --sdpa --repeat N
-                                 --experts E --top-k K]
+                                 --experts E --top-k K --logits-chunk N --also BUILD]
 
 Both sides: fp32, AdamW, gradient clipping 1.0, the same random tokens; tokens/s is
 measured over the steps after the first two (warm-up). torch runs in its own process
@@ -16,8 +16,10 @@ so its peak memory is its own. --sdpa adds a second torch run with
 attn_implementation="sdpa" (torch's fused attention) beside the eager one; --repeat N runs
 every side N times, in rounds, and reports the median round of each (this machine's
 figures move by up to 20% between runs). --experts E makes the model a Mixtral of E
-experts a layer (--intermediate: an expert's), --top-k of them a token. Needs the
-oracle venv (torch, transformers).
+experts a layer (--intermediate: an expert's), --top-k of them a token. --also BUILD
+adds the smp-train of another build folder (an earlier commit's) as a side of its own;
+--logits-chunk goes to this build's smp-train. Vocabularies past 65535 write uint32
+tokens. Needs the oracle venv (torch, transformers).
 """
 import argparse
 import json
@@ -43,7 +45,7 @@ a = json.loads(sys.argv[1])
 torch.set_num_threads(a["threads"])
 model = AutoModelForCausalLM.from_pretrained(a["hf"], dtype=torch.float32, attn_implementation=a["attn"])
 opt = torch.optim.AdamW(model.parameters(), lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-toks = np.fromfile(a["data"], dtype="<u2", offset=1024).astype(np.int64)
+toks = np.fromfile(a["data"], dtype="<u4" if a["u32"] else "<u2", offset=1024).astype(np.int64)
 B, S = a["batch"], a["seq"]
 times = []
 for step in range(a["steps"]):
@@ -85,6 +87,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--sdpa", action="store_true", help="also run torch with attn_implementation=sdpa")
     ap.add_argument("--repeat", type=int, default=1, help="rounds of every run; the median round counts")
+    ap.add_argument("--logits-chunk", help="smp-train's --logits-chunk (this build's)")
+    ap.add_argument("--also", metavar="BUILD", help="another build folder whose smp-train runs as a side of its own")
     ap.add_argument("--keep", metavar="DIR", help="work in DIR (made, kept: the model, tokens and checkpoint "
                     "for profiling smp-train by hand) instead of a temporary folder")
     a = ap.parse_args()
@@ -112,8 +116,9 @@ def main():
         n = a.batch * a.seq * a.steps + 1
         toks = np.random.default_rng(0).integers(0, a.vocab, size=n)
         h = np.zeros(256, "<i4")
-        h[:3] = (20240520, 1, n)
-        (tmp / "d.bin").write_bytes(h.tobytes() + toks.astype("<u2").tobytes())
+        u32 = a.vocab > 65535
+        h[:3] = (20240801, 7, n) if u32 else (20240520, 1, n)
+        (tmp / "d.bin").write_bytes(h.tobytes() + toks.astype("<u4" if u32 else "<u2").tobytes())
         subprocess.run([str(BIN / "smp-convert"), "hf2smp", "--in", str(tmp / "hf"), "--out", str(tmp / "ck"),
                         "--layout", "pp=1"], check=True, capture_output=True)
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
@@ -128,19 +133,12 @@ def main():
                 "text=True); sys.stdout.write(r.stderr); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
         smp_runs, torch_all, saves = [], {}, {}
         for _ in range(a.repeat):  # rounds of every side, so that a busy moment hits them all
-            shutil.rmtree(tmp / "run", ignore_errors=True)
-            (tmp / "log.jsonl").unlink(missing_ok=True)
-            p = subprocess.run([sys.executable, "-c", wrap, str(BIN / "smp-train"), "--ckpt", str(tmp / "ck"),
-                                "--data", str(tmp / "d.bin"), "--save-dir", str(tmp / "run"), "--steps",
-                                str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq), "--schedule", "constant",
-                                "--log", str(tmp / "log.jsonl"), "--compress", "none"], check=True,
-                               capture_output=True, text=True, env=env)
-            rows = [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
+            if a.also:
+                torch_all.setdefault("also", []).append(smp_side(wrap, pathlib.Path(a.also) / "bin", tmp, a, env, []))
+            p, rows = smp_run(wrap, BIN, tmp, a, env, ["--logits-chunk", a.logits_chunk] if a.logits_chunk else [])
             last = tmp / "run" / (tmp / "run" / "latest").read_text().strip()
             lanes = json.loads((last / "smp.json").read_text())["training"]["lanes"]  # auto's pick (--lanes)
-            smp_runs.append((a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"]
-                                                                     for r in rows[2:]), int(p.stdout.split()[-1]),
-                             rows[0]["elapsed_s"]))
+            smp_runs.append((tokens_per_s(a, rows), int(p.stdout.split()[-1]), rows[0]["elapsed_s"]))
             saved = re.search(r"saved \S+: (\d+) bytes in ([0-9.]+) s", p.stdout)
             shutil.rmtree(tmp / "copy", ignore_errors=True)
             t0 = time.perf_counter()
@@ -152,7 +150,7 @@ def main():
             for attn in ["eager"] + (["sdpa"] if a.sdpa else []):
                 p = subprocess.run([sys.executable, "-c", TORCH_LOOP, json.dumps(dict(
                     hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
-                    threads=a.threads, attn=attn, save=str(tmp / "torch.pt")))], check=True, capture_output=True,
+                    threads=a.threads, attn=attn, save=str(tmp / "torch.pt"), u32=u32))], check=True, capture_output=True,
                     text=True, env=env)
                 torch_all.setdefault(attn, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
                 r = torch_all[attn][-1]
@@ -176,10 +174,10 @@ def main():
     each = lambda xs: "   " + " ".join(f"{x:.0f}" for x in xs) if a.repeat > 1 else ""
     print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_first:9.2f}s {smp_rss / 1024:9.0f}M" + each(t for t, _, _ in smp_runs))
     for attn, t in torch_runs.items():
-        print(f"{'torch ' + attn:12s} {t['tokens_per_s']:10.0f} {t['first_step_s']:9.2f}s "
+        print(f"{'torch ' + attn if attn != 'also' else 'smp (--also)':12s} {t['tokens_per_s']:10.0f} {t['first_step_s']:9.2f}s "
               f"{t['max_rss_kib'] / 1024:9.0f}M" + each(t["all"]))
     for attn, t in torch_runs.items():
-        print(f"speed ratio smp/torch {attn}: {smp_tps / t['tokens_per_s']:.2f}x; "
+        print(f"speed ratio smp/{'torch ' + attn if attn != 'also' else '--also'}: {smp_tps / t['tokens_per_s']:.2f}x; "
               f"memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
     # the saves: each side's median round, seconds and GB/s of what it wrote
     med = {k: (statistics.median(t for t, _ in v), statistics.median(b for _, b in v)) for k, v in saves.items()}
@@ -188,6 +186,31 @@ def main():
     if "smp" in med and med["cp"][0] > 0:
         print(f"save ratio smp / (cp -r && sync of its step folder): {med['smp'][0] / med['cp'][0]:.2f}x" + "".join(
             f"; smp / {k}: {med['smp'][0] / t:.2f}x" for k, (t, _) in med.items() if k.startswith("torch") and t > 0))
+
+
+def smp_run(wrap, bindir, tmp, a, env, extra):
+    """bindir's smp-train over the benchmark's checkpoint and tokens: the wrapper's
+    process (its stdout: smp-train's stderr, then the peak RSS) and the step log."""
+    shutil.rmtree(tmp / "run", ignore_errors=True)
+    (tmp / "log.jsonl").unlink(missing_ok=True)
+    p = subprocess.run([sys.executable, "-c", wrap, str(bindir / "smp-train"), "--ckpt", str(tmp / "ck"),
+                        "--data", str(tmp / "d.bin"), "--save-dir", str(tmp / "run"), "--steps",
+                        str(a.steps), "--batch", str(a.batch), "--seq", str(a.seq), "--schedule", "constant",
+                        "--log", str(tmp / "log.jsonl"), "--compress", "none", *map(str, extra)], check=True,
+                       capture_output=True, text=True, env=env)
+    return p, [json.loads(x) for x in (tmp / "log.jsonl").read_text().splitlines()]
+
+
+def tokens_per_s(a, rows):
+    """over the steps after the first two"""
+    return a.batch * a.seq * (len(rows) - 2) / sum(a.batch * a.seq / r["tokens_per_s"] for r in rows[2:])
+
+
+def smp_side(wrap, bindir, tmp, a, env, extra):
+    """another build's smp-train as a side, in the torch sides' form"""
+    p, rows = smp_run(wrap, bindir, tmp, a, env, extra)
+    return {"tokens_per_s": tokens_per_s(a, rows), "first_step_s": rows[0]["elapsed_s"],
+            "max_rss_kib": int(p.stdout.split()[-1]), "save_s": math.nan, "save_bytes": 0}
 
 
 if __name__ == "__main__":
