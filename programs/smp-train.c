@@ -1,4 +1,4 @@
-/* smp-train: train a Llama, Mistral, Qwen2 or Qwen3 model from an SMP checkpoint, on one rank or many
+/* smp-train: train a model of a supported family from an SMP checkpoint, on one rank or many
  * (mpirun), on the C backend or the CUDA one (dev.h). See HELP below and DESIGN.md's
  * command section for the contract. The command line is read here; the run itself
  * is train/'s: runcfg.h (its configuration), loop.h (the run and its steps),
@@ -26,8 +26,8 @@
 static const char HELP[] =
     "usage: smp-train --ckpt CKPT|RUN_DIR --data TOKENS --save-dir RUN_DIR [options]\n"
     "\n"
-    "Train a Llama, Mistral, Qwen2 or Qwen3 model from an SMP checkpoint, on CPUs (C\n"
-    "backend) or GPUs.\n"
+    "Train a model of a supported family (Llama, Mistral, Qwen2, Qwen3, GPT-NeoX, Mixtral,\n"
+    "Qwen3-MoE) from an SMP checkpoint, on CPUs (C backend) or GPUs.\n"
     "A run folder's `latest` names its newest checkpoint; a checkpoint with a training\n"
     "state resumes that run bit for bit (its settings are the defaults; flags given\n"
     "here override them).\n"
