@@ -42,7 +42,7 @@ def test_eval_matches_transformers(tmp_path, case):
 
 @pytest.mark.parametrize("case", CASES)
 def test_gradients_match_autograd(tmp_path, case):
-    test_train.test_gradients_match_autograd(tmp_path, case, 2)
+    test_train.test_gradients_match_autograd(tmp_path, case, 2, None)
 
 
 # qwen2-gqa-tied tracks torch 1.13 within the bound but torch 2.15 only within 1.7e-4

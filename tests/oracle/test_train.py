@@ -222,7 +222,7 @@ def test_eval_loss_matches_transformers(tmp_path, case):
 @pytest.mark.parametrize("case,micro,chunk", [("llama-gqa-f32", 1, None), ("llama-tied-bf16-llama3", 2, None),
                                               ("mistral-gqa-f16-window", 1, None), ("llama-tied-bf16-llama3", 2, 37),
                                               ("llama-gqa-f32", 1, 1)])
-def test_gradients_match_autograd(tmp_path, case, micro, chunk=None):
+def test_gradients_match_autograd(tmp_path, case, micro, chunk):
     hf, ck = make_ckpt(tmp_path, case)
     V, B = vocab_of(case), 4
     toks = np.random.default_rng(2).integers(0, V, size=B * SEQ + 1)
