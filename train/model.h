@@ -151,7 +151,7 @@ typedef struct model_s {
     void *xL, *xnf;          /* final residual, final norm */
     float *rstdf, *meanf;
     void *logits;            /* [head_rows,Vl] one chunk's logits, in training then their gradient */
-    int logits_chunk;        /* tokens whose logits are computed at a time (0: auto); set before model_alloc_acts */
+    int logits_chunk;        /* tokens whose logits are computed at a time (0: auto, < 0: all); before model_alloc_acts */
     int head_rows;           /* what it came to for this microbatch size */
     float *rowmax, *losses;  /* [N] */
     float *sumexp;           /* [2N] by head_loss's chunks: the chunk's sums of exps, then its target logits */
