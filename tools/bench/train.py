@@ -131,10 +131,10 @@ def main():
         # (and its stderr, for the "saved" line)
         wrap = ("import resource, subprocess, sys; r = subprocess.run(sys.argv[1:], check=True, capture_output=True, "
                 "text=True); sys.stdout.write(r.stderr); print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
-        smp_runs, torch_all, saves = [], {}, {}
+        smp_runs, sides, saves = [], {}, {}
         for _ in range(a.repeat):  # rounds of every side, so that a busy moment hits them all
             if a.also:
-                torch_all.setdefault("also", []).append(smp_side(wrap, pathlib.Path(a.also) / "bin", tmp, a, env, []))
+                sides.setdefault("also", []).append(smp_side(wrap, pathlib.Path(a.also) / "bin", tmp, a, env, []))
             p, rows = smp_run(wrap, BIN, tmp, a, env, ["--logits-chunk", a.logits_chunk] if a.logits_chunk else [])
             last = tmp / "run" / (tmp / "run" / "latest").read_text().strip()
             lanes = json.loads((last / "smp.json").read_text())["training"]["lanes"]  # auto's pick (--lanes)
@@ -152,18 +152,18 @@ def main():
                     hf=str(tmp / "hf"), data=str(tmp / "d.bin"), batch=a.batch, seq=a.seq, steps=a.steps,
                     threads=a.threads, attn=attn, save=str(tmp / "torch.pt"), u32=u32))], check=True, capture_output=True,
                     text=True, env=env)
-                torch_all.setdefault(attn, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
-                r = torch_all[attn][-1]
+                sides.setdefault(attn, []).append(json.loads(p.stdout.strip().splitlines()[-1]))
+                r = sides[attn][-1]
                 saves.setdefault("torch " + attn, []).append((r["save_s"], r["save_bytes"]))
                 (tmp / "torch.pt").unlink(missing_ok=True)
         # each side's median round (tokens/s) and its largest peak
         smp_tps = statistics.median(t for t, _, _ in smp_runs)
         smp_rss = max(r for _, r, _ in smp_runs)
         smp_first = statistics.median(f for _, _, f in smp_runs)
-        torch_runs = {attn: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
+        side_runs = {attn: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in runs),
                              "max_rss_kib": max(r["max_rss_kib"] for r in runs),
                              "first_step_s": statistics.median(r["first_step_s"] for r in runs),
-                             "all": [r["tokens_per_s"] for r in runs]} for attn, runs in torch_all.items()}
+                             "all": [r["tokens_per_s"] for r in runs]} for attn, runs in sides.items()}
     moe = f", {a.experts} experts a layer, {a.top_k} a token" if a.experts else ""
     print(f"model: {nparams / 1e6:.2f} M parameters (hidden {a.hidden}, {a.layers} layers, {a.heads} heads, "
           f"{a.kv_heads} kv heads, intermediate {inter}{moe}, vocab {a.vocab}); batch {a.batch} x {a.seq} tokens; "
@@ -173,10 +173,10 @@ def main():
                                                               if a.repeat > 1 else ""))
     each = lambda xs: "   " + " ".join(f"{x:.0f}" for x in xs) if a.repeat > 1 else ""
     print(f"{'smp-train':12s} {smp_tps:10.0f} {smp_first:9.2f}s {smp_rss / 1024:9.0f}M" + each(t for t, _, _ in smp_runs))
-    for attn, t in torch_runs.items():
+    for attn, t in side_runs.items():
         print(f"{'torch ' + attn if attn != 'also' else 'smp (--also)':12s} {t['tokens_per_s']:10.0f} {t['first_step_s']:9.2f}s "
               f"{t['max_rss_kib'] / 1024:9.0f}M" + each(t["all"]))
-    for attn, t in torch_runs.items():
+    for attn, t in side_runs.items():
         print(f"speed ratio smp/{'torch ' + attn if attn != 'also' else '--also'}: {smp_tps / t['tokens_per_s']:.2f}x; "
               f"memory ratio: {smp_rss / t['max_rss_kib']:.2f}x")
     # the saves: each side's median round, seconds and GB/s of what it wrote
