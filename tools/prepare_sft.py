@@ -331,14 +331,15 @@ def results(batches, pool, jobs):
 
 class Stream:
     """The packed tokens and mask, written as they come (files: TokenFiles, a part
-    ending only between examples), with the counts for the progress line."""
+    ending only between examples), with the counts for the progress line (the tokens:
+    files.count)."""
 
     def __init__(self, files):
-        self.files, self.n, self.targets, self.examples = files, 0, 0, 0
+        self.files, self.targets, self.examples = files, 0, 0
 
     def add(self, ids, m, ends):
         self.files.add(ids, m, ends)
-        self.n, self.targets, self.examples = self.n + len(ids), self.targets + int(m.sum()), self.examples + len(ends)
+        self.targets, self.examples = self.targets + int(m.sum()), self.examples + len(ends)
 
 
 def convert(tok, path, stream, sep, jobs):
@@ -357,7 +358,7 @@ def convert(tok, path, stream, sep, jobs):
                 stream.add(*r)
                 if tty:
                     mbs = pos / 1e6 / max(time.time() - t0, 1e-9)
-                    print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.n, mbs),
+                    print("\rprepare_sft: %d examples, %d tokens, %.1f MB/s" % (stream.examples, stream.files.count, mbs),
                           end="", file=sys.stderr, flush=True)
     except KeyboardInterrupt:
         # the workers killed, and interruptible() exits at once: the pool's own shutdown
@@ -412,7 +413,7 @@ def main(argv=None):
         fail(str(e), 3)
     where = a.out if len(names) == 1 else "%s (%d files: --data %s --loss-mask %s)" % (
         a.out, len(names), part_glob(a.out), part_glob(a.out, mask=True))
-    print(f"{where}: {stream.examples} examples, {stream.n} tokens, {stream.targets} target tokens "
+    print(f"{where}: {stream.examples} examples, {stream.files.count} tokens, {stream.targets} target tokens "
           f"(vocabulary {len(tok)}); separator {tok.convert_ids_to_tokens(sep)}: smp-train --documents --doc-sep {sep}")
 
 

@@ -48,11 +48,15 @@ def token_dtype(vocab):
     return "<u2" if vocab <= 65536 else "<u4"
 
 
+def token_header(dtype, count):
+    """a token file's header: magic 20240520 version 1 for uint16 tokens, 20240801 version 7 for uint32"""
+    return header(*((20240520, 1) if np.dtype(dtype) == np.dtype("<u2") else (20240801, 7)), count)
+
+
 def write_tokens(path, toks, vocab):
     """a token file of toks, in memory (TokenFiles writes as the tokens come)"""
     toks = np.asarray(toks, dtype=token_dtype(vocab))
-    u16 = toks.dtype == np.dtype("<u2")
-    write_atomically(path, (header(*((20240520, 1) if u16 else (20240801, 7)), toks.size), toks.tobytes()))
+    write_atomically(path, (token_header(toks.dtype, toks.size), toks.tobytes()))
 
 
 def write_mask(path, mask):
@@ -111,8 +115,7 @@ class TokenFiles:
     def _seal(self):
         """the open part's headers written, its files closed"""
         if self.files and not self.files[-1][0].closed:
-            u16 = self.dtype == np.dtype("<u2")
-            heads = (header(*((20240520, 1) if u16 else (20240801, 7)), self.n), header(20241201, 1, self.n))
+            heads = (token_header(self.dtype, self.n), header(20241201, 1, self.n))
             for f, h in zip(self.files[-1], heads):
                 f.seek(0)
                 f.write(h)

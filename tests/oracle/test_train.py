@@ -465,7 +465,6 @@ def test_logits_chunk_is_kept_on_resume(tmp_path):
     and a state written before the chunks (no key) resumes with the whole microbatch's
     logits, as it ran. A value no flag could give is refused."""
     ck, data = _tiny(tmp_path)
-    logs = {}
     for name, chunk, stop in [("a", 5, None), ("b", 5, 6), ("whole", 1000, None), ("old", 1000, 6)]:
         d = tmp_path / name
         run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", d, "--steps", 12, "--log", d / "log.jsonl",
@@ -478,8 +477,8 @@ def test_logits_chunk_is_kept_on_resume(tmp_path):
     for name in ("b", "old"):
         d = tmp_path / name
         run("smp-train", "--ckpt", d, "--data", data, "--save-dir", d, "--log", d / "log.jsonl", check=0)
-    for name in logs or ("a", "b", "whole", "old"):
-        logs[name] = [(r["step"], r["loss"], r["grad_norm"]) for r in read_log(tmp_path / name / "log.jsonl")]
+    logs = {name: [(r["step"], r["loss"], r["grad_norm"]) for r in read_log(tmp_path / name / "log.jsonl")]
+            for name in ("a", "b", "whole", "old")}
     assert logs["a"] == logs["b"] and logs["whole"] == logs["old"]
     assert [r[:1] for r in logs["a"]] == [(s,) for s in range(1, 13)]
     assert training_state(latest(tmp_path / "old"))["logits_chunk"] == "whole"
