@@ -56,7 +56,7 @@ cudaError_t smp_cuda_smem_optin(const void *kernel, size_t bytes, const char *fn
 
 #ifdef SMP_CUDA_EMU
 #define SMP_LAUNCH(kernel, grid, block, smem, stream, ...) \
-    emu_launch(kernel, dim3(grid), dim3(block), (size_t)(smem), __VA_ARGS__)
+    (emu_stream_flush(stream), emu_launch(kernel, dim3(grid), dim3(block), (size_t)(smem), __VA_ARGS__))
 #define SMP_DYN_SMEM(T, name) T *name = reinterpret_cast<T *>(emu_dyn_smem())
 #else
 #define SMP_LAUNCH(kernel, grid, block, smem, stream, ...) \

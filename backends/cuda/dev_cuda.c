@@ -5,9 +5,11 @@
  * with -DSMP_CUDA_EMU the same file builds against the CPU emulator
  * (scons variant=emu). FP8 is in dev_cuda_fp8.c, communicators in
  * dev_cuda_comm.c. */
+#include <sched.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 
 #include "dev_cuda.h"
 
@@ -31,12 +33,75 @@ void cu_rt(dev *d, cudaError_t e, const char *what)
 #define ST (cu_of(d)->st)
 #define DT (cu_dt(d))
 
+/* ------------------------------------------------------------------ waiting */
+shard_status cu_comm_watch(dev *d, shard_comm *nccl)
+{
+    cu_impl *c = cu_of(d);
+    shard_comm **a = realloc(c->comms, (size_t)(c->ncomms + 1) * sizeof *a);
+    if (!a) return shard_fail(SHARD_E_NOMEM, "out of memory");
+    a[c->ncomms++] = nccl;
+    c->comms = a;
+    return SHARD_OK;
+}
+
+void cu_comm_unwatch(dev *d, shard_comm *nccl)
+{
+    cu_impl *c = cu_of(d);
+    for (int i = 0; i < c->ncomms; i++)
+        if (c->comms[i] == nccl) {
+            c->comms[i] = c->comms[--c->ncomms];
+            return;
+        }
+}
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + t.tv_nsec * 1e-9;
+}
+
+/* a failed NCCL call: which communicator hangs is unknown, so all are aborted (on a
+ * GPU, an aborted communicator's kernels end, and the stream with them) */
+static int comms_failed(dev *d, double waited)
+{
+    cu_impl *c = cu_of(d);
+    for (int i = 0; i < c->ncomms; i++) {
+        shard_status s = shard_comm_nccl_check(c->comms[i], waited);
+        if (!s) continue;
+        dev_fail(d, s, "%s", shard_errmsg());
+        for (int j = 0; j < c->ncomms; j++) shard_comm_nccl_abort(c->comms[j], d->errmsg);
+        return 1;
+    }
+    return 0;
+}
+
+void cu_wait(dev *d, cudaEvent_t ev, const char *what)
+{
+    cu_impl *c = cu_of(d);
+    if (!c->ncomms) {
+        cu_rt(d, ev ? cudaEventSynchronize(ev) : cudaStreamSynchronize(c->st), what);
+        return;
+    }
+    const double t0 = now_s();
+    while (!d->err) {
+        cudaError_t e = ev ? cudaEventQuery(ev) : cudaStreamQuery(c->st);
+        if (e != cudaErrorNotReady) {
+            cu_rt(d, e, what);
+            return;
+        }
+        if (comms_failed(d, now_s() - t0)) return;
+        sched_yield();
+    }
+}
+
 /* ------------------------------------------------------------------ device */
 static void cu_fini(dev *d)
 {
     cu_impl *c = cu_of(d);
     if (!c) return;
-    if (c->st) cudaStreamSynchronize(c->st);
+    if (c->st) cu_wait(d, NULL, "cudaStreamSynchronize");
+    free(c->comms); /* (freed before the backend: dev_cuda_comm.c) */
     cu_fp8_free(d);
     cuda_gemm_free(c->gemm);
     cudaFree(c->d_sum);
@@ -146,26 +211,26 @@ static void cu_upload(dev *d, void *dst, const void *host, size_t bytes)
         const int i = c->stage_next;
         c->stage_next = (i + 1) % CU_STAGE_SLOTS;
         unsigned char *slot = c->stage + (size_t)i * CU_STAGE_BYTES;
-        cu_rt(d, cudaEventSynchronize(c->stage_ev[i]), "cudaEventSynchronize");
+        cu_wait(d, c->stage_ev[i], "cudaEventSynchronize");
         memcpy(slot, host, bytes);
         cu_rt(d, cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, c->st), "cudaMemcpyAsync");
         cu_rt(d, cudaEventRecord(c->stage_ev[i], c->st), "cudaEventRecord");
         return;
     }
     cu_rt(d, cudaMemcpyAsync(dst, host, bytes, cudaMemcpyHostToDevice, c->st), "cudaMemcpyAsync");
-    cu_rt(d, cudaStreamSynchronize(c->st), "cudaStreamSynchronize");
+    cu_wait(d, NULL, "cudaStreamSynchronize");
 }
 
 static void cu_download(dev *d, void *host, const void *src, size_t bytes)
 {
     if (!bytes) return;
     cu_rt(d, cudaMemcpyAsync(host, src, bytes, cudaMemcpyDeviceToHost, ST), "cudaMemcpyAsync");
-    cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize");
+    cu_wait(d, NULL, "cudaStreamSynchronize");
 }
 
 static shard_status cu_sync(dev *d)
 {
-    cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize");
+    cu_wait(d, NULL, "cudaStreamSynchronize");
     cu_rt(d, cudaGetLastError(), "a kernel");
     return d->err;
 }
@@ -240,7 +305,7 @@ static void *cu_scratch(dev *d, size_t bytes, const char *what)
 {
     cu_impl *c = cu_of(d);
     if (bytes > c->scratch_bytes) {
-        cu_rt(d, cudaStreamSynchronize(ST), "cudaStreamSynchronize"); /* the old buffer may still be in use */
+        cu_wait(d, NULL, "cudaStreamSynchronize"); /* the old buffer may still be in use */
         cudaFree(c->scratch);
         c->scratch = NULL;
         c->scratch_bytes = 0;

@@ -32,6 +32,8 @@ typedef struct {
     cu_fp8 *fp8;              /* dev_cuda_fp8.c */
     void *scratch;            /* the ops' scratch (attention's tables, the experts' grouping), */
     size_t scratch_bytes;     /* grown as needed, used in stream order */
+    shard_comm **comms;       /* NCCL communicators enqueued on st (dev_cuda_comm.c): */
+    int ncomms;               /* the backend's waits watch them (cu_wait) */
     char desc[256];
 } cu_impl;
 
@@ -56,5 +58,14 @@ void cu_fp8_free(dev *d);
 
 /* Communicators (dev_cuda_comm.c): the dev_ops member comm_for. */
 shard_status cu_comm_for(dev *d, shard_comm *host, shard_comm **out, int *owned);
+/* an NCCL communicator enqueued on the backend's stream, watched by cu_wait from now
+ * on (until unwatched, before it is freed) */
+shard_status cu_comm_watch(dev *d, shard_comm *nccl);
+void cu_comm_unwatch(dev *d, shard_comm *nccl);
+/* Waits on the host until ev (NULL: all the stream's work) is done; a failure goes to
+ * d->err (what: the call, for its message). With watched communicators it polls,
+ * and a failed or hung NCCL call (shard_comm_nccl_check) ends the wait as a failure;
+ * once the backend has failed it waits no more (the GPU may never finish). */
+void cu_wait(dev *d, cudaEvent_t ev, const char *what);
 
 #endif

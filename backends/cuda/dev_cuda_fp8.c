@@ -83,7 +83,7 @@ static void upload_scales(dev *d, cu_fp8 *f, const fp8_state *s)
     cu_rt(d, cudaMemcpyAsync(f->sinv, h + f->n, (size_t)f->n * SI_STRIDE * sizeof(float), cudaMemcpyHostToDevice,
                              cu_of(d)->st),
           "cudaMemcpyAsync");
-    cu_rt(d, cudaStreamSynchronize(cu_of(d)->st), "cudaStreamSynchronize"); /* h is pageable and freed now */
+    cu_wait(d, NULL, "cudaStreamSynchronize"); /* h is pageable and freed now */
     free(h);
 }
 
@@ -235,7 +235,7 @@ void cu_fp8_collect(dev *d, fp8_state *s)
     cu_rt(d, cudaMemcpyAsync(h + f->n, f->scale, (size_t)f->n * sizeof(float), cudaMemcpyDeviceToHost, st),
           "cudaMemcpyAsync");
     cu_rt(d, cudaMemsetAsync(f->amax, 0, (size_t)f->n * sizeof(float), st), "cudaMemsetAsync");
-    cu_rt(d, cudaStreamSynchronize(st), "cudaStreamSynchronize");
+    cu_wait(d, NULL, "cudaStreamSynchronize");
     if (!d->err)
         for (int i = 0; i < f->n; i++) {
             const float a = h[i];

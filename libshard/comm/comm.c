@@ -28,6 +28,7 @@ shard_status shard_comm_create(const shard_comm_ops *ops, int rank, int size, vo
 }
 
 void *shard_comm_impl(const shard_comm *c) { return c->impl; }
+const char *shard_comm_backend(const shard_comm *c) { return c->ops->name; }
 
 void shard_comm_free(shard_comm *c)
 {

@@ -802,6 +802,8 @@ typedef struct shard_comm_ops {
  * impl (NULL out and SHARD_E_NOMEM when out of memory: impl is then the caller's). */
 shard_status shard_comm_create(const shard_comm_ops *ops, int rank, int size, void *impl, shard_comm **out);
 void *shard_comm_impl(const shard_comm *c);
+/* The backend's name in its table: "self", "mpi", "nccl", "cuda" (the CUDA backend's wrapper). */
+const char *shard_comm_backend(const shard_comm *c);
 
 /* NCCL (libshard_nccl.so, built with the CUDA backend from backends/cuda/nccl.c): a communicator over the
  * same processes as `bootstrap` (MPI), one GPU per rank (`device`), buffers in GPU
@@ -809,6 +811,21 @@ void *shard_comm_impl(const shard_comm *c);
  * (SMP_NCCL_TIMEOUT seconds, default 300) and watch NCCL's asynchronous errors: a
  * failed or hung peer becomes an error on every rank, never a hang. */
 shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out);
+/* Stream-ordered use (the CUDA backend): from now on c's calls, and those of the
+ * communicators split from it, are enqueued on `stream` (a cudaStream_t) and return at
+ * once; the work enqueued after them on that stream sees their results. Started
+ * transfers (shard_comm_sendrecv_start) run on c's own stream after the work enqueued
+ * on `stream` before them, and shard_comm_wait orders the work enqueued after it
+ * after the transfer, neither waiting on the host. A barrier still waits. Nothing
+ * watches such calls: whoever waits on `stream` must poll shard_comm_nccl_check. */
+shard_status shard_comm_nccl_enqueue_on(shard_comm *c, void *stream);
+/* NCCL's asynchronous error state of c, for a wait that has lasted waited_s seconds:
+ * SHARD_OK, or the failure (an error NCCL reports, waited_s past the deadline
+ * SMP_NCCL_TIMEOUT, or an earlier abort), the communicator then aborted. */
+shard_status shard_comm_nccl_check(shard_comm *c, double waited_s);
+/* Aborts c's NCCL communicator: its calls then fail, naming `why`; on a GPU its
+ * pending kernels end. */
+void shard_comm_nccl_abort(shard_comm *c, const char *why);
 /* This process's rank among the processes of its host, from the launcher's
  * environment (Open MPI, MPICH, SLURM, torchrun's LOCAL_RANK); 0 when unknown. */
 int shard_comm_local_rank(void);

@@ -1,7 +1,10 @@
 /* The NCCL communicator on GPUs, under mpirun (one GPU per rank):
  *   mpirun -np N build/bin/smp-nccl-test
- * Each collective on device buffers against its definition; prints one line per
- * failed check and "nccl: P passed, F failed" on rank 0. Without a GPU it prints
+ * and on the CPU emulator's NCCL (tests/gpu/emu/nccl_emu.cpp, tools/emu-check):
+ *   mpirun -np N build/emu/bin/smp-nccl-test
+ * Each collective on device buffers against its definition, blocking and
+ * stream-ordered (as the CUDA backend uses it); prints one line per failed check
+ * and "nccl: P passed, F failed" on rank 0. Without a GPU it prints
  * "nccl: SKIP: no CUDA device found" and exits 0. */
 #include "shard.h"
 
@@ -42,6 +45,75 @@ static void alltoallv(shard_comm *gpu, int n, float *d, float *d2)
     free(hs);
     free(hr);
     free(sc);
+}
+
+/* a float of device memory, read back after the work queued on st */
+static float get(const float *d, cudaStream_t st)
+{
+    float v = -1;
+    cudaMemcpyAsync(&v, d, 4, cudaMemcpyDeviceToHost, st);
+    cudaStreamSynchronize(st);
+    return v;
+}
+
+/* Stream-ordered use (the CUDA backend's): calls return before the data moves, the
+ * work after them on st sees the results; a started ring pass runs on the
+ * communicator's stream, after what st held before it, and the wait orders st's
+ * later work after it. d, d2: device buffers of 4n floats or more. */
+static void stream_ordered(shard_comm *world, int n, int dev, float *d, float *d2)
+{
+    shard_comm *gpu = NULL, *half = NULL;
+    cudaStream_t st;
+    cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking);
+    if (shard_comm_nccl(world, dev, &gpu) || shard_comm_nccl_enqueue_on(gpu, st)) {
+        CHECK(0, "stream-ordered communicator: %s", shard_errmsg());
+        return;
+    }
+    const float mine = (float)(me + 1);
+    cudaMemcpyAsync(d, &mine, 4, cudaMemcpyHostToDevice, st);
+    CHECK(shard_comm_allreduce(gpu, d, 1, SHARD_DT_F32, SHARD_OP_SUM) == SHARD_OK, "enqueued allreduce: %s", shard_errmsg());
+    CHECK(get(d, st) == (float)(n * (n + 1) / 2), "enqueued allreduce value %g", get(d, st));
+    if (n > 1) {
+        /* the value sent is the one st wrote before the start, not after it */
+        const float x = (float)(10 * me), late = -5;
+        cudaMemcpyAsync(d, &x, 4, cudaMemcpyHostToDevice, st);
+        shard_comm_req *q = NULL;
+        CHECK(shard_comm_sendrecv_start(gpu, d, (me + 1) % n, d2, (me + n - 1) % n, 1, SHARD_DT_F32, 0, &q) == SHARD_OK,
+              "sendrecv_start: %s", shard_errmsg());
+        CHECK(shard_comm_wait(q) == SHARD_OK, "wait: %s", shard_errmsg());
+        cudaMemcpyAsync(d, &late, 4, cudaMemcpyHostToDevice, st);
+        CHECK(get(d2, st) == (float)(10 * ((me + n - 1) % n)), "started ring pass value %g", get(d2, st));
+        /* point to point along a pipeline: rank r sends to r + 1 */
+        const float y = (float)(100 + me);
+        cudaMemcpyAsync(d, &y, 4, cudaMemcpyHostToDevice, st);
+        if (me % 2 == 0 && me + 1 < n)
+            CHECK(shard_comm_send(gpu, d, 1, SHARD_DT_F32, me + 1, 0) == SHARD_OK, "send: %s", shard_errmsg());
+        if (me % 2 == 1) {
+            CHECK(shard_comm_recv(gpu, d2, 1, SHARD_DT_F32, me - 1, 0) == SHARD_OK, "recv: %s", shard_errmsg());
+            CHECK(get(d2, st) == (float)(100 + me - 1), "recv value %g", get(d2, st));
+        }
+    }
+    /* a split keeps the stream order; broadcast from each half's last rank */
+    CHECK(shard_comm_split(gpu, me % 2, -me, &half) == SHARD_OK, "split: %s", shard_errmsg());
+    if (half) {
+        const float z = (float)me;
+        cudaMemcpyAsync(d, &z, 4, cudaMemcpyHostToDevice, st);
+        CHECK(shard_comm_broadcast(half, d, 1, SHARD_DT_F32, 0) == SHARD_OK, "broadcast: %s", shard_errmsg());
+        const int top = (n - 1) - ((n - 1) % 2 != me % 2); /* the half's highest rank: its rank 0 (key -me) */
+        CHECK(get(d, st) == (float)top, "split broadcast value %g (want %d)", get(d, st), top);
+        CHECK(shard_comm_nccl_check(half, 0) == SHARD_OK, "check: %s", shard_errmsg());
+        /* past the deadline: a failure, and the communicator aborted */
+        CHECK(shard_comm_nccl_check(half, 1e9) == SHARD_E_IO, "check past the deadline");
+        CHECK(shard_comm_allreduce(half, d, 1, SHARD_DT_F32, SHARD_OP_SUM) == SHARD_E_IO, "a call after the abort");
+    }
+#ifdef SMP_CUDA_EMU
+    /* host memory is refused, as NCCL refuses it (the emulator checks every buffer) */
+    float host = 0;
+    CHECK(shard_comm_allreduce(gpu, &host, 1, SHARD_DT_F32, SHARD_OP_SUM) == SHARD_E_IO, "host buffer accepted");
+#endif
+    shard_comm_free(half);
+    shard_comm_free(gpu);
+    cudaStreamDestroy(st);
 }
 
 int main(int argc, char **argv)
@@ -97,6 +169,7 @@ int main(int argc, char **argv)
     cudaMemcpy(&got, d, 2, cudaMemcpyDeviceToHost);
     CHECK(shard_bf16_to_f32(got) == (float)n, "bf16 allreduce value %g", shard_bf16_to_f32(got));
     CHECK(shard_comm_barrier(gpu) == SHARD_OK, "barrier: %s", shard_errmsg());
+    stream_ordered(world, n, dev, d, d2);
     int tot[2] = {passed, failed}, sum[2];
     MPI_Reduce(tot, sum, 2, MPI_INT, MPI_SUM, 0, MPI_COMM_WORLD);
     if (me == 0) printf("nccl: %d passed, %d failed\n", sum[0], sum[1]);

@@ -5,9 +5,12 @@ loads through SMP_CUDA_LIB), against the C backend.
 What this shows without a GPU: the CUDA backend's table (backends/cuda) drives the
 same model, optimizer, ZeRO-1, pipeline, tensor and context parallel code as the C
 backend, with the kernels' real index arithmetic, fragment layouts and barriers; and
-its checkpoints are the C backend's format. What it cannot show: speed, the real
-cuBLASLt and NCCL (under the emulator the communicator is MPI on host memory), the
-tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
+its checkpoints are the C backend's format; and the NCCL communicator a GPU run
+uses (backends/cuda/nccl.c), stream-ordered on the backend's stream, over the
+emulator's NCCL (tests/gpu/emu/nccl_emu.cpp: MPI messages, device buffers only, data
+landing when the stream's order says). What it cannot show: speed, the real cuBLASLt
+and NCCL, the tensor cores' own rounding. tools/gpu-check runs the same comparisons
+on a GPU.
 
 - fp32 compute: 4 steps log the C backend's losses within 1e-4 relative (the issue's
   bound), gradient norms within 1e-3; bf16 (bf16 parameters and activations, fp32
@@ -16,8 +19,8 @@ tensor cores' own rounding. tools/gpu-check runs the same comparisons on a GPU.
 - a checkpoint written by the CUDA backend verifies and resumes on the C backend and
   the other way round, tracking the straight run;
 - under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
-  (bf16 collectives through libshard's MPI half-precision reductions) track the
-  single-rank C run (tp=2 and pp=2 with the loss's logits in chunks of 24 tokens);
+  track the single-rank C run (tp=2 and pp=2 with the loss's logits in chunks of 24
+  tokens); a failed or hung NCCL call ends the run with an error, not a hang;
 - Qwen2 (bias kernels), Qwen3 (q/k norms), GPT-NeoX (fused qkv, LayerNorm, GELU,
   partial rotary, parallel residual) and Mixtral (router, top-2 experts) on one rank in
   fp32 within 1e-4;
@@ -158,6 +161,23 @@ def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
           *extra, np_=np_)
     assert_tracks(read_log(out / "log.jsonl"), refs["off"][:steps], tol, f"cuda {dtype} {layout} vs C one rank")
     assert run("smp-verify", out / f"step-{steps:06d}").returncode == 0
+
+
+@pytest.mark.parametrize("kind,message", [("error", "emulated asynchronous failure"),
+                                          ("hang", "did not finish within 3 s")])
+def test_a_failed_nccl_call_is_an_error_not_a_hang(setup, tmp_path, kind, message):
+    """The backend's collectives are stream-ordered (the host does not wait for them),
+    so its own waits watch NCCL: the emulated NCCL's 6th call on each rank reports an
+    asynchronous error, or never completes (SMP_EMU_NCCL_FAIL_AT); either surfaces as
+    an error line and a failed exit within the deadline (SMP_NCCL_TIMEOUT), not as a
+    hang, and no checkpoint is written."""
+    out = tmp_path / "out"
+    p = train(setup, out, "--steps", 2, "--layout", "tp=2", "--backend", "cuda", np_=2, check=False,
+              env_extra=dict(SMP_EMU_NCCL_FAIL_AT="6", SMP_EMU_NCCL_FAIL=kind, SMP_NCCL_TIMEOUT="3"))
+    assert p.returncode != 0, p.stderr
+    assert "smp-train: error:" in p.stderr and message in p.stderr, p.stderr
+    assert "would hang" not in p.stderr, p.stderr  # no host wait outside the watched ones
+    assert not (out / "latest").exists() and not list(out.glob("step-*"))
 
 
 @pytest.mark.parametrize("layout,np_,form,shape", [("cp=1", 1, "fused", "4x32"), ("cp=2", 2, "fused-8x16", "4x16")])

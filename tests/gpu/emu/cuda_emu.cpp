@@ -469,7 +469,29 @@ void emu_cp_async_wait(int n)
 /* ------------------------------------------------------------------ runtime API */
 namespace {
 std::map<void *, size_t> allocations;
-struct EmuEvent { std::chrono::steady_clock::time_point t; };
+/* a stream's deferred work (emulated NCCL calls), run in order at flush */
+struct EmuStream {
+    std::deque<std::function<void()>> work;
+    bool stalled; /* emu_stream_stall: its work never completes */
+};
+EmuStream legacy_stream; /* stream 0 */
+std::vector<EmuStream *> streams{&legacy_stream};
+EmuStream *stream_of(cudaStream_t s) { return s ? (EmuStream *)s : &legacy_stream; }
+cudaStream_t handle(size_t i) { return (cudaStream_t)(i ? streams[i] : nullptr); }
+/* a host wait for s: on a stalled stream the program would hang on a GPU */
+void wait_for(cudaStream_t s, const char *what)
+{
+    if (stream_of(s)->stalled) die((std::string(what) + " on a stream that never completes (a hung NCCL call): a GPU run would hang here").c_str());
+    emu_stream_flush(s);
+}
+void flush_all(const char *what)
+{
+    for (size_t i = 0; i < streams.size(); i++) wait_for(handle(i), what);
+}
+struct EmuEvent {
+    std::chrono::steady_clock::time_point t;
+    cudaStream_t st; /* where it was last recorded: waiting for it flushes that stream */
+};
 cudaError_t ret(cudaError_t e)
 {
     if (e != cudaSuccess) last_error = e;
@@ -481,6 +503,30 @@ int emu_sm_count()
     return s ? atoi(s) : 3; /* few "multiprocessors": grid-stride loops do several rounds */
 }
 } // namespace
+
+void emu_stream_defer(cudaStream_t s, std::function<void()> work) { stream_of(s)->work.push_back(std::move(work)); }
+
+void emu_stream_stall(cudaStream_t s) { stream_of(s)->stalled = true; }
+void emu_stream_release(cudaStream_t s) { stream_of(s)->stalled = false; }
+
+void emu_stream_flush(cudaStream_t s)
+{
+    EmuStream *st = stream_of(s);
+    while (!st->stalled && !st->work.empty()) {
+        std::function<void()> w = std::move(st->work.front());
+        st->work.pop_front();
+        w();
+    }
+}
+
+bool emu_device_range(const void *p, size_t n)
+{
+    auto it = allocations.upper_bound((void *)p);
+    if (it == allocations.begin()) return false;
+    --it;
+    const char *b = (const char *)it->first, *q = (const char *)p;
+    return q >= b && (size_t)(q - b) <= it->second && n <= it->second - (size_t)(q - b);
+}
 
 extern "C" {
 
@@ -569,28 +615,51 @@ cudaError_t cudaFree(void *p)
 }
 cudaError_t cudaMemcpy(void *d, const void *s, size_t n, enum cudaMemcpyKind)
 {
+    flush_all("cudaMemcpy");
     memmove(d, s, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t)
+cudaError_t cudaMemcpyAsync(void *d, const void *s, size_t n, enum cudaMemcpyKind, cudaStream_t st)
 {
+    emu_stream_flush(st);
     memmove(d, s, n);
     return cudaSuccess;
 }
 cudaError_t cudaMemset(void *d, int v, size_t n)
 {
+    flush_all("cudaMemset");
     memset(d, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t)
+cudaError_t cudaMemsetAsync(void *d, int v, size_t n, cudaStream_t st)
 {
+    emu_stream_flush(st);
     memset(d, v, n);
     return cudaSuccess;
 }
-cudaError_t cudaDeviceSynchronize(void) { return cudaSuccess; }
-cudaError_t cudaStreamSynchronize(cudaStream_t) { return cudaSuccess; }
-cudaError_t cudaStreamCreate(cudaStream_t *s) { *s = (cudaStream_t)0; return cudaSuccess; }
-cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { *s = (cudaStream_t)0; return cudaSuccess; }
+cudaError_t cudaDeviceSynchronize(void)
+{
+    flush_all("cudaDeviceSynchronize");
+    return cudaSuccess;
+}
+cudaError_t cudaStreamSynchronize(cudaStream_t s)
+{
+    wait_for(s, "cudaStreamSynchronize");
+    return cudaSuccess;
+}
+cudaError_t cudaStreamQuery(cudaStream_t s)
+{
+    if (stream_of(s)->stalled) return cudaErrorNotReady;
+    emu_stream_flush(s);
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreate(cudaStream_t *s)
+{
+    streams.push_back(new EmuStream());
+    *s = (cudaStream_t)streams.back();
+    return cudaSuccess;
+}
+cudaError_t cudaStreamCreateWithFlags(cudaStream_t *s, unsigned) { return cudaStreamCreate(s); }
 cudaError_t cudaMemGetInfo(size_t *free_b, size_t *total)
 {
     size_t used = 0;
@@ -610,16 +679,42 @@ cudaError_t cudaFreeHost(void *p)
     free(p);
     return cudaSuccess;
 }
-cudaError_t cudaStreamDestroy(cudaStream_t) { return cudaSuccess; }
+cudaError_t cudaStreamDestroy(cudaStream_t s)
+{
+    if (!s) return ret(cudaErrorInvalidValue);
+    emu_stream_flush(s); /* a destroyed stream's work still completes (a stalled one's never) */
+    for (size_t i = 1; i < streams.size(); i++)
+        if (streams[i] == (EmuStream *)s) {
+            delete streams[i];
+            streams.erase(streams.begin() + (long)i);
+            return cudaSuccess;
+        }
+    return ret(cudaErrorInvalidValue);
+}
 cudaError_t cudaEventCreate(cudaEvent_t *e) { *e = (cudaEvent_t) new EmuEvent(); return cudaSuccess; }
 cudaError_t cudaEventCreateWithFlags(cudaEvent_t *e, unsigned) { return cudaEventCreate(e); }
 cudaError_t cudaEventDestroy(cudaEvent_t e) { delete (EmuEvent *)e; return cudaSuccess; }
-cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t)
+cudaError_t cudaEventRecord(cudaEvent_t e, cudaStream_t st)
 {
+    ((EmuEvent *)e)->st = st;
     ((EmuEvent *)e)->t = std::chrono::steady_clock::now();
     return cudaSuccess;
 }
-cudaError_t cudaEventSynchronize(cudaEvent_t) { return cudaSuccess; }
+/* waiting for an event runs the work of its stream (all of it: later work early is
+ * what a fast GPU could do too) */
+cudaError_t cudaEventSynchronize(cudaEvent_t e)
+{
+    wait_for(((EmuEvent *)e)->st, "cudaEventSynchronize");
+    return cudaSuccess;
+}
+cudaError_t cudaEventQuery(cudaEvent_t e) { return cudaStreamQuery(((EmuEvent *)e)->st); }
+/* the waiting stream's later work runs after e's: at once here (kernels do not wait) */
+cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t e, unsigned)
+{
+    if (stream_of(((EmuEvent *)e)->st)->stalled) emu_stream_stall(st);
+    emu_stream_flush(((EmuEvent *)e)->st);
+    return cudaSuccess;
+}
 cudaError_t cudaEventElapsedTime(float *ms, cudaEvent_t a, cudaEvent_t b)
 {
     *ms = std::chrono::duration<float, std::milli>(((EmuEvent *)b)->t - ((EmuEvent *)a)->t).count();
@@ -820,8 +915,9 @@ cublasStatus_t cublasLtMatmulAlgoGetHeuristic(cublasLtHandle_t, cublasLtMatmulDe
 cublasStatus_t cublasLtMatmul(cublasLtHandle_t, cublasLtMatmulDesc_t desc, const void *alpha_p, const void *Ap,
                               cublasLtMatrixLayout_t A, const void *Bp, cublasLtMatrixLayout_t B, const void *beta_p,
                               const void *Cp, cublasLtMatrixLayout_t C, void *Dp, cublasLtMatrixLayout_t D,
-                              const cublasLtMatmulAlgo_t *, void *, size_t, cudaStream_t)
+                              const cublasLtMatmulAlgo_t *, void *, size_t, cudaStream_t stream)
 {
+    emu_stream_flush(stream);
     const LtDesc *x = (const LtDesc *)desc;
     const LtLayout *a = (const LtLayout *)A, *b = (const LtLayout *)B, *c = (const LtLayout *)C, *d = (const LtLayout *)D;
     cublasStatus_t st = lt_check(x, a, b, d);

@@ -17,7 +17,13 @@
  *   - cp.async copies are deferred until a cp.async.wait_group that covers their
  *     group (a kernel that reads shared memory before waiting sees stale data);
  *   - dynamic shared memory and cudaMalloc'd memory start as 0xff bytes (NaN), so
- *     reads of never-written memory show.
+ *     reads of never-written memory show;
+ *   - streams, for the communicator (nccl_emu.cpp): the NCCL calls are deferred on
+ *     their stream and run when that stream's order requires it (a kernel, copy or
+ *     GEMM on it, a synchronization of it, a wait for an event recorded on it), so
+ *     that a buffer read before the wait that covers its transfer shows stale data
+ *     and one written while a transfer is in flight sends the new values. Kernels,
+ *     copies and GEMMs themselves run at once.
  * What it does not model: timing, memory races between threads of a block other
  * than through missing barriers, warp divergence inside collectives (every lane of
  * a warp must reach the same collective, which the kernels guarantee anyway).
@@ -62,6 +68,17 @@ extern dim3 blockDim, gridDim;
 
 /* ---- scheduling and synchronization (cuda_emu.cpp) */
 void emu_run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()> &body);
+/* ---- streams: work deferred on a stream (emulated NCCL), run in order by
+ * emu_stream_flush, which every kernel, copy and GEMM on that stream calls first */
+void emu_stream_defer(cudaStream_t s, std::function<void()> work);
+void emu_stream_flush(cudaStream_t s);
+/* s never completes (a hung NCCL call, nccl_emu.cpp): queries say not ready, its work
+ * stays queued, and a host synchronization with it ends the program */
+void emu_stream_stall(cudaStream_t s);
+/* the stall ended (the hung call's communicator aborted: on a GPU its kernel ends) */
+void emu_stream_release(cudaStream_t s);
+/* is [p, p + n) inside one cudaMalloc'd allocation? */
+bool emu_device_range(const void *p, size_t n);
 void *emu_dyn_smem();
 void __syncthreads();
 void __syncwarp(unsigned mask = 0xffffffffu);
