@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # tools/bench/e2e-gpu.sh BIN_DIR OUTDIR: the end-to-end GPU benchmark of issue 7.
 #
-# smp-train --backend cuda on one GPU, in five parts:
+# smp-train --backend cuda on one GPU, in five parts (first, where BIN_DIR has them,
+# smp-dev-check: the CUDA table against the C one; smp-nccl-test: the NCCL
+# communicator on one rank, blocking and stream-ordered):
 #   1. a ~1.07 B-parameter Llama-shaped model (hidden 2048, intermediate 5632, 20 layers,
 #      16 heads x 128, 8 kv heads, vocab 32000, untied, max_position_embeddings 131072,
 #      rope_theta 500000) made with `smp-convert init`, and llm.c token files of random
@@ -88,6 +90,7 @@ if [ "${1:-}" = "--bundle" ]; then
     mkdir -p "$DIR/bin" "$DIR/lib" "$DIR/deps"
     cp -L "$SRC/smp-train" "$SRC/smp-convert" "$DIR/bin/"
     [ -x "$SRC/smp-dev-check" ] && cp -L "$SRC/smp-dev-check" "$DIR/bin/" # the CUDA table against the C one
+    [ -x "$SRC/smp-nccl-test" ] && cp -L "$SRC/smp-nccl-test" "$DIR/bin/" # the NCCL communicator, one rank
     cp -L "$SRC"/../lib/*.so "$DIR/lib/"
     [ -e "$SRC/../lib/libsmp_cuda.so" ] || echo "e2e-gpu: warning: $SRC/../lib/libsmp_cuda.so missing: --backend cuda will not load" >&2
     # every shared library they load that is not the C runtime itself (which the GPU
@@ -320,6 +323,16 @@ if [ "$DRY" != 1 ] && [ -x "$BIN/smp-dev-check" ] && [ -e "$CUDA_LIB" ]; then
     else
         sum "dev-check: FAILED: $(grep -cE '^FAIL' "$LOGS/dev-check.log") failures (e2e-logs/dev-check.log)"
         grep -E '^FAIL' "$LOGS/dev-check.log" | head -n 5 | while read -r l; do sum "  $l"; done
+        status=1
+    fi
+fi
+# the NCCL communicator on the real NCCL, one rank (no mpirun there): blocking and
+# stream-ordered calls, a split, the abort (tests/nccl/test_nccl.c)
+if [ "$DRY" != 1 ] && [ -x "$BIN/smp-nccl-test" ]; then
+    if timeout 120 "$BIN/smp-nccl-test" >"$LOGS/nccl-test.log" 2>&1; then
+        sum "nccl-test (one rank): $(tail -n 1 "$LOGS/nccl-test.log")"
+    else
+        sum "nccl-test: FAILED (e2e-logs/nccl-test.log): $(grep -m 3 -E 'FAIL|rank' "$LOGS/nccl-test.log" | tr '\n' ' ')"
         status=1
     fi
 fi
