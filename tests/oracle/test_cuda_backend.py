@@ -20,7 +20,8 @@ on a GPU.
   the other way round, tracking the straight run;
 - under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
   track the single-rank C run (tp=2 and pp=2 with the loss's logits in chunks of 24
-  tokens); a failed or hung NCCL call ends the run with an error, not a hang;
+  tokens), and Mixtral at dp=2, ep=2 (the experts' all-to-all) in fp32 within 1e-4;
+  a failed or hung NCCL call ends the run with an error, not a hang;
 - Qwen2 (bias kernels), Qwen3 (q/k norms), GPT-NeoX (fused qkv, LayerNorm, GELU,
   partial rotary, parallel residual) and Mixtral (router, top-2 experts) on one rank in
   fp32 within 1e-4;
@@ -247,6 +248,30 @@ def test_cuda_families_track_c_backend(setup, tmp_path, case):
         assert ("aux_loss" in r) == ("aux_loss" in q) and abs(r.get("aux_loss", 0) - q.get("aux_loss", 0)) <= \
             1e-4 * q.get("aux_loss", 0), (r, q)
     assert ("aux_loss" in want[0]) == (case == "mixtral-k2")
+
+
+def test_cuda_expert_parallel_tracks_c_backend(setup, tmp_path):
+    """Mixtral's experts over two ranks (dp=2, ep=2) on the emulated CUDA backend: each
+    token goes to its experts' rank and back through the NCCL communicator's
+    all-to-all (nccl.c's group of sends and receives, on the emulator's NCCL), fp32,
+    against the C backend on one rank, the load-balancing loss included"""
+    tmp, _, _, _, lib = setup
+    _, ck = make_ckpt(tmp_path, "mixtral-k2", sharp=True)
+    V = min(89, models.CASES["mixtral-k2"][1]["vocab_size"])
+    data = write_tokens(tmp_path / "d.bin", np.random.default_rng(9).integers(0, V, size=3000))
+    ref = tmp_path / "c"
+    run("smp-train", "--ckpt", ck, "--data", data, "--save-dir", ref, "--steps", 2, "--log", ref / "log.jsonl",
+        *COMMON, check=0)
+    out = tmp_path / "cuda"
+    cmd = ["mpirun", "--oversubscribe", "--bind-to", "none", "-np", "2", str(BUILD / "bin" / "smp-train"), "--ckpt",
+           ck, "--data", data, "--save-dir", out, "--steps", 2, "--log", out / "log.jsonl", "--layout", "dp=2,ep=2",
+           "--backend", "cuda", "--dtype", "fp32", *COMMON]
+    env = dict(env_for(lib), OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    p = subprocess.run(list(map(str, cmd)), capture_output=True, text=True, env=env, timeout=900)
+    assert p.returncode == 0, p.stderr
+    rows, want = read_log(out / "log.jsonl"), read_log(ref / "log.jsonl")
+    assert_tracks(rows, want, 1e-4, "cuda fp32 mixtral dp=2,ep=2 vs C one rank")
+    assert all(abs(r["aux_loss"] - q["aux_loss"]) <= 1e-4 * q["aux_loss"] for r, q in zip(rows, want)), (rows, want)
 
 
 def test_cuda_fp8_experts_track_c_backend(setup, tmp_path):
