@@ -45,11 +45,26 @@ static double now(void)
     return (double)t.tv_sec + t.tv_nsec * 1e-9;
 }
 
-static double timeout_s(void)
+/* SMP_NCCL_TIMEOUT: seconds above 0, the whole value a number ("5m" is refused, not
+ * read as 5 s; "inf": no deadline), default 300; *ok 0 when it is set otherwise */
+static double timeout_parse(int *ok)
 {
     const char *e = getenv("SMP_NCCL_TIMEOUT");
-    double v = e ? atof(e) : 0;
-    return v > 0 ? v : 300.0;
+    *ok = 1;
+    if (!e) return 300.0;
+    char *end = NULL;
+    const double v = strtod(e, &end);
+    if (end == e || *end || !(v > 0)) {
+        *ok = 0;
+        return 300.0;
+    }
+    return v;
+}
+
+static double timeout_s(void)
+{
+    int ok;
+    return timeout_parse(&ok);
 }
 
 static int ntype(shard_dtype dt, ncclDataType_t *t)
@@ -345,6 +360,11 @@ shard_status shard_comm_nccl_enqueue_on(shard_comm *c, void *stream)
 shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out)
 {
     *out = NULL;
+    int ok;
+    timeout_parse(&ok);
+    if (!ok)
+        return shard_fail(SHARD_E_USAGE, "SMP_NCCL_TIMEOUT=%s: not a number of seconds above 0",
+                          getenv("SMP_NCCL_TIMEOUT"));
     cudaError_t ce = cudaSetDevice(device);
     if (ce != cudaSuccess) return shard_fail(SHARD_E_IO, "rank %d: cannot use GPU %d: %s", shard_comm_rank(bootstrap), device, cudaGetErrorString(ce));
     ncclUniqueId id;

@@ -808,8 +808,9 @@ const char *shard_comm_backend(const shard_comm *c);
 /* NCCL (libshard_nccl.so, built with the CUDA backend from backends/cuda/nccl.c): a communicator over the
  * same processes as `bootstrap` (MPI), one GPU per rank (`device`), buffers in GPU
  * memory; half-precision reductions allowed. Calls wait with a deadline
- * (SMP_NCCL_TIMEOUT seconds, default 300) and watch NCCL's asynchronous errors: a
- * failed or hung peer becomes an error on every rank, never a hang. */
+ * (SMP_NCCL_TIMEOUT seconds, default 300; another value than a number above 0 is
+ * refused here, SHARD_E_USAGE) and watch NCCL's asynchronous errors: a failed or hung
+ * peer becomes an error on every rank, never a hang. */
 shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out);
 /* Stream-ordered use (the CUDA backend): from now on c's calls, and those of the
  * communicators split from it, are enqueued on `stream` (a cudaStream_t) and return at

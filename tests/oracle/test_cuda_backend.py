@@ -181,6 +181,16 @@ def test_a_failed_nccl_call_is_an_error_not_a_hang(setup, tmp_path, kind, messag
     assert not (out / "latest").exists() and not list(out.glob("step-*"))
 
 
+@pytest.mark.parametrize("value", ["5m", "0", "-1", ""])
+def test_a_bad_nccl_timeout_is_refused(setup, tmp_path, value):
+    """SMP_NCCL_TIMEOUT is read whole: "5m" would otherwise be 5 seconds, a deadline
+    that ends healthy runs; refused in one line when the communicator is made"""
+    p = train(setup, tmp_path / "out", "--steps", 1, "--layout", "tp=2", "--backend", "cuda", np_=2, check=False,
+              env_extra=dict(SMP_NCCL_TIMEOUT=value))
+    assert p.returncode == 2, p.stderr
+    assert f"smp-train: error: SMP_NCCL_TIMEOUT={value}: not a number of seconds above 0" in p.stderr, p.stderr
+
+
 @pytest.mark.parametrize("layout,np_,form,shape", [("cp=1", 1, "fused", "4x32"), ("cp=2", 2, "fused-8x16", "4x16")])
 def test_cuda_fused_attention_backward_tracks_c_backend(setup, layout, np_, form, shape):
     """SMP_CUDA_ATTN_BWD=fused or fused-8x16: dK, dV and dQ in one kernel of 4 or 8
