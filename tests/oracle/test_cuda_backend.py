@@ -18,8 +18,8 @@ on a GPU.
 - --recompute full on CUDA gives the same losses as without, bit for bit;
 - a checkpoint written by the CUDA backend verifies and resumes on the C backend and
   the other way round, tracking the straight run;
-- under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2 on the CUDA backend
-  track the single-rank C run (tp=2 and pp=2 with the loss's logits in chunks of 24
+- under mpirun: tp=2 with sequence parallelism, cp=2, pp=2 x dp=2, tp=2 x cp=2 and
+  pp=2 x tp=2 on the CUDA backend track the single-rank C run (tp=2 and pp=2 with the loss's logits in chunks of 24
   tokens), and Mixtral at dp=2, ep=2 (the experts' all-to-all) in fp32 within 1e-4;
   a failed or hung NCCL call ends the run with an error, not a hang;
 - Qwen2 (bias kernels), Qwen3 (q/k norms), GPT-NeoX (fused qkv, LayerNorm, GELU,
@@ -153,6 +153,10 @@ def test_checkpoints_move_between_backends(setup):
     ("tp=2", 2, "fp32", 1e-4, ["--sequence-parallel", "--logits-chunk", 24]),
     ("cp=2", 2, "bf16", 1e-2, []),
     ("pp=2,dp=2", 4, "bf16", 1e-2, ["--microbatches", 2, "--logits-chunk", 24]),
+    # several NCCL communicators at once: the ring's started passes beside tp's
+    # all-reduces, and the pipeline's transfers beside them
+    ("tp=2,cp=2", 4, "fp32", 1e-4, ["--sequence-parallel"]),
+    ("pp=2,tp=2", 4, "fp32", 1e-4, ["--microbatches", 2]),
 ])
 def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
     tmp, ck, data, refs, lib = setup
