@@ -168,16 +168,18 @@ def test_cuda_parallel_layouts(setup, layout, np_, dtype, tol, extra):
     assert run("smp-verify", out / f"step-{steps:06d}").returncode == 0
 
 
-@pytest.mark.parametrize("kind,message", [("error", "emulated asynchronous failure"),
-                                          ("hang", "did not finish within 3 s")])
-def test_a_failed_nccl_call_is_an_error_not_a_hang(setup, tmp_path, kind, message):
+@pytest.mark.parametrize("layout,kind,message", [("tp=2", "error", "emulated asynchronous failure"),
+                                                 ("tp=2", "hang", "did not finish within 3 s"),
+                                                 ("cp=2", "hang", "did not finish within 3 s")])
+def test_a_failed_nccl_call_is_an_error_not_a_hang(setup, tmp_path, layout, kind, message):
     """The backend's collectives are stream-ordered (the host does not wait for them),
     so its own waits watch NCCL: the emulated NCCL's 6th call on each rank reports an
-    asynchronous error, or never completes (SMP_EMU_NCCL_FAIL_AT); either surfaces as
-    an error line and a failed exit within the deadline (SMP_NCCL_TIMEOUT), not as a
-    hang, and no checkpoint is written."""
+    asynchronous error, or never completes (SMP_EMU_NCCL_FAIL_AT; at cp=2 a ring pass
+    started on the communicator's own stream, which the backend's stream waits
+    behind); either surfaces as an error line and a failed exit within the deadline
+    (SMP_NCCL_TIMEOUT), not as a hang, and no checkpoint is written."""
     out = tmp_path / "out"
-    p = train(setup, out, "--steps", 2, "--layout", "tp=2", "--backend", "cuda", np_=2, check=False,
+    p = train(setup, out, "--steps", 2, "--layout", layout, "--backend", "cuda", np_=2, check=False,
               env_extra=dict(SMP_EMU_NCCL_FAIL_AT="6", SMP_EMU_NCCL_FAIL=kind, SMP_NCCL_TIMEOUT="3"))
     assert p.returncode != 0, p.stderr
     assert "smp-train: error:" in p.stderr and message in p.stderr, p.stderr

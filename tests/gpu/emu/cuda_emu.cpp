@@ -473,7 +473,17 @@ std::map<void *, size_t> allocations;
 struct EmuStream {
     std::deque<std::function<void()>> work;
     bool stalled; /* emu_stream_stall: its work never completes */
+    std::vector<EmuStream *> after; /* stalled streams it waits behind (cudaStreamWaitEvent) */
 };
+/* s cannot go on: stalled itself, or waiting behind a stalled stream (until released) */
+bool blocked(EmuStream *s, int depth = 0)
+{
+    if (s->stalled) return true;
+    for (EmuStream *w : s->after)
+        if (depth < 64 && blocked(w, depth + 1)) return true;
+    s->after.clear(); /* every stream it waited behind went on */
+    return false;
+}
 EmuStream legacy_stream; /* stream 0 */
 std::vector<EmuStream *> streams{&legacy_stream};
 EmuStream *stream_of(cudaStream_t s) { return s ? (EmuStream *)s : &legacy_stream; }
@@ -481,7 +491,7 @@ cudaStream_t handle(size_t i) { return (cudaStream_t)(i ? streams[i] : nullptr);
 /* a host wait for s: on a stalled stream the program would hang on a GPU */
 void wait_for(cudaStream_t s, const char *what)
 {
-    if (stream_of(s)->stalled) die((std::string(what) + " on a stream that never completes (a hung NCCL call): a GPU run would hang here").c_str());
+    if (blocked(stream_of(s))) die((std::string(what) + " on a stream that never completes (a hung NCCL call): a GPU run would hang here").c_str());
     emu_stream_flush(s);
 }
 void flush_all(const char *what)
@@ -512,7 +522,7 @@ void emu_stream_release(cudaStream_t s) { stream_of(s)->stalled = false; }
 void emu_stream_flush(cudaStream_t s)
 {
     EmuStream *st = stream_of(s);
-    while (!st->stalled && !st->work.empty()) {
+    while (!blocked(st) && !st->work.empty()) {
         std::function<void()> w = std::move(st->work.front());
         st->work.pop_front();
         w();
@@ -649,7 +659,7 @@ cudaError_t cudaStreamSynchronize(cudaStream_t s)
 }
 cudaError_t cudaStreamQuery(cudaStream_t s)
 {
-    if (stream_of(s)->stalled) return cudaErrorNotReady;
+    if (blocked(stream_of(s))) return cudaErrorNotReady;
     emu_stream_flush(s);
     return cudaSuccess;
 }
@@ -711,7 +721,8 @@ cudaError_t cudaEventQuery(cudaEvent_t e) { return cudaStreamQuery(((EmuEvent *)
 /* the waiting stream's later work runs after e's: at once here (kernels do not wait) */
 cudaError_t cudaStreamWaitEvent(cudaStream_t st, cudaEvent_t e, unsigned)
 {
-    if (stream_of(((EmuEvent *)e)->st)->stalled) emu_stream_stall(st);
+    EmuStream *from = stream_of(((EmuEvent *)e)->st);
+    if (blocked(from)) stream_of(st)->after.push_back(from);
     emu_stream_flush(((EmuEvent *)e)->st);
     return cudaSuccess;
 }

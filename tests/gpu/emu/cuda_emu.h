@@ -73,9 +73,11 @@ void emu_run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()
 void emu_stream_defer(cudaStream_t s, std::function<void()> work);
 void emu_stream_flush(cudaStream_t s);
 /* s never completes (a hung NCCL call, nccl_emu.cpp): queries say not ready, its work
- * stays queued, and a host synchronization with it ends the program */
+ * stays queued, a stream made to wait for an event recorded on it (cudaStreamWaitEvent)
+ * waits behind it likewise, and a host synchronization with either ends the program */
 void emu_stream_stall(cudaStream_t s);
-/* the stall ended (the hung call's communicator aborted: on a GPU its kernel ends) */
+/* the stall ended (the hung call's communicator aborted: on a GPU its kernel ends),
+ * for the streams waiting behind it too */
 void emu_stream_release(cudaStream_t s);
 /* is [p, p + n) inside one cudaMalloc'd allocation? */
 bool emu_device_range(const void *p, size_t n);
