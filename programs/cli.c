@@ -62,8 +62,10 @@ static void error_line(const char *msg, const char *tail, int secondhand)
     if (g_defer) { memcpy(g_deferred, line, (size_t)n + 1); return; }
     if (g_rank > 0) usleep((useconds_t)(g_rank < 64 ? g_rank : 64) * 100000u);
     /* another rank's failure: that rank prints its own line and ends the run; this
-     * one speaks only if it did not (after the longest wait above) */
-    if (secondhand) usleep(70 * 100000u);
+     * one speaks only if it did not. 20 s: on a loaded 2-core machine Open MPI took
+     * more than 7 s (the wait before) to kill the others after rank 0's MPI_Abort, and
+     * the run printed its one line twice */
+    if (secondhand) usleep(200 * 100000u);
     fflush(stderr);
     (void)!write(2, line, (size_t)n);
 }
