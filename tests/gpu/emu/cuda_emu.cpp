@@ -7,6 +7,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -693,6 +694,8 @@ cudaError_t cudaStreamDestroy(cudaStream_t s)
 {
     if (!s) return ret(cudaErrorInvalidValue);
     emu_stream_flush(s); /* a destroyed stream's work still completes (a stalled one's never) */
+    for (EmuStream *o : streams) /* no stream waits behind it any more */
+        o->after.erase(std::remove(o->after.begin(), o->after.end(), (EmuStream *)s), o->after.end());
     for (size_t i = 1; i < streams.size(); i++)
         if (streams[i] == (EmuStream *)s) {
             delete streams[i];
