@@ -33,6 +33,7 @@ typedef struct {
     int posted;              /* a started transfer awaits shard_comm_wait */
     int device;
     int aborted;
+    double timeout;          /* SMP_NCCL_TIMEOUT, read once when the first was made */
     char why[384];           /* what aborted it, for the calls refused after */
 } nccl_impl;
 
@@ -61,11 +62,6 @@ static double timeout_parse(int *ok)
     return v;
 }
 
-static double timeout_s(void)
-{
-    int ok;
-    return timeout_parse(&ok);
-}
 
 static int ntype(shard_dtype dt, ncclDataType_t *t)
 {
@@ -109,9 +105,9 @@ static shard_status watch(shard_comm *c, double waited, const char *what)
     ncclCommGetAsyncError(m->comm, &ae);
     shard_status s = SHARD_OK;
     if (ae != ncclSuccess && ae != ncclInProgress) s = fail_nccl(c, ae, what);
-    else if (waited > timeout_s())
+    else if (waited > m->timeout)
         s = shard_fail(SHARD_E_IO, "NCCL %s on rank %d did not finish within %.0f s (a peer failed or hangs)", what,
-                       shard_comm_rank(c), timeout_s());
+                       shard_comm_rank(c), m->timeout);
     if (s) abort_comm(c, shard_errmsg());
     return s;
 }
@@ -313,28 +309,30 @@ static void n_free_impl(nccl_impl *m)
 
 static void n_free(shard_comm *c) { n_free_impl(I(c)); }
 
-static shard_status wrap(ncclComm_t comm, int device, cudaStream_t on, shard_comm **out);
+static shard_status wrap(ncclComm_t comm, int device, cudaStream_t on, double timeout, shard_comm **out);
 
 static shard_status n_split(shard_comm *c, int color, int key, shard_comm **out)
 {
     ncclComm_t nc;
     ncclResult_t r = ncclCommSplit(I(c)->comm, color, key, &nc, NULL);
     if (r != ncclSuccess) return fail_nccl(c, r, "communicator split");
-    return wrap(nc, I(c)->device, I(c)->on, out);
+    return wrap(nc, I(c)->device, I(c)->on, I(c)->timeout, out);
 }
 
 static const shard_comm_ops NCCL_OPS = {"nccl", n_split, n_allreduce, n_reduce_scatter, n_allgather, n_broadcast,
                                         n_send, n_recv, n_sendrecv, n_alltoallv, n_barrier, n_free,
                                         n_sendrecv_start, n_wait};
 
-/* on: the caller's stream of a stream-ordered parent (NULL: blocking) */
-static shard_status wrap(ncclComm_t comm, int device, cudaStream_t on, shard_comm **out)
+/* on: the caller's stream of a stream-ordered parent (NULL: blocking); timeout: the
+ * parent's deadline (seconds) */
+static shard_status wrap(ncclComm_t comm, int device, cudaStream_t on, double timeout, shard_comm **out)
 {
     nccl_impl *m = calloc(1, sizeof *m);
     if (!m) { ncclCommDestroy(comm); return shard_fail(SHARD_E_NOMEM, "out of memory"); }
     m->comm = comm;
     m->device = device;
     m->on = on;
+    m->timeout = timeout;
     int rank = 0, size = 1;
     ncclCommUserRank(comm, &rank);
     ncclCommCount(comm, &size);
@@ -361,7 +359,7 @@ shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out
 {
     *out = NULL;
     int ok;
-    timeout_parse(&ok);
+    const double timeout = timeout_parse(&ok);
     if (!ok)
         return shard_fail(SHARD_E_USAGE, "SMP_NCCL_TIMEOUT=%s: not a number of seconds above 0",
                           getenv("SMP_NCCL_TIMEOUT"));
@@ -380,5 +378,5 @@ shard_status shard_comm_nccl(shard_comm *bootstrap, int device, shard_comm **out
     ncclComm_t comm;
     ncclResult_t r = ncclCommInitRank(&comm, shard_comm_size(bootstrap), id, shard_comm_rank(bootstrap));
     if (r != ncclSuccess) return shard_fail(SHARD_E_IO, "NCCL initialization failed on rank %d: %s", shard_comm_rank(bootstrap), ncclGetErrorString(r));
-    return wrap(comm, device, NULL, out);
+    return wrap(comm, device, NULL, timeout, out);
 }
