@@ -1,11 +1,21 @@
 #!/usr/bin/env python3
-"""tokenize_hf: text files -> tokens of a Hugging Face tokenizer, in llm.c's format.
+"""tokenize_hf: text files or records (JSON Lines, Parquet) -> tokens of a Hugging Face tokenizer, in llm.c's format.
 
-    python tools/tokenize_hf.py --tokenizer MODEL_DIR [--eot] [--tokens-per-file N] [--files-from LIST] OUT.bin [IN.txt ...]
+    python tools/tokenize_hf.py --tokenizer MODEL_DIR [--eot] [--text-key KEY] [--tokens-per-file N] [--files-from LIST] OUT.bin [IN ...]
 
 The tokenizer is loaded from a local folder (transformers.AutoTokenizer, no network).
 Each file is encoded without special tokens; --eot appends the tokenizer's eos token
-after each file. A file is read and encoded a piece of about 1 MB at a time, cut at a
+after each file. With --text-key KEY the inputs hold records, as pretraining corpora
+come: JSON Lines (each line an object), or Parquet files (by the .parquet suffix; needs
+pyarrow), whose string KEY (e.g. "text") is a document, encoded on its own (as
+tokenizer.encode(doc) gives it) and followed by the eos with --eot (then `smp-train
+--documents --doc-sep EOS` keeps the documents apart); blank lines are skipped, other
+keys and columns ignored, and a record without that string stops the run
+(`tokenize_hf: error: IN:LINE: what`, or `IN: row N: what`, rows from 0, exit 3): nothing is dropped
+silently. Inputs named *.gz are read through gzip, *.zst through zstandard (needs the
+zstandard package; every frame, a file cut inside one is an error).
+
+A file is read and encoded a piece of about 1 MB at a time (a longer document too), cut at a
 line end followed by a non-space where the tokenizer's tokens do not cross (checked on
 the text round each cut: encoded whole it gives the tokens of its two sides), so the
 tokens are those of the file encoded whole while memory holds about one piece's
@@ -27,7 +37,12 @@ parts an earlier run left beyond them are removed. Every file appears whole or n
 all (written under a temporary name, renamed at the end).
 """
 import argparse
+import gzip
+import importlib
+import io
+import json
 import os
+import zlib
 import re
 import sys
 
@@ -222,6 +237,7 @@ def fail(msg, code):
 PIECE = int(os.environ.get("SMP_TOKENIZE_PIECE", 1 << 20))  # bytes read at a time (tests make it small)
 WINDOW = 1024  # characters each side of a cut that must encode alike whole and apart
 BATCH = min(os.cpu_count() or 1, 8)  # pieces encoded together (memory: about one encoding a piece)
+BATCH_TEXTS = 4096  # texts shorter than a piece (files, documents) encoded together at most
 SAFE = re.compile(r"\n(?=\S)")  # a line end, then text: where tokenizers' pre-tokens end
 
 
@@ -274,13 +290,14 @@ class Pieces:
 
     def __init__(self, encode, encode_many, dtype, sink):
         self.encode_many, self.dtype, self.lead, self.sink = encode_many, dtype, encode(LEAD), sink
-        self.waiting, self.ntext, self.texts = [], 0, 0
+        self.waiting, self.ntext, self.chars, self.texts, self.documents = [], 0, 0, 0, 0
 
     def text(self, path, t, first):
         self.waiting.append((path, t, first))
         self.ntext += 1
+        self.chars += len(t)
         self.texts += 1
-        if self.ntext == BATCH:
+        if self.ntext == BATCH_TEXTS or self.chars >= BATCH * PIECE:  # BATCH pieces, or as much in shorter texts
             self.flush()
 
     def ids(self, arr):
@@ -299,14 +316,13 @@ class Pieces:
                      "its cut did not: this tokenizer cannot be read a piece at a time" % path, 1)
             self.sink(np.asarray(ids, dtype=self.dtype))
         self.waiting.clear()
-        self.ntext = 0
+        self.ntext = self.chars = 0
 
 
-def encode_file(f, path, encode, pieces):
-    """binary file f's text (line ends read as Python's text mode reads them) given to
-    pieces a piece at a time, cut where its tokens are those of the text encoded whole;
-    exits 3 on text that is not UTF-8, naming its byte."""
-    text, rest, at, cr, first = "", b"", 0, "", True
+def file_text(f, path):
+    """binary file f's text a read at a time, line ends read as Python's text mode reads
+    them; exits 3 on text that is not UTF-8, naming its byte."""
+    rest, at, cr = b"", 0, ""
     while True:
         data = f.read(PIECE)
         whole, rest = utf8_whole(rest + data) if data else (rest, b"")
@@ -316,15 +332,158 @@ def encode_file(f, path, encode, pieces):
             fail("%s: not UTF-8 text (byte %d)" % (path, at + e.start), 3)
         at += len(whole)
         cr = "\r" if data and new.endswith("\r") else ""  # its \n may come with the next read
-        text += (new[:-1] if cr else new).replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
-        cut = cut_in(encode, pieces.lead, text) if data and len(text) >= PIECE else None
-        if cut:
-            pieces.text(path, text[:cut], first)
-            text, first = text[cut:], False
+        yield (new[:-1] if cr else new).replace("\r\n", "\n").replace("\r", "\n")  # as text mode reads it
         if not data:
-            break
+            return
+
+
+def encode_text(reads, where, encode, pieces):
+    """one text, given a read at a time (strings), to pieces a piece at a time, cut where
+    its tokens are those of the text encoded whole"""
+    text, first = "", True
+    for new in reads:
+        if not new:
+            continue
+        text += new
+        cut = cut_in(encode, pieces.lead, text) if len(text) >= PIECE else None
+        if cut:
+            pieces.text(where, text[:cut], first)
+            text, first = text[cut:], False
     if text:
-        pieces.text(path, text, first)
+        pieces.text(where, text, first)
+
+
+def jsonl_docs(f, path, key):
+    """(where, document) of binary file f's JSON Lines, each line's string `key`; exits 3
+    naming the line of one that is not such an object."""
+    at = 0
+    for n, raw in enumerate(f, 1):
+        where, at = "%s:%d" % (path, n), at + len(raw)
+        try:
+            line = raw.decode("utf-8-sig" if n == 1 else "utf-8")  # a byte order mark some editors write
+        except UnicodeDecodeError as e:
+            fail("%s: not UTF-8 text (byte %d)" % (where, at - len(raw) + e.start), 3)
+        if not line.strip():
+            continue
+        try:
+            doc = json.loads(line.rstrip("\r\n"))
+        except json.JSONDecodeError as e:
+            fail("%s: not JSON (%s at column %d)" % (where, e.msg.removesuffix(" at"), e.colno), 3)
+        except RecursionError:  # Python's parser recurses once a nesting level
+            fail("%s: not JSON that Python reads (nested too deeply)" % where, 3)
+        doc = doc.get(key) if isinstance(doc, dict) else None
+        if not isinstance(doc, str):
+            fail('%s: not an object with a string "%s"' % (where, key), 3)
+        yield where, doc
+
+
+def need(module, path, why):
+    """module imported, or exit 2 naming the package that `why` needs"""
+    try:
+        return importlib.import_module(module)
+    except ImportError:
+        fail("%s: %s needs Python's %s package (pip install %s)" % (path, why, module.split(".")[0],
+                                                                    module.split(".")[0]), 2)
+
+
+def parquet_docs(path, key):
+    """(where, document) of Parquet file path's string column `key`, a batch of rows at a
+    time; exits 3 on a file that is not Parquet, a missing or non-string column, a null."""
+    pa = need("pyarrow", path, "reading Parquet")
+    pq = need("pyarrow.parquet", path, "reading Parquet")
+    with open(path, "rb") as fh:  # opened here: a missing file or a folder is an I/O error like any input's
+        try:
+            f = pq.ParquetFile(fh)
+            schema = f.schema_arrow
+        except (pa.ArrowException, OSError) as e:
+            fail("%s: not a Parquet file (%s)" % (path, e), 3)
+        if key not in schema.names:
+            fail('%s: no column "%s" (it has %s)' % (path, key, ", ".join(schema.names) or "none"), 3)
+        t = schema.field(key).type
+        if not (pa.types.is_string(t) or pa.types.is_large_string(t) or pa.types.is_string_view(t)):
+            fail('%s: column "%s" holds %s, not strings' % (path, key, t), 3)
+        row = 0
+        try:
+            for batch in f.iter_batches(batch_size=1024, columns=[key]):
+                col = batch.column(0)
+                if col.null_count:
+                    at = row + col.is_null().to_pylist().index(True)
+                    fail('%s: row %d: "%s" is null' % (path, at, key), 3)
+                for doc in col.to_pylist():
+                    yield "%s: row %d" % (path, row), doc
+                    row += 1
+        except (pa.ArrowException, UnicodeDecodeError) as e:
+            fail("%s: damaged Parquet data near row %d (%s)" % (path, row, e), 3)
+
+
+def encode_docs(docs, key, encode, pieces, eos):
+    """each (where, document) of docs to pieces, then eos (unless None)"""
+    for where, doc in docs:
+        try:
+            doc.encode("utf-8")
+        except UnicodeEncodeError as e:  # JSON's \ud800 escapes reach no UTF-8 text
+            fail('%s: "%s" holds a lone surrogate (\\u%04x): not Unicode text' % (where, key, ord(doc[e.start])), 3)
+        encode_text((doc[i:i + PIECE] for i in range(0, len(doc), PIECE)), where, encode, pieces)
+        pieces.documents += 1
+        if eos is not None:
+            pieces.ids(eos)
+
+
+class ZstdReader(io.RawIOBase):
+    """a .zst file's bytes, every frame in turn (pzstd and --rsyncable write several), as
+    `zstd -d` reads them; a file that ends inside a frame is a ZstdError (zstandard's
+    stream_reader ends there silently: a corpus cut short by a download would lose its
+    tail unnoticed)."""
+
+    def __init__(self, path, zstandard):
+        self.zstd, self.f, self.obj, self.out, self.at = zstandard, open(path, "rb"), None, b"", 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        while self.at == len(self.out):
+            more = self.obj is not None and not self.obj.eof
+            data = self.obj.unused_data if self.obj is not None and self.obj.eof else b""
+            data = data or self.f.read(PIECE)
+            if not data:
+                if more:
+                    raise self.zstd.ZstdError("the file ends inside a frame")
+                return 0
+            if not more:
+                self.obj = self.zstd.ZstdDecompressor().decompressobj()
+            self.out, self.at = self.obj.decompress(data), 0
+        n = min(len(b), len(self.out) - self.at)
+        b[:n] = self.out[self.at:self.at + n]
+        self.at += n
+        return n
+
+    def close(self):
+        self.f.close()
+        super().close()
+
+
+def open_input(path):
+    """an input file for binary reads, decompressed where its name ends in .gz or .zst"""
+    if path.endswith(".zst"):
+        return io.BufferedReader(ZstdReader(path, need("zstandard", path, "reading .zst")), PIECE)
+    return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
+
+
+def encode_input(p, key, encode, pieces, eos):
+    """input file p to pieces: its text, or with key its records' documents, each then eos"""
+    if key is not None and p.endswith(".parquet"):
+        return encode_docs(parquet_docs(p, key), key, encode, pieces, eos)
+    try:
+        with open_input(p) as f:
+            if key is None:
+                encode_text(file_text(f, p), p, encode, pieces)
+            else:
+                encode_docs(jsonl_docs(f, p, key), key, encode, pieces, eos)
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:  # EOFError: a .gz cut short
+        fail("%s: damaged gzip data (%s)" % (p, e), 3)
+    except getattr(sys.modules.get("zstandard"), "ZstdError", ()) as e:  # () where no .zst was read
+        fail("%s: damaged zstd data (%s)" % (p, e), 3)
 
 
 def files_from(list_path):
@@ -342,7 +501,9 @@ def files_from(list_path):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tokenizer", required=True, help="local folder with the tokenizer files")
-    ap.add_argument("--eot", action="store_true", help="append the eos token after each file")
+    ap.add_argument("--eot", action="store_true", help="append the eos token after each file (document with --text-key)")
+    ap.add_argument("--text-key", metavar="KEY", help="the inputs hold records (JSON Lines, or Parquet by the "
+                    ".parquet suffix): each record's string KEY is a document")
     ap.add_argument("--tokens-per-file", type=int, default=FILE_TOKENS,
                     help="more tokens go to numbered parts of OUT (default and most: 2^31-1)")
     ap.add_argument("--files-from", metavar="LIST",
@@ -374,11 +535,11 @@ def main(argv=None):
     try:
         with TokenFiles(a.out, len(tok), a.tokens_per_file) as files:
             pieces = Pieces(encode, encode_many, dtype, files.add)
+            eos = np.array([tok.eos_token_id], dtype=dtype) if a.eot else None
             for p in a.inputs:
-                with open(p, "rb") as f:
-                    encode_file(f, p, encode, pieces)
-                if a.eot:
-                    pieces.ids(np.array([tok.eos_token_id], dtype=dtype))
+                encode_input(p, a.text_key, encode, pieces, eos)
+                if eos is not None and a.text_key is None:
+                    pieces.ids(eos)
             pieces.flush()
             if not files.count:  # an empty token file would fail later, in smp-train, farther from the cause
                 fail("no token: the inputs are empty", 3)
@@ -387,8 +548,11 @@ def main(argv=None):
         fail("%s: %s" % (e.filename, e.strerror or e), 1)
     except FileLimit as e:
         fail(str(e), 3)
-    print(f"{a.out}: {files.count} tokens (vocabulary {len(tok)}), encoded in {pieces.texts} piece(s)" +
-          ("" if len(names) == 1 else f", in {len(names)} files: smp-train --data {part_glob(a.out)}"))
+    docs = f"{pieces.documents} documents, " if a.text_key is not None else ""
+    print(f"{a.out}: {files.count} tokens (vocabulary {len(tok)}), {docs}encoded in {pieces.texts} piece(s)" +
+          ("" if len(names) == 1 else f", in {len(names)} files: smp-train --data {part_glob(a.out)}") +
+          (f"; each ends with eos {tok.eos_token_id}: smp-train --documents --doc-sep {tok.eos_token_id}"
+           if a.eot and a.text_key is not None else ""))
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ against the template's {% generation %} markers and by decoding the spans), the 
 and every bad line's error. Tokenizers are trained here (no network)."""
 import json
 import random
+import re
 import subprocess
 import sys
 
@@ -574,3 +575,147 @@ def test_tokenizer_without_eos(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         prepare_sft.main(["--tokenizer", str(tmp_path / "t"), str(tmp_path / "in.jsonl"), str(tmp_path / "o.bin")])
     assert e.value.code == 2 and "the tokenizer has no eos token" in capsys.readouterr().err
+
+
+def tokenize(args, capsys):
+    """tokenize_hf in this process: (exit status, stdout, stderr)"""
+    try:
+        tokenize_hf.main([str(a) for a in args])
+        rc = 0
+    except SystemExit as e:
+        rc = e.code
+    o, e = capsys.readouterr()
+    return rc, o, e
+
+
+def test_tokenize_hf_documents_of_records(tmp_path, capsys, monkeypatch):
+    """tokenize_hf --text-key KEY (pretraining corpora's records): each JSON line's or
+    Parquet row's string KEY is a document, encoded on its own (transformers' encode of
+    it: a SentencePiece-style prefix space at every document's start), the eos after each
+    with --eot; blank lines skipped, other keys and columns ignored, .gz read through
+    gzip and .zst (several frames) through zstandard, text inputs too, Parquet written by
+    pyarrow in several row groups, a document longer than a piece (4 KiB here) cut as a
+    file is, many short ones encoded together. A record without that string stops the
+    run naming the file and line or row (exit 3), and no output takes its name; so does a
+    damaged .gz or .zst (one cut inside a frame too) or Parquet file."""
+    import gzip
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    import zstandard
+    from tokenizers import Tokenizer, decoders, models as tm, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+    monkeypatch.setattr(tokenize_hf, "PIECE", 4096)
+    rng = np.random.default_rng(5)
+    words = ["".join(rng.choice(list("abcdeéüñ漢字z"), size=rng.integers(1, 8))) for _ in range(300)]
+    ends = ["\n", "\n\n", " \n", ".\n", "\r\n", " ", "\t"]
+
+    def doc(n):
+        return "".join(" ".join(rng.choice(words, size=rng.integers(1, 12))) + ends[rng.integers(0, len(ends))]
+                       for _ in range(n))
+    docs = [doc(int(rng.integers(0, 6))) for _ in range(300)] + [doc(2000), "", "  lead\r\nand tail\n\n"]
+    rng.shuffle(docs)
+    assert max(map(len, docs)) > 3 * 4096 and "" in docs
+    half = len(docs) // 2
+    lines = [json.dumps({"id": k, "text": d, "meta": {"text": 1}}, ensure_ascii=k % 2 == 0) for k, d in enumerate(docs)]
+    (tmp_path / "a.jsonl").write_text("\n".join(lines[:half]) + "\n\n", encoding="utf-8")
+    with gzip.open(tmp_path / "b.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("\r\n".join(lines[half:-100]))  # no line end after the last
+    zc = zstandard.ZstdCompressor()
+    z = [zc.compress("".join(x + "\n" for x in lines[a:b]).encode()) for a, b in ((-100, -60), (-60, -30))]
+    (tmp_path / "c.jsonl.zst").write_bytes(z[0] + z[1])  # two frames, as pzstd writes
+    pq.write_table(pa.table({"id": list(range(30)), "text": docs[-30:]}), tmp_path / "d.parquet", row_group_size=7)
+    inputs = [tmp_path / f for f in ("a.jsonl", "b.jsonl.gz", "c.jsonl.zst", "d.parquet")]
+    bpe = Tokenizer(tm.BPE(unk_token="<unk>"))
+    bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    ms = Tokenizer(tm.BPE(unk_token="<unk>"))
+    ms.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first")
+    ms.decoder = decoders.Metaspace(replacement="\u2581", prepend_scheme="first")
+    for name, tk in (("bpe", bpe), ("metaspace", ms)):
+        tk.train_from_iterator(docs, trainers.BpeTrainer(vocab_size=600, special_tokens=["<unk>", "</s>"]))
+        fast = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="</s>", unk_token="<unk>")
+        fast.save_pretrained(str(tmp_path / name))
+        for eot in (["--eot"], []):
+            out = tmp_path / f"{name}.bin"
+            rc, o, e = tokenize(["--tokenizer", tmp_path / name, *eot, "--text-key", "text", out, *inputs], capsys)
+            assert rc == 0, e
+            want = []
+            for d in docs:
+                want += fast.encode(d, add_special_tokens=False) + ([fast.eos_token_id] if eot else [])
+            raw = out.read_bytes()
+            assert np.frombuffer(raw[:1024], "<i4")[2] == len(want)
+            assert np.frombuffer(raw[1024:], "<u2").tolist() == want, (name, eot)
+            m = re.search(r"(\d+) documents, encoded in (\d+) piece", o)
+            assert m and int(m.group(1)) == len(docs) and int(m.group(2)) >= sum(map(bool, docs)) + 10, o
+            sep = f"; each ends with eos {fast.eos_token_id}: smp-train --documents --doc-sep {fast.eos_token_id}\n"
+            assert o.endswith(sep) == bool(eot), o
+    # text files read through gzip and zstandard: the tokens of each file as it is
+    long = max(docs, key=len)
+    (tmp_path / "t.txt.gz").write_bytes(gzip.compress(long.encode()))
+    (tmp_path / "t.txt.zst").write_bytes(zc.compress(long.encode()))
+    fast = PreTrainedTokenizerFast.from_pretrained(str(tmp_path / "bpe"))
+    want = fast.encode(long.replace("\r\n", "\n"), add_special_tokens=False) + [fast.eos_token_id]
+    assert tokenize(["--tokenizer", tmp_path / "bpe", "--eot", tmp_path / "t.bin", tmp_path / "t.txt.gz",
+                     tmp_path / "t.txt.zst"], capsys)[0] == 0
+    assert np.frombuffer((tmp_path / "t.bin").read_bytes()[1024:], "<u2").tolist() == want * 2
+    # one line that is not a document: the run stops there, naming the file and line
+    good = json.dumps({"text": "fine"})
+    bad = {"not JSON": ('{"text": "cut', "not JSON (Unterminated string starting at column 10)"),
+           "nested": ("[" * 100000, "not JSON that Python reads (nested too deeply)"),
+           "no key": ('{"body": "x"}', 'not an object with a string "text"'),
+           "a number": ('{"text": 7}', 'not an object with a string "text"'),
+           "null": ('{"text": null}', 'not an object with a string "text"'),
+           "a list": ('["text"]', 'not an object with a string "text"'),
+           "a lone surrogate": ('{"text": "a\\ud800b"}', '"text" holds a lone surrogate (\\ud800): not Unicode text')}
+    bj = tmp_path / "bad.jsonl"
+    for what, (line, msg) in bad.items():
+        bj.write_text(f"{good}\n\n{line}\n{good}\n", encoding="utf-8")
+        rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", "--text-key", "text", tmp_path / "x.bin", bj], capsys)
+        assert (rc, e) == (3, f"tokenize_hf: error: {bj}:3: {msg}\n"), what
+        assert not (tmp_path / "x.bin").exists(), what
+    bj.write_bytes(f"{good}\n".encode() + b'{"text": "\xff"}\n')
+    rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", "--text-key", "text", tmp_path / "x.bin", bj], capsys)
+    assert (rc, e) == (3, f"tokenize_hf: error: {bj}:2: not UTF-8 text (byte {len(good) + 1 + 10})\n")
+    # Parquet rows without the string: a missing column, another type, a null
+    for what, table, msg in (
+            ("no column", pa.table({"body": ["x"]}), 'no column "text" (it has body)'),
+            ("numbers", pa.table({"text": [1, 2]}), 'column "text" holds int64, not strings'),
+            ("a null", pa.table({"text": ["a"] * 9 + [None]}), 'row 9: "text" is null')):
+        pq.write_table(table, tmp_path / "bad.parquet", row_group_size=4)
+        rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", "--text-key", "text", tmp_path / "x.bin",
+                             tmp_path / "bad.parquet"], capsys)
+        assert (rc, e) == (3, f"tokenize_hf: error: {tmp_path / 'bad.parquet'}: {msg}\n"), what
+        assert not (tmp_path / "x.bin").exists(), what
+    # damaged files, exit 3: a .gz cut short, a .zst cut inside a frame, each in no format at all, a Parquet
+    # file cut short
+    gz, zs, pqb = ((tmp_path / f).read_bytes() for f in ("b.jsonl.gz", "c.jsonl.zst", "d.parquet"))
+    damaged = {"cut.jsonl.gz": (gz[:len(gz) // 2], "damaged gzip data ("),
+               "plain.jsonl.gz": (b"not gzip\n", "damaged gzip data ("),
+               "cut.jsonl.zst": (zs[:len(z[0]) + 9], "damaged zstd data (the file ends inside a frame)"),
+               "plain.jsonl.zst": (b"not zstd\n", "damaged zstd data ("),
+               "cut.parquet": (pqb[:len(pqb) - 9], "not a Parquet file ("),
+               "plain.parquet": (b'{"text": "json"}\n', "not a Parquet file (")}
+    for f, (data, msg) in damaged.items():
+        (tmp_path / f).write_bytes(data)
+        rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", "--text-key", "text", tmp_path / "x.bin",
+                             tmp_path / "a.jsonl", tmp_path / f], capsys)
+        assert rc == 3 and e.startswith(f"tokenize_hf: error: {tmp_path / f}: {msg}"), (f, e)
+        assert len(e.splitlines()) == 1 and not (tmp_path / "x.bin").exists()
+    # a missing input of each kind: an I/O error, exit 1
+    for f in ("nope.parquet", "nope.jsonl.zst", "nope.jsonl.gz"):
+        rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", "--text-key", "text", tmp_path / "x.bin", tmp_path / f],
+                            capsys)
+        assert (rc, e) == (1, f"tokenize_hf: error: {tmp_path / f}: No such file or directory\n"), f
+    # without pyarrow or zstandard (imported only for such inputs): exit 2, naming the package
+    real = tokenize_hf.importlib.import_module
+    monkeypatch.setattr(tokenize_hf.importlib, "import_module",
+                        lambda m: (_ for _ in ()).throw(ImportError(m)) if m in ("pyarrow", "zstandard") else real(m))
+    for f, pkg, why in (("d.parquet", "pyarrow", "reading Parquet"), ("c.jsonl.zst", "zstandard", "reading .zst")):
+        rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", "--text-key", "text", tmp_path / "x.bin", tmp_path / f],
+                            capsys)
+        assert (rc, e) == (2, f"tokenize_hf: error: {tmp_path / f}: {why} needs Python's {pkg} package "
+                              f"(pip install {pkg})\n")
+    monkeypatch.undo()
+    # the text of a damaged .gz too
+    rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", tmp_path / "x.bin", tmp_path / "cut.jsonl.gz"], capsys)
+    assert rc == 3 and e.startswith(f"tokenize_hf: error: {tmp_path / 'cut.jsonl.gz'}: damaged gzip data (")

@@ -110,17 +110,23 @@ def run(cmd):
     return time.perf_counter() - t0, float("nan")
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mb", type=int, default=20, help="MB of JSON lines per data set")
+def setup(doc, mb_help, old_help):
+    """(arguments, the cache folder with the tokenizers, the made-up words) of a benchmark
+    whose docstring is doc"""
+    ap = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=20, help=mb_help)
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--old", help="another prepare_sft.py to time beside this one")
+    ap.add_argument("--old", help=old_help)
     ap.add_argument("--cache", default="/tmp/smp-bench/sft")
     a = ap.parse_args()
     d = pathlib.Path(a.cache)
     d.mkdir(parents=True, exist_ok=True)
     make_tokenizers(d)
-    words = json.loads((d / "words.json").read_text())
+    return a, d, json.loads((d / "words.json").read_text())
+
+
+def main():
+    a, d, words = setup(__doc__, "MB of JSON lines per data set", "another prepare_sft.py to time beside this one")
     py, tool = sys.executable, str(ROOT / "tools" / "prepare_sft.py")
     sets = {"chats of 1-6 exchanges": d / ("chats-%d.jsonl" % a.mb),
             "agent-like chats of 40-80 exchanges": d / ("agent-%d.jsonl" % a.mb)}
