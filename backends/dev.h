@@ -122,7 +122,7 @@ struct dev_ops {
                                const void *w, const float *mean, const float *rstd, int N, int H);
     /* pos: backend int32 [T]; inv_freq: backend fp32 [rd/2]; tables [T, rd]. x: [B, T, nh, hd], its first
      * rd (the rotary dim, even, <= hd) dims of each head rotated */
-    void (*rope_table)(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd);
+    void (*rope_table)(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd, float scale);
     void (*rope_forward)(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
                          int rd);
     void (*rope_backward)(dev *d, void *dx, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,

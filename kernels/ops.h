@@ -111,20 +111,30 @@ void op_layernorm_backward(float *dinp, float *dweight, float *dbias, const floa
  * Table: cos/sin [T, rotary_dim] for the positions pos[T] (positions are explicit
  * because a context-parallel rank holds two non-adjacent chunks of a sequence).
  * inv_freq[rotary_dim/2] comes from op_rope_inv_freq(inv_freq, rotary_dim, p)
- * (rope_theta, NeoX's rotary_emb_base, and the optional "llama3" scaling): as
- * transformers, the frequencies of a partial rotary are those of a head of
- * rotary_dim dims, 1 / theta^(2i / rotary_dim). */
+ * (rope_theta, NeoX's rotary_emb_base, and the optional rope_scaling: "llama3",
+ * "yarn" or "linear"): as transformers, the frequencies of a partial rotary are those
+ * of a head of rotary_dim dims, 1 / theta^(2i / rotary_dim). The table's cos and sin
+ * are multiplied by scale: op_rope_scale(p), YaRN's attention factor (1 otherwise),
+ * as transformers multiplies them by its attention_scaling. */
+enum { OP_ROPE_DEFAULT = 0, OP_ROPE_LLAMA3 = 1, OP_ROPE_YARN = 2, OP_ROPE_LINEAR = 3 };
 typedef struct {
     float theta;              /* rope_theta */
-    int llama3;               /* 1: apply rope_scaling {"rope_type": "llama3"} */
-    float factor;             /* llama3: factor */
+    int type;                 /* OP_ROPE_*: rope_scaling's rope_type */
+    float factor;             /* llama3, yarn, linear: factor */
     float low_freq_factor;    /* llama3: low_freq_factor */
     float high_freq_factor;   /* llama3: high_freq_factor */
-    float original_max_pos;   /* llama3: original_max_position_embeddings */
+    float original_max_pos;   /* llama3, yarn: original_max_position_embeddings */
+    float beta_fast;          /* yarn: beta_fast (0: transformers' 32) */
+    float beta_slow;          /* yarn: beta_slow (0: transformers' 1) */
+    int no_truncate;          /* yarn: truncate false (the ramp's ends not rounded out) */
+    double attention_factor;  /* yarn: attention_factor (0: from factor, mscale, mscale_all_dim) */
+    double mscale;            /* yarn: mscale (0: not given) */
+    double mscale_all_dim;    /* yarn: mscale_all_dim (0: not given) */
 } op_rope_params;
 void op_rope_inv_freq(float *inv_freq, int rotary_dim, const op_rope_params *p);
+float op_rope_scale(const op_rope_params *p);
 void op_rope_table(float *cos_t, float *sin_t, const int32_t *pos, int T,
-                   const float *inv_freq, int rotary_dim);
+                   const float *inv_freq, int rotary_dim, float scale);
 /* x: [B, T, nh, head_dim], rotated in place. backward rotates dx by -angle, in place. */
 void op_rope_forward(float *x, const float *cos_t, const float *sin_t,
                      int B, int T, int nh, int head_dim, int rotary_dim);

@@ -128,11 +128,12 @@ cudaError_t cuda_op_layernorm_backward(void *dinp, float *dweight, float *dbias,
 
 /* ---- RoPE (HF rotate_half, optionally partial as GPT-NeoX's) -------------------------
  * cos_t/sin_t [T, rotary_dim] fp32 from pos[T] (device) and inv_freq[rotary_dim/2]
- * (device; compute it on the host with op_rope_inv_freq and copy it). x: dt,
+ * (device; compute it on the host with op_rope_inv_freq and copy it), times scale
+ * (op_rope_scale: YaRN's attention factor, else 1). x: dt,
  * [B,T,nh,head_dim], its first rotary_dim dims of each head rotated in place (the
  * rest untouched); rotary_dim even, 0 <= rotary_dim <= head_dim. */
 cudaError_t cuda_op_rope_table(float *cos_t, float *sin_t, const int32_t *pos, int T,
-                               const float *inv_freq, int rotary_dim, cudaStream_t stream);
+                               const float *inv_freq, int rotary_dim, float scale, cudaStream_t stream);
 cudaError_t cuda_op_rope_forward(void *x, const float *cos_t, const float *sin_t,
                                  int B, int T, int nh, int head_dim, int rotary_dim,
                                  cudaDataType_t dt, cudaStream_t stream);

@@ -6,7 +6,7 @@
 #include "cuda_common.cuh"
 
 __global__ void rope_table_kernel(float *cos_t, float *sin_t, const int32_t *pos, int T,
-                                  const float *inv_freq, int rotary_dim)
+                                  const float *inv_freq, int rotary_dim, float scale)
 {
     const int half = rotary_dim / 2;
     const size_t total = (size_t)T * half;
@@ -15,7 +15,8 @@ __global__ void rope_table_kernel(float *cos_t, float *sin_t, const int32_t *pos
         const size_t t = idx / half;
         const int i = (int)(idx % half);
         const float angle = __fmul_rn((float)pos[t], inv_freq[i]);
-        const float c = (float)cos((double)angle), s = (float)sin((double)angle);
+        /* times YaRN's attention factor in fp32 (1 otherwise), as rope.c */
+        const float c = __fmul_rn((float)cos((double)angle), scale), s = __fmul_rn((float)sin((double)angle), scale);
         cos_t[t * rotary_dim + i] = c;
         cos_t[t * rotary_dim + i + half] = c;
         sin_t[t * rotary_dim + i] = s;
@@ -97,14 +98,14 @@ static void rope_launch(void *xv, const float *cos_t, const float *sin_t, unsign
 }
 
 extern "C" cudaError_t cuda_op_rope_table(float *cos_t, float *sin_t, const int32_t *pos, int T,
-                                          const float *inv_freq, int rotary_dim, cudaStream_t stream)
+                                          const float *inv_freq, int rotary_dim, float scale, cudaStream_t stream)
 {
     SMP_ARG(T >= 0 && rotary_dim > 0 && rotary_dim % 2 == 0, "bad shape T=%d rotary_dim=%d", T, rotary_dim);
     if (T == 0) return cudaSuccess;
     SMP_ARG(cos_t && sin_t && pos && inv_freq, "NULL pointer");
     const size_t total = (size_t)T * (rotary_dim / 2);
     SMP_LAUNCH(rope_table_kernel, smp_blocks(total, 256, 65535), 256, 0, stream, cos_t, sin_t, pos, T,
-               inv_freq, rotary_dim);
+               inv_freq, rotary_dim, scale);
     return smp_cuda_launched("cuda_op_rope_table");
 }
 

@@ -117,7 +117,10 @@ static void hf_text(const hf_info *h)
                (long long)d->moe_intermediate, d->router_aux_loss_coef,
                d->output_router_logits ? " (in the loss)" : " (reported, not trained: output_router_logits false)");
     printf("  rope         theta %g", d->rope_theta);
-    if (d->rope_llama3)
+    if (d->rope_type == SHARD_ROPE_YARN)
+        printf(", yarn scaling (factor %g, original %lld)", d->rope_factor, (long long)d->rope_original_max_positions);
+    if (d->rope_type == SHARD_ROPE_LINEAR) printf(", linear scaling (factor %g)", d->rope_factor);
+    if (d->rope_type == SHARD_ROPE_LLAMA3)
         printf(", llama3 scaling (factor %g, low %g, high %g, original %lld)", d->rope_factor, d->rope_low_freq_factor, d->rope_high_freq_factor,
                (long long)d->rope_original_max_positions);
     if (d->rotary_dim != d->head_dim) printf(", %lld of %lld dims rotated", (long long)d->rotary_dim, (long long)d->head_dim);

@@ -52,7 +52,7 @@ static void set_rope(model *m)
 {
     const size_t N = (size_t)m->B * m->T;
     OPS->upload(DV, m->rpos_d, m->rpos, N * sizeof(int32_t));
-    OPS->rope_table(DV, m->cos_t, m->sin_t, m->rpos_d, (int)N, m->inv_freq_d, m->rd);
+    OPS->rope_table(DV, m->cos_t, m->sin_t, m->rpos_d, (int)N, m->inv_freq_d, m->rd, m->rope_scale);
     set_ring_need(m);
 }
 

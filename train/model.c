@@ -161,9 +161,12 @@ shard_status model_create(model *m, const shard_model_desc *d, dev *dv)
         model_free(m);
         return st;
     }
-    op_rope_params rp = {(float)d->rope_theta, d->rope_llama3, (float)d->rope_factor, (float)d->rope_low_freq_factor,
-                         (float)d->rope_high_freq_factor, (float)d->rope_original_max_positions};
+    const op_rope_params rp = {(float)d->rope_theta, d->rope_type, (float)d->rope_factor, (float)d->rope_low_freq_factor,
+                               (float)d->rope_high_freq_factor, (float)d->rope_original_max_positions,
+                               (float)d->rope_beta_fast, (float)d->rope_beta_slow, !d->rope_truncate,
+                               d->rope_attention_factor, d->rope_mscale, d->rope_mscale_all_dim};
     op_rope_inv_freq(m->inv_freq, m->rd, &rp);
+    m->rope_scale = op_rope_scale(&rp);
     OPS->upload(DV, m->inv_freq_d, m->inv_freq, (size_t)m->rd / 2 * sizeof(float));
     return SHARD_OK;
 nomem:

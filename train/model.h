@@ -139,6 +139,7 @@ typedef struct model_s {
     layer_grads *lg;         /* their gradients */
     float *inv_freq;         /* [rd/2], host */
     float *inv_freq_d;       /* the same in the backend */
+    float rope_scale;        /* the tables' factor: YaRN's attention factor, else 1 */
     recompute_mode recompute; /* set before model_alloc_acts */
     size_t act_bytes;        /* backend bytes of the activations and scratch */
     layer_acts rc;           /* recompute: the shared set of the recomputed tensors */

@@ -144,9 +144,9 @@ static void c_layernorm_backward(dev *d, void *dinp, float *dw, float *db, const
 {
     op_layernorm_backward(dinp, dw, db, dout, inp, w, mean, rstd, N, H);
 }
-static void c_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd)
+static void c_rope_table(dev *d, float *cos_t, float *sin_t, const int32_t *pos, int T, const float *inv_freq, int rd, float scale)
 {
-    op_rope_table(cos_t, sin_t, pos, T, inv_freq, rd);
+    op_rope_table(cos_t, sin_t, pos, T, inv_freq, rd, scale);
 }
 static void c_rope_forward(dev *d, void *x, const float *cos_t, const float *sin_t, int B, int T, int nh, int hd,
                            int rd)

@@ -266,6 +266,9 @@ shard_status shard_weights_fingerprint(const shard_weights *w, uint64_t *out);
 /* ---------------------------------------------------------------- HF config */
 #define SHARD_NAME_MAX 256
 
+/* rope_scaling's types smp computes (the numbers are kernels/ops.h's OP_ROPE_*) */
+enum { SHARD_ROPE_DEFAULT = 0, SHARD_ROPE_LLAMA3 = 1, SHARD_ROPE_YARN = 2, SHARD_ROPE_LINEAR = 3 };
+
 /* The model description smp trains: LlamaForCausalLM, MistralForCausalLM,
  * Qwen2ForCausalLM, Qwen3ForCausalLM and GPTNeoXForCausalLM (the families:
  * shard_family_of). */
@@ -282,9 +285,12 @@ typedef struct {
     int64_t max_positions;   /* max_position_embeddings */
     double norm_eps;         /* rms_norm_eps (GPT-NeoX: layer_norm_eps) */
     double rope_theta;
-    int rope_llama3;         /* rope_scaling {"rope_type": "llama3", ...} */
-    double rope_factor, rope_low_freq_factor, rope_high_freq_factor;
-    int64_t rope_original_max_positions;
+    int rope_type;           /* SHARD_ROPE_*: rope_scaling's (or rope_parameters') rope_type */
+    double rope_factor, rope_low_freq_factor, rope_high_freq_factor; /* llama3's; factor also yarn's, linear's */
+    int64_t rope_original_max_positions; /* llama3, yarn: original_max_position_embeddings */
+    double rope_beta_fast, rope_beta_slow; /* yarn (0: transformers' 32 and 1) */
+    int rope_truncate;       /* yarn: truncate (default true) */
+    double rope_attention_factor, rope_mscale, rope_mscale_all_dim; /* yarn (0: not given) */
     int tie_word_embeddings;
     int64_t sliding_window;  /* 0: none */
     double initializer_range;

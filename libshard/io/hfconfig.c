@@ -102,6 +102,29 @@ static json_t *rope_object(const ctx *c, const char **key)
     return rs;
 }
 
+/* YaRN (_compute_yarn_parameters): factor required; original_max_position_embeddings
+ * from the config's top level where it has one (Phi-3's spelling, which transformers
+ * prefers), else from the rope object, else max_position_embeddings; attention_factor,
+ * mscale and mscale_all_dim as given (op_rope_scale resolves them); beta_fast and
+ * beta_slow 0 or null for transformers' 32 and 1 (it reads them with `or`) */
+static shard_status parse_yarn(ctx *c, ctx *sub, shard_model_desc *d)
+{
+    json_t *rs = sub->root;
+    d->rope_type = SHARD_ROPE_YARN;
+    TRY(get_num(sub, rs, "factor", NAN, 1e-6, 1e6, &d->rope_factor));
+    json_t *top = json_object_get(c->root, "original_max_position_embeddings");
+    ctx *from = top && !json_is_null(top) ? c : sub;
+    TRY(get_int(from, from->root, "original_max_position_embeddings", d->max_positions, 1, DIM_MAX * 64,
+                &d->rope_original_max_positions));
+    TRY(get_num(sub, rs, "attention_factor", 0, 1e-6, 1e6, &d->rope_attention_factor));
+    TRY(get_num(sub, rs, "mscale", 0, -1e6, 1e6, &d->rope_mscale));
+    TRY(get_num(sub, rs, "mscale_all_dim", 0, -1e6, 1e6, &d->rope_mscale_all_dim));
+    TRY(get_num(sub, rs, "beta_fast", 0, 0, 1e6, &d->rope_beta_fast));
+    TRY(get_num(sub, rs, "beta_slow", 0, 0, 1e6, &d->rope_beta_slow));
+    TRY(get_bool(sub, "truncate", 1, &d->rope_truncate));
+    return SHARD_OK;
+}
+
 /* GPT-NeoX's transformers-4 keys: rotary_emb_base is its rope_theta */
 static shard_status parse_rope(ctx *c, const shard_family *fam, shard_model_desc *d)
 {
@@ -120,9 +143,15 @@ static shard_status parse_rope(ctx *c, const shard_family *fam, shard_model_desc
     if (!json_is_string(t)) return shard_fail(SHARD_E_INVALID, "%s: \"%s\": \"rope_type\" missing or not a string", c->path, key);
     const char *type = json_string_value(t);
     if (strcmp(type, "default") == 0) return SHARD_OK;
+    if (strcmp(type, "yarn") == 0) return parse_yarn(c, &sub, d);
+    if (strcmp(type, "linear") == 0) {
+        d->rope_type = SHARD_ROPE_LINEAR;
+        return get_num(&sub, rs, "factor", NAN, 1e-6, 1e6, &d->rope_factor);
+    }
     if (strcmp(type, "llama3") != 0)
-        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"%s\": rope type \"%s\" is not supported (smp supports \"llama3\" and \"default\")", c->path, key, type);
-    d->rope_llama3 = 1;
+        return shard_fail(SHARD_E_UNSUPPORTED, "%s: \"%s\": rope type \"%s\" is not supported (smp supports \"default\", "
+                          "\"llama3\", \"yarn\" and \"linear\")", c->path, key, type);
+    d->rope_type = SHARD_ROPE_LLAMA3;
     TRY(get_num(&sub, rs, "factor", NAN, 1e-6, 1e6, &d->rope_factor));
     TRY(get_num(&sub, rs, "low_freq_factor", NAN, 1e-6, 1e6, &d->rope_low_freq_factor));
     TRY(get_num(&sub, rs, "high_freq_factor", NAN, 1e-6, 1e6, &d->rope_high_freq_factor));
@@ -401,6 +430,20 @@ json_t *shard_model_to_json(const shard_model_desc *d)
     return o;
 }
 
+/* YaRN's rope object as transformers reads it back: the keys given (0s and truncate true left out) */
+static json_t *yarn_json(const shard_model_desc *d)
+{
+    json_t *y = json_pack("{s:s,s:f,s:I}", "rope_type", "yarn", "factor", d->rope_factor,
+                          "original_max_position_embeddings", (json_int_t)d->rope_original_max_positions);
+    if (!d->rope_truncate) json_object_set_new(y, "truncate", json_false());
+    const struct { const char *key; double v; } opt[] = {
+        {"attention_factor", d->rope_attention_factor}, {"mscale", d->rope_mscale},
+        {"mscale_all_dim", d->rope_mscale_all_dim}, {"beta_fast", d->rope_beta_fast}, {"beta_slow", d->rope_beta_slow}};
+    for (size_t k = 0; k < sizeof opt / sizeof opt[0]; k++)
+        if (opt[k].v != 0) json_object_set_new(y, opt[k].key, json_real(opt[k].v));
+    return y;
+}
+
 void *shard_config_json(const shard_model_desc *d)
 {
     json_t *o = json_object();
@@ -417,11 +460,15 @@ void *shard_config_json(const shard_model_desc *d)
         json_object_set_new(o, "router_aux_loss_coef", json_real(d->router_aux_loss_coef));
         json_object_set_new(o, "output_router_logits", json_boolean(d->output_router_logits));
     }
-    if (d->rope_llama3)
+    if (d->rope_type == SHARD_ROPE_LLAMA3)
         json_object_set_new(o, "rope_scaling", json_pack("{s:s,s:f,s:f,s:f,s:I}", "rope_type", "llama3", "factor", d->rope_factor,
                                                          "low_freq_factor", d->rope_low_freq_factor, "high_freq_factor",
                                                          d->rope_high_freq_factor, "original_max_position_embeddings",
                                                          (json_int_t)d->rope_original_max_positions));
+    else if (d->rope_type == SHARD_ROPE_LINEAR)
+        json_object_set_new(o, "rope_scaling", json_pack("{s:s,s:f}", "rope_type", "linear", "factor", d->rope_factor));
+    else if (d->rope_type == SHARD_ROPE_YARN)
+        json_object_set_new(o, "rope_scaling", yarn_json(d));
     else
         json_object_set_new(o, "rope_scaling", json_null());
     json_object_set_new(o, "tie_word_embeddings", json_boolean(d->tie_word_embeddings));

@@ -286,13 +286,13 @@ static void test_layernorm(int N, int H)
 static void test_rope(int B, int T, int nh, int hd, int rd)
 {
     if (!begin("rope", "B=%d T=%d nh=%d hd=%d rd=%d", B, T, nh, hd, rd)) return;
-    op_rope_params rp = {10000.0f, 0, 0, 0, 0, 0};
+    op_rope_params rp = {.theta = 10000.0f, .type = OP_ROPE_YARN, .factor = 4.0f, .original_max_pos = 64.0f}; /* YaRN: a table scale other than 1 */
     float *inv = hmalloc((size_t)rd / 2 * sizeof(float));
     op_rope_inv_freq(inv, rd, &rp);
     int32_t *pos = hmalloc((size_t)T * 4);
     for (int t = 0; t < T; t++) pos[t] = 3 * t + 1;
     pair p = I32(pos, T), f = F32(inv, rd / 2), cs = F32(NULL, (size_t)T * rd), sn = F32(NULL, (size_t)T * rd);
-    CALL2(rope_table, S(cs), S(sn), S(p), T, S(f), rd);
+    CALL2(rope_table, S(cs), S(sn), S(p), T, S(f), rd, op_rope_scale(&rp));
     cmp("table cos", cs, 1e-5);
     cmp("table sin", sn, 1e-5);
     const size_t n = (size_t)B * T * nh * hd;

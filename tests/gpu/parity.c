@@ -506,17 +506,21 @@ static void test_layernorm(cudaDataType_t dt, int N, int H, float shift, int wit
 static void test_rope(cudaDataType_t dt, int B, int T, int nh, int hd, int rd, int far)
 {
     TEST_BEGIN("rope %s B=%d T=%d nh=%d hd=%d rd=%d%s", dtname(dt), B, T, nh, hd, rd, far ? " far positions" : "");
-    op_rope_params p = {500000.0f, 1, 8.0f, 1.0f, 4.0f, 8192.0f};
+    /* llama3's frequencies, or (near positions) YaRN's, whose tables are scaled */
+    const op_rope_params l3 = {.theta = 500000.0f, .type = OP_ROPE_LLAMA3, .factor = 8.0f, .low_freq_factor = 1.0f,
+                               .high_freq_factor = 4.0f, .original_max_pos = 8192.0f},
+                         yarn = {.theta = 1e6f, .type = OP_ROPE_YARN, .factor = 4.0f, .original_max_pos = 4096.0f};
+    const op_rope_params p = far ? l3 : yarn;
     float *inv = hfloats(rd / 2);
     op_rope_inv_freq(inv, rd, &p);
     int32_t *pos = (int32_t *)hmalloc((size_t)T * 4);
     for (int t = 0; t < T; t++) pos[t] = far ? 100000 + 3 * t + (t > T / 2 ? 5000 : 0) : t;
     float *cs = hfloats((size_t)T * rd), *sn = hfloats((size_t)T * rd);
-    op_rope_table(cs, sn, pos, T, inv, rd);
+    op_rope_table(cs, sn, pos, T, inv, rd, op_rope_scale(&p));
     float *d_inv = (float *)to_dev(inv, rd / 2, F32);
     int32_t *d_pos = to_dev_i32(pos, T);
     float *d_cs = (float *)dmalloc((size_t)T * rd * 4), *d_sn = (float *)dmalloc((size_t)T * rd * 4);
-    CK_SYNC(cuda_op_rope_table(d_cs, d_sn, d_pos, T, d_inv, rd, 0));
+    CK_SYNC(cuda_op_rope_table(d_cs, d_sn, d_pos, T, d_inv, rd, op_rope_scale(&p), 0));
     compare_dev("table cos", d_cs, F32, cs, (size_t)T * rd, 1e-6);
     compare_dev("table sin", d_sn, F32, sn, (size_t)T * rd, 1e-6);
     CK(cudaMemcpy(d_cs, cs, (size_t)T * rd * 4, cudaMemcpyHostToDevice));

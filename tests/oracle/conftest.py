@@ -70,10 +70,12 @@ class ModelDesc(ctypes.Structure):
     _fields_ = [("architecture", ctypes.c_char * 64), ("model_type", ctypes.c_char * 32)] + \
         [(n, ctypes.c_int64) for n in ("hidden", "intermediate", "layers", "heads", "kv_heads", "head_dim", "vocab",
                                        "max_positions")] + \
-        [("norm_eps", ctypes.c_double), ("rope_theta", ctypes.c_double), ("rope_llama3", ctypes.c_int),
+        [("norm_eps", ctypes.c_double), ("rope_theta", ctypes.c_double), ("rope_type", ctypes.c_int),
          ("rope_factor", ctypes.c_double), ("rope_low_freq_factor", ctypes.c_double),
          ("rope_high_freq_factor", ctypes.c_double), ("rope_original_max_positions", ctypes.c_int64),
-         ("tie_word_embeddings", ctypes.c_int), ("sliding_window", ctypes.c_int64),
+         ("rope_beta_fast", ctypes.c_double), ("rope_beta_slow", ctypes.c_double), ("rope_truncate", ctypes.c_int),
+         ("rope_attention_factor", ctypes.c_double), ("rope_mscale", ctypes.c_double),
+         ("rope_mscale_all_dim", ctypes.c_double), ("tie_word_embeddings", ctypes.c_int), ("sliding_window", ctypes.c_int64),
          ("initializer_range", ctypes.c_double), ("pad_token_id", ctypes.c_int64), ("eos_token_id", ctypes.c_int64),
          ("torch_dtype", ctypes.c_int)] + \
         [(n, ctypes.c_int) for n in ("qkv_bias", "qk_norm", "fused_qkv", "linear_bias", "layer_norm", "gelu_mlp",

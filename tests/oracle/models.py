@@ -36,6 +36,13 @@ CASES = {
                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                    rope_parameters={"rope_type": "default", "rope_theta": 1e6}),
                      torch.float32, {}),
+    # Qwen3 with YaRN, as Qwen's model cards extend its context (factor 4 over the
+    # original window; here 32 tokens, so that the sequences of the tests pass it)
+    "qwen3-yarn": ("qwen3", dict(vocab_size=93, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
+                                 rope_parameters={"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0,
+                                                  "original_max_position_embeddings": 32}),
+                   torch.float32, {}),
     # GPT-NeoX (Pythia): fused per-head [q; k; v] with biases, biased dense/MLP, LayerNorm
     # with biases, exact GELU, partial rotary; a parallel and a sequential residual
     "neox-parallel": ("gpt_neox", dict(vocab_size=83, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -238,10 +238,10 @@ def test_cuda_documents_and_masks_track_c_backend(setup, tmp_path):
         assert_tracks(rows, read_log(ref / "log.jsonl"), tol, f"cuda {dtype} {layout} documents vs C")
 
 
-@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd", "neox-parallel", "mixtral-k2"])
+@pytest.mark.parametrize("case", ["qwen2-untied", "qwen3-gqa-hd", "qwen3-yarn", "neox-parallel", "mixtral-k2"])
 def test_cuda_families_track_c_backend(setup, tmp_path, case):
     """Qwen2's biases (the bias kernels), Qwen3's per-head q/k norms (RMSNorm rows of
-    head_dim), GPT-NeoX's layer (LayerNorm with bias, the fused qkv, GELU, RoPE on
+    head_dim; with YaRN, the RoPE tables' attention factor), GPT-NeoX's layer (LayerNorm with bias, the fused qkv, GELU, RoPE on
     half of each head, the parallel residual) and Mixtral's experts (the router's top-2,
     each expert's SwiGLU over its tokens) on the emulated CUDA backend, fp32, against
     the C backend"""

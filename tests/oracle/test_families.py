@@ -1,6 +1,6 @@
 """The model families beyond Llama and Mistral, against transformers (fp32, CPU):
 Qwen2ForCausalLM (biases on q, k, v; tied and untied), Qwen3ForCausalLM (per-head
-q/k RMSNorm before RoPE, an explicit head_dim) and GPTNeoXForCausalLM (a fused per-head
+q/k RMSNorm before RoPE, an explicit head_dim; YaRN's rope scaling) and GPTNeoXForCausalLM (a fused per-head
 qkv, biases on every linear, LayerNorm, exact GELU, partial rotary; parallel and
 sequential residuals; tied and untied), as models.py saves them (random biases and norm
 gains, so that their use shows).
@@ -32,7 +32,8 @@ from conftest import run
 from test_parallel import assert_tracks, layout_of, mpirun, resume_on_one_rank
 from test_train import datasets, make_ckpt, read_log, write_tokens
 
-CASES = ["qwen2-gqa-tied", "qwen2-untied", "qwen3-gqa-hd", "neox-parallel", "neox-sequential", "neox-full-rotary-tied"]
+CASES = ["qwen2-gqa-tied", "qwen2-untied", "qwen3-gqa-hd", "qwen3-yarn", "neox-parallel", "neox-sequential",
+         "neox-full-rotary-tied"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -98,6 +99,7 @@ def fsetup(tmp_path_factory):
     ("qwen3-gqa-hd", "tp=4", 1, ["--sequence-parallel"]),  # 2 kv heads < tp: replicated, their norms' sums
     ("qwen3-gqa-hd", "pp=2,cp=2", 2, []),
     ("qwen3-gqa-hd", "dp=2", 1, []),
+    ("qwen3-yarn", "cp=2,tp=2", 1, []),             # YaRN's tables at a context-parallel rank's positions
     ("neox-parallel", "tp=2", 1, ["--sequence-parallel"]),
     ("neox-parallel", "tp=2,pp=2", 2, []),
     ("neox-parallel", "tp=4", 1, []),                # one head per rank
@@ -207,7 +209,7 @@ def _rope(factor, theta=10000.0):
     ("qwen3-gqa-hd", {"layer_types": [1, 2]}, ["layer_types", "strings"]),
     ("qwen2-untied", {"rope_parameters": [1e6]}, ["rope_parameters"]),
     ("qwen2-untied", {"rope_parameters": {"rope_theta": -1.0, "rope_type": "default"}}, ["rope_theta"]),
-    ("qwen2-untied", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "yarn", "factor": 4.0}}, ["yarn"]),
+    ("qwen2-untied", {"rope_parameters": {"rope_theta": 1e6, "rope_type": "dynamic", "factor": 4.0}}, ["dynamic"]),
     ("qwen3-gqa-hd", {"architectures": ["DeepseekV3ForCausalLM"]}, ["DeepseekV3ForCausalLM", "not supported"]),
     ("neox-parallel", {"hidden_act": "gelu_new"}, ["hidden_act", "gelu_new"]),  # the tanh approximation
     ("neox-parallel", {"hidden_act": "relu"}, ["hidden_act", "relu"]),

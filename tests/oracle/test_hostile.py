@@ -140,12 +140,17 @@ CONFIG_CASES = {
     "eps-negative": dict(rms_norm_eps=-1e-5),
     "eps-string": dict(rms_norm_eps="1e-5"),
     "rope-theta-zero": dict(rope_theta=0),
-    "unknown-rope-scaling": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}),
+    "unknown-rope-scaling": dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}),
+    "yarn-missing-factor": dict(rope_scaling={"rope_type": "yarn", "original_max_position_embeddings": 64}),
+    "yarn-factor-string": dict(rope_scaling={"rope_type": "yarn", "factor": "4"}),
+    "yarn-truncate-string": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "truncate": "no"}),
+    "yarn-beta-negative": dict(rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": -32}),
+    "linear-factor-zero": dict(rope_scaling={"rope_type": "linear", "factor": 0}),
     "rope-scaling-not-object": dict(rope_scaling=[1, 2]),
     "llama3-missing-field": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0}),
     # the same in transformers 5's spelling: rope_parameters, dtype
     "rope-parameters-theta-zero": dict(rope_parameters={"rope_type": "default", "rope_theta": 0}),
-    "unknown-rope-parameters": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}),
+    "unknown-rope-parameters": dict(rope_parameters={"rope_type": "longrope", "factor": 4.0, "rope_theta": 1e4}),
     "rope-parameters-not-object": dict(rope_parameters=[1, 2]),
     "llama3-parameters-missing-field": dict(rope_parameters={"rope_type": "llama3", "factor": 8.0}),
     "unknown-dtype": dict(dtype="int4"),
@@ -190,7 +195,7 @@ NEOX_CONFIG_CASES = {
     "rotary-dim-odd": dict(rope_parameters=_neox_rope(0.375)),  # int(8 * 0.375) = 3
     "rotary-dim-zero": dict(rope_parameters=_neox_rope(0.1)),  # int(8 * 0.1) = 0: no rotary at all
     "rotary-theta-zero": dict(rope_parameters=_neox_rope(0.5, 0)),
-    "rotary-yarn": dict(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4,
+    "rotary-dynamic": dict(rope_parameters={"rope_type": "dynamic", "factor": 4.0, "rope_theta": 1e4,
                                          "partial_rotary_factor": 0.5}),
     "rotary-pct-string": dict(rope_parameters=_DELETE, rotary_pct="0.25"),
     "rotary-pct-above-one": dict(rope_parameters=_DELETE, rotary_pct=2),

@@ -34,9 +34,11 @@ P, I, F32, SZ, D = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_size_
 
 
 class RopeParams(ctypes.Structure):
-    _fields_ = [("theta", ctypes.c_float), ("llama3", ctypes.c_int), ("factor", ctypes.c_float),
+    _fields_ = [("theta", ctypes.c_float), ("type", ctypes.c_int), ("factor", ctypes.c_float),
                 ("low_freq_factor", ctypes.c_float), ("high_freq_factor", ctypes.c_float),
-                ("original_max_pos", ctypes.c_float)]
+                ("original_max_pos", ctypes.c_float), ("beta_fast", ctypes.c_float), ("beta_slow", ctypes.c_float),
+                ("no_truncate", ctypes.c_int), ("attention_factor", ctypes.c_double), ("mscale", ctypes.c_double),
+                ("mscale_all_dim", ctypes.c_double)]
 
 
 SIGNATURES = {
@@ -61,7 +63,8 @@ SIGNATURES = {
     "op_layernorm_forward": (None, [P, P, P, P, P, P, I, I, F32]),
     "op_layernorm_backward": (None, [P, P, P, P, P, P, P, P, I, I]),
     "op_rope_inv_freq": (None, [P, I, ctypes.POINTER(RopeParams)]),
-    "op_rope_table": (None, [P, P, P, I, P, I]),
+    "op_rope_table": (None, [P, P, P, I, P, I, ctypes.c_float]),
+    "op_rope_scale": (ctypes.c_float, [ctypes.POINTER(RopeParams)]),
     "op_rope_forward": (None, [P, P, P, I, I, I, I, I]),
     "op_rope_backward": (None, [P, P, P, I, I, I, I, I]),
     "op_attention_forward": (None, [P, P, P, P, P, P, P, P, P, I, I, I, I, I, I, I]),
@@ -492,16 +495,34 @@ ROPE_CASES = [
                     "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
     (10, 10000.0, {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0,
                    "high_freq_factor": 4.0, "original_max_position_embeddings": 2048}),
+    # YaRN as Qwen2.5 / Qwen3 configs give it (the attention factor from factor alone)
+    (16, 1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}),
+    (128, 1e6, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}),
+    # ... and with every key it reads: truncate off, the betas, mscale and mscale_all_dim
+    # (DeepSeek's), an explicit attention_factor, a factor below 1 (no scaling)
+    (64, 10000.0, {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 4096, "truncate": False,
+                   "beta_fast": 16.0, "beta_slow": 2.0}),
+    (64, 10000.0, {"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0,
+                   "mscale_all_dim": 0.707}),
+    (10, 500000.0, {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 1024,
+                    "attention_factor": 0.8}),
+    (10, 10000.0, {"rope_type": "yarn", "factor": 0.5, "original_max_position_embeddings": 256}),
+    (12, 10000.0, {"rope_type": "linear", "factor": 4.0}),
 ]
+
+TYPES = {"llama3": 1, "yarn": 2, "linear": 3}
 
 
 def rope_params(theta, scaling):
-    p = RopeParams(theta=theta, llama3=0, factor=1, low_freq_factor=1, high_freq_factor=1,
-                   original_max_pos=0)
+    """kernels/ops.h's op_rope_params of a rope_parameters dict (None: the default rope)"""
+    p = RopeParams(theta=theta, type=0, factor=1, low_freq_factor=1, high_freq_factor=1, original_max_pos=0)
     if scaling:
-        p.llama3, p.factor = 1, scaling["factor"]
-        p.low_freq_factor, p.high_freq_factor = scaling["low_freq_factor"], scaling["high_freq_factor"]
-        p.original_max_pos = scaling["original_max_position_embeddings"]
+        s = dict(scaling)
+        p.type, p.factor = TYPES[s.pop("rope_type")], s.pop("factor")
+        p.original_max_pos = s.pop("original_max_position_embeddings", 0)
+        p.no_truncate = not s.pop("truncate", True)
+        for k, v in s.items():  # the type's other keys, by their names
+            setattr(p, k, v)
     return p
 
 
@@ -513,8 +534,10 @@ def rope_tables(lib, emb, pos, rd, p):
     lib.op_rope_inv_freq(ptr(inv), rd, ctypes.byref(p))
     np.testing.assert_allclose(inv, emb.inv_freq.numpy(), rtol=1e-6, err_msg="inv_freq")
 
+    scale = lib.op_rope_scale(ctypes.byref(p))
+    assert abs(scale - emb.attention_scaling) <= 1e-7 * emb.attention_scaling, (scale, emb.attention_scaling)
     cos_t, sin_t = np.empty((T, rd), np.float32), np.empty((T, rd), np.float32)
-    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), rd)
+    lib.op_rope_table(ptr(cos_t), ptr(sin_t), ptr(pos), T, ptr(inv), rd, scale)
     cos_hf, sin_hf = emb(torch.zeros(1, dtype=torch.float32), torch.tensor(pos[None, :], dtype=torch.long))
     np.testing.assert_allclose(cos_t, cos_hf[0].numpy(), atol=2e-6, err_msg="cos table")
     np.testing.assert_allclose(sin_t, sin_hf[0].numpy(), atol=2e-6, err_msg="sin table")

@@ -205,6 +205,17 @@ def test_eval_loss_matches_transformers(tmp_path, case):
             l0 = F.cross_entropy(torch_model(hf)(torch.tensor(rows[:, :-1])).logits.reshape(-1, V),
                                  torch.tensor(rows[:, 1:]).reshape(-1)).item()
         assert abs(lw - l0) > 5e-5 * l0  # 5x the tolerance above
+    if case.endswith("yarn"):
+        # so does YaRN (SEQ past its original window of 32): without it, another loss
+        plain = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32, attn_implementation="eager",
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 1e6})
+        with torch.no_grad():
+            rows = seqs_of(toks, SEQ, range(0, B))
+            l0 = F.cross_entropy(plain(torch.tensor(rows[:, :-1])).logits.reshape(-1, V),
+                                 torch.tensor(rows[:, 1:]).reshape(-1)).item()
+            ly = F.cross_entropy(model(torch.tensor(rows[:, :-1])).logits.reshape(-1, V),
+                                 torch.tensor(rows[:, 1:]).reshape(-1)).item()
+        assert abs(ly - l0) > 5e-5 * l0
     # the uint32 variant (magic 20240801 version 7) gives the same result, and so does
     # a checkpoint saved in another layout (the planner reads whole tensors from pieces)
     d32 = write_tokens(tmp_path / "d32.bin", toks, u32=True)

@@ -607,7 +607,7 @@ static void test_rope_fd(void **state)
 {
     (void)state;
     enum { NX = RP_T * RP_NH * RP_HD };
-    op_rope_params p = {10000.0f, 0, 0, 0, 0, 0};
+    op_rope_params p = {.theta = 10000.0f};
     int32_t pos[RP_T] = {0, 1, 7, 30, 31};
     static rope_ctx c;
     for (int k = 0; k < 2; k++) {
@@ -619,7 +619,7 @@ static void test_rope_fd(void **state)
         op_rope_inv_freq(inv, c.rd, &p);
         for (int i = 0; i < c.rd / 2; i++) /* 1 / theta^(2i / rotary_dim) */
             assert_true(fabs(inv[i] - pow(10000.0, -2.0 * i / c.rd)) < 1e-6 * inv[i]);
-        op_rope_table(c.cs, c.sn, pos, RP_T, inv, c.rd);
+        op_rope_table(c.cs, c.sn, pos, RP_T, inv, c.rd, 1.0f);
         static float y[NX], g[NX], fd[NX];
         memcpy(y, c.x, sizeof y);
         op_rope_forward(y, c.cs, c.sn, 1, RP_T, RP_NH, RP_HD, c.rd);
@@ -640,7 +640,7 @@ static void test_rope_fd(void **state)
     /* a partial rotary is, on the rotated dims, the full rotary of a head of rotary_dim dims */
     float inv[RP_RD / 2], cs[RP_T * RP_RD], sn[RP_T * RP_RD];
     op_rope_inv_freq(inv, RP_RD, &p);
-    op_rope_table(cs, sn, pos, RP_T, inv, RP_RD);
+    op_rope_table(cs, sn, pos, RP_T, inv, RP_RD, 1.0f);
     static float y[NX], z[RP_T * RP_NH * RP_RD];
     memcpy(y, c.x, sizeof y);
     for (int r = 0; r < RP_T * RP_NH; r++)
