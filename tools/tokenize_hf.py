@@ -13,7 +13,9 @@ tokenizer.encode(doc) gives it) and followed by the eos with --eot (then `smp-tr
 keys and columns ignored, and a record without that string stops the run
 (`tokenize_hf: error: IN:LINE: what`, or `IN: row N: what`, rows from 0, exit 3): nothing is dropped
 silently. Inputs named *.gz are read through gzip, *.zst through zstandard (needs the
-zstandard package; every frame, a file cut inside one is an error).
+zstandard package; every frame, a file cut inside one is an error). On a terminal,
+stderr shows the progress after each batch: the inputs' bytes read as stored, tokens,
+MB/s, and where every input is a file, the share done and the time left.
 
 A file is read and encoded a piece of about 1 MB at a time (a longer document too), cut at a
 line end followed by a non-space where the tokenizer's tokens do not cross (checked on
@@ -42,9 +44,10 @@ import importlib
 import io
 import json
 import os
-import zlib
 import re
 import sys
+import time
+import zlib
 
 import numpy as np
 
@@ -230,6 +233,8 @@ class TokenFiles:
 
 
 def fail(msg, code):
+    if Progress.line_open:  # the error on a line of its own
+        print(file=sys.stderr)
     print("tokenize_hf: error: " + msg, file=sys.stderr)
     sys.exit(code)
 
@@ -291,6 +296,7 @@ class Pieces:
     def __init__(self, encode, encode_many, dtype, sink):
         self.encode_many, self.dtype, self.lead, self.sink = encode_many, dtype, encode(LEAD), sink
         self.waiting, self.ntext, self.chars, self.texts, self.documents = [], 0, 0, 0, 0
+        self.on_flush = lambda: None  # the progress line's turn
 
     def text(self, path, t, first):
         self.waiting.append((path, t, first))
@@ -317,6 +323,7 @@ class Pieces:
             self.sink(np.asarray(ids, dtype=self.dtype))
         self.waiting.clear()
         self.ntext = self.chars = 0
+        self.on_flush()
 
 
 def file_text(f, path):
@@ -386,12 +393,13 @@ def need(module, path, why):
                                                                     module.split(".")[0]), 2)
 
 
-def parquet_docs(path, key):
+def parquet_docs(path, key, progress):
     """(where, document) of Parquet file path's string column `key`, a batch of rows at a
     time; exits 3 on a file that is not Parquet, a missing or non-string column, a null."""
     pa = need("pyarrow", path, "reading Parquet")
     pq = need("pyarrow.parquet", path, "reading Parquet")
     with open(path, "rb") as fh:  # opened here: a missing file or a folder is an I/O error like any input's
+        progress.current = fh
         try:
             f = pq.ParquetFile(fh)
             schema = f.schema_arrow
@@ -470,12 +478,52 @@ def open_input(path):
     return gzip.open(path, "rb") if path.endswith(".gz") else open(path, "rb")
 
 
+class Progress:
+    """On a terminal, a line on stderr after each batch: the inputs' bytes read as stored
+    (a compressed file's compressed bytes), the tokens, MB/s and, where every input is a
+    file of known size, the share done and the time left (a corpus takes hours)."""
+    line_open = False  # a progress line without its line end yet
+
+    def __init__(self, paths, files):
+        self.tty, self.files, self.t0, self.done, self.current = sys.stderr.isatty(), files, time.time(), 0, None
+        self.total = sum(os.stat(p).st_size for p in paths) if all(map(os.path.isfile, paths)) else None
+
+    def read(self):
+        raw = self.current
+        raw = getattr(raw, "fileobj", None) or getattr(getattr(raw, "raw", None), "f", None) or raw  # gzip's, zstd's
+        try:
+            return self.done + (raw.tell() if raw is not None and not raw.closed else 0)
+        except (OSError, ValueError):  # a pipe has no position
+            return self.done
+
+    def next_file(self, path):
+        self.current = None
+        self.done += os.stat(path).st_size if os.path.isfile(path) else 0
+
+    def show(self, end=""):
+        if not self.tty:
+            return
+        read, secs = self.read(), max(time.time() - self.t0, 1e-9)
+        line = "tokenize_hf: %.1f MB read, %d tokens, %.1f MB/s" % (read / 1e6, self.files.count, read / 1e6 / secs)
+        if self.total and read:
+            line += ", %.0f%%, %s left" % (100.0 * read / self.total, clock(secs * (self.total - read) / read))
+        print("\r" + line + "\033[K", end=end, file=sys.stderr, flush=True)
+        Progress.line_open = not end
+
+
+def clock(secs):
+    """1h02m, 3m05s, 12s"""
+    s = int(secs)
+    return "%dh%02dm" % (s // 3600, s // 60 % 60) if s >= 3600 else "%dm%02ds" % (s // 60, s % 60) if s >= 60 else "%ds" % s
+
+
 def encode_input(p, key, encode, pieces, eos):
     """input file p to pieces: its text, or with key its records' documents, each then eos"""
     if key is not None and p.endswith(".parquet"):
-        return encode_docs(parquet_docs(p, key), key, encode, pieces, eos)
+        return encode_docs(parquet_docs(p, key, pieces.progress), key, encode, pieces, eos)
     try:
         with open_input(p) as f:
+            pieces.progress.current = f
             if key is None:
                 encode_text(file_text(f, p), p, encode, pieces)
             else:
@@ -535,12 +583,16 @@ def main(argv=None):
     try:
         with TokenFiles(a.out, len(tok), a.tokens_per_file) as files:
             pieces = Pieces(encode, encode_many, dtype, files.add)
+            pieces.progress = Progress(a.inputs, files)
+            pieces.on_flush = pieces.progress.show
             eos = np.array([tok.eos_token_id], dtype=dtype) if a.eot else None
             for p in a.inputs:
                 encode_input(p, a.text_key, encode, pieces, eos)
+                pieces.progress.next_file(p)
                 if eos is not None and a.text_key is None:
                     pieces.ids(eos)
             pieces.flush()
+            pieces.progress.show(end="\n")
             if not files.count:  # an empty token file would fail later, in smp-train, farther from the cause
                 fail("no token: the inputs are empty", 3)
             names = files.close()

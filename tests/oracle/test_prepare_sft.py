@@ -719,3 +719,32 @@ def test_tokenize_hf_documents_of_records(tmp_path, capsys, monkeypatch):
     # the text of a damaged .gz too
     rc, o, e = tokenize(["--tokenizer", tmp_path / "bpe", tmp_path / "x.bin", tmp_path / "cut.jsonl.gz"], capsys)
     assert rc == 3 and e.startswith(f"tokenize_hf: error: {tmp_path / 'cut.jsonl.gz'}: damaged gzip data (")
+
+
+def test_tokenize_hf_progress_on_a_terminal(tmp_path, toks, capsys, monkeypatch):
+    """On a terminal tokenize_hf shows a line after each batch (the inputs' stored bytes
+    read, tokens, MB/s, the share done and the time left), ended at the last; an error
+    after it gets a line of its own."""
+    import gzip
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    monkeypatch.setattr(tokenize_hf, "PIECE", 4096)
+    rng = random.Random(31)
+    text = "".join(sentence(rng, rng.randint(3, 12)) + ".\n" for _ in range(1500))
+    (tmp_path / "a.txt").write_text(text)
+    (tmp_path / "b.txt.gz").write_bytes(gzip.compress(text.encode()))
+    size = sum((tmp_path / f).stat().st_size for f in ("a.txt", "b.txt.gz"))
+    rc, o, e = tokenize(["--tokenizer", toks["qwen"][0], tmp_path / "x.bin", tmp_path / "a.txt", tmp_path / "b.txt.gz"],
+                        capsys)
+    lines = e.split("\r")
+    assert rc == 0 and lines[0] == "" and len(lines) > 10 and e.endswith("\n"), e
+    for line in lines[1:-1]:
+        assert re.fullmatch(r"tokenize_hf: [\d.]+ MB read, \d+ tokens, [\d.]+ MB/s, \d+%, \d+(s|m\d\ds|h\d\dm) left"
+                            r"\x1b\[K", line), line
+    assert re.fullmatch(r"tokenize_hf: %.1f MB read, %d tokens, [\d.]+ MB/s, 100%%, 0s left\x1b\[K\n"
+                        % (size / 1e6, np.fromfile(tmp_path / "x.bin", "<i4", 3)[2]), lines[-1]), lines[-1]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"text": text}) + "\n" + "{oops\n")
+    rc, o, e = tokenize(["--tokenizer", toks["qwen"][0], "--text-key", "text", tmp_path / "y.bin", tmp_path / "bad.jsonl"],
+                        capsys)
+    assert rc == 3 and e.startswith("\rtokenize_hf: ") and e.endswith(
+        f"\x1b[K\ntokenize_hf: error: {tmp_path / 'bad.jsonl'}:2: not JSON (Expecting property name enclosed in "
+        "double quotes at column 2)\n"), e
